@@ -1,0 +1,51 @@
+"""Start an overlord-dask service whose loader workers are Slurm jobs (dask-jobqueue).
+
+    python cluster/slurm.py pipelines/demo.yaml --jobs 4 --cores 8 --memory 32GB --queue cpu
+    python cluster/slurm.py pipelines/demo.yaml --print-job-script      # inspect, no Slurm needed
+
+Run it as a long-lived job of its own (the scheduler and the planner live in this process), then
+start the trainers with the printed address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from overlord_dask import Service, load_plan
+from overlord_dask.deploy import slurm_cluster
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("plan")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--cores", type=int, default=8)
+    ap.add_argument("--memory", default="32GB")
+    ap.add_argument("--queue", default=None)
+    ap.add_argument("--account", default=None)
+    ap.add_argument("--walltime", default="04:00:00")
+    ap.add_argument("--print-job-script", action="store_true", help="print the sbatch script and exit")
+    args = ap.parse_args(argv)
+    plan = load_plan(args.plan)
+    cluster = slurm_cluster(cores=args.cores, memory=args.memory, queue=args.queue, account=args.account, walltime=args.walltime)
+    if args.print_job_script:
+        print(cluster.job_script())
+        cluster.close()
+        return 0
+    cluster.scale(jobs=args.jobs)
+    with Service.start(plan, cluster=cluster) as service:
+        print(f"overlord service {service.run_id} at {service.address}", flush=True)
+        try:
+            while True:
+                service.check()
+                time.sleep(5)
+        except KeyboardInterrupt:
+            pass
+    cluster.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The demo corpus and plan: three sources with clearly different length distributions.
+
+- ``web``   parquet, a text column (tokenized on the workers by the byte tokenizer); lognormal
+  lengths around 700 tokens.
+- ``chat``  parquet, a list<int32> ``input_ids`` column (already tokenized); short, ~150 tokens.
+- ``books`` zarr, flat ``tokens`` + ``offsets``; long-tailed (Pareto), 512 to 65,536 tokens.
+
+Generated deterministically from a seed; ``scale`` multiplies the number of documents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zarr
+
+from .plan.models import Plan
+from .plan.loading import load_plan, plan_from_dict
+from .sources.tokenizers import BYTE_OFFSET, EOS_ID
+
+CORPUS_VERSION = 1
+_ALPHABET = np.frombuffer(b"etaoinshrdlucmfwypvbgkjqxz      ", dtype=np.uint8)
+PLAN_FILE = Path(__file__).parent / "demo_plan.yaml"
+
+
+def _text_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    return _ALPHABET[rng.integers(0, len(_ALPHABET), size=n)]
+
+
+def _lengths(rng: np.random.Generator, kind: str, n: int) -> np.ndarray:
+    if kind == "web":
+        return np.clip(rng.lognormal(6.5, 0.8, n), 20, 12_000).astype(np.int64)
+    if kind == "chat":
+        return np.clip(rng.lognormal(5.0, 0.6, n), 8, 2_000).astype(np.int64)
+    if kind == "books":
+        return np.clip((rng.pareto(1.2, n) + 1) * 512, 512, 65_536).astype(np.int64)
+    raise ValueError(kind)
+
+
+def _write_web(root: Path, rng, n_docs: int, files: int = 4, row_group: int = 1000) -> None:
+    (root / "web").mkdir(parents=True, exist_ok=True)
+    for f, idx in enumerate(np.array_split(np.arange(n_docs), files)):
+        lens = _lengths(rng, "web", len(idx))
+        data = _text_bytes(rng, int(lens.sum()))
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        texts = pa.LargeStringArray.from_buffers(len(lens), pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes()))
+        table = pa.table({"id": pa.array(idx, pa.int64()), "text": texts})
+        pq.write_table(table, root / "web" / f"part-{f:03d}.parquet", row_group_size=row_group)
+
+
+def _write_chat(root: Path, rng, n_docs: int, files: int = 2, row_group: int = 2000) -> None:
+    (root / "chat").mkdir(parents=True, exist_ok=True)
+    for f, idx in enumerate(np.array_split(np.arange(n_docs), files)):
+        lens = _lengths(rng, "chat", len(idx))
+        toks = (rng.integers(0, 256, size=int(lens.sum()), dtype=np.int32) + BYTE_OFFSET).astype(np.int32)
+        ends = np.cumsum(lens) - 1
+        toks[ends] = EOS_ID
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(toks))
+        table = pa.table({"id": pa.array(idx, pa.int64()), "input_ids": lists})
+        pq.write_table(table, root / "chat" / f"part-{f:03d}.parquet", row_group_size=row_group)
+
+
+def _write_books(root: Path, rng, n_docs: int) -> None:
+    lens = _lengths(rng, "books", n_docs)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    toks = (_text_bytes(rng, int(offsets[-1])).astype(np.int32) + BYTE_OFFSET).astype(np.int32)
+    toks[offsets[1:] - 1] = EOS_ID
+    g = zarr.open_group(str(root / "books.zarr"), mode="w")
+    g.create_array("tokens", shape=toks.shape, chunks=(1 << 20,), dtype="int32")[:] = toks
+    g.create_array("offsets", shape=offsets.shape, chunks=(1 << 16,), dtype="int64")[:] = offsets
+
+
+def generate_demo_corpus(root: str | os.PathLike, *, scale: float = 1.0, seed: int = 0) -> Path:
+    """Write the demo corpus under ``root`` (idempotent: an existing complete corpus is kept)."""
+    root = Path(root)
+    marker = root / "CORPUS.json"
+    meta = {"version": CORPUS_VERSION, "scale": scale, "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == meta:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    _write_web(root, rng, max(8, int(12_000 * scale)))
+    _write_chat(root, rng, max(8, int(20_000 * scale)))
+    _write_books(root, rng, max(8, int(3_000 * scale)))
+    marker.write_text(json.dumps(meta))
+    return root
+
+
+def demo_plan(data_dir: str | os.PathLike, **overrides) -> Plan:
+    """The demo plan (``pipelines/demo.yaml`` holds the same) pointed at ``data_dir``.
+
+    ``overrides`` replace top-level sections, e.g. ``topology={"dp": 2, ...}``.
+    """
+    import yaml
+
+    data = yaml.safe_load(PLAN_FILE.read_text())
+    for k, v in overrides.items():
+        data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
+    return plan_from_dict(data, where=str(PLAN_FILE), base_dir=Path(data_dir).resolve())
+
+
+__all__ = ["demo_plan", "generate_demo_corpus", "load_plan"]

@@ -1,0 +1,62 @@
+"""Cluster factories: the embedded LocalCluster default and a Slurm cluster via dask-jobqueue.
+
+Workers are separate processes (not threads) so that tokenization and packing run in parallel
+outside the scheduler's GIL, exactly as they would on remote nodes. ``worker-ttl`` is lowered
+because a hung worker is otherwise only removed after 5 minutes (research/dask.md §6).
+"""
+
+from __future__ import annotations
+
+import dask
+from distributed import LocalCluster
+
+SERVICE_CONFIG = {
+    "distributed.scheduler.worker-ttl": "60s",
+}
+
+
+def local_cluster(n_workers: int = 2, threads_per_worker: int = 1, memory_limit: str | int = "auto", **kwargs) -> LocalCluster:
+    """A LocalCluster of worker processes with the service's settings."""
+    with dask.config.set(SERVICE_CONFIG):
+        return LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=threads_per_worker,
+            processes=True,
+            memory_limit=memory_limit,
+            dashboard_address=kwargs.pop("dashboard_address", ":0"),
+            **kwargs,
+        )
+
+
+def slurm_cluster(
+    *,
+    cores: int = 8,
+    memory: str = "32GB",
+    queue: str | None = None,
+    account: str | None = None,
+    walltime: str = "04:00:00",
+    processes: int = 1,
+    python: str | None = None,
+    **kwargs,
+):
+    """A dask-jobqueue ``SLURMCluster`` whose jobs start overlord-dask loader workers.
+
+    The scheduler runs in this process (the service); scale with ``cluster.scale(jobs=n)`` or
+    ``cluster.adapt(...)``. Workers get ``--lifetime`` staggering so long runs recycle them.
+    """
+    from dask_jobqueue import SLURMCluster  # optional dependency: pip install overlord-dask[slurm]
+
+    extra = list(kwargs.pop("worker_extra_args", []))
+    extra += ["--lifetime", "230m", "--lifetime-stagger", "10m"]
+    with dask.config.set(SERVICE_CONFIG):
+        return SLURMCluster(
+            cores=cores,
+            processes=processes,
+            memory=memory,
+            queue=queue,
+            account=account,
+            walltime=walltime,
+            python=python,
+            worker_extra_args=extra,
+            **kwargs,
+        )

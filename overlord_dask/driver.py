@@ -1,0 +1,172 @@
+"""The driver: the loop that turns the planner's decisions into Dask tasks and queue entries.
+
+It runs in the service process (next to the cluster object), talks to the planner only through its
+scheduler handlers, and holds the futures that keep blocks and batches alive on the workers:
+
+1. ask ``overlord_wanted`` and submit a load task (block stays on its worker) plus a tiny lengths
+   task per unit;
+2. forward finished lengths to ``overlord_add_lengths``;
+3. ask ``overlord_plan`` and submit one constructor task per (step, rank), whose arguments are the
+   block futures its pieces live in; drop the block futures of units no later step needs;
+4. put each rank's finished batches, in step order, into its ``distributed.Queue`` as a descriptor
+   of a few hundred bytes (batch key and the worker holding it); the consumer fetches the batch
+   from that worker directly (``batch_server``);
+5. release a rank's batch future once that rank has acknowledged the step.
+
+A task that fails after its retries stops the run: the error names the unit's source and file, is
+recorded in the planner (``overlord_fail``) and is put into every rank's queue so no trainer hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+
+from distributed import Client, Future, Queue
+
+from .constructors import block_key, build_rank_batch
+from .loaders import batch_key, block_lengths, lengths_key, load_block, load_key
+from .plan.models import Plan
+from .planner.plugin import rank_queue_name
+from .sources.units import LoadUnit
+
+logger = logging.getLogger(__name__)
+
+
+class Driver(threading.Thread):
+    def __init__(self, client: Client, plan: Plan, plan_dict: dict, run_id: str, units: dict[str, list[LoadUnit]]):
+        super().__init__(name=f"overlord-driver-{run_id}", daemon=True)
+        self.client = client
+        self.plan = plan
+        self.plan_dict = plan_dict
+        self.run_id = run_id
+        self.units = units
+        self.src_index = {s.name: i for i, s in enumerate(plan.sources)}
+        self.dp = plan.topology.dp
+        self.blocks: dict[str, Future] = {}
+        self.pending_lengths: dict[tuple[str, int, int], Future] = {}
+        self.batches: dict[tuple[int, int], Future] = {}
+        self.next_put = [0] * self.dp
+        self.queues = [Queue(rank_queue_name(run_id, r), client=client) for r in range(self.dp)]
+        self.error: str | None = None
+        self._stop_event = threading.Event()
+        self.ticks = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                if not self.tick():
+                    self._stop_event.wait(0.005)
+        except Exception as err:  # anything unexpected must reach the trainers, not die silently
+            if not self._stop_event.is_set():
+                self.fail(f"{type(err).__name__}: {err}", traceback.format_exc())
+
+    def fail(self, message: str, detail: str = "") -> None:
+        logger.error("overlord run %s failed: %s\n%s", self.run_id, message, detail)
+        self.error = message
+        try:
+            self._rpc("overlord_fail", message=message)
+            for q in self.queues:
+                q.put({"error": message})
+        except Exception:  # the scheduler may be gone as well
+            logger.exception("could not report the failure to the consumers")
+        self._stop_event.set()
+
+    def _rpc(self, name: str, **kwargs):
+        return self.client.sync(getattr(self.client.scheduler, name), **kwargs)
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def tick(self) -> bool:
+        self.ticks += 1
+        busy = self._submit_loads()
+        busy |= self._forward_lengths()
+        busy |= self._plan_and_build()
+        busy |= self._enqueue_ready()
+        busy |= self._release_acked()
+        return busy
+
+    def _submit_loads(self) -> bool:
+        wanted = self._rpc("overlord_wanted")
+        for source, epoch, unit in wanted:
+            u = self.units[source][unit]
+            fut = self.client.submit(
+                load_block, self.plan_dict, self.run_id, u.to_dict(),
+                key=load_key(self.run_id, source, epoch, unit), retries=self.plan.loading.retries, pure=False,
+            )
+            self.blocks[block_key(self.src_index[source], epoch, unit)] = fut
+            self.pending_lengths[(source, epoch, unit)] = self.client.submit(
+                block_lengths, fut, key=lengths_key(self.run_id, source, epoch, unit), pure=False
+            )
+        return bool(wanted)
+
+    def _forward_lengths(self) -> bool:
+        done = [(k, f) for k, f in self.pending_lengths.items() if f.status in ("finished", "error", "cancelled")]
+        for (source, epoch, unit), fut in done:
+            del self.pending_lengths[(source, epoch, unit)]
+            if fut.status != "finished":
+                u = self.units[source][unit]
+                exc = fut.exception() if fut.status == "error" else "cancelled"
+                raise LoadFailed(f"loading {u.describe()} failed after {self.plan.loading.retries} retries: {exc}")
+            self._rpc("overlord_add_lengths", source=source, epoch=epoch, unit=unit, lengths=fut.result())
+        return bool(done)
+
+    def _plan_and_build(self) -> bool:
+        resp = self._rpc("overlord_plan", max_steps=self.plan.loading.prefetch_steps)
+        if resp.get("failure"):
+            raise LoadFailed(resp["failure"])
+        topo = self.plan.topology
+        for step_plan in resp["steps"]:
+            step = step_plan["step"]
+            for rank, mbs in enumerate(step_plan["ranks"]):
+                keys = {block_key(p[0], p[1], p[2]) for mb in mbs for p in mb}
+                self.batches[(step, rank)] = self.client.submit(
+                    build_rank_batch, step, rank, mbs, {k: self.blocks[k] for k in keys},
+                    topo.tokens_per_micro_batch, topo.piece_tokens,
+                    key=batch_key(self.run_id, step, rank), pure=False,
+                )
+        for source, epoch, unit in resp["finished"]:
+            self.blocks.pop(block_key(self.src_index[source], epoch, unit), None)
+        return bool(resp["steps"])
+
+    def _enqueue_ready(self) -> bool:
+        ready: list[tuple[int, Future]] = []
+        for rank in range(self.dp):
+            step = self.next_put[rank]
+            while True:
+                fut = self.batches.get((step, rank))
+                if fut is None or fut.status == "pending":
+                    break
+                if fut.status != "finished":
+                    raise LoadFailed(f"building step {step} for rank {rank} failed: {fut.exception()}")
+                ready.append((rank, fut))
+                step += 1
+        if not ready:
+            return False
+        where = self.client.who_has([f for _, f in ready])  # one scheduler call for all of them
+        for rank, fut in ready:
+            step = self.next_put[rank]
+            self.queues[rank].put({"step": step, "rank": rank, "key": fut.key, "workers": list(where.get(fut.key, ())), "run_id": self.run_id})
+            self.next_put[rank] += 1
+        return True
+
+    def _release_acked(self) -> bool:
+        acked = self._rpc("overlord_status")["acked"]
+        gone = [k for k in self.batches if k[0] <= acked[k[1]] and k[0] < self.next_put[k[1]]]
+        for k in gone:
+            del self.batches[k]
+        return bool(gone)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        t0 = time.monotonic()
+        while self.is_alive() and time.monotonic() - t0 < timeout:
+            time.sleep(0.01)
+
+
+class LoadFailed(Exception):
+    pass

@@ -1,0 +1,27 @@
+"""Exception classes. Each one names its culprit (file, field, source, rank) in its message.
+
+They subclass ``Exception`` (never ``StopIteration``) so that a failure inside a generator is never
+mistaken for the end of the stream.
+"""
+
+
+class OverlordError(Exception):
+    """Base class of every error raised by overlord-dask."""
+
+
+class PlanError(OverlordError, ValueError):
+    """A plan is malformed: the message names the file (when there is one), the dotted field path,
+    the value and what was expected."""
+
+
+class SourceError(OverlordError):
+    """A source cannot be read: missing or corrupt file, missing column, schema mismatch, empty
+    source. The message names the source and the file."""
+
+
+class RankError(OverlordError, ValueError):
+    """A consumer asked for a rank the service does not have."""
+
+
+class ServiceError(OverlordError):
+    """The service failed or went away while a consumer was waiting; the message carries the cause."""

@@ -1,0 +1,179 @@
+"""The plan: a validated, declarative description of one data-loading run.
+
+A plan is a tree of pydantic models that forbid unknown fields, so a typo in a YAML key is an error
+that names the key instead of a silently ignored setting. Build it in Python::
+
+    plan = Plan(
+        name="my-mix",
+        seed=7,
+        sources=[
+            Source(name="web", format="parquet", url="s3://bucket/web/*.parquet", text_field="text", weight=0.7),
+            Source(name="books", format="zarr", url="s3://bucket/books.zarr", weight=0.3),
+        ],
+        topology=Topology(dp=8, micro_batches=4, tokens_per_micro_batch=32768),
+    )
+
+or load it from YAML with :func:`overlord_dask.plan.load_plan`. The plan depends on nothing else in
+the package (DESIGN.md: dependencies point one way).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SourceFormat = Literal["parquet", "zarr"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class Source(_Strict):
+    """One data source: a set of files in one format, read by its own loader tasks."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    """Stable name; seeds and sample ids derive from it, never from the source's list position."""
+    format: SourceFormat
+    """`parquet` (one or many files) or `zarr` (a group with a flat token array and document offsets)."""
+    url: str
+    """fsspec URL, path or glob (`s3://b/web/*.parquet`, `data/web/*.parquet`). A relative path is
+    resolved against the plan file's folder."""
+    weight: float = Field(ge=0.0)
+    """Mixing weight; weights are normalised over the sources, so they need not sum to one."""
+    text_field: str | None = None
+    """parquet: a string column, tokenized by `tokenizer`."""
+    tokens_field: str | None = None
+    """parquet: a list<int> column of token ids. zarr: the name of the flat token array (default `tokens`)."""
+    offsets_field: str = "offsets"
+    """zarr: the int64 array of document start offsets, length n_docs + 1."""
+    tokenizer: str = "byte"
+    """For `text_field`: `byte` (UTF-8 bytes, built in) or `module:callable` mapping a list of
+    strings to a list of token-id sequences."""
+    transform: str | None = None
+    """Optional `module:callable` applied to each loaded sample block (filter, truncate, remap)."""
+    storage_options: dict = Field(default_factory=dict)
+    """Passed to fsspec (e.g. `endpoint_url` and credentials for S3)."""
+
+    @model_validator(mode="after")
+    def _fields_fit_format(self) -> "Source":
+        if self.format == "parquet":
+            if (self.text_field is None) == (self.tokens_field is None):
+                raise ValueError(
+                    f"parquet source {self.name!r} needs exactly one of text_field or tokens_field "
+                    f"(got text_field={self.text_field!r}, tokens_field={self.tokens_field!r})"
+                )
+        else:
+            if self.text_field is not None:
+                raise ValueError(f"zarr source {self.name!r} stores token ids; text_field is not allowed")
+        return self
+
+    @property
+    def token_array(self) -> str:
+        return self.tokens_field or "tokens"
+
+
+class Topology(_Strict):
+    """The trainer's data-parallel layout; each step delivers `micro_batches` packed micro-batches to
+    each of `dp` ranks."""
+
+    dp: int = Field(ge=1, le=65536)
+    micro_batches: int = Field(default=1, ge=1, le=4096)
+    """Micro-batches per rank per optimizer step (gradient accumulation)."""
+    tokens_per_micro_batch: int = Field(ge=16, le=1 << 24)
+    """Token capacity of one packed micro-batch (the memory constraint)."""
+    max_doc_tokens: int | None = Field(default=None, ge=1)
+    """Documents longer than this are split into consecutive pieces of at most this many tokens
+    (each piece keeps the document's sample id and gets a chunk index). Default and upper bound:
+    `tokens_per_micro_batch`."""
+
+    @model_validator(mode="after")
+    def _doc_fits(self) -> "Topology":
+        if self.max_doc_tokens is not None and self.max_doc_tokens > self.tokens_per_micro_batch:
+            raise ValueError(
+                f"max_doc_tokens={self.max_doc_tokens} exceeds tokens_per_micro_batch="
+                f"{self.tokens_per_micro_batch}: a piece must fit into one micro-batch"
+            )
+        return self
+
+    @property
+    def piece_tokens(self) -> int:
+        return self.max_doc_tokens or self.tokens_per_micro_batch
+
+    @property
+    def step_tokens(self) -> int:
+        return self.dp * self.micro_batches * self.tokens_per_micro_batch
+
+
+class CostModel(_Strict):
+    """Cost of one document of L tokens: `attention·L² + linear·L + constant` (documents in a packed
+    micro-batch do not attend to each other, so a micro-batch costs the sum over its documents)."""
+
+    attention: float = Field(default=1.0, ge=0.0)
+    linear: float | None = Field(default=None, ge=0.0)
+    """Default 6·hidden."""
+    constant: float = Field(default=0.0, ge=0.0)
+    hidden: int = Field(default=4096, ge=1)
+
+    @property
+    def linear_coef(self) -> float:
+        return self.linear if self.linear is not None else 6.0 * self.hidden
+
+
+class Loading(_Strict):
+    """How far loading and batch construction may run ahead of the trainers (bounded memory)."""
+
+    unit_rows: int = Field(default=4096, ge=1)
+    """parquet: at most this many rows per load unit (a unit is one row group or a part of one)."""
+    unit_tokens: int = Field(default=1 << 20, ge=1)
+    """zarr: about this many tokens per load unit (rounded to whole documents)."""
+    prefetch_steps: int = Field(default=4, ge=1, le=1024)
+    """Steps planned and built ahead of the slowest rank's acknowledged step."""
+    units_ahead: int = Field(default=2, ge=1, le=1024)
+    """Loaded-but-unplanned units kept per source beyond what planned steps need."""
+    retries: int = Field(default=2, ge=0, le=16)
+    """Attempts per load unit before the run fails with the unit's file named."""
+
+
+class Plan(_Strict):
+    """A whole run: sources and their mix, topology, cost model and loading bounds."""
+
+    name: str = Field(default="overlord", pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    sources: list[Source] = Field(min_length=1)
+    topology: Topology
+    cost: CostModel = Field(default_factory=CostModel)
+    loading: Loading = Field(default_factory=Loading)
+    base_dir: str | None = None
+    """Folder that relative source URLs are resolved against (set by `load_plan` to the plan file's
+    folder; defaults to the working directory)."""
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_names(cls, sources: list[Source]) -> list[Source]:
+        seen: set[str] = set()
+        for s in sources:
+            if s.name in seen:
+                raise ValueError(f"duplicate source name {s.name!r}")
+            seen.add(s.name)
+        return sources
+
+    @model_validator(mode="after")
+    def _positive_mix(self) -> "Plan":
+        total = sum(s.weight for s in self.sources)
+        if not math.isfinite(total) or total <= 0:
+            raise ValueError("at least one source needs a positive weight (all weights are 0)")
+        return self
+
+    def weights(self) -> dict[str, float]:
+        """Normalised mixing weights by source name."""
+        total = sum(s.weight for s in self.sources)
+        return {s.name: s.weight / total for s in self.sources}
+
+    def source(self, name: str) -> Source:
+        for s in self.sources:
+            if s.name == name:
+                return s
+        raise KeyError(f"no source named {name!r}; sources: {[s.name for s in self.sources]}")

@@ -1,0 +1,184 @@
+"""Per-source streams: each source's own order, position and loaded metadata, inside the planner.
+
+A source's order is a seeded permutation of its load units per epoch, seeded from (plan seed,
+source name, epoch) so it never depends on list position, worker count or dp size. The position is
+a small cursor ``(epoch, pos, doc, tok)``: the next piece is the ``tok``-th token onward of document
+``doc`` in unit ``order[pos]``. Documents longer than the piece size are cut into consecutive
+pieces, each a sample in its own right (same sample id, increasing chunk index).
+
+The stream only knows lengths of units whose metadata arrived; ``peek()`` returns ``None`` when the
+next unit is not loaded yet, and the planner then waits instead of substituting another sample:
+that is what keeps the stream independent of load timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import SourceError
+
+
+def stable_seed(*parts: object) -> int:
+    """A 64-bit seed from stable names and numbers (never from list positions or ranks)."""
+    h = hashlib.blake2b("\x1f".join(str(p) for p in parts).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(slots=True)
+class Piece:
+    source: int  # index of the source in the plan
+    epoch: int
+    unit: int
+    doc: int  # document index inside the unit
+    start: int  # first token of the piece inside the document
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+    def as_list(self) -> list[int]:
+        return [self.source, self.epoch, self.unit, self.doc, self.start, self.stop]
+
+
+@dataclass(slots=True)
+class SourceStream:
+    name: str
+    index: int
+    n_units: int
+    first_ids: np.ndarray  # int64 [n_units]
+    seed: int
+    piece_tokens: int
+    shuffle_units: bool = True
+    # cursor of the next piece to plan
+    epoch: int = 0
+    pos: int = 0
+    doc: int = 0
+    tok: int = 0
+    # cursor of the next unit to request for loading
+    req_epoch: int = 0
+    req_pos: int = 0
+    lengths: dict = field(default_factory=dict)  # (epoch, unit) -> int64 lengths, loaded and not yet fully planned
+    requested: set = field(default_factory=set)  # (epoch, unit) requested, lengths not yet arrived
+    epoch_tokens: int = 0  # tokens planned in the current epoch (to detect an all-empty source)
+    _orders: dict = field(default_factory=dict)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The units of ``epoch`` in the order they are planned."""
+        return self._order_and_rank(epoch)[0]
+
+    def position(self, epoch: int, unit: int) -> int:
+        """Where ``unit`` stands in ``epoch``'s order."""
+        return int(self._order_and_rank(epoch)[1][unit])
+
+    def _order_and_rank(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        o = self._orders.get(epoch)
+        if o is None:
+            if self.shuffle_units:
+                rng = np.random.default_rng(stable_seed(self.seed, "units", self.name, epoch))
+                order = rng.permutation(self.n_units)
+            else:
+                order = np.arange(self.n_units)
+            o = (order, np.argsort(order))
+            self._orders = {e: v for e, v in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = o
+        return o
+
+    # ---- cursor -------------------------------------------------------------------------------
+    def cursor(self) -> tuple[int, int, int, int, int]:
+        return (self.epoch, self.pos, self.doc, self.tok, self.epoch_tokens)
+
+    def restore(self, cur: tuple[int, int, int, int, int]) -> None:
+        self.epoch, self.pos, self.doc, self.tok, self.epoch_tokens = cur
+
+    def _unit_here(self) -> tuple[int, int]:
+        return self.epoch, int(self.order(self.epoch)[self.pos])
+
+    def peek(self) -> Piece | None:
+        """The next piece, or None if its unit's lengths have not arrived yet."""
+        while True:
+            key = self._unit_here()
+            lens = self.lengths.get(key)
+            if lens is None:
+                return None
+            if self.doc >= len(lens):
+                self._next_unit()
+                continue
+            L = int(lens[self.doc])
+            if self.tok >= L:  # empty document (or fully consumed): nothing to deliver
+                self.doc += 1
+                self.tok = 0
+                continue
+            return Piece(self.index, key[0], key[1], self.doc, self.tok, min(L, self.tok + self.piece_tokens))
+
+    def advance(self, piece: Piece) -> None:
+        self.epoch_tokens += piece.length
+        self.tok = piece.stop
+        lens = self.lengths[(piece.epoch, piece.unit)]
+        if self.tok >= int(lens[self.doc]):
+            self.doc += 1
+            self.tok = 0
+
+    def _next_unit(self) -> None:
+        self.doc = 0
+        self.tok = 0
+        self.pos += 1
+        if self.pos >= self.n_units:
+            if self.epoch_tokens == 0:
+                raise SourceError(f"source {self.name!r} is empty: a whole pass over its files found no tokens")
+            self.epoch += 1
+            self.pos = 0
+            self.epoch_tokens = 0
+
+    def finished_units(self) -> list[tuple[int, int]]:
+        """Loaded units wholly behind the cursor: their blocks are no longer needed for planning."""
+        done = [key for key in self.lengths if self._behind(*key)]
+        for key in done:
+            del self.lengths[key]
+        return done
+
+    def _behind(self, epoch: int, unit: int) -> bool:
+        return epoch < self.epoch or (epoch == self.epoch and self.position(epoch, unit) < self.pos)
+
+    # ---- loading look-ahead -------------------------------------------------------------------
+    def unplanned_tokens(self) -> int:
+        total = 0
+        for (e, u), lens in self.lengths.items():
+            if (e, u) == self._unit_here():
+                total += int(lens[self.doc :].sum()) - self.tok
+            else:
+                total += int(lens.sum())
+        return total
+
+    def want(self, target_tokens: int, max_inflight: int) -> list[tuple[int, int]]:
+        """Next units to load so that about ``target_tokens`` unplanned tokens are at hand."""
+        out = []
+        # never request units behind the planning cursor (after a restore, say)
+        if (self.req_epoch, self.req_pos) < (self.epoch, self.pos):
+            self.req_epoch, self.req_pos = self.epoch, self.pos
+        have = self.unplanned_tokens()
+        while len(self.requested) < max_inflight and (have < target_tokens or not self.lengths and not self.requested):
+            key = (self.req_epoch, int(self.order(self.req_epoch)[self.req_pos]))
+            self.req_pos += 1
+            if self.req_pos >= self.n_units:
+                self.req_epoch += 1
+                self.req_pos = 0
+            if key in self.lengths or key in self.requested:
+                continue
+            self.requested.add(key)
+            out.append(key)
+            if have >= target_tokens:
+                break
+        return out
+
+    def add_lengths(self, epoch: int, unit: int, lengths: np.ndarray) -> bool:
+        """Register a loaded unit's document lengths; idempotent (a recomputed load is ignored)."""
+        key = (epoch, unit)
+        self.requested.discard(key)
+        if key in self.lengths or self._behind(epoch, unit):
+            return False  # a duplicate, or a unit the cursor has already passed
+        self.lengths[key] = np.asarray(lengths, dtype=np.int64)
+        return True

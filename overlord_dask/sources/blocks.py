@@ -1,0 +1,50 @@
+"""The sample block: what one source-loader task produces and keeps on its worker.
+
+A block is a ragged array of documents in flat form (the Arrow/CSR layout): ``tokens`` holds every
+document's token ids back to back and ``offsets[i]:offsets[i+1]`` is document ``i``. ``sample_ids``
+are stable, source-wide document ids (the document's ordinal in the source's file order), so they
+do not depend on how the source was split into load units or on which worker loaded it.
+Only ``lengths()`` (a few bytes per document) ever leaves the worker for the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TOKEN_DTYPE = np.int32
+
+
+@dataclass(slots=True)
+class SampleBlock:
+    source: str
+    tokens: np.ndarray  # int32 [total_tokens]
+    offsets: np.ndarray  # int64 [n_docs + 1], offsets[0] == 0
+    sample_ids: np.ndarray  # int64 [n_docs]
+
+    def __post_init__(self) -> None:
+        self.tokens = np.ascontiguousarray(self.tokens, dtype=TOKEN_DTYPE)
+        self.offsets = np.ascontiguousarray(self.offsets, dtype=np.int64)
+        self.sample_ids = np.ascontiguousarray(self.sample_ids, dtype=np.int64)
+        n = len(self.sample_ids)
+        if self.offsets.shape != (n + 1,) or self.offsets[0] != 0 or self.offsets[-1] != len(self.tokens):
+            raise ValueError(
+                f"source {self.source!r}: inconsistent block (n_docs={n}, offsets shape={self.offsets.shape}, "
+                f"offsets[-1]={self.offsets[-1] if len(self.offsets) else None}, tokens={len(self.tokens)})"
+            )
+        if n and np.any(np.diff(self.offsets) < 0):
+            raise ValueError(f"source {self.source!r}: document offsets are not monotone")
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.offsets.nbytes + self.sample_ids.nbytes
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets).astype(np.int64)
+
+    def doc(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]

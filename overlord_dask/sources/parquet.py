@@ -1,0 +1,90 @@
+"""Parquet sources: a text column (tokenized on the worker) or a list<int> column of token ids.
+
+Units come from the footers: each row group, cut into ranges of at most ``loading.unit_rows`` rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import SourceError
+from ..plan.models import Plan, Source
+from .blocks import SampleBlock
+from .fs import list_files, source_fs
+from .tokenizers import resolve_tokenizer
+from .units import LoadUnit
+
+
+def _field(source: Source) -> str:
+    return source.text_field or source.tokens_field  # the plan guarantees exactly one
+
+
+def _check_schema(source: Source, path: str, schema: pa.Schema) -> None:
+    name = _field(source)
+    if name not in schema.names:
+        raise SourceError(
+            f"source {source.name!r}: column {name!r} not found in {path}; available columns: {schema.names}"
+        )
+    typ = schema.field(name).type
+    if source.text_field:
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+            raise SourceError(f"source {source.name!r}: text_field {name!r} in {path} has type {typ}, expected string")
+    else:
+        ok = (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and pa.types.is_integer(typ.value_type)
+        if not ok:
+            raise SourceError(
+                f"source {source.name!r}: tokens_field {name!r} in {path} has type {typ}, expected list<int32|int64>"
+            )
+
+
+def _open(fs, path: str, source: Source) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(fs.open(path, "rb"))
+    except FileNotFoundError:
+        raise SourceError(f"source {source.name!r}: file not found: {path}") from None
+    except (pa.ArrowInvalid, OSError) as err:
+        raise SourceError(f"source {source.name!r}: corrupt or unreadable parquet file {path}: {err}") from None
+
+
+def discover(source: Source, plan: Plan) -> list[LoadUnit]:
+    fs, files = list_files(source, plan.base_dir)
+    units: list[LoadUnit] = []
+    first_id = 0
+    step = plan.loading.unit_rows
+    for path in files:
+        pf = _open(fs, path, source)
+        _check_schema(source, path, pf.schema_arrow)
+        md = pf.metadata
+        for rg in range(md.num_row_groups):
+            rows = md.row_group(rg).num_rows
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                units.append(LoadUnit(source.name, len(units), path, rg, start, stop, first_id + start))
+            first_id += rows
+    return units
+
+
+def load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
+    fs, _ = source_fs(source, plan.base_dir)
+    pf = _open(fs, unit.path, source)
+    _check_schema(source, unit.path, pf.schema_arrow)
+    try:
+        table = pf.read_row_group(unit.part, columns=[_field(source)])
+    except (pa.ArrowInvalid, OSError) as err:
+        raise SourceError(f"corrupt data in {unit.describe()}: {err}") from None
+    col = table.column(0).slice(unit.start, unit.n_docs).combine_chunks()
+    if source.text_field:
+        tokens, offsets = resolve_tokenizer(source.tokenizer)(col)
+    else:
+        if col.null_count:
+            col = pa.compute.fill_null(col, pa.scalar([], type=col.type))
+        offsets = np.asarray(col.offsets, dtype=np.int64)
+        values = col.values.to_numpy(zero_copy_only=False)
+        tokens = values[offsets[0] : offsets[-1]]
+        offsets = offsets - offsets[0]
+        if len(tokens) and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
+            raise SourceError(f"{unit.describe()}: token ids out of int32 range")
+    ids = np.arange(unit.first_id, unit.first_id + unit.n_docs, dtype=np.int64)
+    return SampleBlock(source.name, tokens.astype(np.int32, copy=False), offsets, ids)

@@ -1,0 +1,104 @@
+"""Tokenizers and transforms, resolved by name when a plan is loaded.
+
+The built-in ``byte`` tokenizer maps UTF-8 bytes to ids 3..258 and ends every document with EOS, so
+the demo and tests need no model files. It runs on whole Arrow string arrays with numpy (no Python
+loop per document). Anything else is named as ``module:callable``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+BYTE_OFFSET = 3
+BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
+
+
+def byte_tokenize(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize an Arrow (large_)string array: returns (tokens int32, offsets int64 [n+1]).
+
+    Document i becomes ``utf8_bytes(i) + 3`` followed by EOS; a null string counts as empty.
+    """
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    if pa.types.is_string(texts.type):
+        off_dtype = np.int32
+    elif pa.types.is_large_string(texts.type):
+        off_dtype = np.int64
+    else:
+        raise TypeError(f"byte tokenizer needs a string column, got {texts.type}")
+    n = len(texts)
+    if n == 0:
+        return np.zeros(0, np.int32), np.zeros(1, np.int64)
+    _, off_buf, data_buf = texts.buffers()
+    offs = np.frombuffer(off_buf, dtype=off_dtype)[texts.offset : texts.offset + n + 1].astype(np.int64)
+    data = np.frombuffer(data_buf, dtype=np.uint8)[offs[0] : offs[-1]] if data_buf is not None else np.zeros(0, np.uint8)
+    if texts.null_count:  # a null slot may still span bytes in the data buffer: make it empty
+        valid = ~np.asarray(texts.is_null())
+        lens = np.diff(offs) * valid
+        keep = np.repeat(valid, np.diff(offs))
+        data = data[keep]
+        offs = np.concatenate([[0], np.cumsum(lens)])
+    else:
+        offs = offs - offs[0]
+    out_offsets = offs + np.arange(n + 1, dtype=np.int64)  # one EOS per document
+    out = np.empty(int(out_offsets[-1]), dtype=np.int32)
+    is_eos = np.zeros(len(out), dtype=bool)
+    is_eos[out_offsets[1:] - 1] = True
+    out[is_eos] = EOS_ID
+    out[~is_eos] = data.astype(np.int32) + BYTE_OFFSET
+    return out, out_offsets
+
+
+def byte_detokenize(tokens: np.ndarray) -> str:
+    """Inverse of :func:`byte_tokenize` for one document (drops EOS/PAD/BOS)."""
+    t = np.asarray(tokens)
+    t = t[t >= BYTE_OFFSET] - BYTE_OFFSET
+    return t.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _wrap_python_tokenizer(fn: Callable) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]:
+    def tokenize(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        docs = [np.asarray(fn_out, dtype=np.int32) for fn_out in fn([t if t is not None else "" for t in texts.to_pylist()])]
+        lens = np.array([len(d) for d in docs], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        tokens = np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32)
+        return tokens, offsets
+
+    return tokenize
+
+
+TOKENIZERS: dict[str, Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]] = {"byte": byte_tokenize}
+
+
+def import_callable(spec: str) -> Callable:
+    """Resolve ``package.module:callable``; the error names the spec and what went wrong."""
+    if ":" not in spec:
+        raise ValueError(f"{spec!r} is neither a built-in name nor of the form 'module:callable'")
+    mod_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {mod_name!r} for {spec!r}: {err}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {mod_name!r} has no attribute {attr!r} (from {spec!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{spec!r} is not callable")
+    return obj
+
+
+def resolve_tokenizer(name: str) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]:
+    if name in TOKENIZERS:
+        return TOKENIZERS[name]
+    try:
+        return _wrap_python_tokenizer(import_callable(name))
+    except ValueError as err:
+        raise ValueError(f"unknown tokenizer: {err}; built-in tokenizers: {sorted(TOKENIZERS)}") from None

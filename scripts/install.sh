@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create ./.venv and install overlord-dask into it, from scratch.
+#   scripts/install.sh          the service, CLI and demo
+#   scripts/install.sh --test   the same plus everything the test suite needs
+# torch is installed first and pinned (`torch==2.13.0`, a CPU wheel): an unpinned torch pulls gigabytes of
+# CUDA packages, so nothing below may ask for torch without the pin already satisfied.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -e ".${extras}" "torch==2.13.0"
