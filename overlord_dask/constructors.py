@@ -83,3 +83,30 @@ def build_rank_batch(step: int, rank: int, micro_batches: list[list[list[int]]],
 
 def batch_nbytes(batch: dict) -> int:
     return sum(v.nbytes for mb in batch["micro_batches"] for v in mb.values() if isinstance(v, np.ndarray))
+
+
+def check_micro_batch(mb: dict, capacity: int) -> None:
+    """Raise ValueError unless a packed micro-batch is self-consistent: ``cu_seqlens`` starts at 0,
+    increases and ends at ``num_tokens``; ``position_ids`` restart at 0 exactly at each boundary;
+    ``labels`` are the next token inside a piece and -100 on padding; per-piece arrays agree."""
+    cu = mb["cu_seqlens"].astype(np.int64)
+    n = len(cu) - 1
+    if mb["input_ids"].shape != (capacity,) or mb["labels"].shape != (capacity,) or mb["position_ids"].shape != (capacity,):
+        raise ValueError(f"token arrays must have shape ({capacity},)")
+    if cu[0] != 0 or np.any(np.diff(cu) <= 0) or cu[-1] != mb["num_tokens"] or cu[-1] > capacity:
+        raise ValueError(f"bad cu_seqlens {cu.tolist()} for num_tokens={mb['num_tokens']}")
+    for k in ("sample_ids", "source_ids", "chunk_ids", "epochs"):
+        if len(mb[k]) != n:
+            raise ValueError(f"{k} has {len(mb[k])} entries for {n} pieces")
+    pos = mb["position_ids"].astype(np.int64)
+    expected = np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu))
+    if not np.array_equal(pos[: cu[-1]], expected):
+        raise ValueError("position_ids do not restart at the cu_seqlens boundaries")
+    lab, ids = mb["labels"], mb["input_ids"]
+    inner = np.ones(cu[-1], dtype=bool)
+    inner[cu[1:] - 1] = False  # a piece's last token may label the next token of its document
+    idx = np.flatnonzero(inner)
+    if not np.array_equal(lab[idx], ids[idx + 1]):
+        raise ValueError("labels are not the next input token inside a piece")
+    if np.any(lab[cu[-1] :] != IGNORE_INDEX) or np.any(ids[cu[-1] :] != PAD_ID):
+        raise ValueError("padding must have PAD input ids and -100 labels")

@@ -71,6 +71,8 @@ class RankStream:
                 self.info = self.client.sync(self.client.scheduler.overlord_info)
             except Exception as err:
                 raise ServiceError(f"no overlord service at {address}: {err}") from None
+            if not isinstance(self.info, dict):  # the scheduler answers None for an unknown route
+                raise ServiceError(f"no overlord service at {address}: the scheduler runs no overlord planner")
             world = self.info["dp"]
             if dp is not None and dp != world:
                 raise RankError(f"consumer asked for dp={dp}, but the service at {address} runs dp={world}")

@@ -50,7 +50,7 @@ def _write_web(root: Path, rng, n_docs: int, files: int = 4, row_group: int = 10
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         texts = pa.LargeStringArray.from_buffers(len(lens), pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes()))
         table = pa.table({"id": pa.array(idx, pa.int64()), "text": texts})
-        pq.write_table(table, root / "web" / f"part-{f:03d}.parquet", row_group_size=row_group)
+        pq.write_table(table, root / "web" / f"part-{f:03d}.parquet", row_group_size=row_group, write_page_checksum=True)
 
 
 def _write_chat(root: Path, rng, n_docs: int, files: int = 2, row_group: int = 2000) -> None:
@@ -63,7 +63,7 @@ def _write_chat(root: Path, rng, n_docs: int, files: int = 2, row_group: int = 2
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(toks))
         table = pa.table({"id": pa.array(idx, pa.int64()), "input_ids": lists})
-        pq.write_table(table, root / "chat" / f"part-{f:03d}.parquet", row_group_size=row_group)
+        pq.write_table(table, root / "chat" / f"part-{f:03d}.parquet", row_group_size=row_group, write_page_checksum=True)
 
 
 def _write_books(root: Path, rng, n_docs: int) -> None:

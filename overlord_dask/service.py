@@ -29,7 +29,7 @@ from .driver import Driver
 from .errors import ServiceError
 from .plan.loading import plan_to_dict
 from .plan.models import Plan
-from .planner.plugin import PlannerPlugin
+from .planner.plugin import HANDLERS, PlannerPlugin
 from .sources import discover_units
 from .sources.units import LoadUnit
 
@@ -39,6 +39,13 @@ def index_sources(plan: Plan) -> dict[str, list[LoadUnit]]:
     with ThreadPoolExecutor(max_workers=min(8, len(plan.sources))) as pool:
         futs = {s.name: pool.submit(discover_units, s, plan) for s in plan.sources}
         return {name: f.result() for name, f in futs.items()}
+
+
+def _detach_planner(dask_scheduler) -> None:
+    """Remove the planner and its routes, so the scheduler can host another run (or none)."""
+    dask_scheduler.plugins.pop(PlannerPlugin.name, None)
+    for name in HANDLERS:
+        dask_scheduler.handlers.pop(name, None)
 
 
 class Service:
@@ -91,8 +98,8 @@ class Service:
         self.driver.stop()
         self.driver.join(timeout=10)
         try:
-            self.client.unregister_scheduler_plugin(PlannerPlugin.name)
-        except Exception:
+            self.client.run_on_scheduler(_detach_planner)
+        except Exception:  # the scheduler may already be gone
             pass
         self.client.close()
         if self.cluster is not None:

@@ -41,7 +41,7 @@ def _check_schema(source: Source, path: str, schema: pa.Schema) -> None:
 
 def _open(fs, path: str, source: Source) -> pq.ParquetFile:
     try:
-        return pq.ParquetFile(fs.open(path, "rb"))
+        return pq.ParquetFile(fs.open(path, "rb"), page_checksum_verification=True)
     except FileNotFoundError:
         raise SourceError(f"source {source.name!r}: file not found: {path}") from None
     except (pa.ArrowInvalid, OSError) as err:

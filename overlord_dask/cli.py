@@ -1,0 +1,187 @@
+"""The ``overlord`` command.
+
+    overlord demo [--dp 4 --steps 100 --data demo-data]   service + trainer processes, JSON summary
+    overlord serve PLAN.yaml [--workers 2]                  run a service, print its address
+    overlord validate PLAN.yaml                             check a plan and index its sources
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import OverlordError
+
+
+def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> None:
+    """One trainer rank of the demo: consume ``steps`` steps as a training loop would."""
+    from .consumer import OverlordDataset
+    from .report import delivered_record
+
+    import torch
+
+    ds = OverlordDataset(address, rank=rank, dp=dp)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
+    records, tokens = [], 0
+    current: list[dict] = []
+    t_start = time.time()
+    t_first = None
+    for mb in loader:
+        if t_first is None:
+            t_first = time.time()
+        # a real trainer would run forward/backward here; we only touch the tensors
+        tokens += int(mb["num_tokens"])
+        current.append({k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in mb.items()})
+        if mb["last_in_step"]:
+            rec = delivered_record({"micro_batches": current})
+            rec["step"] = np.full(len(rec["source"]), mb["step"])
+            records.append(rec)
+            current = []
+            if mb["step"] + 1 >= steps:
+                break
+    ds.stream.commit()
+    t_end = time.time()
+    merged = {k: np.concatenate([r[k] for r in records]) for k in records[0]} if records else {}
+    # the first wait includes attaching and the service's warm-up: report it apart
+    np.savez(out, wait_s=np.array(ds.stream.wait_s[1:]), first_wait_s=ds.stream.wait_s[0], tokens=tokens,
+             t_start=t_start, t_first=t_first, t_end=t_end, **merged)
+    ds.close()
+
+
+def run_demo(args) -> dict:
+    from tqdm import tqdm
+
+    from .demo import demo_plan, generate_demo_corpus
+    from .report import delivered_identities, exactly_once, mix_error, percentile, planned_identities
+    from .service import Service
+
+    data = generate_demo_corpus(args.data, scale=args.scale)
+    plan = demo_plan(data, topology={"dp": args.dp}) if args.plan is None else _load(args.plan)
+    dp = plan.topology.dp
+    ctx = mp.get_context("spawn")
+    with Service.start(plan, n_workers=args.workers) as service, tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.npz") for r in range(dp)]
+        t0 = time.perf_counter()
+        procs = [ctx.Process(target=_demo_trainer, args=(service.address, r, dp, args.steps, outs[r]), daemon=True) for r in range(dp)]
+        for p in procs:
+            p.start()
+        with tqdm(total=args.steps, desc=f"steps (dp={dp})", unit="step", disable=args.quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:
+            done = 0
+            while done < args.steps:
+                st = service.status()
+                if st.get("failure"):
+                    raise OverlordError(f"the service failed: {st['failure']}")
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise OverlordError(f"a trainer process died: exit codes {[p.exitcode for p in procs]}")
+                bar.update(min(st["committed"], args.steps) - done)
+                done = min(st["committed"], args.steps)
+                time.sleep(0.05)
+        for p in procs:
+            p.join(timeout=60)
+        wall = time.perf_counter() - t0
+        ranks = [dict(np.load(o)) for o in outs]
+        ledger = service.ledger(0, args.steps)
+        metrics = service.metrics(0, args.steps)
+
+    piece_tokens = plan.topology.piece_tokens
+    planned = [planned_identities(ledger[s], piece_tokens) for s in range(args.steps)]
+    delivered = [delivered_identities(r) for r in ranks]
+    duplicates, missing = exactly_once(planned, delivered)
+    src_tokens = np.zeros(len(plan.sources))
+    for r in ranks:
+        np.add.at(src_tokens, r["source"], r["length"])
+    weights = np.array(list(plan.weights().values()))
+    tokens = int(sum(int(r["tokens"]) for r in ranks))
+    waits = np.concatenate([r["wait_s"] for r in ranks])
+    # steady-state rate: from the first batch any rank received to the last rank's end
+    stream_s = max(float(r["t_end"]) for r in ranks) - min(float(r["t_first"]) for r in ranks)
+    return {
+        "steps": args.steps,
+        "dp": dp,
+        "micro_batches": plan.topology.micro_batches,
+        "tokens_per_micro_batch": plan.topology.tokens_per_micro_batch,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "time_to_first_batch_s": round(float(np.mean([r["first_wait_s"] for r in ranks])), 3),
+        "tokens_per_s": round(tokens / stream_s, 1),
+        "fill": round(float(np.mean([m["fill"] for m in metrics])), 4),
+        "imbalance_p50": round(percentile([m["imbalance"] for m in metrics], 50), 4),
+        "imbalance_p99": round(percentile([m["imbalance"] for m in metrics], 99), 4),
+        "mb_imbalance_p50": round(percentile([m["mb_imbalance"] for m in metrics], 50), 4),
+        "mb_imbalance_p99": round(percentile([m["mb_imbalance"] for m in metrics], 99), 4),
+        "mix_error_max": round(mix_error(src_tokens, weights), 5),
+        "wait_p50_ms": round(percentile(waits, 50) * 1e3, 2),
+        "wait_p99_ms": round(percentile(waits, 99) * 1e3, 2),
+        "duplicates": duplicates,
+        "missing": missing,
+    }
+
+
+def _load(path: str):
+    from .plan import load_plan
+
+    return load_plan(path)
+
+
+def cmd_serve(args) -> int:
+    from .service import Service
+
+    plan = _load(args.plan)
+    with Service.start(plan, n_workers=args.workers) as service:
+        print(json.dumps({"run_id": service.run_id, "address": service.address, "dp": plan.topology.dp}), flush=True)
+        try:
+            while True:
+                service.check()
+                time.sleep(1)
+        except KeyboardInterrupt:
+            return 0
+
+
+def cmd_validate(args) -> int:
+    from .service import index_sources
+
+    plan = _load(args.plan)
+    units = index_sources(plan)
+    print(json.dumps({"plan": plan.name, "sources": {k: {"units": len(v), "documents": sum(u.n_docs for u in v)} for k, v in units.items()}}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="overlord", description="overlord-dask: a Dask data-loading service for LLM training")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="run the service on an embedded LocalCluster with generated data and dp trainer processes")
+    d.add_argument("--dp", type=int, default=4, help="trainer ranks (separate processes)")
+    d.add_argument("--steps", type=int, default=100)
+    d.add_argument("--workers", type=int, default=2, help="Dask worker processes")
+    d.add_argument("--data", default="demo-data", help="demo corpus folder (generated when missing)")
+    d.add_argument("--scale", type=float, default=1.0, help="demo corpus size multiplier")
+    d.add_argument("--plan", default=None, help="a plan to run instead of the demo plan")
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+    s = sub.add_parser("serve", help="run a service for a plan and print its address")
+    s.add_argument("plan")
+    s.add_argument("--workers", type=int, default=2)
+    v = sub.add_parser("validate", help="validate a plan and index its sources")
+    v.add_argument("plan")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "demo":
+            print(json.dumps(run_demo(args)), flush=True)
+            return 0
+        if args.cmd == "serve":
+            return cmd_serve(args)
+        return cmd_validate(args)
+    except OverlordError as err:
+        print(f"overlord: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Shared fixtures: a small generated corpus (real parquet and zarr files) and one real
+LocalCluster of worker *processes* for the integration tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from overlord_dask.demo import demo_plan, generate_demo_corpus
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The demo corpus at 1/10 scale: web (parquet text), chat (parquet tokens), books (zarr)."""
+    return generate_demo_corpus(tmp_path_factory.mktemp("corpus"), scale=0.1, seed=7)
+
+
+@pytest.fixture
+def small_plan(corpus):
+    """The demo plan with a small topology so that tests run many steps quickly."""
+
+    def make(**overrides):
+        topo = {"dp": 3, "micro_batches": 2, "tokens_per_micro_batch": 4096, **overrides.pop("topology", {})}
+        loading = {"unit_rows": 300, "unit_tokens": 65536, "prefetch_steps": 3, **overrides.pop("loading", {})}
+        return demo_plan(corpus, topology=topo, loading=loading, **overrides)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    from overlord_dask.deploy import local_cluster
+
+    c = local_cluster(n_workers=2, threads_per_worker=1)
+    yield c
+    c.close()
+
+
+def pytest_configure(config):
+    os.environ.setdefault("DASK_DISTRIBUTED__LOGGING__DISTRIBUTED", "warning")

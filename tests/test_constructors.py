@@ -1,0 +1,52 @@
+"""Packed micro-batches: fields consistent, tokens exactly the planned pieces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from overlord_dask.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch
+from overlord_dask.sources.blocks import SampleBlock
+
+
+def _block(lengths, first_id=100, source="s"):
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return SampleBlock(source, np.arange(3, 3 + offsets[-1]), offsets, np.arange(first_id, first_id + len(lengths)))
+
+
+def test_pack_fields_are_consistent():
+    blocks = {block_key(0, 0, 0): _block([5, 9, 3]), block_key(1, 2, 7): _block([12], first_id=7)}
+    mbs = [
+        [[0, 0, 0, 0, 0, 5], [1, 2, 7, 0, 4, 8], [0, 0, 0, 2, 0, 3]],  # a whole doc, the middle piece of a split doc, a whole doc
+        [[0, 0, 0, 1, 0, 9]],
+    ]
+    batch = build_rank_batch(3, 1, mbs, blocks, capacity=20, piece_tokens=4)
+    assert batch["step"] == 3 and batch["rank"] == 1 and len(batch["micro_batches"]) == 2
+    mb = batch["micro_batches"][0]
+    check_micro_batch(mb, 20)
+    assert mb["cu_seqlens"].tolist() == [0, 5, 9, 12] and mb["num_tokens"] == 12
+    assert mb["sample_ids"].tolist() == [100, 7, 102]
+    assert mb["source_ids"].tolist() == [0, 1, 0] and mb["chunk_ids"].tolist() == [0, 1, 0] and mb["epochs"].tolist() == [0, 2, 0]
+    b1 = blocks[block_key(1, 2, 7)].doc(0)
+    assert mb["input_ids"][5:9].tolist() == b1[4:8].tolist()
+    # a split piece keeps its document's true next token; a document's last token gets -100
+    assert mb["labels"][8] == b1[8]
+    assert mb["labels"][4] == IGNORE_INDEX and mb["labels"][11] == IGNORE_INDEX
+    check_micro_batch(batch["micro_batches"][1], 20)
+
+
+def test_over_capacity_is_refused():
+    blocks = {block_key(0, 0, 0): _block([15, 9])}
+    with pytest.raises(ValueError, match="over capacity"):
+        build_rank_batch(0, 0, [[[0, 0, 0, 0, 0, 15], [0, 0, 0, 1, 0, 9]]], blocks, capacity=20, piece_tokens=20)
+
+
+def test_checker_catches_inconsistency():
+    blocks = {block_key(0, 0, 0): _block([5, 9])}
+    mb = build_rank_batch(0, 0, [[[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9]]], blocks, 16, 16)["micro_batches"][0]
+    bad = dict(mb, position_ids=np.arange(16, dtype=np.int32))
+    with pytest.raises(ValueError, match="position_ids"):
+        check_micro_batch(bad, 16)
+    bad = dict(mb, labels=np.roll(mb["labels"], 1))
+    with pytest.raises(ValueError, match="labels|padding"):
+        check_micro_batch(bad, 16)

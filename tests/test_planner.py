@@ -1,0 +1,209 @@
+"""The planner without a cluster: property tests of mixing, packing, assignment and the ledger."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.planner.assign import assign_bins
+from overlord_dask.planner.cost import doc_costs
+from overlord_dask.planner.metrics import step_imbalance
+from overlord_dask.planner.mixing import Starved, next_carry, select_step
+from overlord_dask.planner.state import PlannerState
+from overlord_dask.planner.streams import SourceStream
+
+
+def make_streams(lengths: list[list[np.ndarray]], piece_tokens: int, epochs: int = 3, seed: int = 0) -> list[SourceStream]:
+    """Streams whose every unit (for ``epochs`` epochs) is already loaded."""
+    out = []
+    for i, units in enumerate(lengths):
+        first = np.concatenate([[0], np.cumsum([len(u) for u in units])[:-1]]).astype(np.int64)
+        s = SourceStream(f"s{i}", i, len(units), first, seed, piece_tokens)
+        for e in range(epochs):
+            for u, L in enumerate(units):
+                s.lengths[(e, u)] = np.asarray(L, dtype=np.int64)
+        out.append(s)
+    return out
+
+
+def run_steps(streams, weights, n_bins, capacity, steps):
+    carry = np.zeros(len(streams))
+    cum = np.zeros(len(streams), dtype=np.int64)
+    out = []
+    for _ in range(steps):
+        sel = select_step(streams, weights, n_bins, capacity, carry)
+        cum += sel.source_tokens
+        carry = next_carry(cum, weights, sel.longest_piece)
+        out.append(sel)
+    return out
+
+
+source_lengths = st.lists(  # units of a source, each a list of document lengths (0 = empty document)
+    st.lists(st.integers(0, 3000), min_size=1, max_size=12), min_size=1, max_size=5
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sources=st.lists(source_lengths, min_size=1, max_size=4),
+    raw_weights=st.lists(st.floats(0.05, 1.0), min_size=4, max_size=4),
+    n_bins=st.integers(1, 6),
+    capacity=st.sampled_from([256, 1024, 4096]),
+    seed=st.integers(0, 2**32),
+)
+def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
+    # every source needs enough tokens per epoch for 40 epochs to cover 6 steps
+    sources = [list(units) + [[3000] * 5] for units in sources]
+    w = np.array(raw_weights[: len(sources)])
+    w = w / w.sum()
+    piece = capacity
+    streams = make_streams([[np.array(u) for u in units] for units in sources], piece, epochs=40, seed=seed)
+    sels = run_steps(streams, w, n_bins, capacity, steps=6)
+    per_source: dict[int, list] = {i: [] for i in range(len(sources))}
+    for sel in sels:
+        assert all(sum(p.length for p in b) <= capacity for b in sel.bins)  # no capacity violation
+        assert sel.total_tokens == sum(p.length for b in sel.bins for p in b)
+        err = np.abs(sel.source_tokens - w * sel.total_tokens)
+        assert err.max() <= 2 * sel.longest_piece + 1e-9  # per-step mix bound
+        order = sorted((p for b in sel.bins for p in b), key=lambda p: (p.epoch, streams[p.source].position(p.epoch, p.unit), p.doc, p.start))
+        for p in order:
+            per_source[p.source].append(p)
+    # each source's pieces tile its documents in order, exactly once, each piece <= piece size
+    for i, pieces in per_source.items():
+        s = streams[i]
+        expect_e, expect_pos, expect_doc, expect_tok = 0, 0, 0, 0
+        for p in pieces:
+            assert p.length <= piece and p.length > 0
+            L = s.lengths[(p.epoch, p.unit)]
+            # skip empty documents and finished units between consecutive pieces
+            while (expect_e, expect_pos) != (p.epoch, s.position(p.epoch, p.unit)) or expect_doc != p.doc:
+                assert expect_tok == 0, "a document was left half-delivered"
+                Lcur = s.lengths[(expect_e, int(s.order(expect_e)[expect_pos]))]
+                if expect_doc < len(Lcur):
+                    assert Lcur[expect_doc] == 0, "a non-empty document was skipped"
+                    expect_doc += 1
+                else:
+                    expect_doc = 0
+                    expect_pos += 1
+                    if expect_pos == s.n_units:
+                        expect_e, expect_pos = expect_e + 1, 0
+            assert p.start == expect_tok
+            expect_tok = p.stop if p.stop < L[p.doc] else 0
+            if expect_tok == 0:
+                expect_doc += 1
+
+
+def test_deterministic_and_independent_of_load_timing():
+    rng = np.random.default_rng(3)
+    lengths = [[rng.integers(1, 3000, 40) for _ in range(6)] for _ in range(3)]
+    w = np.array([0.5, 0.3, 0.2])
+    a = run_steps(make_streams(lengths, 2048), w, 4, 2048, 20)
+    # same plan, but unit lengths arrive late and in another order: Starved until they do
+    streams = make_streams(lengths, 2048, epochs=0)
+    pending = [(i, e, u) for e in range(3) for i in range(3) for u in range(6)]
+    rng.shuffle(pending)
+    b, carry, cum = [], np.zeros(3), np.zeros(3, dtype=np.int64)
+    while len(b) < 20:
+        try:
+            sel = select_step(streams, w, 4, 2048, carry)
+        except Starved:
+            i, e, u = pending.pop()
+            assert streams[i].add_lengths(e, u, lengths[i][u])
+            continue
+        cum += sel.source_tokens
+        carry = next_carry(cum, w, sel.longest_piece)
+        b.append(sel)
+    for x, y in zip(a, b):
+        assert [[p.as_list() for p in bin_] for bin_ in x.bins] == [[p.as_list() for p in bin_] for bin_ in y.bins]
+
+
+def test_long_documents_are_split_into_pieces():
+    streams = make_streams([[np.array([10_000, 100])]], piece_tokens=4096)
+    sel = select_step(streams, np.array([1.0]), 4, 4096)
+    pieces = sorted((p for b in sel.bins for p in b if p.epoch == 0), key=lambda p: (p.doc, p.start))
+    assert [(p.doc, p.start, p.stop) for p in pieces] == [(0, 0, 4096), (0, 4096, 8192), (0, 8192, 10_000), (1, 0, 100)]
+
+
+def test_starved_step_rolls_back_cursors():
+    streams = make_streams([[np.array([100] * 5)], [np.array([100] * 5)]], 1024, epochs=1)
+    del streams[1].lengths[(0, 0)]
+    before = [s.cursor() for s in streams]
+    with pytest.raises(Starved) as exc:
+        select_step(streams, np.array([0.5, 0.5]), 2, 1024)
+    assert exc.value.source == "s1"
+    assert [s.cursor() for s in streams] == before
+
+
+def test_assign_bins_fills_every_slot_once():
+    costs = np.random.default_rng(0).random(12) * 100
+    slots = assign_bins(costs, dp=4, micro_batches=3)
+    assert sorted(slots.ravel()) == list(range(12))
+    with pytest.raises(ValueError, match="expected 12 bins"):
+        assign_bins(costs[:5], 4, 3)
+
+
+def test_imbalance_metrics():
+    mb = np.array([[4.0, 1.0], [2.0, 1.0]])
+    step, per_mb = step_imbalance(mb)
+    assert step == pytest.approx(5 / 4)  # rank costs 5 and 3
+    assert per_mb == pytest.approx(4 / 3)  # micro-batch 0: 4 vs 2
+
+
+def _state(dp=2, prefetch=2, weights=(0.6, 0.4)):
+    plan = plan_from_dict(
+        {
+            "sources": [
+                {"name": "a", "format": "zarr", "url": "a.zarr", "weight": weights[0]},
+                {"name": "b", "format": "zarr", "url": "b.zarr", "weight": weights[1]},
+            ],
+            "topology": {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 1024},
+            "loading": {"prefetch_steps": prefetch, "units_ahead": 3},
+        }
+    )
+    return PlannerState(plan, {"a": [0, 50, 100], "b": [0, 40]})
+
+
+def _feed(state, rng):
+    for name, epoch, unit in state.wanted():
+        state.add_lengths(name, epoch, unit, rng.integers(1, 900, 50 if name == "a" else 40))
+
+
+def test_state_prefetch_bound_acks_and_cost_accounting():
+    st_ = _state()
+    rng = np.random.default_rng(1)
+    planned = []
+    for _ in range(10):
+        _feed(st_, rng)
+        steps, _ = st_.plan_steps(10)
+        planned += steps
+    assert st_.next_step == 2  # prefetch_steps=2 and nothing acknowledged
+    assert st_.ack(0, 1) == 0 and st_.ack(1, 0) == 1  # committed = min over ranks + 1
+    assert st_.ack(0, 0) == 1  # idempotent, never goes back
+    with pytest.raises(ValueError, match=r"rank 2 does not exist: the plan has dp=2 ranks \(0..1\)"):
+        st_.ack(2, 0)
+    with pytest.raises(ValueError, match="acknowledged step 5, but only steps < 2 were planned"):
+        st_.ack(0, 5)
+    _feed(st_, rng)
+    steps, _ = st_.plan_steps(10)
+    assert [s["step"] for s in steps] == [2]
+    # metrics equal a recomputation from the ledger
+    for s in range(3):
+        entry, m = st_.ledger[s], st_.metrics[s]
+        lens = entry["pieces"][:, 5] - entry["pieces"][:, 4]
+        per_rank = np.zeros(2)
+        np.add.at(per_rank, entry["slot"][:, 0], doc_costs(lens, st_.plan.cost))
+        assert m["cost_max"] == pytest.approx(per_rank.max()) and m["cost_mean"] == pytest.approx(per_rank.mean())
+        assert m["tokens"] == lens.sum()
+
+
+def test_add_lengths_is_idempotent():
+    st_ = _state()
+    rng = np.random.default_rng(2)
+    wanted = st_.wanted()
+    name, e, u = wanted[0]
+    L = rng.integers(1, 900, 50)
+    assert st_.add_lengths(name, e, u, L) is True
+    assert st_.add_lengths(name, e, u, L) is False  # a recomputed load is ignored

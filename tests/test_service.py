@@ -1,0 +1,194 @@
+"""The whole service on a real LocalCluster of worker processes, with several consumer ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from overlord_dask import RankError, Service, ServiceError, SourceError, connect
+from overlord_dask.constructors import check_micro_batch
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.report import delivered_identities, delivered_record, exactly_once, planned_identities
+
+from .reference import read_source
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def consume(address: str, ranks: list[int], steps: int) -> dict[int, list[dict]]:
+    """Consume ``steps`` steps on each rank, one thread per rank (each with its own client)."""
+    out: dict[int, list[dict]] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            with connect(address, rank, timeout=120) as stream:
+                got = []
+                for _ in range(steps):
+                    got.append(stream.next_batch())
+                stream.commit()
+                out[rank] = got
+        except BaseException as err:  # re-raised in the test thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, small_plan):
+    plan = small_plan()
+    steps, dp = 25, plan.topology.dp
+    with Service.start(plan, cluster=cluster) as service:
+        got = consume(service.address, list(range(dp)), steps)
+        service.wait_for_step(steps, timeout=60)
+        ledger = service.ledger(0, steps)
+        metrics = service.metrics(0, steps)
+    cap, piece = plan.topology.tokens_per_micro_batch, plan.topology.piece_tokens
+    reference = {i: read_source(plan, s.name) for i, s in enumerate(plan.sources)}
+    delivered = []
+    for rank, batches in got.items():
+        for step, batch in enumerate(batches):
+            assert batch["step"] == step and batch["rank"] == rank
+            assert len(batch["micro_batches"]) == plan.topology.micro_batches
+            for m, mb in enumerate(batch["micro_batches"]):
+                check_micro_batch(mb, cap)
+                # tokens equal the files, read directly
+                for k in range(len(mb["sample_ids"])):
+                    a, b = mb["cu_seqlens"][k], mb["cu_seqlens"][k + 1]
+                    doc = reference[mb["source_ids"][k]][mb["sample_ids"][k]]
+                    start = mb["chunk_ids"][k] * piece
+                    np.testing.assert_array_equal(mb["input_ids"][a:b], doc[start : start + (b - a)])
+            rec = delivered_record(batch)
+            # what this rank got in this step is exactly what the planner assigned to it
+            entry = ledger[step]
+            mine = entry["slot"][:, 0] == rank
+            planned = planned_identities({k: v[mine] for k, v in entry.items()}, piece)
+            assert sorted(map(tuple, planned)) == sorted(map(tuple, delivered_identities(rec)))
+            delivered.append(delivered_identities(rec))
+    duplicates, missing = exactly_once([planned_identities(ledger[s], piece) for s in range(steps)], delivered)
+    assert (duplicates, missing) == (0, 0)
+    # per-step mix: every source within two pieces of its weight (documented bound)
+    w = np.array(list(plan.weights().values()))
+    for m in metrics:
+        err = np.abs(np.array(m["source_tokens"]) - w * m["tokens"])
+        assert err.max() <= 2 * m["longest_piece"], m
+        assert m["imbalance"] >= 1.0 and m["fill"] > 0.8
+
+
+CONSUMER_SCRIPT = """
+import json, sys
+from overlord_dask import connect
+address, rank, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+nbytes = 0
+with connect(address, rank, timeout=120) as s:
+    for _ in range(steps):
+        b = s.next_batch()
+        nbytes += sum(v.nbytes for mb in b["micro_batches"] for v in mb.values() if hasattr(v, "nbytes"))
+    s.commit()
+print(json.dumps({"rank": rank, "bytes": nbytes}))
+"""
+
+
+@pytest.fixture
+def tcp_reads(monkeypatch):
+    """Every TCP frame read in this process (scheduler, driver client, nannies): total and largest."""
+    import distributed.comm.tcp as tcp
+
+    seen = {"total": 0, "largest": 0}
+    original = tcp.read_bytes_rw
+
+    async def counting(stream, n):
+        seen["total"] += n
+        seen["largest"] = max(seen["largest"], n)
+        return await original(stream, n)
+
+    monkeypatch.setattr(tcp, "read_bytes_rw", counting)
+    return seen
+
+
+def test_payloads_go_worker_to_trainer_not_through_the_scheduler(cluster, small_plan, tcp_reads):
+    """Consumers run in their own processes; the scheduler and the driver live in this one. While
+    megabytes of batches are delivered, this process reads a small fraction of that, and never a
+    message anywhere near the size of one batch."""
+    plan = small_plan(topology={"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 16384})
+    steps = 20
+    with Service.start(plan, cluster=cluster) as service:
+        service.wait_for_step(0)
+        tcp_reads.update(total=0, largest=0)
+        procs = [
+            subprocess.Popen([sys.executable, "-c", CONSUMER_SCRIPT, service.address, str(r), str(steps)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            for r in range(2)
+        ]
+        outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+        assert all(p.returncode == 0 for p in procs)
+    delivered = sum(o["bytes"] for o in outs)
+    one_batch = delivered / (2 * steps)
+    assert delivered > 10_000_000  # megabytes of batches ...
+    assert tcp_reads["total"] < 0.08 * delivered, (tcp_reads, delivered)  # ... the service process saw little
+    assert tcp_reads["largest"] < 0.1 * one_batch, (tcp_reads, one_batch)  # and no batch-sized message
+
+
+def test_rank_that_does_not_exist(cluster, small_plan):
+    with Service.start(small_plan(), cluster=cluster) as service:
+        with pytest.raises(RankError, match=r"rank 3 does not exist: the service at .* has dp=3 ranks \(0..2\)"):
+            connect(service.address, 3)
+        with pytest.raises(RankError, match="consumer asked for dp=4, but the service at .* runs dp=3"):
+            connect(service.address, 0, dp=4)
+
+
+def test_no_service_at_address(cluster):
+    with pytest.raises(ServiceError, match="no overlord service at"):
+        connect(cluster.scheduler_address, 0, timeout=5)
+
+
+def test_missing_file_fails_before_anything_starts(cluster, small_plan, corpus):
+    plan = small_plan()
+    bad = plan.model_copy(update={"sources": [plan.sources[0].model_copy(update={"url": "web/missing-*.parquet"}), *plan.sources[1:]]})
+    with pytest.raises(SourceError, match="source 'web': no files match"):
+        Service.start(bad, cluster=cluster)
+
+
+def test_missing_column_fails_before_anything_starts(cluster, small_plan):
+    plan = small_plan()
+    bad = plan.model_copy(update={"sources": [plan.sources[0].model_copy(update={"text_field": "body"}), *plan.sources[1:]]})
+    with pytest.raises(SourceError, match=r"source 'web': column 'body' not found in .*part-000.parquet; available columns: \['id', 'text'\]"):
+        Service.start(bad, cluster=cluster)
+
+
+def test_corrupt_shard_fails_the_run_with_the_file_named(cluster, tmp_path):
+    good = tmp_path / "a-good.parquet"
+    bad = tmp_path / "b-bad.parquet"
+    for path in (good, bad):
+        texts = [f"{i:05d} " + "lorem ipsum " * 40 for i in range(400)]
+        pq.write_table(pa.table({"text": texts}), path, row_group_size=100, write_page_checksum=True, compression="none", use_dictionary=False)
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 256] = b"\xee" * 256
+    bad.write_bytes(bytes(raw))
+    plan = plan_from_dict(
+        {
+            "sources": [{"name": "web", "format": "parquet", "url": "*.parquet", "text_field": "text", "weight": 1}],
+            "topology": {"dp": 2, "tokens_per_micro_batch": 2048},
+            "loading": {"unit_rows": 100, "retries": 1, "units_ahead": 8, "prefetch_steps": 2},
+        },
+        base_dir=tmp_path,
+    )
+    with Service.start(plan, cluster=cluster) as service:
+        with pytest.raises(ServiceError, match=r"source 'web' unit \d+ \(.*b-bad.parquet, row group \d"):
+            with connect(service.address, 0, timeout=60) as stream:
+                for _ in range(1000):  # the bad file's units come up within the first epoch
+                    stream.next_batch()
+        assert "b-bad.parquet" in service.status()["failure"]

@@ -1,0 +1,172 @@
+"""Sources against real parquet and zarr files: units from metadata, tokens equal to a direct read,
+and errors that name the source, file and field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zarr
+
+from overlord_dask import SourceError
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.sources import discover_units, load_unit
+from overlord_dask.sources.tokenizers import EOS_ID, byte_detokenize, byte_tokenize
+
+
+def _plan(tmp_path, **src):
+    s = {"name": "s", "weight": 1.0, **src}
+    return plan_from_dict({"sources": [s], "topology": {"dp": 1, "tokens_per_micro_batch": 1024}, "loading": {"unit_rows": 3, "unit_tokens": 50}}, base_dir=tmp_path)
+
+
+def _write_text(path, texts, row_group=4):
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=row_group)
+
+
+def test_byte_tokenizer_roundtrip_unicode_and_nulls():
+    arr = pa.array(["héllo", None, "", "日本"])
+    tokens, offsets = byte_tokenize(arr)
+    assert list(np.diff(offsets)) == [len("héllo".encode()) + 1, 1, 1, len("日本".encode()) + 1]
+    docs = [tokens[offsets[i] : offsets[i + 1]] for i in range(4)]
+    assert all(d[-1] == EOS_ID for d in docs)
+    assert [byte_detokenize(d) for d in docs] == ["héllo", "", "", "日本"]
+    # sliced arrays (non-zero offset) tokenize the slice only
+    t2, o2 = byte_tokenize(arr.slice(3, 1))
+    assert byte_detokenize(t2) == "日本"
+
+
+def test_parquet_text_units_and_tokens(tmp_path):
+    texts = [f"doc {i} " * (i + 1) for i in range(10)]
+    (tmp_path / "d").mkdir()
+    _write_text(tmp_path / "d" / "a.parquet", texts[:6])
+    _write_text(tmp_path / "d" / "b.parquet", texts[6:])
+    plan = _plan(tmp_path, format="parquet", url="d/*.parquet", text_field="text")
+    units = discover_units(plan.sources[0], plan)
+    # a.parquet: row groups of 4 and 2 rows, cut at unit_rows=3 -> 3+1+2; b.parquet: 4 rows -> 3+1
+    assert [u.n_docs for u in units] == [3, 1, 2, 3, 1]
+    assert [u.first_id for u in units] == [0, 3, 4, 6, 9]
+    got = []
+    for u in units:
+        block = load_unit(plan.sources[0], plan, u)
+        assert list(block.sample_ids) == list(range(u.first_id, u.first_id + u.n_docs))
+        got += [byte_detokenize(block.doc(i)) for i in range(len(block))]
+    assert got == texts
+
+
+def test_parquet_token_lists_with_nulls(tmp_path):
+    lists = [[5, 6, 7], None, [], [9] * 10]
+    pq.write_table(pa.table({"ids": pa.array(lists, pa.list_(pa.int32()))}), tmp_path / "t.parquet")
+    plan = _plan(tmp_path, format="parquet", url="t.parquet", tokens_field="ids")
+    blocks = [load_unit(plan.sources[0], plan, u) for u in discover_units(plan.sources[0], plan)]
+    docs = [list(b.doc(i)) for b in blocks for i in range(len(b))]
+    assert docs == [[5, 6, 7], [], [], [9] * 10]
+
+
+def test_zarr_units_follow_document_boundaries(tmp_path):
+    lens = np.array([10, 40, 5, 70, 3, 30])
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    toks = np.arange(offsets[-1], dtype=np.int32)
+    g = zarr.open_group(str(tmp_path / "b.zarr"), mode="w")
+    g.create_array("tokens", shape=toks.shape, chunks=(32,), dtype="int32")[:] = toks
+    g.create_array("offsets", shape=offsets.shape, chunks=(4,), dtype="int64")[:] = offsets
+    plan = _plan(tmp_path, format="zarr", url="b.zarr")
+    units = discover_units(plan.sources[0], plan)
+    assert sum(u.n_docs for u in units) == 6 and len(units) > 1
+    docs = []
+    for u in units:
+        b = load_unit(plan.sources[0], plan, u)
+        docs += [b.doc(i) for i in range(len(b))]
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(d, toks[offsets[i] : offsets[i + 1]])
+
+
+def test_missing_file_and_empty_glob(tmp_path):
+    plan = _plan(tmp_path, format="parquet", url="nope.parquet", text_field="text")
+    with pytest.raises(SourceError, match=r"source 's': file not found: .*nope.parquet"):
+        discover_units(plan.sources[0], plan)
+    plan = _plan(tmp_path, format="parquet", url="none/*.parquet", text_field="text")
+    with pytest.raises(SourceError, match=r"source 's': no files match .*none/\*\.parquet"):
+        discover_units(plan.sources[0], plan)
+
+
+def test_missing_column_lists_available(tmp_path):
+    _write_text(tmp_path / "a.parquet", ["x"])
+    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="body")
+    with pytest.raises(SourceError, match=r"column 'body' not found in .*a.parquet; available columns: \['text'\]"):
+        discover_units(plan.sources[0], plan)
+
+
+def test_schema_mismatch_names_file(tmp_path):
+    (tmp_path / "d").mkdir()
+    _write_text(tmp_path / "d" / "a.parquet", ["x"])
+    pq.write_table(pa.table({"text": pa.array([1], pa.int64())}), tmp_path / "d" / "b.parquet")
+    plan = _plan(tmp_path, format="parquet", url="d/*.parquet", text_field="text")
+    with pytest.raises(SourceError, match=r"text_field 'text' in .*b.parquet has type int64, expected string"):
+        discover_units(plan.sources[0], plan)
+
+
+def test_corrupt_file_names_file(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
+    plan = _plan(tmp_path, format="parquet", url="bad.parquet", text_field="text")
+    with pytest.raises(SourceError, match=r"corrupt or unreadable parquet file .*bad.parquet"):
+        discover_units(plan.sources[0], plan)
+
+
+def test_corrupt_page_is_caught_on_load(tmp_path):
+    path = tmp_path / "c.parquet"
+    texts = [f"{i:04d}" + "abcdefgh" * 200 for i in range(50)]
+    pq.write_table(pa.table({"text": texts}), path, write_page_checksum=True, compression="none", use_dictionary=False)
+    raw = bytearray(path.read_bytes())
+    mid = len(raw) // 3
+    raw[mid : mid + 64] = b"\xff" * 64
+    path.write_bytes(bytes(raw))
+    plan = _plan(tmp_path, format="parquet", url="c.parquet", text_field="text")
+    units = discover_units(plan.sources[0], plan)  # the footer is intact
+    with pytest.raises(SourceError, match=r"corrupt data in source 's' unit 0 \(.*c.parquet, row group 0"):
+        load_unit(plan.sources[0], plan, units[0])
+
+
+def test_empty_source(tmp_path):
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "e.parquet")
+    plan = _plan(tmp_path, format="parquet", url="e.parquet", text_field="text")
+    with pytest.raises(SourceError, match="source 's' is empty"):
+        discover_units(plan.sources[0], plan)
+
+
+def test_zarr_missing_array_and_bad_offsets(tmp_path):
+    g = zarr.open_group(str(tmp_path / "z.zarr"), mode="w")
+    g.create_array("tokens", shape=(10,), dtype="int32")[:] = np.arange(10)
+    plan = _plan(tmp_path, format="zarr", url="z.zarr")
+    with pytest.raises(SourceError, match=r"array 'offsets' not found in zarr group .*z.zarr.*available arrays: \['tokens'\]"):
+        discover_units(plan.sources[0], plan)
+    g.create_array("offsets", shape=(3,), dtype="int64")[:] = [0, 4, 9]
+    with pytest.raises(SourceError, match="offsets end at 9 but 'tokens' holds 10 tokens"):
+        discover_units(plan.sources[0], plan)
+
+
+def test_unknown_tokenizer_and_transform(tmp_path):
+    _write_text(tmp_path / "a.parquet", ["x"])
+    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", tokenizer="sentencepiece")
+    with pytest.raises(SourceError, match="source 's': unknown tokenizer: 'sentencepiece' is neither a built-in name"):
+        discover_units(plan.sources[0], plan)
+    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", transform="no_such_module:fn")
+    with pytest.raises(SourceError, match="cannot import module 'no_such_module'"):
+        discover_units(plan.sources[0], plan)
+
+
+def drop_short(block):
+    """A user transform (``tests.test_sources:drop_short``): empty documents shorter than 3 tokens."""
+    from overlord_dask.sources.blocks import SampleBlock
+
+    lens = block.lengths()
+    keep = np.where(lens >= 3, lens, 0)
+    toks = np.concatenate([block.doc(i) if keep[i] else block.doc(i)[:0] for i in range(len(block))])
+    return SampleBlock(block.source, toks, np.concatenate([[0], np.cumsum(keep)]), block.sample_ids)
+
+
+def test_custom_tokenizer_and_transform(tmp_path):
+    _write_text(tmp_path / "a.parquet", ["ab", "abcdef", "a"])
+    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", transform="tests.test_sources:drop_short")
+    blocks = [load_unit(plan.sources[0], plan, u) for u in discover_units(plan.sources[0], plan)]
+    assert [len(b.doc(i)) for b in blocks for i in range(len(b))] == [3, 7, 0]
