@@ -26,10 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue", default=None)
     ap.add_argument("--account", default=None)
     ap.add_argument("--walltime", default="04:00:00")
+    ap.add_argument("--host", default=None, help="interface/address the scheduler listens on (default: dask's choice)")
     ap.add_argument("--print-job-script", action="store_true", help="print the sbatch script and exit")
     args = ap.parse_args(argv)
     plan = load_plan(args.plan)
-    cluster = slurm_cluster(cores=args.cores, memory=args.memory, queue=args.queue, account=args.account, walltime=args.walltime)
+    extra = {"scheduler_options": {"host": args.host}} if args.host else {}
+    cluster = slurm_cluster(cores=args.cores, memory=args.memory, queue=args.queue, account=args.account, walltime=args.walltime, **extra)
     if args.print_job_script:
         print(cluster.job_script())
         cluster.close()

@@ -56,43 +56,45 @@ def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> Non
     ds.close()
 
 
-def run_demo(args) -> dict:
+def run_demo(*, steps: int = 100, dp: int = 4, workers: int = 2, data: str = "demo-data", scale: float = 1.0,
+             plan_path: str | None = None, quiet: bool = False) -> dict:
+    """Run the service and ``dp`` trainer processes for ``steps`` steps; return the run summary."""
     from tqdm import tqdm
 
     from .demo import demo_plan, generate_demo_corpus
     from .report import delivered_identities, exactly_once, mix_error, percentile, planned_identities
     from .service import Service
 
-    data = generate_demo_corpus(args.data, scale=args.scale)
-    plan = demo_plan(data, topology={"dp": args.dp}) if args.plan is None else _load(args.plan)
+    corpus = generate_demo_corpus(data, scale=scale)
+    plan = demo_plan(corpus, topology={"dp": dp}) if plan_path is None else _load(plan_path)
     dp = plan.topology.dp
     ctx = mp.get_context("spawn")
-    with Service.start(plan, n_workers=args.workers) as service, tempfile.TemporaryDirectory() as tmp:
+    with Service.start(plan, n_workers=workers) as service, tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"rank{r}.npz") for r in range(dp)]
         t0 = time.perf_counter()
-        procs = [ctx.Process(target=_demo_trainer, args=(service.address, r, dp, args.steps, outs[r]), daemon=True) for r in range(dp)]
+        procs = [ctx.Process(target=_demo_trainer, args=(service.address, r, dp, steps, outs[r]), daemon=True) for r in range(dp)]
         for p in procs:
             p.start()
-        with tqdm(total=args.steps, desc=f"steps (dp={dp})", unit="step", disable=args.quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:
+        with tqdm(total=steps, desc=f"steps (dp={dp})", unit="step", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:
             done = 0
-            while done < args.steps:
+            while done < steps:
                 st = service.status()
                 if st.get("failure"):
                     raise OverlordError(f"the service failed: {st['failure']}")
                 if any(p.exitcode not in (None, 0) for p in procs):
                     raise OverlordError(f"a trainer process died: exit codes {[p.exitcode for p in procs]}")
-                bar.update(min(st["committed"], args.steps) - done)
-                done = min(st["committed"], args.steps)
+                bar.update(min(st["committed"], steps) - done)
+                done = min(st["committed"], steps)
                 time.sleep(0.05)
         for p in procs:
             p.join(timeout=60)
         wall = time.perf_counter() - t0
         ranks = [dict(np.load(o)) for o in outs]
-        ledger = service.ledger(0, args.steps)
-        metrics = service.metrics(0, args.steps)
+        ledger = service.ledger(0, steps)
+        metrics = service.metrics(0, steps)
 
     piece_tokens = plan.topology.piece_tokens
-    planned = [planned_identities(ledger[s], piece_tokens) for s in range(args.steps)]
+    planned = [planned_identities(ledger[s], piece_tokens) for s in range(steps)]
     delivered = [delivered_identities(r) for r in ranks]
     duplicates, missing = exactly_once(planned, delivered)
     src_tokens = np.zeros(len(plan.sources))
@@ -104,7 +106,7 @@ def run_demo(args) -> dict:
     # steady-state rate: from the first batch any rank received to the last rank's end
     stream_s = max(float(r["t_end"]) for r in ranks) - min(float(r["t_first"]) for r in ranks)
     return {
-        "steps": args.steps,
+        "steps": steps,
         "dp": dp,
         "micro_batches": plan.topology.micro_batches,
         "tokens_per_micro_batch": plan.topology.tokens_per_micro_batch,
@@ -173,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "demo":
-            print(json.dumps(run_demo(args)), flush=True)
+            summary = run_demo(steps=args.steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale,
+                               plan_path=args.plan, quiet=args.quiet)
+            print(json.dumps(summary), flush=True)
             return 0
         if args.cmd == "serve":
             return cmd_serve(args)
