@@ -31,7 +31,7 @@ def block_key(source: int, epoch: int, unit: int) -> str:
     return f"s{source}-e{epoch}-u{unit}"
 
 
-def pack_micro_batch(pieces: list[list[int]], blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int) -> dict:
+def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int) -> dict:
     n = len(pieces)
     input_ids = np.full(capacity, PAD_ID, dtype=np.int32)
     labels = np.full(capacity, IGNORE_INDEX, dtype=np.int32)
@@ -42,7 +42,7 @@ def pack_micro_batch(pieces: list[list[int]], blocks: dict[str, SampleBlock], ca
     chunk_ids = np.empty(n, dtype=np.int32)
     epochs = np.empty(n, dtype=np.int32)
     pos = 0
-    for k, (src, epoch, unit, doc, start, stop) in enumerate(pieces):
+    for k, (src, epoch, unit, doc, start, stop) in enumerate(np.asarray(pieces, dtype=np.int64).reshape(-1, 6).tolist()):
         block = blocks[block_key(src, epoch, unit)]
         toks = block.doc(doc)
         L = stop - start
@@ -72,7 +72,7 @@ def pack_micro_batch(pieces: list[list[int]], blocks: dict[str, SampleBlock], ca
     }
 
 
-def build_rank_batch(step: int, rank: int, micro_batches: list[list[list[int]]], blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int) -> dict:
+def build_rank_batch(step: int, rank: int, micro_batches: list, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int) -> dict:
     """One Dask task per (step, rank): every micro-batch of that rank for that step."""
     return {
         "step": step,

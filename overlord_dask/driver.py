@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 
+import numpy as np
 from distributed import Client, Future, Queue
 
 from .constructors import block_key, build_rank_batch
@@ -123,10 +124,11 @@ class Driver(threading.Thread):
         topo = self.plan.topology
         for step_plan in resp["steps"]:
             step = step_plan["step"]
-            for rank, mbs in enumerate(step_plan["ranks"]):
-                keys = {block_key(p[0], p[1], p[2]) for mb in mbs for p in mb}
+            for rank, mbs in enumerate(split_step(step_plan, topo.dp, topo.micro_batches)):
+                units = np.unique(np.concatenate(mbs)[:, :3], axis=0)
+                blocks = {block_key(*map(int, u)): self.blocks[block_key(*map(int, u))] for u in units}
                 self.batches[(step, rank)] = self.client.submit(
-                    build_rank_batch, step, rank, mbs, {k: self.blocks[k] for k in keys},
+                    build_rank_batch, step, rank, mbs, blocks,
                     topo.tokens_per_micro_batch, topo.piece_tokens,
                     key=batch_key(self.run_id, step, rank), pure=False,
                 )
@@ -170,3 +172,13 @@ class Driver(threading.Thread):
 
 class LoadFailed(Exception):
     pass
+
+
+def split_step(step_plan: dict, dp: int, micro_batches: int) -> list[list[np.ndarray]]:
+    """Decode a planned step into ``[rank][micro_batch] -> int64 rows [n, 6]``."""
+    pieces = np.frombuffer(step_plan["pieces"], dtype="<i8").reshape(-1, 6)
+    slot = np.frombuffer(step_plan["slot"], dtype="<i4").reshape(-1, 2)
+    flat = slot[:, 0].astype(np.int64) * micro_batches + slot[:, 1]
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.arange(dp * micro_batches + 1))
+    return [[pieces[order[bounds[r * micro_batches + m] : bounds[r * micro_batches + m + 1]]] for m in range(micro_batches)] for r in range(dp)]

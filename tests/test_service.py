@@ -49,8 +49,9 @@ def consume(address: str, ranks: list[int], steps: int) -> dict[int, list[dict]]
     return out
 
 
-def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, small_plan):
-    plan = small_plan()
+@pytest.mark.parametrize("policy", ["cost", "none"])
+def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, small_plan, policy):
+    plan = small_plan(balance={"policy": policy, "window": 3})
     steps, dp = 25, plan.topology.dp
     with Service.start(plan, cluster=cluster) as service:
         got = consume(service.address, list(range(dp)), steps)
@@ -81,12 +82,17 @@ def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, s
             delivered.append(delivered_identities(rec))
     duplicates, missing = exactly_once([planned_identities(ledger[s], piece) for s in range(steps)], delivered)
     assert (duplicates, missing) == (0, 0)
-    # per-step mix: every source within two pieces of its weight (documented bound)
     w = np.array(list(plan.weights().values()))
+    if policy == "none":  # exact per-step mix: every source within two pieces of its weight
+        for m in metrics:
+            err = np.abs(np.array(m["source_tokens"]) - w * m["tokens"])
+            assert err.max() <= 2 * m["longest_piece"], m
+    else:  # balanced: the mix holds per window, up to the pieces still waiting (bounded)
+        tokens = np.sum([m["source_tokens"] for m in metrics], axis=0)
+        waiting = max(m["pending"] for m in metrics) * plan.topology.tokens_per_micro_batch
+        assert np.abs(tokens - w * tokens.sum()).max() <= waiting + plan.topology.tokens_per_micro_batch
     for m in metrics:
-        err = np.abs(np.array(m["source_tokens"]) - w * m["tokens"])
-        assert err.max() <= 2 * m["longest_piece"], m
-        assert m["imbalance"] >= 1.0 and m["fill"] > 0.8
+        assert m["imbalance"] >= 1.0 and m["fill"] > 0.8, m
 
 
 CONSUMER_SCRIPT = """

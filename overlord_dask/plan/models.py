@@ -27,6 +27,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 SourceFormat = Literal["parquet", "zarr"]
 
 
+def _import_callable(spec: str):
+    """Resolve `module:callable` at plan load, so a typo fails here and not on the scheduler."""
+    import importlib
+
+    mod, _, attr = spec.partition(":")
+    if not mod or not attr:
+        raise ValueError(f"{spec!r} is not of the form 'module:callable'")
+    try:
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot import {spec!r}: {err}") from None
+    if not callable(obj):
+        raise ValueError(f"{spec!r} is not callable")
+    return obj
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -116,6 +134,16 @@ class CostModel(_Strict):
     """Default 6·hidden."""
     constant: float = Field(default=0.0, ge=0.0)
     hidden: int = Field(default=4096, ge=1)
+    function: str | None = None
+    """Optional `module:callable` mapping an int64 array of document lengths to float costs
+    (vectorised); replaces the formula. It must be importable on the scheduler."""
+
+    @field_validator("function")
+    @classmethod
+    def _importable(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            _import_callable(spec)
+        return spec
 
     @property
     def linear_coef(self) -> float:
@@ -137,6 +165,26 @@ class Loading(_Strict):
     """Attempts per load unit before the run fails with the unit's file named."""
 
 
+class Balance(_Strict):
+    """How the planner spreads attention cost over ranks (issue: stragglers from long documents)."""
+
+    policy: Literal["cost", "none"] = "cost"
+    """`cost`: plan `window` steps at once, spread long documents so every rank gets an equal
+    share, water-fill short ones (`planner/balance.py`). `none`: exact per-step mixing with
+    best-fit packing and no look-ahead (`planner/mixing.py`)."""
+    sync: Literal["step", "micro_batch"] = "micro_batch"
+    """What the trainer waits on: `step` (DDP: ranks sync once per step) or `micro_batch` (FSDP:
+    every micro-batch); the imbalance of that one is minimised."""
+    window: int = Field(default=4, ge=1, le=256)
+    """Steps planned together; long documents move between these steps (mix is exact per window)."""
+    fill: float = Field(default=0.97, gt=0.0, le=1.0)
+    """Token budget of a step as a fraction of its capacity (slack for balancing)."""
+    heavy_tokens: int | None = Field(default=None, ge=1)
+    """Pieces at least this long are balanced as outliers; default tokens_per_micro_batch // 8."""
+    max_delay: int = Field(default=2, ge=0, le=64)
+    """Windows a long piece may wait for similar ones before it is placed alone."""
+
+
 class Plan(_Strict):
     """A whole run: sources and their mix, topology, cost model and loading bounds."""
 
@@ -146,6 +194,7 @@ class Plan(_Strict):
     topology: Topology
     cost: CostModel = Field(default_factory=CostModel)
     loading: Loading = Field(default_factory=Loading)
+    balance: Balance = Field(default_factory=Balance)
     base_dir: str | None = None
     """Folder that relative source URLs are resolved against (set by `load_plan` to the plan file's
     folder; defaults to the working directory)."""

@@ -10,12 +10,13 @@ committed steps is kept for inspection (``history_steps``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
 from ..plan.models import Plan
 from .assign import assign_bins
+from .balance import balance_window, wfq_select
 from .cost import doc_costs
 from .metrics import step_imbalance
 from .mixing import Starved, next_carry, select_step
@@ -51,6 +52,15 @@ class PlannerState:
         self.history_steps = history_steps
         self.failure: str | None = None
         self.starved_on: str | None = None
+        # policy "cost": a window of steps is planned at once and handed out one step at a time
+        self.balance = plan.balance
+        self.heavy_tokens = plan.balance.heavy_tokens or max(1, plan.topology.tokens_per_micro_batch // 8)
+        self.step_budget = int(plan.balance.fill * plan.topology.step_tokens)
+        self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs)
+        self.pending = np.zeros((0, 7), dtype=np.int64)  # pieces waiting for the next window
+        self.selected = np.zeros(len(self.streams), dtype=np.int64)  # tokens selected per source so far
+        self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
+        self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by pending/ready pieces
 
     # ---- loading ------------------------------------------------------------------------------
     def wanted(self) -> list[list]:
@@ -60,10 +70,13 @@ class PlannerState:
         for s, w in zip(self.streams, self.weights):
             if w <= 0:
                 continue
-            target = max(1, int(w * step_tokens * 2))
+            target = max(1, int(w * step_tokens * (self._window_steps() + 1) * 1.3))
             for epoch, unit in s.want(target, self.plan.loading.units_ahead):
                 out.append([s.name, epoch, unit])
         return out
+
+    def _window_steps(self) -> int:
+        return self.balance.window if self.balance.policy == "cost" else 1
 
     def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray) -> bool:
         return self._stream(source).add_lengths(epoch, unit, lengths)
@@ -86,51 +99,107 @@ class PlannerState:
     def plan_steps(self, max_steps: int) -> tuple[list[dict], list[list]]:
         """Plan as many steps as the bounds and loaded metadata allow.
 
-        Returns (steps, finished_units): each step is ``{"step", "ranks": [[mb pieces]]}`` with a
-        piece as ``[source, epoch, unit, doc, start, stop]``; finished units are ``[source, epoch,
-        unit]`` whose blocks no later step needs.
+        Returns (steps, finished_units): each step is ``{"step", "pieces", "slot"}`` where
+        ``pieces`` is little-endian int64 bytes of rows ``[source, epoch, unit, doc, start, stop]``
+        and ``slot`` int32 bytes of ``[rank, micro_batch]`` per row (compact for the RPC: no
+        Python object per piece); finished units are ``[source, epoch, unit]`` whose blocks no
+        later step needs.
         """
+        import time
+
         steps = []
-        topo = self.topology
+        t0 = time.perf_counter()
         while len(steps) < max_steps and self.can_plan():
             try:
-                sel = select_step(self.streams, self.weights, topo.dp * topo.micro_batches, topo.tokens_per_micro_batch, self.carry)
+                ranks, mb_costs = self._next_planned()
             except Starved as e:
                 self.starved_on = e.source
                 break
             self.starved_on = None
-            self.cum_tokens += sel.source_tokens
-            self.carry = next_carry(self.cum_tokens, self.weights, sel.longest_piece)
-            bin_costs = np.array([doc_costs(np.array([p.length for p in b], dtype=np.int64), self.plan.cost).sum() for b in sel.bins])
-            slots = assign_bins(bin_costs, topo.dp, topo.micro_batches)
-            ranks = [[[p.as_list() for p in sel.bins[slots[r, m]]] for m in range(topo.micro_batches)] for r in range(topo.dp)]
             step = self.next_step
             self.next_step += 1
-            self._record(step, ranks, bin_costs[slots], sel)
-            steps.append({"step": step, "ranks": ranks})
-        finished = []
-        for s in self.streams:
-            finished.extend([s.name, e, u] for e, u in s.finished_units())
-        return steps, finished
+            self._record(step, ranks, mb_costs)
+            entry = self.ledger[step]
+            steps.append({"step": step, "pieces": entry["pieces"].astype("<i8").tobytes(), "slot": entry["slot"].astype("<i4").tobytes()})
+        if steps:
+            self.plan_seconds.append(time.perf_counter() - t0)
+            del self.plan_seconds[:-10_000]
+        return steps, self._finished_units()
 
-    def _record(self, step: int, ranks: list, mb_costs: np.ndarray, sel) -> None:
-        rows, slots = [], []
+    def _finished_units(self) -> list[list]:
+        """Units the cursor has passed that no pending piece or not-yet-handed-out step needs."""
+        for i, s in enumerate(self.streams):
+            self.held.update((i, e, u) for e, u in s.finished_units())
+        if not self.held:
+            return []
+        refs = [self.pending[:, :3]] + [rows[:, :3] for ranks, _ in self.ready for mbs in ranks for rows in mbs]
+        in_use = {tuple(r) for r in np.unique(np.concatenate(refs), axis=0).tolist()} if refs else set()
+        done = [k for k in self.held if k not in in_use]
+        self.held.difference_update(done)
+        return [[self.source_names[i], e, u] for i, e, u in sorted(done)]
+
+    def _next_planned(self) -> tuple[list[list[np.ndarray]], np.ndarray]:
+        """The next step's pieces per (rank, micro-batch) as int64 rows, and their costs."""
+        if self.balance.policy == "none":
+            return self._exact_step()
+        if not self.ready:
+            self._plan_window()
+        return self.ready.popleft()
+
+    def _exact_step(self):
+        topo = self.topology
+        sel = select_step(self.streams, self.weights, topo.dp * topo.micro_batches, topo.tokens_per_micro_batch, self.carry)
+        self.cum_tokens += sel.source_tokens
+        self.carry = next_carry(self.cum_tokens, self.weights, sel.longest_piece)
+        bins = [np.asarray([p.as_list() for p in b], dtype=np.int64).reshape(-1, 6) for b in sel.bins]
+        bin_costs = np.array([doc_costs(b[:, 5] - b[:, 4], self.plan.cost).sum() for b in bins])
+        slots = assign_bins(bin_costs, topo.dp, topo.micro_batches)
+        ranks = [[bins[slots[r, m]] for m in range(topo.micro_batches)] for r in range(topo.dp)]
+        return ranks, bin_costs[slots]
+
+    def _plan_window(self) -> None:
+        """Select the next window's pieces (weighted fair queuing) and balance them over ranks."""
+        topo, bal = self.topology, self.balance
+        budget = bal.window * self.step_budget - int((self.pending[:, 5] - self.pending[:, 4]).sum())
+        surplus = self.selected - self.weights * self.selected.sum()
+        rows = wfq_select(self.streams, self.weights, max(budget, 0), surplus) if budget > 0 else np.zeros((0, 6), np.int64)
+        self.selected += np.bincount(rows[:, 0], weights=rows[:, 5] - rows[:, 4], minlength=len(self.streams)).astype(np.int64)
+        fresh = np.concatenate([rows, np.zeros((len(rows), 1), dtype=np.int64)], axis=1)
+        pieces = np.concatenate([self.pending, fresh])
+        costs = doc_costs(pieces[:, 5] - pieces[:, 4], self.plan.cost)
+        wp = balance_window(
+            pieces, costs, steps=bal.window, dp=topo.dp, micro_batches=topo.micro_batches,
+            capacity=topo.tokens_per_micro_batch, step_budget=self.step_budget, heavy_tokens=self.heavy_tokens,
+            sync=bal.sync, max_delay=bal.max_delay,
+        )
+        self.pending = wp.pending
+        for ranks, mb_costs in zip(wp.steps, wp.bin_costs):
+            self.ready.append((ranks, mb_costs))
+
+    def _record(self, step: int, ranks: list[list[np.ndarray]], mb_costs: np.ndarray) -> None:
+        parts, slots = [], []
         for r, mbs in enumerate(ranks):
-            for m, pieces in enumerate(mbs):
-                rows.extend(pieces)
-                slots.extend([[r, m]] * len(pieces))
-        self.ledger[step] = {"pieces": np.asarray(rows, dtype=np.int64).reshape(-1, 6), "slot": np.asarray(slots, dtype=np.int32).reshape(-1, 2)}
+            for m, rows in enumerate(mbs):
+                parts.append(rows)
+                slots.append(np.broadcast_to(np.array([r, m], dtype=np.int32), (len(rows), 2)))
+        pieces = np.concatenate(parts) if parts else np.zeros((0, 6), np.int64)
+        self.ledger[step] = {"pieces": pieces, "slot": np.concatenate(slots) if slots else np.zeros((0, 2), np.int32)}
+        lens = pieces[:, 5] - pieces[:, 4]
+        tokens = int(lens.sum())
         imb, mb_imb = step_imbalance(mb_costs)
+        rank_costs = mb_costs.sum(axis=1)
         self.metrics[step] = {
             "step": step,
-            "tokens": int(sel.total_tokens),
-            "fill": float(sel.total_tokens / self.topology.step_tokens),
+            "tokens": tokens,
+            "fill": float(tokens / self.topology.step_tokens),
             "imbalance": imb,
             "mb_imbalance": mb_imb,
-            "source_tokens": [int(x) for x in sel.source_tokens],
-            "longest_piece": int(sel.longest_piece),
-            "cost_max": float(mb_costs.sum(axis=1).max()),
-            "cost_mean": float(mb_costs.sum(axis=1).mean()),
+            "source_tokens": [int(x) for x in np.bincount(pieces[:, 0], weights=lens, minlength=len(self.streams))],
+            "longest_piece": int(lens.max()) if len(lens) else 0,
+            "cost_max": float(rank_costs.max()),
+            "cost_mean": float(rank_costs.mean()),
+            "lower_bound": float(max(doc_costs(lens, self.plan.cost).max(initial=0.0), rank_costs.sum() / self.topology.dp)),
+            "pending": int(len(self.pending)),
         }
         while len(self.metrics) > self.history_steps:
             self.metrics.popitem(last=False)

@@ -133,6 +133,57 @@ class SourceStream:
             self.pos = 0
             self.epoch_tokens = 0
 
+    # ---- vectorised access (the balancing planner) --------------------------------------------
+    def pieces_ahead(self, min_tokens: int) -> tuple[np.ndarray, bool]:
+        """Upcoming pieces from the cursor as int64 rows ``[epoch, unit, doc, start, stop]``,
+        covering at least ``min_tokens`` tokens if that much metadata is loaded. Returns
+        (rows, enough); numpy per unit, no Python loop per document."""
+        rows: list[np.ndarray] = []
+        total = 0
+        e, pos, doc, tok = self.epoch, self.pos, self.doc, self.tok
+        empty_units = 0
+        while total < min_tokens:
+            unit = int(self.order(e)[pos])
+            lens = self.lengths.get((e, unit))
+            if lens is None:
+                break
+            L = lens[doc:]
+            if len(L):
+                rem = L.copy()
+                rem[0] -= tok
+                n = np.where(rem > 0, -(-rem // self.piece_tokens), 0)
+                k_total = int(n.sum())
+                if k_total:
+                    d = np.repeat(np.arange(len(L)), n)
+                    k = np.arange(k_total) - np.repeat(np.cumsum(n) - n, n)
+                    start = k * self.piece_tokens + np.where(d == 0, tok, 0)
+                    stop = np.minimum(start + self.piece_tokens, L[d])
+                    block = np.empty((k_total, 5), dtype=np.int64)
+                    block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = e, unit, d + doc, start, stop
+                    rows.append(block)
+                    total += int((stop - start).sum())
+                    empty_units = 0
+                else:
+                    empty_units += 1
+            else:
+                empty_units += 1
+            if empty_units > self.n_units:
+                raise SourceError(f"source {self.name!r} is empty: a whole pass over its files found no tokens")
+            doc, tok = 0, 0
+            pos += 1
+            if pos >= self.n_units:
+                e, pos = e + 1, 0
+        out = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
+        return out, total >= min_tokens
+
+    def advance_past(self, row: np.ndarray) -> None:
+        """Move the cursor just past piece ``row`` = [epoch, unit, doc, start, stop]."""
+        e, unit, doc, _, stop = (int(x) for x in row)
+        self.epoch, self.pos = e, self.position(e, unit)
+        L = int(self.lengths[(e, unit)][doc])
+        self.doc, self.tok = (doc + 1, 0) if stop >= L else (doc, stop)
+        self.epoch_tokens = 1  # this epoch has tokens: the empty-source check is satisfied
+
     def finished_units(self) -> list[tuple[int, int]]:
         """Loaded units wholly behind the cursor: their blocks are no longer needed for planning."""
         done = [key for key in self.lengths if self._behind(*key)]

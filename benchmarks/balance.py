@@ -1,0 +1,229 @@
+"""Planner-only balance benchmark: the central planner vs per-rank first-fit loaders, seeded.
+
+    python benchmarks/balance.py            # readable table
+    python benchmarks/balance.py --json     # one JSON object, keys per distribution
+
+For each length distribution, in the same run:
+- **baseline**: per-rank loaders, as today: each rank draws its own stream of the same mix and packs
+  first-fit into its micro-batches up to the same token budget (a piece that does not fit waits
+  for the rank's next step);
+- **planner**: ``PlannerState`` exactly as the service runs it (selection + balancing);
+- **lower bound** per step: ``max(largest single cost, total cost / dp)``.
+
+Imbalance = max rank cost / mean rank cost per step (DDP), and the same per micro-batch index
+(FSDP). ``speedup_vs_baseline`` compares simulated time per token (step time = max rank cost for
+DDP; sum over micro-batches of the max bin cost for FSDP), baseline over planner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from overlord_dask.plan import plan_from_dict  # noqa: E402
+from overlord_dask.planner.cost import doc_costs  # noqa: E402
+from overlord_dask.planner.metrics import step_imbalance  # noqa: E402
+from overlord_dask.planner.state import PlannerState  # noqa: E402
+
+MAX_DOC = 131_072
+
+
+def _lognormal(mu, sigma, lo=16, hi=MAX_DOC):
+    return lambda rng, n: np.clip(rng.lognormal(mu, sigma, n), lo, hi).astype(np.int64)
+
+
+def _pareto(alpha, scale, lo=16, hi=MAX_DOC):
+    return lambda rng, n: np.clip((rng.pareto(alpha, n) + 1) * scale, lo, hi).astype(np.int64)
+
+
+def _uniform(lo, hi):
+    return lambda rng, n: rng.integers(lo, hi, n).astype(np.int64)
+
+
+DISTRIBUTIONS = {
+    # dp=8, 4 micro-batches of 128k tokens; documents from 16 tokens to 128k, long-tailed
+    "long_tail": {
+        "topology": {"dp": 8, "micro_batches": 4, "tokens_per_micro_batch": 131_072},
+        "sources": {"web": (0.5, _lognormal(6.5, 1.2)), "code": (0.3, _lognormal(7.5, 1.4)), "books": (0.2, _pareto(0.9, 4096))},
+    },
+    # short chat-like samples (~10,000 per step), a thin tail
+    "chat_short": {
+        "topology": {"dp": 8, "micro_batches": 4, "tokens_per_micro_batch": 32_768},
+        "sources": {"chat": (0.8, _lognormal(4.4, 0.6, 8, 4096)), "web": (0.2, _lognormal(6.0, 1.0, 16, 32_768))},
+    },
+    # mostly short documents plus a few 100k+ ones
+    "mixed_100k": {
+        "topology": {"dp": 8, "micro_batches": 2, "tokens_per_micro_batch": 131_072},
+        "sources": {"short": (0.9, _lognormal(6.0, 0.8)), "long": (0.1, _uniform(100_000, MAX_DOC))},
+    },
+}
+
+
+def make_plan(dist: dict, **balance):
+    sources = [{"name": n, "format": "zarr", "url": f"{n}.zarr", "weight": w} for n, (w, _) in dist["sources"].items()]
+    window = balance.get("window", 4)
+    return plan_from_dict(
+        {
+            "name": "bench",
+            "seed": 7,
+            "sources": sources,
+            "topology": dist["topology"],
+            "loading": {"prefetch_steps": 2 * window, "units_ahead": 64},
+            "balance": balance,
+        }
+    )
+
+
+def run_planner(dist: dict, steps: int, seed: int, **balance) -> dict:
+    plan = make_plan(dist, **balance)
+    n_units, per_unit = 100_000, 2048
+    st = PlannerState(plan, {n: list(range(0, n_units * per_unit, per_unit)) for n in dist["sources"]})
+    gens = {n: g for n, (_, g) in dist["sources"].items()}
+    rng = np.random.default_rng(seed)
+    out, plan_s, samples = [], 0.0, 0
+    while len(out) < steps:
+        for name, epoch, unit in st.wanted():
+            st.add_lengths(name, epoch, unit, gens[name](rng, per_unit))
+        t0 = time.perf_counter()
+        planned, _ = st.plan_steps(plan.balance.window)
+        plan_s += time.perf_counter() - t0
+        for p in planned:
+            entry = st.ledger[p["step"]]
+            samples += len(entry["pieces"])
+            out.append(_bins(entry, plan))
+            for r in range(plan.topology.dp):
+                st.ack(r, p["step"])
+    per_step_ms = [1e3 * t / plan.balance.window for t in st.plan_seconds]
+    return {"bins": out[:steps], "samples_per_s": samples / plan_s, "ms_per_step": per_step_ms, "samples_per_step": samples / len(out)}
+
+
+def _bins(entry: dict, plan) -> tuple[np.ndarray, np.ndarray, float]:
+    t = plan.topology
+    lens = entry["pieces"][:, 5] - entry["pieces"][:, 4]
+    cost = doc_costs(lens, plan.cost)
+    c = np.zeros((t.dp, t.micro_batches))
+    tok = np.zeros((t.dp, t.micro_batches), dtype=np.int64)
+    np.add.at(c, (entry["slot"][:, 0], entry["slot"][:, 1]), cost)
+    np.add.at(tok, (entry["slot"][:, 0], entry["slot"][:, 1]), lens)
+    return c, tok, float(cost.max(initial=0.0))
+
+
+def run_baseline(dist: dict, steps: int, seed: int, fill: float) -> list:
+    """Per-rank loaders: every rank samples the mix on its own and packs first-fit."""
+    plan = make_plan(dist)
+    t = plan.topology
+    C, M = t.tokens_per_micro_batch, t.micro_batches
+    names = list(dist["sources"])
+    w = np.array([dist["sources"][n][0] for n in names])
+    w = w / w.sum()
+    out = []
+    ranks = []
+    for r in range(t.dp):
+        rng = np.random.default_rng([seed, r])
+        ranks.append({"rng": rng, "carry": [], "drawn": np.zeros(len(names))})
+    budget = int(fill * M * C)
+    for _ in range(steps):
+        c = np.zeros((t.dp, M))
+        tok = np.zeros((t.dp, M), dtype=np.int64)
+        biggest = 0.0
+        for r, st in enumerate(ranks):
+            pieces, st["carry"] = st["carry"], []
+            while tok[r].sum() < budget:
+                if not pieces:
+                    s = int(np.argmax(w * (st["drawn"].sum() + 1) - st["drawn"]))  # the rank's own exact mix
+                    L = int(dist["sources"][names[s]][1](st["rng"], 1)[0])
+                    st["drawn"][s] += L
+                    pieces = [min(C, L - k) for k in range(0, L, C)]
+                p = pieces.pop(0)
+                fits = np.flatnonzero(C - tok[r] >= p)
+                if len(fits) == 0 or tok[r].sum() + p > budget + C // 64:
+                    st["carry"] = [p, *pieces]
+                    break
+                b = int(fits[0])  # first fit
+                tok[r, b] += p
+                cost = float(doc_costs(np.array([p]), plan.cost)[0])
+                c[r, b] += cost
+                biggest = max(biggest, cost)
+            else:
+                st["carry"] = pieces
+        out.append((c, tok, biggest))
+    return out
+
+
+def summarize(bins: list) -> dict:
+    imb, mb_imb, lb, step_t, mb_t, tokens = [], [], [], 0.0, 0.0, 0
+    for c, tok, biggest in bins:
+        i, m = step_imbalance(c)
+        imb.append(i)
+        mb_imb.append(m)
+        rank = c.sum(axis=1)
+        lb.append(max(biggest, rank.sum() / len(rank)) / rank.mean() if rank.mean() > 0 else 1.0)
+        step_t += rank.max()
+        mb_t += c.max(axis=0).sum()
+        tokens += int(tok.sum())
+    return {"imb": np.array(imb), "mb": np.array(mb_imb), "lb": np.array(lb), "time_per_token": step_t / tokens, "mb_time_per_token": mb_t / tokens, "tokens": tokens}
+
+
+def bench(name: str, dist: dict, steps: int, seed: int, **balance) -> dict:
+    res = run_planner(dist, steps, seed, **balance)
+    fill = make_plan(dist, **balance).balance.fill
+    p = summarize(res["bins"])
+    b = summarize(run_baseline(dist, steps, seed, fill))
+    capacity = make_plan(dist).topology.tokens_per_micro_batch
+    violations = sum(int((tok > capacity).sum()) for _, tok, _ in res["bins"])
+    q = lambda a, x: round(float(np.percentile(a, x)), 4)  # noqa: E731
+    return {
+        "imbalance_p50": q(p["imb"], 50),
+        "imbalance_p99": q(p["imb"], 99),
+        "mb_imbalance_p50": q(p["mb"], 50),
+        "mb_imbalance_p99": q(p["mb"], 99),
+        "baseline_imbalance_p50": q(b["imb"], 50),
+        "baseline_imbalance_p99": q(b["imb"], 99),
+        "baseline_mb_imbalance_p50": q(b["mb"], 50),
+        "baseline_mb_imbalance_p99": q(b["mb"], 99),
+        "lower_bound_p50": q(p["lb"], 50),
+        "gap_to_lower_bound_p50": round(q(p["imb"], 50) / q(p["lb"], 50) - 1, 4),
+        "speedup_vs_baseline": round(b["time_per_token"] / p["time_per_token"], 3),
+        "mb_speedup_vs_baseline": round(b["mb_time_per_token"] / p["mb_time_per_token"], 3),
+        "fill": round(p["tokens"] / (steps * make_plan(dist).topology.step_tokens), 4),
+        "baseline_fill": round(b["tokens"] / (steps * make_plan(dist).topology.step_tokens), 4),
+        "capacity_violations": violations,
+        "samples_per_step": round(res["samples_per_step"], 1),
+        "planner_samples_per_s": round(res["samples_per_s"], 1),
+        "planner_ms_per_step_p99": q(res["ms_per_step"], 99),
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sync", default="micro_batch", choices=["step", "micro_batch"])
+    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--only", default=None, help="one distribution")
+    args = ap.parse_args(argv)
+    out = {}
+    for name, dist in DISTRIBUTIONS.items():
+        if args.only and name != args.only:
+            continue
+        out[name] = bench(name, dist, args.steps, args.seed, sync=args.sync, window=args.window)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        keys = list(next(iter(out.values())))
+        print(f"{'':<28}" + "".join(f"{n:>14}" for n in out))
+        for k in keys:
+            print(f"{k:<28}" + "".join(f"{out[n][k]!s:>14}" for n in out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

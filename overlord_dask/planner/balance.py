@@ -1,0 +1,234 @@
+"""Attention-cost-aware planning: choose a window of steps, then balance it across ranks.
+
+Why not a greedy per step: attention cost grows with L², and a step is ~97% full, so a rank that
+holds a long document cannot shed enough short-document tokens to others to even out; the
+capacity binds before the cost does (measured: a central greedy does no better than per-rank
+loaders). What works is deciding *which* long documents share a step:
+
+1. **Select** the next window of ``W`` steps' tokens with weighted fair queuing over the sources
+   (:func:`wfq_select`): piece ``k`` of source ``s`` gets the tag ``(surplus_s + tokens before
+   it)/w_s`` and the window takes the smallest tags. The surplus carries across windows, so every
+   prefix of the run is within one piece per source of the declared mix. Numpy only.
+2. **Heavy pieces** (at least ``heavy_tokens`` long) are grouped, oldest first, into groups of
+   ``dp`` pieces of similar cost, and each group is placed one piece per rank into the same
+   (step, micro-batch) row, rows chosen by LPT. The ``< dp`` newest heavy pieces that do not
+   make a whole group wait for the next window (WLB-LLM's *outlier delay*); a piece that has
+   already waited ``max_delay`` windows is placed alone.
+3. **Light pieces** are shared among the window's steps in selection order, in proportion to the
+   room each step has left after its heavy pieces, and are
+   *water-filled* over the step's bins (sync ``micro_batch``) or ranks (sync ``step``): the
+   container with less heavy cost gets more light tokens, so all reach the same cost ``Q``,
+   without exceeding capacity. A repair pass moves pieces that overflow a bin to the emptiest
+   bin with room, or defers them to the next window.
+
+Guarantees (tested): no bin over capacity; every selected piece is planned exactly once (in this
+window or a later one); a piece waits at most ``max_delay`` windows; over any run of whole
+windows, each source's planned tokens differ from its declared share by at most the pieces still
+waiting (fewer than ``dp`` heavy pieces plus the deferred overflow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .mixing import Starved
+from .streams import SourceStream
+
+# columns of a piece row in this module
+SRC, EPOCH, UNIT, DOC, START, STOP, AGE = range(7)
+
+
+def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, surplus: np.ndarray) -> np.ndarray:
+    """The next ``budget`` tokens of pieces across sources, in weighted-fair-queuing order.
+
+    Returns rows ``[source, epoch, unit, doc, start, stop]`` (selection order) and advances each
+    stream past what it took. Raises ``Starved`` (streams untouched) if metadata is missing.
+    """
+    active = np.flatnonzero(weights > 0)
+    cand: dict[int, np.ndarray] = {}
+    need = {int(i): int(weights[i] * budget * 1.25) + streams[i].piece_tokens for i in active}
+    while True:
+        for i in active:
+            i = int(i)
+            if i not in cand or len(cand[i]) == 0 or _tokens(cand[i]) < need[i]:
+                rows, enough = streams[i].pieces_ahead(need[i])
+                if not enough:
+                    raise Starved(streams[i].name)
+                cand[i] = rows
+        tags, src, idx = [], [], []
+        for i in active:
+            i = int(i)
+            lens = cand[i][:, 4] - cand[i][:, 3]
+            before = np.cumsum(lens) - lens
+            tags.append((surplus[i] + before) / weights[i])
+            src.append(np.full(len(lens), i))
+            idx.append(np.arange(len(lens)))
+        tags_a, src_a, idx_a = np.concatenate(tags), np.concatenate(src), np.concatenate(idx)
+        order = np.lexsort((src_a, tags_a))
+        lens_all = np.concatenate([cand[int(i)][:, 4] - cand[int(i)][:, 3] for i in active])[order]
+        n_take = int(np.searchsorted(np.cumsum(lens_all), budget, side="right"))
+        taken = order[:n_take]
+        # a source whose every candidate was taken might have had more to give: widen and redo
+        short = [int(i) for i in active if np.count_nonzero(src_a[taken] == i) == len(cand[int(i)])]
+        if not short:
+            break
+        for i in short:
+            need[i] *= 2
+    out = np.empty((n_take, 6), dtype=np.int64)
+    out[:, 0] = src_a[taken]
+    for i in active:
+        i = int(i)
+        sel = src_a[taken] == i
+        if sel.any():
+            rows = cand[i][idx_a[taken][sel]]
+            out[sel, 1:] = rows
+            streams[i].advance_past(rows[-1])
+    return out
+
+
+def _tokens(rows: np.ndarray) -> int:
+    return int((rows[:, 4] - rows[:, 3]).sum())
+
+
+@dataclass(slots=True)
+class WindowPlan:
+    steps: list[list[list[np.ndarray]]]  # [step][rank][micro_batch] -> piece rows [n, 6]
+    pending: np.ndarray  # rows [n, 7] (with age) carried into the next window
+    bin_costs: list[np.ndarray]  # per step: cost[rank, micro_batch]
+    bin_tokens: list[np.ndarray]  # per step: tokens[rank, micro_batch]
+
+
+def balance_window(
+    pieces: np.ndarray,
+    costs: np.ndarray,
+    *,
+    steps: int,
+    dp: int,
+    micro_batches: int,
+    capacity: int,
+    step_budget: int,
+    heavy_tokens: int,
+    sync: str = "micro_batch",
+    max_delay: int = 2,
+) -> WindowPlan:
+    """Assign a window's pieces (rows ``[source, epoch, unit, doc, start, stop, age]``, oldest
+    first) to ``steps × dp × micro_batches`` bins of ``capacity`` tokens."""
+    lens = pieces[:, STOP] - pieces[:, START]
+    n_bins = dp * micro_batches
+    bin_cost = np.zeros((steps, n_bins))
+    bin_tok = np.zeros((steps, n_bins), dtype=np.int64)
+    where = np.full(len(pieces), -1, dtype=np.int64)  # flat bin index step*n_bins + bin, -1 = pending
+
+    heavy = np.flatnonzero(lens >= heavy_tokens)
+    light = np.flatnonzero(lens < heavy_tokens)
+
+    # --- 2. heavy groups, oldest first; the newest remainder waits unless it waited long enough
+    n_full = (len(heavy) // dp) * dp
+    forced = heavy[n_full:][pieces[heavy[n_full:], AGE] >= max_delay]
+    placed_heavy = np.concatenate([heavy[:n_full], forced])
+    if len(placed_heavy):
+        by_cost = placed_heavy[np.argsort(-costs[placed_heavy], kind="stable")]
+        groups = [by_cost[g : g + dp] for g in range(0, len(by_cost), dp)]
+        row_cost = np.zeros(steps * micro_batches)
+        for group in groups:  # a few dozen groups per window: Python is fine here
+            for row in np.argsort(row_cost, kind="stable"):
+                s, m = divmod(int(row), micro_batches)
+                bins = s * n_bins + np.arange(dp) * micro_batches + m  # bin (rank r, mb m) of step s
+                room = capacity - bin_tok.ravel()[bins]
+                order = np.argsort(bin_cost.ravel()[bins], kind="stable")
+                members = group[np.argsort(-costs[group], kind="stable")]
+                if np.all(room[order[: len(members)]] >= lens[members]):
+                    for member, b in zip(members, bins[order[: len(members)]]):
+                        where[member] = b
+                        bin_tok.ravel()[b] += lens[member]
+                        bin_cost.ravel()[b] += costs[member]
+                    row_cost[row] += costs[group].sum()
+                    break
+            # a group that fits no row stays pending (where == -1)
+
+    # --- 3. light pieces: fill each step to its budget in selection order, then water-fill
+    step_room = np.maximum(step_budget - bin_tok.sum(axis=1), 0).astype(np.float64)
+    light_total = float(lens[light].sum())
+    if step_room.sum() > light_total > 0:  # fewer light tokens than room: share the shortfall evenly
+        step_room *= light_total / step_room.sum()
+    cum = np.cumsum(lens[light])
+    step_of = np.searchsorted(np.cumsum(step_room), cum - 0.5 * lens[light], side="left")  # by piece midpoint
+    for s in range(steps):
+        mine = light[step_of == s]
+        if len(mine):
+            _water_fill(mine, lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, dp, micro_batches, sync)
+
+    # --- outputs
+    out_steps, out_costs, out_tok = [], [], []
+    for s in range(steps):
+        ranks = []
+        for r in range(dp):
+            mbs = []
+            for m in range(micro_batches):
+                b = s * n_bins + r * micro_batches + m
+                sel = np.flatnonzero(where == b)
+                mbs.append(pieces[sel, :6])
+            ranks.append(mbs)
+        out_steps.append(ranks)
+        out_costs.append(bin_cost[s].reshape(dp, micro_batches).copy())
+        out_tok.append(bin_tok[s].reshape(dp, micro_batches).copy())
+    pending = pieces[where < 0].copy()
+    pending[:, AGE] += 1
+    return WindowPlan(out_steps, pending, out_costs, out_tok)
+
+
+def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, dp, micro_batches, sync) -> None:
+    """Spread light pieces ``idx`` over one step's bins so that containers (bins, or ranks for
+    sync='step') reach an equal cost, within capacity. Vectorised; modifies the arrays in place."""
+    total_tok = int(lens[idx].sum())
+    rho = float(costs[idx].sum()) / max(total_tok, 1)  # light cost per token
+    if sync == "step":
+        h = bin_cost.reshape(dp, micro_batches).sum(axis=1)
+        room = (capacity - bin_tok.reshape(dp, micro_batches)).sum(axis=1)
+    else:
+        h, room = bin_cost.copy(), capacity - bin_tok
+    # find Q with sum(clip((Q - h)/rho, 0, room)) == total_tok (bisection on a monotone function)
+    lo, hi = float(h.min()), float(h.max() + rho * total_tok + 1)
+    for _ in range(60):
+        q = (lo + hi) / 2
+        if np.clip((q - h) / rho, 0, room).sum() < total_tok:
+            lo = q
+        else:
+            hi = q
+    quota = np.clip((hi - h) / rho, 0, room)
+    if sync == "step":  # a rank's quota goes to its micro-batches in order of room
+        rank_quota = quota
+        bin_room = capacity - bin_tok.reshape(dp, micro_batches)
+        quota = np.zeros((dp, micro_batches))
+        for r in range(dp):
+            left = rank_quota[r]
+            for m in np.argsort(-bin_room[r], kind="stable"):
+                take = min(left, bin_room[r, m])
+                quota[r, m] = take
+                left -= take
+        quota = quota.ravel()
+    # cut the pieces' token sequence at the cumulative quotas; a piece goes where it starts
+    ends = np.cumsum(lens[idx])
+    starts = ends - lens[idx]
+    b = np.minimum(np.searchsorted(np.cumsum(quota), starts, side="right"), len(quota) - 1)
+    np.add.at(bin_tok, b, lens[idx])
+    np.add.at(bin_cost, b, costs[idx])
+    where[idx] = base + b
+    # repair: move the last pieces out of any bin over capacity
+    for bi in np.flatnonzero(bin_tok > capacity):
+        members = idx[b == bi][::-1]
+        for p in members:
+            if bin_tok[bi] <= capacity:
+                break
+            bin_tok[bi] -= lens[p]
+            bin_cost[bi] -= costs[p]
+            fits = np.flatnonzero(capacity - bin_tok >= lens[p])
+            if len(fits):
+                t = int(fits[np.argmin(bin_cost[fits])])
+                bin_tok[t] += lens[p]
+                bin_cost[t] += costs[p]
+                where[p] = base + t
+            else:
+                where[p] = -1  # deferred to the next window
