@@ -4,9 +4,9 @@
     python benchmarks/balance.py --json     # one JSON object, keys per distribution
 
 For each length distribution, in the same run:
-- **baseline**: per-rank loaders, as today: each rank draws its own stream of the same mix and packs
-  first-fit into its micro-batches up to the same token budget (a piece that does not fit waits
-  for the rank's next step);
+- **baseline**: per-rank loaders, as today, over the very documents the planner delivered:
+  shuffled, dealt round-robin to ranks (DistributedSampler), each rank packing first-fit into its
+  micro-batches up to the same token budget (a piece that does not fit waits for its next step);
 - **planner**: ``PlannerState`` exactly as the service runs it (selection + balancing);
 - **lower bound** per step: ``max(largest single cost, total cost / dp)``.
 
@@ -87,7 +87,7 @@ def run_planner(dist: dict, steps: int, seed: int, **balance) -> dict:
     st = PlannerState(plan, {n: list(range(0, n_units * per_unit, per_unit)) for n in dist["sources"]})
     gens = {n: g for n, (_, g) in dist["sources"].items()}
     rng = np.random.default_rng(seed)
-    out, plan_s, samples = [], 0.0, 0
+    out, plan_s, samples, lengths = [], 0.0, 0, []
     while len(out) < steps:
         for name, epoch, unit in st.wanted():
             st.add_lengths(name, epoch, unit, gens[name](rng, per_unit))
@@ -97,11 +97,13 @@ def run_planner(dist: dict, steps: int, seed: int, **balance) -> dict:
         for p in planned:
             entry = st.ledger[p["step"]]
             samples += len(entry["pieces"])
+            lengths.append(entry["pieces"][:, 5] - entry["pieces"][:, 4])
             out.append(_bins(entry, plan))
             for r in range(plan.topology.dp):
                 st.ack(r, p["step"])
     per_step_ms = [1e3 * t / plan.balance.window for t in st.plan_seconds]
-    return {"bins": out[:steps], "samples_per_s": samples / plan_s, "ms_per_step": per_step_ms, "samples_per_step": samples / len(out)}
+    return {"bins": out[:steps], "samples_per_s": samples / plan_s, "ms_per_step": per_step_ms, "samples_per_step": samples / len(out),
+            "lengths": np.concatenate(lengths)}
 
 
 def _bins(entry: dict, plan) -> tuple[np.ndarray, np.ndarray, float]:
@@ -115,44 +117,35 @@ def _bins(entry: dict, plan) -> tuple[np.ndarray, np.ndarray, float]:
     return c, tok, float(cost.max(initial=0.0))
 
 
-def run_baseline(dist: dict, steps: int, seed: int, fill: float) -> list:
-    """Per-rank loaders: every rank samples the mix on its own and packs first-fit."""
+def run_baseline(dist: dict, lengths: np.ndarray, steps: int, seed: int, fill: float) -> list:
+    """Per-rank loaders over the same documents the planner delivered: shuffled, dealt round-robin
+    to ranks (as DistributedSampler does), each rank packing first-fit into its micro-batches up
+    to the same token budget; a piece that does not fit waits for that rank's next step."""
     plan = make_plan(dist)
     t = plan.topology
     C, M = t.tokens_per_micro_batch, t.micro_batches
-    names = list(dist["sources"])
-    w = np.array([dist["sources"][n][0] for n in names])
-    w = w / w.sum()
-    out = []
-    ranks = []
-    for r in range(t.dp):
-        rng = np.random.default_rng([seed, r])
-        ranks.append({"rng": rng, "carry": [], "drawn": np.zeros(len(names))})
+    rng = np.random.default_rng(seed)
+    shuffled = lengths[rng.permutation(len(lengths))]
+    streams = [list(shuffled[r :: t.dp]) for r in range(t.dp)]
+    cursor = [0] * t.dp
     budget = int(fill * M * C)
+    out = []
     for _ in range(steps):
         c = np.zeros((t.dp, M))
         tok = np.zeros((t.dp, M), dtype=np.int64)
         biggest = 0.0
-        for r, st in enumerate(ranks):
-            pieces, st["carry"] = st["carry"], []
-            while tok[r].sum() < budget:
-                if not pieces:
-                    s = int(np.argmax(w * (st["drawn"].sum() + 1) - st["drawn"]))  # the rank's own exact mix
-                    L = int(dist["sources"][names[s]][1](st["rng"], 1)[0])
-                    st["drawn"][s] += L
-                    pieces = [min(C, L - k) for k in range(0, L, C)]
-                p = pieces.pop(0)
+        for r in range(t.dp):
+            while cursor[r] < len(streams[r]):
+                p = int(streams[r][cursor[r]])
                 fits = np.flatnonzero(C - tok[r] >= p)
-                if len(fits) == 0 or tok[r].sum() + p > budget + C // 64:
-                    st["carry"] = [p, *pieces]
+                if len(fits) == 0 or tok[r].sum() + p > budget:
                     break
                 b = int(fits[0])  # first fit
                 tok[r, b] += p
                 cost = float(doc_costs(np.array([p]), plan.cost)[0])
                 c[r, b] += cost
                 biggest = max(biggest, cost)
-            else:
-                st["carry"] = pieces
+                cursor[r] += 1
         out.append((c, tok, biggest))
     return out
 
@@ -175,7 +168,7 @@ def bench(name: str, dist: dict, steps: int, seed: int, **balance) -> dict:
     res = run_planner(dist, steps, seed, **balance)
     fill = make_plan(dist, **balance).balance.fill
     p = summarize(res["bins"])
-    b = summarize(run_baseline(dist, steps, seed, fill))
+    b = summarize(run_baseline(dist, res["lengths"], steps, seed, fill))
     capacity = make_plan(dist).topology.tokens_per_micro_batch
     violations = sum(int((tok > capacity).sum()) for _, tok, _ in res["bins"])
     q = lambda a, x: round(float(np.percentile(a, x)), 4)  # noqa: E731
@@ -209,12 +202,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--sync", default="micro_batch", choices=["step", "micro_batch"])
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--only", default=None, help="one distribution")
+    ap.add_argument("--heavy-fraction", type=float, default=None, help="heavy_tokens as a fraction of the micro-batch capacity")
     args = ap.parse_args(argv)
     out = {}
     for name, dist in DISTRIBUTIONS.items():
         if args.only and name != args.only:
             continue
-        out[name] = bench(name, dist, args.steps, args.seed, sync=args.sync, window=args.window)
+        extra = {"heavy_tokens": int(args.heavy_fraction * dist["topology"]["tokens_per_micro_batch"])} if args.heavy_fraction else {}
+        out[name] = bench(name, dist, args.steps, args.seed, sync=args.sync, window=args.window, **extra)
     if args.json:
         print(json.dumps(out))
     else:

@@ -124,27 +124,22 @@ def balance_window(
     heavy = np.flatnonzero(lens >= heavy_tokens)
     light = np.flatnonzero(lens < heavy_tokens)
 
-    # --- 2. heavy groups, oldest first; the newest remainder waits unless it waited long enough
-    n_full = (len(heavy) // dp) * dp
-    forced = heavy[n_full:][pieces[heavy[n_full:], AGE] >= max_delay]
-    placed_heavy = np.concatenate([heavy[:n_full], forced])
-    if len(placed_heavy):
-        by_cost = placed_heavy[np.argsort(-costs[placed_heavy], kind="stable")]
-        groups = [by_cost[g : g + dp] for g in range(0, len(by_cost), dp)]
+    # --- 2. heavy groups of dp similar pieces; outliers without partners wait (bounded)
+    groups = group_heavy(costs[heavy], pieces[heavy, AGE] >= max_delay, dp)
+    if groups:
         row_cost = np.zeros(steps * micro_batches)
-        for group in groups:  # a few dozen groups per window: Python is fine here
+        for group in sorted(groups, key=lambda g: -costs[heavy[g]].sum()):  # LPT over rows
+            members = heavy[group]
+            members = members[np.argsort(-costs[members], kind="stable")]
             for row in np.argsort(row_cost, kind="stable"):
                 s, m = divmod(int(row), micro_batches)
                 bins = s * n_bins + np.arange(dp) * micro_batches + m  # bin (rank r, mb m) of step s
-                room = capacity - bin_tok.ravel()[bins]
-                order = np.argsort(bin_cost.ravel()[bins], kind="stable")
-                members = group[np.argsort(-costs[group], kind="stable")]
-                if np.all(room[order[: len(members)]] >= lens[members]):
-                    for member, b in zip(members, bins[order[: len(members)]]):
-                        where[member] = b
-                        bin_tok.ravel()[b] += lens[member]
-                        bin_cost.ravel()[b] += costs[member]
-                    row_cost[row] += costs[group].sum()
+                order = np.argsort(bin_cost.ravel()[bins], kind="stable")[: len(members)]
+                if np.all(capacity - bin_tok.ravel()[bins[order]] >= lens[members]):
+                    where[members] = bins[order]
+                    np.add.at(bin_tok.ravel(), bins[order], lens[members])
+                    np.add.at(bin_cost.ravel(), bins[order], costs[members])
+                    row_cost[row] += costs[members].sum()
                     break
             # a group that fits no row stays pending (where == -1)
 
@@ -162,15 +157,13 @@ def balance_window(
 
     # --- outputs
     out_steps, out_costs, out_tok = [], [], []
+    order = np.argsort(where, kind="stable")
+    bounds = np.searchsorted(where[order], np.arange(steps * n_bins + 1))
     for s in range(steps):
         ranks = []
         for r in range(dp):
-            mbs = []
-            for m in range(micro_batches):
-                b = s * n_bins + r * micro_batches + m
-                sel = np.flatnonzero(where == b)
-                mbs.append(pieces[sel, :6])
-            ranks.append(mbs)
+            b0 = s * n_bins + r * micro_batches
+            ranks.append([pieces[order[bounds[b0 + m] : bounds[b0 + m + 1]], :6] for m in range(micro_batches)])
         out_steps.append(ranks)
         out_costs.append(bin_cost[s].reshape(dp, micro_batches).copy())
         out_tok.append(bin_tok[s].reshape(dp, micro_batches).copy())
@@ -179,36 +172,87 @@ def balance_window(
     return WindowPlan(out_steps, pending, out_costs, out_tok)
 
 
+def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | None = None) -> list[np.ndarray]:
+    """Partition heavy pieces into groups of ``dp`` of similar cost; return index arrays.
+
+    Pieces are sorted by cost; a dynamic programme over (position, pieces skipped) chooses
+    contiguous groups minimising the sum of squared log cost spreads within groups, and may skip
+    (defer) up to ``max_skip`` pieces, never one marked ``must`` (it waited long enough). Skipping
+    costs a little, so pieces are deferred only when that buys a tighter grouping. The last
+    ``len % dp`` pieces that cannot form a whole group are skipped unless they are ``must``, in
+    which case they form a smaller group.
+    """
+    n = len(costs)
+    if n == 0:
+        return []
+    max_skip = 2 * dp if max_skip is None else max_skip
+    order = np.argsort(-costs, kind="stable")
+    logc = np.log(np.maximum(costs[order], 1e-300))
+    can_skip = ~must[order]
+    spread = np.full(n, np.inf)
+    if n >= dp:
+        spread[: n - dp + 1] = (logc[: n - dp + 1] - logc[dp - 1 :]) ** 2  # group starting at i
+    SKIP = 1e-4  # (log 1.01)^2: defer only for a real gain
+    PARTIAL = 1e3  # a group of fewer than dp pieces unbalances its row: only when unavoidable
+    K = max_skip
+    best = np.full((n + 1, K + 1), np.inf)
+    choice = np.zeros((n + 1, K + 1), dtype=np.int8)  # 1 = group, 2 = skip, 3 = partial tail group
+    best[n, :] = 0.0
+    for i in range(n - 1, -1, -1):  # vectorised over the skip count k
+        v = np.full(K + 1, np.inf)
+        c = np.zeros(K + 1, dtype=np.int8)
+        if i + dp <= n:
+            v = best[i + dp] + spread[i]
+            c[:] = 1
+        if can_skip[i]:
+            sk = np.append(best[i + 1, 1:] + SKIP, np.inf)
+            better = sk < v
+            v = np.where(better, sk, v)
+            c[better] = 2
+        if i + dp > n:
+            tail = PARTIAL + (logc[i] - logc[n - 1]) ** 2
+            better = tail < v
+            v = np.where(better, tail, v)
+            c[better] = 3
+        best[i], choice[i] = v, c
+    groups, i, k = [], 0, 0
+    while i < n:
+        c = choice[i, k]
+        if c == 1:
+            groups.append(order[i : i + dp])
+            i += dp
+        elif c == 2:
+            i, k = i + 1, k + 1
+        elif c == 3:
+            groups.append(order[i:n])
+            i = n
+        else:  # no feasible choice: too many must-pieces left over; place the rest as they come
+            groups.extend(order[j : j + dp] for j in range(i, n, dp))
+            break
+    return groups
+
+
 def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, dp, micro_batches, sync) -> None:
     """Spread light pieces ``idx`` over one step's bins so that containers (bins, or ranks for
     sync='step') reach an equal cost, within capacity. Vectorised; modifies the arrays in place."""
     total_tok = int(lens[idx].sum())
     rho = float(costs[idx].sum()) / max(total_tok, 1)  # light cost per token
+    bin_room = (capacity - bin_tok).reshape(dp, micro_batches).astype(np.float64)
     if sync == "step":
-        h = bin_cost.reshape(dp, micro_batches).sum(axis=1)
-        room = (capacity - bin_tok.reshape(dp, micro_batches)).sum(axis=1)
-    else:
-        h, room = bin_cost.copy(), capacity - bin_tok
-    # find Q with sum(clip((Q - h)/rho, 0, room)) == total_tok (bisection on a monotone function)
-    lo, hi = float(h.min()), float(h.max() + rho * total_tok + 1)
-    for _ in range(60):
-        q = (lo + hi) / 2
-        if np.clip((q - h) / rho, 0, room).sum() < total_tok:
-            lo = q
-        else:
-            hi = q
-    quota = np.clip((hi - h) / rho, 0, room)
-    if sync == "step":  # a rank's quota goes to its micro-batches in order of room
-        rank_quota = quota
-        bin_room = capacity - bin_tok.reshape(dp, micro_batches)
+        # ranks are the containers; a rank's quota goes to its micro-batches in order of room
+        rank_quota = _level(bin_cost.reshape(dp, micro_batches).sum(axis=1), bin_room.sum(axis=1), total_tok, rho)
         quota = np.zeros((dp, micro_batches))
         for r in range(dp):
             left = rank_quota[r]
             for m in np.argsort(-bin_room[r], kind="stable"):
-                take = min(left, bin_room[r, m])
-                quota[r, m] = take
-                left -= take
+                quota[r, m] = min(left, bin_room[r, m])
+                left -= quota[r, m]
         quota = quota.ravel()
+    else:
+        # each micro-batch index (a row across ranks) is balanced on its own: FSDP waits per row
+        row_room = bin_room.sum(axis=0)
+        row_tok = total_tok * row_room / max(row_room.sum(), 1.0)
+        quota = _level(bin_cost.reshape(dp, micro_batches), bin_room, row_tok, rho).ravel()
     # cut the pieces' token sequence at the cumulative quotas; a piece goes where it starts
     ends = np.cumsum(lens[idx])
     starts = ends - lens[idx]
@@ -232,3 +276,18 @@ def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, dp, 
                 where[p] = base + t
             else:
                 where[p] = -1  # deferred to the next window
+
+
+def _level(h: np.ndarray, room: np.ndarray, tokens, rho: float) -> np.ndarray:
+    """Light tokens per container so that ``h + rho·tokens`` is level, within ``room``: per
+    column (independent problems along axis 1, containers along axis 0) the largest ``Q`` with
+    ``sum(clip((Q - h)/rho, 0, room)) <= tokens``. Bisection, vectorised over the columns."""
+    h2 = h.reshape(len(h), -1).astype(np.float64)
+    room2 = room.reshape(len(room), -1)
+    tok = np.broadcast_to(np.asarray(tokens, dtype=np.float64), (h2.shape[1],))
+    lo, hi = h2.min(axis=0), h2.max(axis=0) + rho * tok + 1.0
+    for _ in range(45):
+        q = (lo + hi) / 2
+        short = np.clip((q - h2) / rho, 0, room2).sum(axis=0) < tok
+        lo, hi = np.where(short, q, lo), np.where(short, hi, q)
+    return np.clip((hi - h2) / rho, 0, room2).reshape(h.shape)

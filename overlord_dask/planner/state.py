@@ -25,6 +25,10 @@ from .streams import SourceStream
 PIECE_FIELDS = ("source", "epoch", "unit", "doc", "start", "stop")
 
 
+def _tokens(rows: np.ndarray) -> int:
+    return int((rows[:, 5] - rows[:, 4]).sum())
+
+
 class PlannerState:
     def __init__(self, plan: Plan, unit_first_ids: dict[str, list[int]], *, history_steps: int = 100_000):
         self.plan = plan
@@ -54,7 +58,7 @@ class PlannerState:
         self.starved_on: str | None = None
         # policy "cost": a window of steps is planned at once and handed out one step at a time
         self.balance = plan.balance
-        self.heavy_tokens = plan.balance.heavy_tokens or max(1, plan.topology.tokens_per_micro_batch // 8)
+        self.heavy_tokens = plan.balance.heavy_tokens or max(1, plan.topology.tokens_per_micro_batch // 16)
         self.step_budget = int(plan.balance.fill * plan.topology.step_tokens)
         self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs)
         self.pending = np.zeros((0, 7), dtype=np.int64)  # pieces waiting for the next window
@@ -158,23 +162,49 @@ class PlannerState:
         return ranks, bin_costs[slots]
 
     def _plan_window(self) -> None:
-        """Select the next window's pieces (weighted fair queuing) and balance them over ranks."""
+        """Select the next window's pieces (weighted fair queuing) and balance them over ranks.
+
+        Pieces deferred by the balancer (heavy outliers without partners) leave room in the
+        window; it is topped up with more selected pieces and balanced again, up to
+        ``TOPUP_ROUNDS`` times, so deferral does not cost fill."""
         topo, bal = self.topology, self.balance
-        budget = bal.window * self.step_budget - int((self.pending[:, 5] - self.pending[:, 4]).sum())
-        surplus = self.selected - self.weights * self.selected.sum()
-        rows = wfq_select(self.streams, self.weights, max(budget, 0), surplus) if budget > 0 else np.zeros((0, 6), np.int64)
-        self.selected += np.bincount(rows[:, 0], weights=rows[:, 5] - rows[:, 4], minlength=len(self.streams)).astype(np.int64)
-        fresh = np.concatenate([rows, np.zeros((len(rows), 1), dtype=np.int64)], axis=1)
-        pieces = np.concatenate([self.pending, fresh])
-        costs = doc_costs(pieces[:, 5] - pieces[:, 4], self.plan.cost)
-        wp = balance_window(
-            pieces, costs, steps=bal.window, dp=topo.dp, micro_batches=topo.micro_batches,
-            capacity=topo.tokens_per_micro_batch, step_budget=self.step_budget, heavy_tokens=self.heavy_tokens,
-            sync=bal.sync, max_delay=bal.max_delay,
-        )
+        target = bal.window * self.step_budget
+        slack = min(topo.tokens_per_micro_batch, target // 100)
+        saved = [s.cursor() for s in self.streams], self.selected.copy()
+        pieces = self.pending
+        need = target - _tokens(pieces)
+        try:
+            for _ in range(self.TOPUP_ROUNDS):
+                if need > 0:
+                    rows = self._select(need)
+                    pieces = np.concatenate([pieces, np.concatenate([rows, np.zeros((len(rows), 1), dtype=np.int64)], axis=1)])
+                costs = doc_costs(pieces[:, 5] - pieces[:, 4], self.plan.cost)
+                wp = balance_window(
+                    pieces, costs, steps=bal.window, dp=topo.dp, micro_batches=topo.micro_batches,
+                    capacity=topo.tokens_per_micro_batch, step_budget=self.step_budget, heavy_tokens=self.heavy_tokens,
+                    sync=bal.sync, max_delay=bal.max_delay,
+                )
+                need = target - (_tokens(pieces) - _tokens(wp.pending))  # room left by deferred pieces
+                if need <= slack:
+                    break
+        except Starved:
+            for s, cur in zip(self.streams, saved[0]):
+                s.restore(cur)
+            self.selected = saved[1]
+            raise
         self.pending = wp.pending
         for ranks, mb_costs in zip(wp.steps, wp.bin_costs):
             self.ready.append((ranks, mb_costs))
+
+    TOPUP_ROUNDS = 3
+
+    def _select(self, budget: int) -> np.ndarray:
+        if budget <= 0:
+            return np.zeros((0, 6), np.int64)
+        surplus = self.selected - self.weights * self.selected.sum()
+        rows = wfq_select(self.streams, self.weights, budget, surplus)
+        self.selected += np.bincount(rows[:, 0], weights=rows[:, 5] - rows[:, 4], minlength=len(self.streams)).astype(np.int64)
+        return rows
 
     def _record(self, step: int, ranks: list[list[np.ndarray]], mb_costs: np.ndarray) -> None:
         parts, slots = [], []
