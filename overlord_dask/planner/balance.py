@@ -192,7 +192,7 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
     spread = np.full(n, np.inf)
     if n >= dp:
         spread[: n - dp + 1] = (logc[: n - dp + 1] - logc[dp - 1 :]) ** 2  # group starting at i
-    SKIP = 1e-4  # (log 1.01)^2: defer only for a real gain
+    SKIP = 0.0024  # ~(log 1.05)^2 per deferred piece: defer only to avoid a group spread well beyond 5%
     PARTIAL = 1e3  # a group of fewer than dp pieces unbalances its row: only when unavoidable
     K = max_skip
     best = np.full((n + 1, K + 1), np.inf)

@@ -1,0 +1,172 @@
+"""The attention-cost-aware planner (policy "cost"): properties over random mixes, and the rules
+that make balancing possible (heavy groups, deferral bounds, levelling)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.planner.balance import _level, group_heavy
+from overlord_dask.planner.cost import doc_costs
+from overlord_dask.planner.metrics import step_imbalance
+from overlord_dask.planner.state import PlannerState
+
+
+def make_state(weights, topo, balance, seed=0, cost=None):
+    plan = plan_from_dict(
+        {
+            "seed": seed,
+            "sources": [{"name": f"s{i}", "format": "zarr", "url": f"s{i}.zarr", "weight": w} for i, w in enumerate(weights)],
+            "topology": topo,
+            "balance": balance,
+            "loading": {"prefetch_steps": 2 * balance.get("window", 8), "units_ahead": 32},
+            **({"cost": cost} if cost else {}),
+        }
+    )
+    return PlannerState(plan, {f"s{i}": list(range(0, 10_000 * 256, 256)) for i in range(len(weights))})
+
+
+def drive(state, gens, steps, seed=0):
+    """Plan ``steps`` steps, feeding lengths for whatever units the planner asks for."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < steps:
+        for name, epoch, unit in state.wanted():
+            state.add_lengths(name, epoch, unit, gens[int(name[1:])](rng, 256))
+        planned, _ = state.plan_steps(steps - len(out))
+        for p in planned:
+            out.append(p["step"])
+            for r in range(state.topology.dp):
+                state.ack(r, p["step"])
+    return out
+
+
+def piece_ids(state, step):
+    e = state.ledger[step]
+    p = e["pieces"]
+    return set(zip(p[:, 0].tolist(), p[:, 1].tolist(), state.sample_ids(p).tolist(), p[:, 4].tolist()))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    k=st.integers(1, 3),
+    dp=st.integers(1, 6),
+    mbs=st.integers(1, 3),
+    cap=st.sampled_from([512, 2048]),
+    window=st.integers(1, 4),
+    sync=st.sampled_from(["step", "micro_batch"]),
+    seed=st.integers(0, 10_000),
+)
+def test_cost_policy_properties(k, dp, mbs, cap, window, sync, seed):
+    rng = np.random.default_rng(seed)
+    params = [(rng.uniform(3, 7.5), rng.uniform(0.3, 1.5)) for _ in range(k)]
+    gens = [lambda r, n, mu=mu, sg=sg: np.clip(r.lognormal(mu, sg, n), 0, 5 * cap).astype(np.int64) for mu, sg in params]
+    weights = list(rng.dirichlet(np.ones(k)) + 0.05)
+    topo = {"dp": dp, "micro_batches": mbs, "tokens_per_micro_batch": cap}
+    state = make_state(weights, topo, {"window": window, "sync": sync}, seed=seed)
+    steps = drive(state, gens, 3 * window, seed)
+    seen: set = set()
+    for s in steps:
+        e = state.ledger[s]
+        lens = e["pieces"][:, 5] - e["pieces"][:, 4]
+        assert np.all(lens > 0) and np.all(lens <= cap)
+        tok = np.zeros((dp, mbs), dtype=np.int64)
+        np.add.at(tok, (e["slot"][:, 0], e["slot"][:, 1]), lens)
+        assert tok.max() <= cap  # no capacity violation
+        ids = piece_ids(state, s)
+        assert len(ids) == len(e["pieces"]) and not (ids & seen)  # every piece once
+        seen |= ids
+        # cost accounting equals a recomputation from the ledger
+        c = np.zeros((dp, mbs))
+        np.add.at(c, (e["slot"][:, 0], e["slot"][:, 1]), doc_costs(lens, state.plan.cost))
+        m = state.metrics[s]
+        assert m["cost_max"] == pytest.approx(c.sum(axis=1).max()) and m["tokens"] == lens.sum()
+        assert (m["imbalance"], m["mb_imbalance"]) == pytest.approx(step_imbalance(c))
+    # determinism: the same plan and seed give the same steps
+    again = make_state(weights, topo, {"window": window, "sync": sync}, seed=seed)
+    drive(again, gens, 3 * window, seed)
+    for s in steps:
+        np.testing.assert_array_equal(again.ledger[s]["pieces"], state.ledger[s]["pieces"])
+        np.testing.assert_array_equal(again.ledger[s]["slot"], state.ledger[s]["slot"])
+
+
+def _tiles_every_selected_piece(state, steps):
+    """Planned pieces plus those still pending tile each source's selected tokens exactly."""
+    planned = sum(int((state.ledger[s]["pieces"][:, 5] - state.ledger[s]["pieces"][:, 4]).sum()) for s in steps)
+    waiting = int((state.pending[:, 5] - state.pending[:, 4]).sum())
+    waiting += sum(int((rows[:, 5] - rows[:, 4]).sum()) for ranks, _ in state.ready for mbs in ranks for rows in mbs)
+    return planned + waiting == int(state.selected.sum())
+
+
+def test_no_piece_is_lost_or_invented_and_mix_holds_per_window():
+    gens = [
+        lambda r, n: np.clip(r.lognormal(5.5, 1.0, n), 1, 40_000).astype(np.int64),
+        lambda r, n: np.clip((r.pareto(1.0, n) + 1) * 512, 1, 40_000).astype(np.int64),
+    ]
+    w = np.array([0.7, 0.3])
+    state = make_state(list(w), {"dp": 4, "micro_batches": 2, "tokens_per_micro_batch": 8192}, {"window": 4})
+    steps = drive(state, gens, 40)
+    assert _tiles_every_selected_piece(state, steps)
+    # delay bound: a piece waits at most max_delay windows
+    assert state.pending[:, 6].max(initial=0) <= state.balance.max_delay
+    # per window of 4 steps, the mix is off by at most the pieces waiting at its two ends
+    for start in range(0, 40, 4):
+        tok = np.sum([state.metrics[s]["source_tokens"] for s in range(start, start + 4)], axis=0)
+        bound = 2 * state.topology.dp * state.topology.tokens_per_micro_batch  # < dp heavy pieces each end
+        assert np.abs(tok - w * tok.sum()).max() <= bound
+    # over the whole run the mix is within a fraction of a percent
+    tok = np.sum([state.metrics[s]["source_tokens"] for s in steps], axis=0)
+    assert np.abs(tok / tok.sum() - w).max() < 0.01
+
+
+def test_balancing_beats_exact_per_step_mixing_on_a_long_tail():
+    gens = [lambda r, n: np.clip((r.pareto(0.9, n) + 1) * 700, 16, 16_384).astype(np.int64)]
+    topo = {"dp": 8, "micro_batches": 2, "tokens_per_micro_batch": 16_384}
+    results = {}
+    for policy in ("none", "cost"):
+        st_ = make_state([1.0], topo, {"policy": policy, "window": 8})
+        steps = drive(st_, gens, 48)
+        results[policy] = np.median([st_.metrics[s]["imbalance"] for s in steps])
+    assert results["cost"] < 1.05 < results["none"]
+
+
+def test_group_heavy_groups_similar_costs_and_defers_outliers():
+    costs = np.array([100.0, 99, 98, 97, 50, 49, 48, 47, 10])
+    groups = group_heavy(costs, np.zeros(9, bool), dp=4)
+    assert sorted(sorted(costs[g].tolist()) for g in groups) == [[47, 48, 49, 50], [97, 98, 99, 100]]
+    # a piece that waited long enough is never deferred, even if it makes a looser group
+    must = np.zeros(9, bool)
+    must[8] = True
+    groups = group_heavy(costs, must, dp=4)
+    assert any(8 in g for g in groups) and sum(len(g) for g in groups) % 4 == 0
+
+
+def test_level_equalises_within_room():
+    h = np.array([[10.0, 0.0], [0.0, 0.0], [5.0, 0.0]])
+    room = np.array([[100.0, 100.0], [100.0, 3.0], [100.0, 100.0]])
+    q = _level(h, room, np.array([15.0, 9.0]), rho=1.0)
+    np.testing.assert_allclose(q.sum(axis=0), [15.0, 9.0], atol=1e-6)
+    np.testing.assert_allclose((h + q)[:, 0], [10.0, 10.0, 10.0], atol=1e-6)  # level at 10
+    assert q[1, 1] <= 3.0 + 1e-9  # never beyond a container's room
+
+
+def custom_cost(lengths):
+    """A user cost model (``tests.test_balance:custom_cost``): linear only."""
+    return lengths.astype(float) * 2.0
+
+
+def test_custom_cost_function_is_used():
+    state = make_state([1.0], {"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 1024}, {"window": 2}, cost={"function": "tests.test_balance:custom_cost"})
+    steps = drive(state, [lambda r, n: r.integers(1, 900, n)], 4)
+    m = state.metrics[steps[0]]
+    assert m["cost_mean"] * 2 == pytest.approx(2.0 * m["tokens"])
+
+
+def test_cost_function_must_import():
+    from overlord_dask import PlanError
+
+    with pytest.raises(PlanError, match=r"cost.function: Value error, cannot import 'nope:fn'"):
+        plan_from_dict({"sources": [{"name": "a", "format": "zarr", "url": "a", "weight": 1}], "topology": {"dp": 1, "tokens_per_micro_batch": 64}, "cost": {"function": "nope:fn"}})
