@@ -17,6 +17,7 @@ from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
+from .constructors import select_cp
 from .errors import ServiceError
 
 
@@ -25,10 +26,13 @@ class BatchServer(WorkerPlugin):
     idempotent = True
 
     def setup(self, worker) -> None:
-        async def overlord_fetch(key: str) -> dict:
+        async def overlord_fetch(key: str, cp_rank: int | None = None) -> dict:
             if key not in worker.data:
                 return {"status": "missing"}
-            return {"status": "OK", "batch": to_serialize(worker.data[key])}
+            batch = worker.data[key]
+            if cp_rank is not None:  # send a context-parallel rank only its slices
+                batch = select_cp(batch, cp_rank)
+            return {"status": "OK", "batch": to_serialize(batch)}
 
         worker.handlers["overlord_fetch"] = overlord_fetch
 
@@ -36,14 +40,14 @@ class BatchServer(WorkerPlugin):
         worker.handlers.pop("overlord_fetch", None)
 
 
-def fetch_batch(client: Client, key: str, addresses: list[str], timeout: float) -> dict:
+def fetch_batch(client: Client, key: str, addresses: list[str], timeout: float, cp_rank: int | None = None) -> dict:
     """Gather one batch directly from a worker; follows the key if it moved."""
     deadline = time.monotonic() + timeout
     tried_without_location = 0
     while True:
         for addr in addresses:
             try:
-                resp = client.sync(_fetch_from, client, addr, key)
+                resp = client.sync(_fetch_from, client, addr, key, cp_rank)
             except (OSError, EnvironmentError):
                 continue  # the worker went away; look the key up again
             if resp.get("status") == "OK":
@@ -56,5 +60,5 @@ def fetch_batch(client: Client, key: str, addresses: list[str], timeout: float) 
             time.sleep(min(0.5, 0.01 * tried_without_location))
 
 
-async def _fetch_from(client: Client, addr: str, key: str) -> dict:
-    return await client.rpc(addr).overlord_fetch(key=key)
+async def _fetch_from(client: Client, addr: str, key: str, cp_rank: int | None) -> dict:
+    return await client.rpc(addr).overlord_fetch(key=key, cp_rank=cp_rank)

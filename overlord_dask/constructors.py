@@ -72,13 +72,81 @@ def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
     }
 
 
-def build_rank_batch(step: int, rank: int, micro_batches: list, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int) -> dict:
-    """One Dask task per (step, rank): every micro-batch of that rank for that step."""
-    return {
-        "step": step,
-        "rank": rank,
-        "micro_batches": [pack_micro_batch(mb, blocks, capacity, piece_tokens) for mb in micro_batches],
-    }
+def build_rank_batch(step: int, rank: int, micro_batches: list, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int,
+                     cp: int = 1, cp_split_tokens: int | None = None) -> dict:
+    """One Dask task per (step, rank): every micro-batch of that rank for that step; with
+    ``cp > 1`` each micro-batch also carries its ``cp`` context-parallel slices (``"cp"``)."""
+    mbs = [pack_micro_batch(mb, blocks, capacity, piece_tokens) for mb in micro_batches]
+    if cp > 1:
+        for mb in mbs:
+            mb["cp"] = cp_slices(mb, cp, cp_split_tokens or 2 * cp)
+    return {"step": step, "rank": rank, "micro_batches": mbs}
+
+
+def zigzag_chunks(length: int, cp: int) -> np.ndarray:
+    """Boundaries of ``2·cp`` near-equal chunks of a sequence (``[2cp+1]`` offsets)."""
+    n = 2 * cp
+    sizes = np.full(n, length // n, dtype=np.int64)
+    sizes[: length % n] += 1
+    return np.concatenate([[0], np.cumsum(sizes)])
+
+
+def cp_slices(mb: dict, cp: int, split_tokens: int) -> list[dict]:
+    """Cut a packed micro-batch into ``cp`` context-parallel slices.
+
+    A piece of at least ``split_tokens`` tokens is cut into ``2·cp`` chunks and CP rank ``j`` gets
+    chunks ``j`` and ``2·cp−1−j`` (the load-balanced zigzag layout for causal attention: every rank
+    holds one early and one late chunk). Shorter pieces go whole to the CP rank with the fewest
+    tokens so far. Each slice is cut from the full micro-batch, so ``position_ids`` keep the true
+    positions inside the document and ``labels`` the true next tokens. Per slice:
+    ``input_ids``/``labels``/``position_ids`` (padded to the longest slice, so a CP group has one
+    shape), ``cu_seqlens`` over its segments, ``seg_piece`` (which piece of the micro-batch a
+    segment belongs to), ``seg_chunk`` (zigzag chunk index, -1 for a whole piece), ``num_tokens``.
+    """
+    cu = mb["cu_seqlens"].astype(np.int64)
+    segs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(cp)]  # (start, stop, piece, chunk)
+    load = np.zeros(cp, dtype=np.int64)
+    for k in range(len(cu) - 1):
+        a, b = int(cu[k]), int(cu[k + 1])
+        if b - a >= split_tokens:
+            bounds = a + zigzag_chunks(b - a, cp)
+            for j in range(cp):
+                for c in (j, 2 * cp - 1 - j):
+                    segs[j].append((int(bounds[c]), int(bounds[c + 1]), k, c))
+                    load[j] += bounds[c + 1] - bounds[c]
+        else:
+            j = int(np.argmin(load))
+            segs[j].append((a, b, k, -1))
+            load[j] += b - a
+    width = int(load.max()) if len(load) else 0
+    out = []
+    for j in range(cp):
+        idx = np.concatenate([np.arange(a, b) for a, b, _, _ in segs[j]]) if segs[j] else np.zeros(0, np.int64)
+        n = len(idx)
+        sl = {
+            "input_ids": np.full(width, PAD_ID, dtype=np.int32),
+            "labels": np.full(width, IGNORE_INDEX, dtype=np.int32),
+            "position_ids": np.arange(width, dtype=np.int32) - n,
+            "cu_seqlens": np.concatenate([[0], np.cumsum([b - a for a, b, _, _ in segs[j]])]).astype(np.int32),
+            "seg_piece": np.array([k for _, _, k, _ in segs[j]], dtype=np.int32),
+            "seg_chunk": np.array([c for _, _, _, c in segs[j]], dtype=np.int32),
+            "num_tokens": n,
+        }
+        sl["input_ids"][:n] = mb["input_ids"][idx]
+        sl["labels"][:n] = mb["labels"][idx]
+        sl["position_ids"][:n] = mb["position_ids"][idx]
+        out.append(sl)
+    return out
+
+
+def select_cp(batch: dict, cp_rank: int) -> dict:
+    """The view of a rank batch that CP rank ``cp_rank`` needs: its slice of every micro-batch
+    (token arrays replaced by the slice's), plus the per-piece identity arrays."""
+    mbs = []
+    for mb in batch["micro_batches"]:
+        piece_meta = {k: mb[k] for k in ("sample_ids", "source_ids", "chunk_ids", "epochs")}
+        mbs.append({**mb["cp"][cp_rank], **piece_meta, "cp_rank": cp_rank})
+    return {**batch, "micro_batches": mbs}
 
 
 def batch_nbytes(batch: dict) -> int:

@@ -39,6 +39,8 @@ TENSOR_FIELDS = {
     "source_ids": "int",
     "chunk_ids": "int",
     "epochs": "int",
+    "seg_piece": "int",
+    "seg_chunk": "int",
 }
 STATE_VERSION = 1
 
@@ -59,9 +61,11 @@ def _to_torch(mb: dict) -> dict:
 class RankStream:
     """Iterator over one rank's micro-batches (numpy by default, torch with ``as_torch=True``)."""
 
-    def __init__(self, address: str, rank: int, dp: int | None = None, *, timeout: float = 600.0, as_torch: bool = False, client: Client | None = None):
+    def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, timeout: float = 600.0,
+                 as_torch: bool = False, client: Client | None = None):
         self.address = address
         self.rank = int(rank)
+        self.cp_rank = cp_rank
         self.timeout = timeout
         self.as_torch = as_torch
         self._own_client = client is None
@@ -78,8 +82,15 @@ class RankStream:
                 raise RankError(f"consumer asked for dp={dp}, but the service at {address} runs dp={world}")
             if not 0 <= self.rank < world:
                 raise RankError(f"rank {self.rank} does not exist: the service at {address} has dp={world} ranks (0..{world - 1})")
+            cp = self.info.get("cp", 1)
+            if cp > 1 and self.cp_rank is None:
+                raise RankError(f"the service at {address} runs context parallelism cp={cp}: pass cp_rank (0..{cp - 1})")
+            if self.cp_rank is not None and not 0 <= self.cp_rank < cp:
+                raise RankError(f"cp rank {self.cp_rank} does not exist: the service at {address} has cp={cp} (0..{cp - 1})")
+            if cp == 1:
+                self.cp_rank = None
             self.micro_batches = self.info["micro_batches"]
-            self.queue = Queue(rank_queue_name(self.info["run_id"], self.rank), client=self.client)
+            self.queue = Queue(rank_queue_name(self.info["run_id"], self.rank, self.cp_rank or 0), client=self.client)
         except BaseException:
             self.close()
             raise
@@ -113,7 +124,7 @@ class RankStream:
             raise ServiceError(f"the overlord service failed: {desc['error']}")
         if desc["step"] != self.next_step:
             raise ServiceError(f"rank {self.rank} expected step {self.next_step} but the service sent step {desc['step']}")
-        batch = fetch_batch(self.client, desc["key"], desc.get("workers", []), self.timeout)
+        batch = fetch_batch(self.client, desc["key"], desc.get("workers", []), self.timeout, self.cp_rank)
         self.wait_s.append(time.perf_counter() - t0)
         self._unacked = self.next_step
         self.next_step += 1
@@ -123,7 +134,7 @@ class RankStream:
         """Acknowledge every step yielded so far (the trainer is done with them)."""
         if self._unacked is None:
             return
-        resp = self.client.sync(self.client.scheduler.overlord_ack, rank=self.rank, step=self._unacked)
+        resp = self.client.sync(self.client.scheduler.overlord_ack, rank=self.rank, step=self._unacked, cp_rank=self.cp_rank or 0)
         if resp.get("error"):
             raise ServiceError(resp["error"])
         self._unacked = None
@@ -139,7 +150,7 @@ class RankStream:
 
     # ---- state (torchdata StatefulDataLoader style) -------------------------------------------
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "run_id": self.info["run_id"], "rank": self.rank, "next_step": self.next_step}
+        return {"version": STATE_VERSION, "run_id": self.info["run_id"], "rank": self.rank, "cp_rank": self.cp_rank, "next_step": self.next_step}
 
     def close(self) -> None:
         if self._own_client and getattr(self, "client", None) is not None:
@@ -171,9 +182,9 @@ class OverlordDataset(_IterableDataset):
     service, so extra DataLoader workers would only split (and break) the rank's ordered stream.
     """
 
-    def __init__(self, address: str, rank: int, dp: int | None = None, *, timeout: float = 600.0):
+    def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, timeout: float = 600.0):
         super().__init__()
-        self.address, self.rank, self.dp, self.timeout = address, rank, dp, timeout
+        self.address, self.rank, self.dp, self.cp_rank, self.timeout = address, rank, dp, cp_rank, timeout
         self._stream: RankStream | None = None
 
     def __iter__(self):
@@ -186,13 +197,13 @@ class OverlordDataset(_IterableDataset):
                 "use num_workers=0: the service already builds the batches"
             )
         if self._stream is None:
-            self._stream = RankStream(self.address, self.rank, self.dp, timeout=self.timeout, as_torch=True)
+            self._stream = RankStream(self.address, self.rank, self.dp, cp_rank=self.cp_rank, timeout=self.timeout, as_torch=True)
         return iter(self._stream)
 
     @property
     def stream(self) -> RankStream:
         if self._stream is None:
-            self._stream = RankStream(self.address, self.rank, self.dp, timeout=self.timeout, as_torch=True)
+            self._stream = RankStream(self.address, self.rank, self.dp, cp_rank=self.cp_rank, timeout=self.timeout, as_torch=True)
         return self._stream
 
     def state_dict(self) -> dict:

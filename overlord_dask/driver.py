@@ -50,7 +50,8 @@ class Driver(threading.Thread):
         self.pending_lengths: dict[tuple[str, int, int], Future] = {}
         self.batches: dict[tuple[int, int], Future] = {}
         self.next_put = [0] * self.dp
-        self.queues = [Queue(rank_queue_name(run_id, r), client=client) for r in range(self.dp)]
+        self.cp = plan.topology.cp
+        self.queues = [[Queue(rank_queue_name(run_id, r, j), client=client) for j in range(self.cp)] for r in range(self.dp)]
         self.error: str | None = None
         self._stop_event = threading.Event()
         self.ticks = 0
@@ -73,8 +74,9 @@ class Driver(threading.Thread):
         self.error = message
         try:
             self._rpc("overlord_fail", message=message)
-            for q in self.queues:
-                q.put({"error": message})
+            for qs in self.queues:
+                for q in qs:
+                    q.put({"error": message})
         except Exception:  # the scheduler may be gone as well
             logger.exception("could not report the failure to the consumers")
         self._stop_event.set()
@@ -129,7 +131,7 @@ class Driver(threading.Thread):
                 blocks = {block_key(*map(int, u)): self.blocks[block_key(*map(int, u))] for u in units}
                 self.batches[(step, rank)] = self.client.submit(
                     build_rank_batch, step, rank, mbs, blocks,
-                    topo.tokens_per_micro_batch, topo.piece_tokens,
+                    topo.tokens_per_micro_batch, topo.piece_tokens, topo.cp, topo.cp_split_tokens,
                     key=batch_key(self.run_id, step, rank), pure=False,
                 )
         for source, epoch, unit in resp["finished"]:
@@ -153,12 +155,15 @@ class Driver(threading.Thread):
         where = self.client.who_has([f for _, f in ready])  # one scheduler call for all of them
         for rank, fut in ready:
             step = self.next_put[rank]
-            self.queues[rank].put({"step": step, "rank": rank, "key": fut.key, "workers": list(where.get(fut.key, ())), "run_id": self.run_id})
+            desc = {"step": step, "rank": rank, "key": fut.key, "workers": list(where.get(fut.key, ())), "run_id": self.run_id}
+            for q in self.queues[rank]:
+                q.put(desc)
             self.next_put[rank] += 1
         return True
 
     def _release_acked(self) -> bool:
-        acked = self._rpc("overlord_status")["acked"]
+        per_cp = self._rpc("overlord_status")["acked"]
+        acked = [min(per_cp[r * self.cp : (r + 1) * self.cp]) for r in range(self.dp)]  # every CP rank is done
         gone = [k for k in self.batches if k[0] <= acked[k[1]] and k[0] < self.next_put[k[1]]]
         for k in gone:
             del self.batches[k]

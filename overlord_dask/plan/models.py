@@ -107,6 +107,13 @@ class Topology(_Strict):
     (each piece keeps the document's sample id and gets a chunk index). Default and upper bound:
     `tokens_per_micro_batch`."""
 
+    cp: int = Field(default=1, ge=1, le=64)
+    """Context-parallel group size: each data-parallel rank is a group of `cp` GPUs that share its
+    micro-batches; long pieces are split across them (zigzag), short ones go whole to one."""
+    cp_min_tokens: int | None = Field(default=None, ge=2)
+    """With cp > 1: pieces at least this long are split across the group (default:
+    tokens_per_micro_batch // 8); shorter ones stay whole on the least-loaded CP rank."""
+
     @model_validator(mode="after")
     def _doc_fits(self) -> "Topology":
         if self.max_doc_tokens is not None and self.max_doc_tokens > self.tokens_per_micro_batch:
@@ -115,6 +122,10 @@ class Topology(_Strict):
                 f"{self.tokens_per_micro_batch}: a piece must fit into one micro-batch"
             )
         return self
+
+    @property
+    def cp_split_tokens(self) -> int:
+        return max(2 * self.cp, self.cp_min_tokens or self.tokens_per_micro_batch // 8)
 
     @property
     def piece_tokens(self) -> int:

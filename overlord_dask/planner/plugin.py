@@ -7,7 +7,7 @@ Routes (scheduler handlers, request/response; all idempotent where a retry could
 - ``overlord_add_lengths(source, epoch, unit, lengths)``: a loaded unit's document lengths
   (little-endian int64 bytes); a repeat (recomputed load) is ignored.
 - ``overlord_plan(max_steps)``: plan the next steps within the prefetch bound.
-- ``overlord_ack(rank, step)``: a rank consumed every step up to ``step``.
+- ``overlord_ack(rank, step, cp_rank=0)``: a (rank, cp rank) consumed every step up to ``step``.
 - ``overlord_status()``, ``overlord_metrics(start, stop)``, ``overlord_ledger(start, stop)``.
 - ``overlord_fail(message)``: the driver reports a fatal error; consumers see it in their status.
 
@@ -64,6 +64,7 @@ class PlannerPlugin(SchedulerPlugin):
             "run_id": self.run_id,
             "name": self.state.plan.name,
             "dp": t.dp,
+            "cp": t.cp,
             "micro_batches": t.micro_batches,
             "tokens_per_micro_batch": t.tokens_per_micro_batch,
             "sources": self.state.source_names,
@@ -83,9 +84,9 @@ class PlannerPlugin(SchedulerPlugin):
         steps, finished = self.state.plan_steps(max_steps)
         return {"steps": steps, "finished": finished, "failure": None}
 
-    def ack(self, rank: int, step: int) -> dict:
+    def ack(self, rank: int, step: int, cp_rank: int = 0) -> dict:
         try:
-            return {"committed": self.state.ack(rank, step), "error": None}
+            return {"committed": self.state.ack(rank, step, cp_rank), "error": None}
         except ValueError as err:
             return {"committed": self.state.committed, "error": str(err)}
 
@@ -119,5 +120,5 @@ def queue_prefix(run_id: str) -> str:
     return f"overlord-{run_id}"
 
 
-def rank_queue_name(run_id: str, rank: int) -> str:
-    return f"{queue_prefix(run_id)}-rank-{rank}"
+def rank_queue_name(run_id: str, rank: int, cp_rank: int = 0) -> str:
+    return f"{queue_prefix(run_id)}-rank-{rank}" + (f"-cp-{cp_rank}" if cp_rank else "")

@@ -50,7 +50,7 @@ class PlannerState:
         self.next_step = 0
         self.cum_tokens = np.zeros(len(self.streams), dtype=np.int64)
         self.carry = np.zeros(len(self.streams))
-        self.acked = [-1] * plan.topology.dp  # last step each rank acknowledged
+        self.acked = [-1] * (plan.topology.dp * plan.topology.cp)  # last step each (rank, cp rank) acknowledged
         self.ledger: OrderedDict[int, dict] = OrderedDict()  # step -> {"pieces": int64[n,6], "slot": int32[n,2]}
         self.metrics: OrderedDict[int, dict] = OrderedDict()
         self.history_steps = history_steps
@@ -237,13 +237,16 @@ class PlannerState:
             self.ledger.popitem(last=False)
 
     # ---- acknowledgements ---------------------------------------------------------------------
-    def ack(self, rank: int, step: int) -> int:
-        """Rank ``rank`` consumed every step up to ``step``; idempotent. Returns ``committed``."""
+    def ack(self, rank: int, step: int, cp_rank: int = 0) -> int:
+        """(``rank``, ``cp_rank``) consumed every step up to ``step``; idempotent. Returns ``committed``."""
         if not 0 <= rank < self.topology.dp:
             raise ValueError(f"rank {rank} does not exist: the plan has dp={self.topology.dp} ranks (0..{self.topology.dp - 1})")
+        if not 0 <= cp_rank < self.topology.cp:
+            raise ValueError(f"cp rank {cp_rank} does not exist: the plan has cp={self.topology.cp}")
         if step >= self.next_step:
             raise ValueError(f"rank {rank} acknowledged step {step}, but only steps < {self.next_step} were planned")
-        self.acked[rank] = max(self.acked[rank], step)
+        i = rank * self.topology.cp + cp_rank
+        self.acked[i] = max(self.acked[i], step)
         return self.committed
 
     # ---- inspection ---------------------------------------------------------------------------
