@@ -68,7 +68,9 @@ DISTRIBUTIONS = {
 
 def make_plan(dist: dict, **balance):
     sources = [{"name": n, "format": "zarr", "url": f"{n}.zarr", "weight": w} for n, (w, _) in dist["sources"].items()]
-    window = balance.get("window", 4)
+    from overlord_dask.plan.models import Balance
+
+    window = balance.get("window", Balance().window)
     return plan_from_dict(
         {
             "name": "bench",
@@ -200,7 +202,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sync", default="micro_batch", choices=["step", "micro_batch"])
-    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--window", type=int, default=None, help="steps planned together (default: the plan default)")
     ap.add_argument("--only", default=None, help="one distribution")
     ap.add_argument("--heavy-fraction", type=float, default=None, help="heavy_tokens as a fraction of the micro-batch capacity")
     args = ap.parse_args(argv)
@@ -209,7 +211,9 @@ def main(argv=None) -> dict:
         if args.only and name != args.only:
             continue
         extra = {"heavy_tokens": int(args.heavy_fraction * dist["topology"]["tokens_per_micro_batch"])} if args.heavy_fraction else {}
-        out[name] = bench(name, dist, args.steps, args.seed, sync=args.sync, window=args.window, **extra)
+        if args.window:
+            extra["window"] = args.window
+        out[name] = bench(name, dist, args.steps, args.seed, sync=args.sync, **extra)
     if args.json:
         print(json.dumps(out))
     else:

@@ -15,14 +15,14 @@ OVERLORD = [sys.executable, "-m", "overlord_dask.cli"]
 
 def test_demo_prints_a_summary_with_exactly_once(tmp_path):
     out = subprocess.run(
-        [*OVERLORD, "demo", "--dp", "2", "--steps", "8", "--scale", "0.05", "--data", str(tmp_path / "data"), "--quiet"],
+        [*OVERLORD, "demo", "--dp", "2", "--steps", "16", "--scale", "0.05", "--data", str(tmp_path / "data"), "--quiet"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("steps", "dp", "tokens", "tokens_per_s", "imbalance_p50", "imbalance_p99", "mix_error_max", "duplicates", "missing"):
         assert key in summary, key
-    assert summary["steps"] == 8 and summary["dp"] == 2 and summary["tokens"] > 0
+    assert summary["steps"] == 16 and summary["dp"] == 2 and summary["tokens"] > 0
     assert summary["duplicates"] == 0 and summary["missing"] == 0
     assert summary["imbalance_p50"] >= 1.0 and summary["mix_error_max"] < 0.05
     assert (tmp_path / "data" / "CORPUS.json").exists()  # the corpus was generated because it was missing

@@ -52,6 +52,7 @@ def test_yaml_and_python_plans_are_the_same():
         ],
         topology=Topology(dp=4, micro_batches=2, tokens_per_micro_batch=16384),
         loading={"unit_rows": 1000, "unit_tokens": 262144, "prefetch_steps": 4, "units_ahead": 2},
+        balance={"policy": "cost", "sync": "micro_batch", "window": 8},
     )
     assert from_yaml == in_python
     assert plan_from_dict(plan_to_dict(in_python)) == in_python  # round trip

@@ -186,7 +186,7 @@ class Balance(_Strict):
     sync: Literal["step", "micro_batch"] = "micro_batch"
     """What the trainer waits on: `step` (DDP: ranks sync once per step) or `micro_batch` (FSDP:
     every micro-batch); the imbalance of that one is minimised."""
-    window: int = Field(default=8, ge=1, le=256)
+    window: int = Field(default=16, ge=1, le=256)
     """Steps planned together; long documents move between these steps (mix is exact per window)."""
     fill: float = Field(default=0.97, gt=0.0, le=1.0)
     """Token budget of a step as a fraction of its capacity (slack for balancing)."""

@@ -125,7 +125,10 @@ def balance_window(
     light = np.flatnonzero(lens < heavy_tokens)
 
     # --- 2. heavy groups of dp similar pieces; outliers without partners wait (bounded)
-    groups = group_heavy(costs[heavy], pieces[heavy, AGE] >= max_delay, dp)
+    # a bin's effective cost: its heavy piece plus the light tokens that will fill the rest of it
+    rho = float(costs[light].sum() / max(lens[light].sum(), 1)) if len(light) else float(costs.sum() / max(lens.sum(), 1))
+    eff = costs[heavy] + rho * (capacity - lens[heavy])
+    groups = group_heavy(eff, pieces[heavy, AGE] >= max_delay, dp, age=pieces[heavy, AGE], empty=rho * capacity)
     if groups:
         row_cost = np.zeros(steps * micro_batches)
         for group in sorted(groups, key=lambda g: -costs[heavy[g]].sum()):  # LPT over rows
@@ -172,63 +175,66 @@ def balance_window(
     return WindowPlan(out_steps, pending, out_costs, out_tok)
 
 
-def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | None = None) -> list[np.ndarray]:
+def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | None = None, age: np.ndarray | None = None,
+                empty: float = 0.0) -> list[np.ndarray]:
     """Partition heavy pieces into groups of ``dp`` of similar cost; return index arrays.
 
-    Pieces are sorted by cost; a dynamic programme over (position, pieces skipped) chooses
-    contiguous groups minimising the sum of squared log cost spreads within groups, and may skip
-    (defer) up to ``max_skip`` pieces, never one marked ``must`` (it waited long enough). Skipping
-    costs a little, so pieces are deferred only when that buys a tighter grouping. The last
-    ``len % dp`` pieces that cannot form a whole group are skipped unless they are ``must``, in
-    which case they form a smaller group.
+    ``costs`` are *effective* bin costs (the piece plus the light tokens that will fill the rest of
+    its bin); ``empty`` is the effective cost of a bin with no heavy piece. Pieces are sorted by
+    cost; a dynamic programme over (position, pieces skipped) chooses contiguous groups
+    minimising the sum over groups of ``log(max/mean)²`` (the imbalance the group leaves in its
+    row) and may skip (defer) up to ``max_skip`` pieces, never one marked ``must`` (it waited long
+    enough). Deferring costs more the older a piece is, so old pieces are grouped while partners
+    are at hand. The last pieces may form a smaller group, priced as a full one whose missing
+    members are ``empty`` bins: cheap for pieces near the threshold, dear for long ones.
     """
     n = len(costs)
     if n == 0:
         return []
-    max_skip = 2 * dp if max_skip is None else max_skip
+    max_skip = 4 * dp if max_skip is None else max_skip
     order = np.argsort(-costs, kind="stable")
-    logc = np.log(np.maximum(costs[order], 1e-300))
+    c = np.maximum(costs[order], 1e-300)
     can_skip = ~must[order]
+    skip_cost = 0.0024 * (1 + 3 * (age[order] if age is not None else np.zeros(n)))  # ~(log 1.05)^2, more for older pieces
+    csum = np.concatenate([[0.0], np.cumsum(c)])
     spread = np.full(n, np.inf)
-    if n >= dp:
-        spread[: n - dp + 1] = (logc[: n - dp + 1] - logc[dp - 1 :]) ** 2  # group starting at i
-    SKIP = 0.0024  # ~(log 1.05)^2 per deferred piece: defer only to avoid a group spread well beyond 5%
-    PARTIAL = 1e3  # a group of fewer than dp pieces unbalances its row: only when unavoidable
+    if n >= dp:  # squared log of max/mean of the group starting at i
+        mean = (csum[dp:] - csum[:-dp]) / dp
+        spread[: n - dp + 1] = np.log(c[: n - dp + 1] / mean) ** 2
+    size = n - np.arange(n)  # a tail group from i has n - i members, padded with empty bins
+    tail_mean = (csum[n] - csum[:-1] + np.maximum(dp - size, 0) * empty) / dp
+    tail = np.log(np.maximum(c, empty) / np.maximum(tail_mean, 1e-300)) ** 2 + 0.01  # never free
     K = max_skip
     best = np.full((n + 1, K + 1), np.inf)
-    choice = np.zeros((n + 1, K + 1), dtype=np.int8)  # 1 = group, 2 = skip, 3 = partial tail group
+    choice = np.zeros((n + 1, K + 1), dtype=np.int8)  # 1 = group, 2 = skip, 3 = smaller tail group
     best[n, :] = 0.0
     for i in range(n - 1, -1, -1):  # vectorised over the skip count k
         v = np.full(K + 1, np.inf)
-        c = np.zeros(K + 1, dtype=np.int8)
+        ch = np.zeros(K + 1, dtype=np.int8)
         if i + dp <= n:
             v = best[i + dp] + spread[i]
-            c[:] = 1
+            ch[:] = 1
         if can_skip[i]:
-            sk = np.append(best[i + 1, 1:] + SKIP, np.inf)
+            sk = np.append(best[i + 1, 1:] + skip_cost[i], np.inf)
             better = sk < v
             v = np.where(better, sk, v)
-            c[better] = 2
-        if i + dp > n:
-            tail = PARTIAL + (logc[i] - logc[n - 1]) ** 2
-            better = tail < v
-            v = np.where(better, tail, v)
-            c[better] = 3
-        best[i], choice[i] = v, c
+            ch[better] = 2
+        if i + dp > n and tail[i] < np.inf:
+            better = tail[i] < v
+            v = np.where(better, tail[i], v)
+            ch[better] = 3
+        best[i], choice[i] = v, ch
     groups, i, k = [], 0, 0
     while i < n:
-        c = choice[i, k]
-        if c == 1:
+        ch = choice[i, k]
+        if ch == 1:
             groups.append(order[i : i + dp])
             i += dp
-        elif c == 2:
+        elif ch == 2:
             i, k = i + 1, k + 1
-        elif c == 3:
+        else:  # 3: the rest as one smaller group
             groups.append(order[i:n])
             i = n
-        else:  # no feasible choice: too many must-pieces left over; place the rest as they come
-            groups.extend(order[j : j + dp] for j in range(i, n, dp))
-            break
     return groups
 
 
