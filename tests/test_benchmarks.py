@@ -1,0 +1,28 @@
+"""Benchmarks stay runnable: a few steps of the planner-only balance benchmark (figures are the
+benchmark's job, not the tests'; this only checks that it runs and reports what it promises)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import balance  # noqa: E402
+
+KEYS = {
+    "imbalance_p50", "imbalance_p99", "mb_imbalance_p50", "mb_imbalance_p99", "baseline_imbalance_p50",
+    "baseline_imbalance_p99", "lower_bound_p50", "speedup_vs_baseline", "capacity_violations",
+    "planner_samples_per_s", "planner_ms_per_step_p99",
+}
+
+
+def test_balance_benchmark_runs(capsys):
+    out = balance.main(["--steps", "32", "--only", "mixed_100k", "--window", "8", "--json"])
+    assert set(out) == {"mixed_100k"}
+    res = out["mixed_100k"]
+    assert KEYS <= set(res)
+    assert res["capacity_violations"] == 0
+    assert res["imbalance_p50"] < res["baseline_imbalance_p50"]
+    assert '"mixed_100k"' in capsys.readouterr().out
