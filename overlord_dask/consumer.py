@@ -94,7 +94,7 @@ class RankStream:
         except BaseException:
             self.close()
             raise
-        self.next_step = 0  # first step not yet fully yielded
+        self.next_step = int(self.info.get("first_step", 0))  # first step not yet fully yielded
         self._unacked: int | None = None  # last step fully yielded but not yet acknowledged
         self.wait_s: list[float] = []  # seconds waited for each step's batch
 
@@ -122,6 +122,11 @@ class RankStream:
             raise ServiceError(self._why_stalled()) from None
         if "error" in desc:
             raise ServiceError(f"the overlord service failed: {desc['error']}")
+        while desc["step"] < self.next_step:  # consumed before a restart (see load_state_dict): skip it
+            self._ack(desc["step"])
+            desc = self.queue.get(timeout=self.timeout)
+            if "error" in desc:
+                raise ServiceError(f"the overlord service failed: {desc['error']}")
         if desc["step"] != self.next_step:
             raise ServiceError(f"rank {self.rank} expected step {self.next_step} but the service sent step {desc['step']}")
         batch = fetch_batch(self.client, desc["key"], desc.get("workers", []), self.timeout, self.cp_rank)
@@ -134,10 +139,13 @@ class RankStream:
         """Acknowledge every step yielded so far (the trainer is done with them)."""
         if self._unacked is None:
             return
-        resp = self.client.sync(self.client.scheduler.overlord_ack, rank=self.rank, step=self._unacked, cp_rank=self.cp_rank or 0)
+        self._ack(self._unacked)
+        self._unacked = None
+
+    def _ack(self, step: int) -> None:
+        resp = self.client.sync(self.client.scheduler.overlord_ack, rank=self.rank, step=step, cp_rank=self.cp_rank or 0)
         if resp.get("error"):
             raise ServiceError(resp["error"])
-        self._unacked = None
 
     def _why_stalled(self) -> str:
         try:
@@ -150,7 +158,15 @@ class RankStream:
 
     # ---- state (torchdata StatefulDataLoader style) -------------------------------------------
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "run_id": self.info["run_id"], "rank": self.rank, "cp_rank": self.cp_rank, "next_step": self.next_step}
+        """Small and topology-free: the next step this trainer needs. Save it with the trainer's
+        own checkpoint; ``load_state_dict`` on a new stream (even after the service restarted from
+        its snapshot) skips the steps the trainer had already consumed."""
+        return {"version": STATE_VERSION, "next_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"consumer state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+        self.next_step = max(self.next_step, int(state["next_step"]))
 
     def close(self) -> None:
         if self._own_client and getattr(self, "client", None) is not None:
@@ -208,6 +224,9 @@ class OverlordDataset(_IterableDataset):
 
     def state_dict(self) -> dict:
         return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
 
     def close(self) -> None:
         if self._stream is not None:

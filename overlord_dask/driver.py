@@ -49,7 +49,8 @@ class Driver(threading.Thread):
         self.blocks: dict[str, Future] = {}
         self.pending_lengths: dict[tuple[str, int, int], Future] = {}
         self.batches: dict[tuple[int, int], Future] = {}
-        self.next_put = [0] * self.dp
+        first = self._rpc("overlord_info")["first_step"]  # > 0 after a restore from a snapshot
+        self.next_put = [first] * self.dp
         self.cp = plan.topology.cp
         self.queues = [[Queue(rank_queue_name(run_id, r, j), client=client) for j in range(self.cp)] for r in range(self.dp)]
         self.error: str | None = None

@@ -17,6 +17,7 @@ long-lived job, not inside a trainer rank.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -82,9 +83,19 @@ class Service:
         run_id = run_id or f"{plan.name}-{uuid.uuid4().hex[:8]}"
         plan_dict = plan_to_dict(plan)
         first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
+        snap = {}
+        ck = plan.checkpoint
+        if ck.url:
+            from .snapshots import SnapshotStore
+
+            url = ck.url if "://" in ck.url or os.path.isabs(ck.url) else os.path.join(plan.base_dir or os.getcwd(), ck.url)
+            snap = {"checkpoint_url": url, "storage_options": ck.storage_options, "keep_bases": ck.keep_bases}
+            loaded = SnapshotStore(url, ck.storage_options).load() if ck.resume else None
+            if loaded is not None:
+                snap["restore"], snap["restore_seq"] = loaded
         try:
             client.register_plugin(BatchServer())
-            client.register_plugin(PlannerPlugin(plan_dict, first_ids, run_id))
+            client.register_plugin(PlannerPlugin(plan_dict, first_ids, run_id, **snap))
             driver = Driver(client, plan, plan_dict, run_id, units)
             driver.start()
         except BaseException:
@@ -147,6 +158,10 @@ class Service:
                 "sample_ids": np.frombuffer(e["sample_ids"], dtype=np.int64),
             }
         return out
+
+    def snapshots(self) -> list[dict]:
+        """Snapshots written by this service: kind (base/delta), bytes, seconds, committed step."""
+        return self._rpc("overlord_snapshots")
 
     def wait_for_step(self, committed: int, timeout: float = 600.0, poll: float = 0.05) -> dict:
         """Block until ``committed`` steps are acknowledged by every rank (or the run fails)."""

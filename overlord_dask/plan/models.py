@@ -196,6 +196,19 @@ class Balance(_Strict):
     """Windows a long piece may wait for similar ones before it is placed alone."""
 
 
+class Checkpoint(_Strict):
+    """Where the planner's snapshots go, so that a restarted service resumes exactly."""
+
+    url: str | None = None
+    """fsspec URL of a folder (`file:///…`, a path, `s3://bucket/run`); None: no snapshots.
+    A relative path is resolved against the plan file's folder."""
+    storage_options: dict = Field(default_factory=dict)
+    keep_bases: int = Field(default=2, ge=1, le=1000)
+    """Base snapshots kept (with their deltas) by garbage collection."""
+    resume: bool = True
+    """Start from the newest snapshot at `url` when there is one."""
+
+
 class Plan(_Strict):
     """A whole run: sources and their mix, topology, cost model and loading bounds."""
 
@@ -206,6 +219,7 @@ class Plan(_Strict):
     cost: CostModel = Field(default_factory=CostModel)
     loading: Loading = Field(default_factory=Loading)
     balance: Balance = Field(default_factory=Balance)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     base_dir: str | None = None
     """Folder that relative source URLs are resolved against (set by `load_plan` to the plan file's
     folder; defaults to the working directory)."""

@@ -10,6 +10,10 @@ Routes (scheduler handlers, request/response; all idempotent where a retry could
 - ``overlord_ack(rank, step, cp_rank=0)``: a (rank, cp rank) consumed every step up to ``step``.
 - ``overlord_status()``, ``overlord_metrics(start, stop)``, ``overlord_ledger(start, stop)``.
 - ``overlord_fail(message)``: the driver reports a fatal error; consumers see it in their status.
+- ``overlord_snapshots()``: kind, size and write time of the snapshots written so far.
+
+With a checkpoint URL, every newly committed step is snapshotted asynchronously (a base when the
+planning window or topology changed, else a delta of a few dozen bytes), never blocking an ack.
 
 Handlers run on the scheduler's event loop; each is O(step size) metadata work, never I/O.
 """
@@ -32,6 +36,7 @@ HANDLERS = (
     "overlord_metrics",
     "overlord_ledger",
     "overlord_fail",
+    "overlord_snapshots",
 )
 
 
@@ -41,25 +46,80 @@ class PlannerPlugin(SchedulerPlugin):
     name = "overlord-planner"
     idempotent = True
 
-    def __init__(self, plan: dict, unit_first_ids: dict[str, list[int]], run_id: str):
+    def __init__(self, plan: dict, unit_first_ids: dict[str, list[int]], run_id: str, *,
+                 checkpoint_url: str | None = None, storage_options: dict | None = None, keep_bases: int = 2,
+                 restore: dict | None = None, restore_seq: int = -1):
         self.plan_dict = plan
         self.unit_first_ids = unit_first_ids
         self.run_id = run_id
+        self.checkpoint_url = checkpoint_url
+        self.storage_options = storage_options or {}
+        self.keep_bases = keep_bases
+        self.restore_state = restore
+        self.seq = restore_seq  # last snapshot sequence number written (or restored)
         self.state: PlannerState | None = None
 
     async def start(self, scheduler) -> None:
+        import asyncio
+
         self.scheduler = scheduler
-        self.state = PlannerState(plan_from_dict(self.plan_dict, where="<service plan>"), self.unit_first_ids)
+        self.state = PlannerState(plan_from_dict(self.plan_dict, where="<service plan>"), self.unit_first_ids, state=self.restore_state)
+        self.store = None
+        self.snapshot_stats: list[dict] = []
+        self._base_key = None  # (window_step, topology) of the last base written
+        self._written_committed = -1
+        self._wake = asyncio.Event()
+        if self.checkpoint_url:
+            from ..snapshots import SnapshotStore
+
+            self.store = SnapshotStore(self.checkpoint_url, self.storage_options)
+            self._writer = asyncio.create_task(self._snapshot_loop())
+            self._wake.set()  # a first base right away
         for name in HANDLERS:
             scheduler.handlers[name] = getattr(self, name[len("overlord_") :])
 
     async def close(self) -> None:
+        if self.store is not None:
+            self._writer.cancel()
+            await self._write_snapshot()  # the last committed step, before the scheduler goes
         for name in HANDLERS:
             self.scheduler.handlers.pop(name, None)
 
+    # ---- snapshots: encoded on the event loop (small), written in a thread, never on a trainer's path
+    async def _snapshot_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._write_snapshot()
+            except Exception:  # storage hiccups must not kill the planner; the next commit retries
+                import logging
+
+                logging.getLogger(__name__).exception("writing a planner snapshot to %s failed", self.checkpoint_url)
+
+    async def _write_snapshot(self) -> None:
+        import asyncio
+        import time
+
+        st = self.state.get_state()
+        if st["committed"] == self._written_committed:
+            return
+        t0 = time.perf_counter()
+        key = (st["window_step"], tuple(sorted(st["topology"].items())))
+        self.seq += 1
+        if key != self._base_key:
+            kind, n = "base", await asyncio.to_thread(self.store.write_base, self.seq, st)
+            self._base_key, self._base_seq = key, self.seq
+            await asyncio.to_thread(self.store.gc, self.keep_bases)
+        else:
+            kind, n = "delta", await asyncio.to_thread(self.store.write_delta, self.seq, self._base_seq, st["committed"])
+        self._written_committed = st["committed"]
+        self.snapshot_stats.append({"kind": kind, "bytes": n, "seconds": time.perf_counter() - t0, "committed": st["committed"]})
+        del self.snapshot_stats[:-1000]
+
     # ---- routes -------------------------------------------------------------------------------
     def info(self) -> dict:
-        t = self.state.topology
+        t = self.state.final_plan.topology
         return {
             "run_id": self.run_id,
             "name": self.state.plan.name,
@@ -70,6 +130,7 @@ class PlannerPlugin(SchedulerPlugin):
             "sources": self.state.source_names,
             "weights": [float(w) for w in self.state.weights],
             "queue_prefix": queue_prefix(self.run_id),
+            "first_step": self.state.replay_until,
         }
 
     def wanted(self) -> list:
@@ -85,10 +146,17 @@ class PlannerPlugin(SchedulerPlugin):
         return {"steps": steps, "finished": finished, "failure": None}
 
     def ack(self, rank: int, step: int, cp_rank: int = 0) -> dict:
+        before = self.state.committed
         try:
-            return {"committed": self.state.ack(rank, step, cp_rank), "error": None}
+            committed = self.state.ack(rank, step, cp_rank)
         except ValueError as err:
             return {"committed": self.state.committed, "error": str(err)}
+        if committed > before and self.store is not None:
+            self._wake.set()
+        return {"committed": committed, "error": None}
+
+    def snapshots(self) -> list[dict]:
+        return list(self.snapshot_stats) if self.store is not None else []
 
     def status(self) -> dict:
         return self.state.status()

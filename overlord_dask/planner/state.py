@@ -29,8 +29,14 @@ def _tokens(rows: np.ndarray) -> int:
     return int((rows[:, 5] - rows[:, 4]).sum())
 
 
+STATE_VERSION = 1
+
+
 class PlannerState:
-    def __init__(self, plan: Plan, unit_first_ids: dict[str, list[int]], *, history_steps: int = 100_000):
+    def __init__(self, plan: Plan, unit_first_ids: dict[str, list[int]], *, history_steps: int = 100_000, state: dict | None = None):
+        self.final_plan = plan
+        if state is not None:  # replay on the topology the snapshot was planned with, switch at `committed`
+            plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
         self.plan = plan
         self.topology = plan.topology
         self.source_names = [s.name for s in plan.sources]
@@ -65,6 +71,10 @@ class PlannerState:
         self.selected = np.zeros(len(self.streams), dtype=np.int64)  # tokens selected per source so far
         self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
         self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by pending/ready pieces
+        self.windows: OrderedDict[int, dict] = OrderedDict()  # first step of a planned window -> state before it
+        self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
+        if state is not None:
+            self._restore(state)
 
     # ---- loading ------------------------------------------------------------------------------
     def wanted(self) -> list[list]:
@@ -114,6 +124,8 @@ class PlannerState:
         steps = []
         t0 = time.perf_counter()
         while len(steps) < max_steps and self.can_plan():
+            if self.next_step == self.replay_until and self.final_plan.topology != self.topology:
+                self._switch_topology()
             try:
                 ranks, mb_costs = self._next_planned()
             except Starved as e:
@@ -122,6 +134,8 @@ class PlannerState:
             self.starved_on = None
             step = self.next_step
             self.next_step += 1
+            if step < self.replay_until:
+                continue  # delivered before the restore: only the planner state had to catch up
             self._record(step, ranks, mb_costs)
             entry = self.ledger[step]
             steps.append({"step": step, "pieces": entry["pieces"].astype("<i8").tobytes(), "slot": entry["slot"].astype("<i4").tobytes()})
@@ -144,10 +158,16 @@ class PlannerState:
 
     def _next_planned(self) -> tuple[list[list[np.ndarray]], np.ndarray]:
         """The next step's pieces per (rank, micro-batch) as int64 rows, and their costs."""
-        if self.balance.policy == "none":
-            return self._exact_step()
-        if not self.ready:
-            self._plan_window()
+        if self.balance.policy == "none" or not self.ready:
+            self.windows[self.next_step] = self._capture()
+            try:
+                if self.balance.policy == "none":
+                    return self._exact_step()
+                self._plan_window()
+            except Starved:
+                del self.windows[self.next_step]
+                raise
+            self._prune_windows()
         return self.ready.popleft()
 
     def _exact_step(self):
@@ -235,6 +255,80 @@ class PlannerState:
             self.metrics.popitem(last=False)
         while len(self.ledger) > self.history_steps and next(iter(self.ledger)) < self.committed:
             self.ledger.popitem(last=False)
+
+    # ---- state (snapshots) ---------------------------------------------------------------------
+    # The planner is a pure function of its state at the start of a window and of the (reloaded)
+    # unit lengths, so a snapshot holds only that small state, the step the window starts at and
+    # the committed step; a restore re-plans from there and hands out steps from `committed` on.
+
+    def _capture(self) -> dict:
+        return {
+            "cursors": [list(s.cursor()) for s in self.streams],
+            "pending": self.pending.astype("<i8").tobytes(),
+            "selected": [int(x) for x in self.selected],
+            "cum_tokens": [int(x) for x in self.cum_tokens],
+            "carry": [float(x) for x in self.carry],
+        }
+
+    def _prune_windows(self) -> None:
+        """Keep the window holding the oldest uncommitted step and every later one."""
+        keys = list(self.windows)
+        for k, nxt in zip(keys, keys[1:]):
+            if nxt <= self.committed:
+                del self.windows[k]
+
+    def get_state(self) -> dict:
+        """A msgpack-friendly snapshot: topology-free positions, the window start, committed."""
+        starts = [k for k in self.windows if k <= self.committed]
+        if starts:
+            window_step, window = starts[-1], self.windows[starts[-1]]
+        else:
+            window_step, window = self.next_step, self._capture()
+        t = self.topology
+        return {
+            "version": STATE_VERSION,
+            "plan": self.plan.name,
+            "sources": list(self.source_names),
+            "committed": self.committed,
+            "window_step": window_step,
+            "window": window,
+            "topology": {"dp": t.dp, "micro_batches": t.micro_batches, "tokens_per_micro_batch": t.tokens_per_micro_batch,
+                         "max_doc_tokens": t.max_doc_tokens, "cp": t.cp, "cp_min_tokens": t.cp_min_tokens},
+        }
+
+    def _restore(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"snapshot version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+        if list(state["sources"]) != self.source_names:
+            raise ValueError(f"snapshot sources {list(state['sources'])} differ from the plan's {self.source_names}; "
+                             "adding or removing sources on resume is not supported yet")
+        w = state["window"]
+        for s, cur in zip(self.streams, w["cursors"]):
+            s.restore(tuple(cur))
+            s.req_epoch, s.req_pos = s.epoch, s.pos
+        self.pending = np.frombuffer(w["pending"], dtype="<i8").reshape(-1, 7).copy()
+        self.selected = np.asarray(w["selected"], dtype=np.int64)
+        self.cum_tokens = np.asarray(w["cum_tokens"], dtype=np.int64)
+        self.carry = np.asarray(w["carry"], dtype=np.float64)
+        self.next_step = int(state["window_step"])
+        self.replay_until = int(state["committed"])
+        self.acked = [self.replay_until - 1] * len(self.acked)
+
+    def _switch_topology(self) -> None:
+        """After replaying the delivered steps on the old topology, continue on the plan's: the
+        pieces planned but not delivered go back to the front of the queue, in order."""
+        undelivered = [rows for ranks, _ in self.ready for mbs in ranks for rows in mbs]
+        if undelivered:
+            rows = np.concatenate(undelivered)
+            rows = np.concatenate([rows, np.zeros((len(rows), 1), dtype=np.int64)], axis=1)
+            self.pending = np.concatenate([self.pending, rows])
+        self.ready.clear()
+        self.plan = self.final_plan
+        self.topology = self.plan.topology
+        self.step_budget = int(self.balance.fill * self.topology.step_tokens)
+        self.heavy_tokens = self.balance.heavy_tokens or max(1, self.topology.tokens_per_micro_batch // 16)
+        self.acked = [self.replay_until - 1] * (self.topology.dp * self.topology.cp)
+        self.windows.clear()
 
     # ---- acknowledgements ---------------------------------------------------------------------
     def ack(self, rank: int, step: int, cp_rank: int = 0) -> int:
