@@ -170,3 +170,22 @@ def test_cost_function_must_import():
 
     with pytest.raises(PlanError, match=r"cost.function: Value error, cannot import 'nope:fn'"):
         plan_from_dict({"sources": [{"name": "a", "format": "zarr", "url": "a", "weight": 1}], "topology": {"dp": 1, "tokens_per_micro_batch": 64}, "cost": {"function": "nope:fn"}})
+
+
+def test_tiny_weights_do_not_starve_the_planner():
+    """Sources with tiny weights and short units: selection can need more of a source than its
+    look-ahead target holds; the planner keeps asking for units and makes progress."""
+    weights = [0.9] + [0.1 / 30] * 30
+    # the small sources' units hold fewer tokens than one selection window needs of them
+    gens = [lambda r, n: r.integers(50, 3000, n)] + [lambda r, n: r.integers(5, 60, n)] * 30
+    state = make_state(weights, {"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 4096}, {"window": 4})
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # bounded: a livelock fails instead of hanging
+        for name, epoch, unit in state.wanted():
+            state.add_lengths(name, epoch, unit, gens[int(name[1:])](rng, 8))
+        for p in state.plan_steps(8)[0]:
+            for r in range(2):
+                state.ack(r, p["step"])
+        if state.next_step >= 24:
+            break
+    assert state.next_step >= 24

@@ -85,6 +85,8 @@ class PlannerState:
             if w <= 0:
                 continue
             target = max(1, int(w * step_tokens * (self._window_steps() + 1) * 1.3))
+            if s.name == self.starved_on:  # planning needs more of this source than the look-ahead holds
+                target = s.unplanned_tokens() + 1
             for epoch, unit in s.want(target, self.plan.loading.units_ahead):
                 out.append([s.name, epoch, unit])
         return out
