@@ -95,6 +95,7 @@ class RankStream:
             self.close()
             raise
         self.next_step = int(self.info.get("first_step", 0))  # first step not yet fully yielded
+        self.generation = 0  # descriptors of an older generation (before a rewind) are ignored
         self._unacked: int | None = None  # last step fully yielded but not yet acknowledged
         self.wait_s: list[float] = []  # seconds waited for each step's batch
 
@@ -116,17 +117,19 @@ class RankStream:
         """The next step's batch for this rank; acknowledges the previous step first."""
         self.commit()
         t0 = time.perf_counter()
-        try:
-            desc = self.queue.get(timeout=self.timeout)
-        except TimeoutError:
-            raise ServiceError(self._why_stalled()) from None
-        if "error" in desc:
-            raise ServiceError(f"the overlord service failed: {desc['error']}")
-        while desc["step"] < self.next_step:  # consumed before a restart (see load_state_dict): skip it
-            self._ack(desc["step"])
-            desc = self.queue.get(timeout=self.timeout)
+        while True:
+            try:
+                desc = self.queue.get(timeout=self.timeout)
+            except TimeoutError:
+                raise ServiceError(self._why_stalled()) from None
             if "error" in desc:
                 raise ServiceError(f"the overlord service failed: {desc['error']}")
+            if desc.get("gen", 0) != self.generation:
+                continue  # sent before this trainer's rewind
+            if desc["step"] < self.next_step:  # consumed before a restart (see load_state_dict)
+                self._ack(desc["step"])
+                continue
+            break
         if desc["step"] != self.next_step:
             raise ServiceError(f"rank {self.rank} expected step {self.next_step} but the service sent step {desc['step']}")
         batch = fetch_batch(self.client, desc["key"], desc.get("workers", []), self.timeout, self.cp_rank)
@@ -164,9 +167,15 @@ class RankStream:
         return {"version": STATE_VERSION, "next_step": self.next_step}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a trainer checkpoint: steps before ``next_step`` are skipped; if this
+        trainer restarted alone while the service kept running, its unacknowledged steps are
+        sent again (a rewind of its queue)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"consumer state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
         self.next_step = max(self.next_step, int(state["next_step"]))
+        resp = self.client.sync(self.client.scheduler.overlord_rewind, rank=self.rank, cp_rank=self.cp_rank or 0, step=self.next_step)
+        if resp.get("error") is None:
+            self.generation = resp["generation"]
 
     def close(self) -> None:
         if self._own_client and getattr(self, "client", None) is not None:

@@ -51,6 +51,7 @@ class Driver(threading.Thread):
         self.batches: dict[tuple[int, int], Future] = {}
         first = self._rpc("overlord_info")["first_step"]  # > 0 after a restore from a snapshot
         self.next_put = [first] * self.dp
+        self.generation: dict[tuple[int, int], int] = {}  # (rank, cp) -> generation of its queue
         self.cp = plan.topology.cp
         self.queues = [[Queue(rank_queue_name(run_id, r, j), client=client) for j in range(self.cp)] for r in range(self.dp)]
         self.error: str | None = None
@@ -157,18 +158,32 @@ class Driver(threading.Thread):
         for rank, fut in ready:
             step = self.next_put[rank]
             desc = {"step": step, "rank": rank, "key": fut.key, "workers": list(where.get(fut.key, ())), "run_id": self.run_id}
-            for q in self.queues[rank]:
-                q.put(desc)
+            for j, q in enumerate(self.queues[rank]):
+                q.put({**desc, "gen": self.generation.get((rank, j), 0)})
             self.next_put[rank] += 1
         return True
 
     def _release_acked(self) -> bool:
-        per_cp = self._rpc("overlord_status")["acked"]
+        status = self._rpc("overlord_status")
+        self._rewind(status["rewinds"])
+        per_cp = status["acked"]
         acked = [min(per_cp[r * self.cp : (r + 1) * self.cp]) for r in range(self.dp)]  # every CP rank is done
         gone = [k for k in self.batches if k[0] <= acked[k[1]] and k[0] < self.next_put[k[1]]]
         for k in gone:
             del self.batches[k]
         return bool(gone)
+
+    def _rewind(self, rewinds: list) -> None:
+        """Re-send a restarted trainer's descriptors from the step it asked for, new generation."""
+        for rank, j, step, gen in rewinds:
+            if self.generation.get((rank, j), 0) >= gen:
+                continue
+            self.generation[(rank, j)] = gen
+            futs = [(s, self.batches[(s, rank)]) for s in range(step, self.next_put[rank]) if (s, rank) in self.batches]
+            where = self.client.who_has([f for _, f in futs]) if futs else {}
+            for s, fut in futs:
+                self.queues[rank][j].put({"step": s, "rank": rank, "key": fut.key, "workers": list(where.get(fut.key, ())),
+                                          "run_id": self.run_id, "gen": gen})
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         t0 = time.monotonic()

@@ -116,3 +116,37 @@ def test_clean_restart_resumes_from_the_committed_step(tmp_path, corpus, cluster
     assert stats and all(s["bytes"] < 65_536 for s in stats)
     deltas = [s for s in stats if s["kind"] == "delta"]
     assert all(s["bytes"] < 200 for s in deltas)
+
+
+def test_one_trainer_restarted_alone(tmp_path, corpus, cluster):
+    """Rank 1 dies after taking step 3's batch (never acknowledged) and restarts from its
+    state_dict; rank 0 never stops. Rank 1 gets step 3 again and then its normal stream."""
+    from overlord_dask.plan import load_plan
+
+    plan = load_plan(_plan_file(tmp_path, corpus, None))
+    with Service.start(plan, cluster=cluster) as service:
+        reference = {}
+        r0 = connect(service.address, 0, timeout=120)
+        r1 = connect(service.address, 1, timeout=120)
+        for _ in range(3):
+            for r, s in ((0, r0), (1, r1)):
+                b = s.next_batch()
+                reference[(r, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
+        r1.commit()
+        saved = r1.state_dict()  # the trainer's checkpoint: next step 3
+        lost = r1.next_batch()  # takes step 3 ... and dies before acknowledging it
+        assert lost["step"] == 3
+        r1.close()
+        r1 = connect(service.address, 1, timeout=120)
+        r1.load_state_dict(saved)
+        for _ in range(4):
+            b = r1.next_batch()
+            reference[(1, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
+            b0 = r0.next_batch()
+            reference[(0, b0["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b0)).tolist()))
+        assert sorted(s for r, s in reference if r == 1) == list(range(7))
+        assert reference[(1, 3)] == sorted(map(tuple, delivered_identities(delivered_record(lost)).tolist()))
+        ids = [i for v in reference.values() for i in v]
+        assert len(ids) == len(set(ids))
+        r0.close()
+        r1.close()

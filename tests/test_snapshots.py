@@ -40,6 +40,10 @@ def _exercise_store(url, **opts):
 def test_store_on_a_local_folder(tmp_path):
     store = _exercise_store(str(tmp_path / "ck"))
     assert not [p for p in (tmp_path / "ck").iterdir() if p.name.endswith(".tmp")]  # atomic writes leave nothing behind
+    # a crash while writing the next base leaves only a partial temporary file: ignored
+    (tmp_path / "ck" / ".base-000000000006.msgpack.0badc0de.tmp").write_bytes(b"\x82\xa7version")
+    state, seq = store.load()
+    assert state["committed"] == 10 and seq == 5
     # a corrupt newest base: fall back to the previous base and its deltas
     (tmp_path / "ck" / "base-000000000005.msgpack").write_bytes(b"\x93garbage")
     state, seq = store.load()

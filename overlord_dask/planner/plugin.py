@@ -11,6 +11,8 @@ Routes (scheduler handlers, request/response; all idempotent where a retry could
 - ``overlord_status()``, ``overlord_metrics(start, stop)``, ``overlord_ledger(start, stop)``.
 - ``overlord_fail(message)``: the driver reports a fatal error; consumers see it in their status.
 - ``overlord_snapshots()``: kind, size and write time of the snapshots written so far.
+- ``overlord_rewind(rank, cp_rank, step)``: a restarted trainer needs its stream again from a
+  step it has not acknowledged; returns the queue's new generation.
 
 With a checkpoint URL, every newly committed step is snapshotted asynchronously (a base when the
 planning window or topology changed, else a delta of a few dozen bytes), never blocking an ack.
@@ -37,6 +39,7 @@ HANDLERS = (
     "overlord_ledger",
     "overlord_fail",
     "overlord_snapshots",
+    "overlord_rewind",
 )
 
 
@@ -58,6 +61,7 @@ class PlannerPlugin(SchedulerPlugin):
         self.restore_state = restore
         self.seq = restore_seq  # last snapshot sequence number written (or restored)
         self.state: PlannerState | None = None
+        self.rewinds: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, cp) -> (from step, generation)
 
     async def start(self, scheduler) -> None:
         import asyncio
@@ -159,7 +163,7 @@ class PlannerPlugin(SchedulerPlugin):
         return list(self.snapshot_stats) if self.store is not None else []
 
     def status(self) -> dict:
-        return self.state.status()
+        return {**self.state.status(), "rewinds": [[r, c, s, g] for (r, c), (s, g) in self.rewinds.items()]}
 
     def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
         return [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)]
@@ -178,6 +182,16 @@ class PlannerPlugin(SchedulerPlugin):
                     }
                 )
         return out
+
+    def rewind(self, rank: int, cp_rank: int, step: int) -> dict:
+        """A restarted trainer (rank, cp rank) needs its stream again from ``step`` (not yet
+        acknowledged, so its batch is still held). Returns the new generation of its queue: the
+        driver re-sends descriptors from ``step`` tagged with it, and older ones are ignored."""
+        if step <= self.state.acked[rank * self.state.topology.cp + cp_rank]:
+            return {"error": f"rank {rank} cp rank {cp_rank} already acknowledged step {step}; it cannot be sent again", "generation": None}
+        gen = self.rewinds.get((rank, cp_rank), (0, 0))[1] + 1
+        self.rewinds[(rank, cp_rank)] = (step, gen)
+        return {"error": None, "generation": gen}
 
     def fail(self, message: str) -> None:
         if not self.state.failure:
