@@ -96,6 +96,7 @@ class RankStream:
             raise
         self.next_step = int(self.info.get("first_step", 0))  # first step not yet fully yielded
         self.generation = 0  # descriptors of an older generation (before a rewind) are ignored
+        self._positioned = False  # True once a state was loaded or a batch received
         self._unacked: int | None = None  # last step fully yielded but not yet acknowledged
         self.wait_s: list[float] = []  # seconds waited for each step's batch
 
@@ -129,7 +130,10 @@ class RankStream:
             if desc["step"] < self.next_step:  # consumed before a restart (see load_state_dict)
                 self._ack(desc["step"])
                 continue
+            if not self._positioned:  # attached mid-run without a state: start where the queue is
+                self.next_step = desc["step"]
             break
+        self._positioned = True
         if desc["step"] != self.next_step:
             raise ServiceError(f"rank {self.rank} expected step {self.next_step} but the service sent step {desc['step']}")
         batch = fetch_batch(self.client, desc["key"], desc.get("workers", []), self.timeout, self.cp_rank)
@@ -145,8 +149,10 @@ class RankStream:
         self._ack(self._unacked)
         self._unacked = None
 
-    def _ack(self, step: int) -> None:
-        resp = self.client.sync(self.client.scheduler.overlord_ack, rank=self.rank, step=step, cp_rank=self.cp_rank or 0)
+    def _ack(self, step: int, durable: bool | None = None) -> None:
+        if durable is None:  # with commit 'ack' every consumed step is durable
+            durable = self.info.get("commit", "ack") == "ack"
+        resp = self.client.sync(self.client.scheduler.overlord_ack, rank=self.rank, step=step, cp_rank=self.cp_rank or 0, durable=durable)
         if resp.get("error"):
             raise ServiceError(resp["error"])
 
@@ -163,7 +169,12 @@ class RankStream:
     def state_dict(self) -> dict:
         """Small and topology-free: the next step this trainer needs. Save it with the trainer's
         own checkpoint; ``load_state_dict`` on a new stream (even after the service restarted from
-        its snapshot) skips the steps the trainer had already consumed."""
+        its snapshot) skips the steps the trainer had already consumed. With the plan's
+        ``checkpoint.commit: checkpoint`` this call also makes those steps durable in the
+        service's snapshots, so a whole-system restart resumes exactly at this checkpoint."""
+        self.commit()
+        if self.next_step > int(self.info.get("first_step", 0)):
+            self._ack(self.next_step - 1, durable=True)
         return {"version": STATE_VERSION, "next_step": self.next_step}
 
     def load_state_dict(self, state: dict) -> None:
@@ -173,6 +184,7 @@ class RankStream:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"consumer state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
         self.next_step = max(self.next_step, int(state["next_step"]))
+        self._positioned = True
         resp = self.client.sync(self.client.scheduler.overlord_rewind, rank=self.rank, cp_rank=self.cp_rank or 0, step=self.next_step)
         if resp.get("error") is None:
             self.generation = resp["generation"]

@@ -21,7 +21,7 @@ from overlord_dask.report import delivered_identities, delivered_record
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _plan_file(tmp_path, corpus, checkpoint: str | None) -> Path:
+def _plan_file(tmp_path, corpus, checkpoint: str | None, commit: str = "ack") -> Path:
     data = yaml.safe_load((ROOT / "overlord_dask" / "demo_plan.yaml").read_text())
     for s in data["sources"]:
         s["url"] = str(Path(corpus) / s["url"])
@@ -29,7 +29,7 @@ def _plan_file(tmp_path, corpus, checkpoint: str | None) -> Path:
     data["loading"].update(unit_rows=300, unit_tokens=65536, prefetch_steps=3)
     data["balance"]["window"] = 4
     if checkpoint:
-        data["checkpoint"] = {"url": checkpoint}
+        data["checkpoint"] = {"url": checkpoint, "commit": commit}
     path = tmp_path / ("plan-ck.yaml" if checkpoint else "plan.yaml")
     path.write_text(yaml.safe_dump(data))
     return path
@@ -150,3 +150,44 @@ def test_one_trainer_restarted_alone(tmp_path, corpus, cluster):
         assert len(ids) == len(set(ids))
         r0.close()
         r1.close()
+
+
+def test_commit_on_trainer_checkpoint_resumes_at_the_checkpoint(tmp_path, corpus, cluster):
+    """commit: checkpoint. The trainers save their state at step 4, train on to step 7, then the
+    whole system dies. Restarted from their checkpoint, they get steps 4, 5, 6 again (their
+    weights never saw them) and then the rest: the stream equals the uninterrupted one."""
+    from overlord_dask.plan import load_plan
+
+    with Service.start(load_plan(_plan_file(tmp_path, corpus, None)), cluster=cluster) as ref_service:
+        reference, _ = _consume(ref_service.address, [0, 1], 12)
+
+    plan = _plan_file(tmp_path, corpus, str(tmp_path / "ck3"), commit="checkpoint")
+    proc, address = _serve(plan)
+    saved = {}
+    try:
+        def trainer(r):
+            with connect(address, r, timeout=120) as s:
+                for step in range(7):
+                    s.next_batch()
+                    if step == 3:
+                        saved[r] = s.state_dict()  # the trainer checkpoints after step 3
+                s.commit()
+
+        threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert saved[0]["next_step"] == 4 == saved[1]["next_step"]
+    proc, address = _serve(plan)
+    try:
+        after, _ = _consume(address, [0, 1], 8, states=saved)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert sorted(after) == [(r, s) for r in (0, 1) for s in range(4, 12)]
+    for key, ids in after.items():
+        assert reference[key] == ids, key

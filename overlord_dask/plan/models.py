@@ -207,6 +207,10 @@ class Checkpoint(_Strict):
     """Base snapshots kept (with their deltas) by garbage collection."""
     resume: bool = True
     """Start from the newest snapshot at `url` when there is one."""
+    commit: Literal["ack", "checkpoint"] = "ack"
+    """When a step is durable (what a snapshot resumes from): `ack`, once every rank has consumed
+    it; `checkpoint`, once every rank's trainer has saved its state (``stream.state_dict()``),
+    so a whole-system restart resumes exactly where the trainers' checkpoints are."""
 
 
 class Plan(_Strict):

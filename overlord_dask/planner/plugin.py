@@ -7,7 +7,8 @@ Routes (scheduler handlers, request/response; all idempotent where a retry could
 - ``overlord_add_lengths(source, epoch, unit, lengths)``: a loaded unit's document lengths
   (little-endian int64 bytes); a repeat (recomputed load) is ignored.
 - ``overlord_plan(max_steps)``: plan the next steps within the prefetch bound.
-- ``overlord_ack(rank, step, cp_rank=0)``: a (rank, cp rank) consumed every step up to ``step``.
+- ``overlord_ack(rank, step, cp_rank=0, durable=False)``: a (rank, cp rank) consumed every step
+  up to ``step`` (``durable``: and saved them in its trainer checkpoint).
 - ``overlord_status()``, ``overlord_metrics(start, stop)``, ``overlord_ledger(start, stop)``.
 - ``overlord_fail(message)``: the driver reports a fatal error; consumers see it in their status.
 - ``overlord_snapshots()``: kind, size and write time of the snapshots written so far.
@@ -135,6 +136,7 @@ class PlannerPlugin(SchedulerPlugin):
             "weights": [float(w) for w in self.state.weights],
             "queue_prefix": queue_prefix(self.run_id),
             "first_step": self.state.replay_until,
+            "commit": self.state.commit_mode,
         }
 
     def wanted(self) -> list:
@@ -149,13 +151,13 @@ class PlannerPlugin(SchedulerPlugin):
         steps, finished = self.state.plan_steps(max_steps)
         return {"steps": steps, "finished": finished, "failure": None}
 
-    def ack(self, rank: int, step: int, cp_rank: int = 0) -> dict:
-        before = self.state.committed
+    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> dict:
+        before = self.state.durable_step
         try:
-            committed = self.state.ack(rank, step, cp_rank)
+            committed = self.state.ack(rank, step, cp_rank, durable)
         except ValueError as err:
             return {"committed": self.state.committed, "error": str(err)}
-        if committed > before and self.store is not None:
+        if self.state.durable_step > before and self.store is not None:
             self._wake.set()
         return {"committed": committed, "error": None}
 

@@ -56,7 +56,9 @@ class PlannerState:
         self.next_step = 0
         self.cum_tokens = np.zeros(len(self.streams), dtype=np.int64)
         self.carry = np.zeros(len(self.streams))
-        self.acked = [-1] * (plan.topology.dp * plan.topology.cp)  # last step each (rank, cp rank) acknowledged
+        self.acked = [-1] * (plan.topology.dp * plan.topology.cp)  # last step each (rank, cp rank) consumed
+        self.durable = [-1] * (plan.topology.dp * plan.topology.cp)  # last step each saved in a trainer checkpoint
+        self.commit_mode = plan.checkpoint.commit
         self.ledger: OrderedDict[int, dict] = OrderedDict()  # step -> {"pieces": int64[n,6], "slot": int32[n,2]}
         self.metrics: OrderedDict[int, dict] = OrderedDict()
         self.history_steps = history_steps
@@ -108,6 +110,12 @@ class PlannerState:
     def committed(self) -> int:
         """Number of steps every rank has acknowledged (steps 0..committed-1 are done)."""
         return min(self.acked) + 1
+
+    @property
+    def durable_step(self) -> int:
+        """Steps a restart must never deliver again: consumed (commit 'ack') or saved in every
+        trainer's checkpoint (commit 'checkpoint')."""
+        return self.committed if self.commit_mode == "ack" else min(self.committed, min(self.durable) + 1)
 
     def can_plan(self) -> bool:
         return self.next_step - self.committed < self.plan.loading.prefetch_steps
@@ -273,15 +281,16 @@ class PlannerState:
         }
 
     def _prune_windows(self) -> None:
-        """Keep the window holding the oldest uncommitted step and every later one."""
+        """Keep the window holding the oldest non-durable step and every later one."""
         keys = list(self.windows)
         for k, nxt in zip(keys, keys[1:]):
-            if nxt <= self.committed:
+            if nxt <= self.durable_step:
                 del self.windows[k]
 
     def get_state(self) -> dict:
         """A msgpack-friendly snapshot: topology-free positions, the window start, committed."""
-        starts = [k for k in self.windows if k <= self.committed]
+        durable = self.durable_step
+        starts = [k for k in self.windows if k <= durable]
         if starts:
             window_step, window = starts[-1], self.windows[starts[-1]]
         else:
@@ -291,7 +300,7 @@ class PlannerState:
             "version": STATE_VERSION,
             "plan": self.plan.name,
             "sources": list(self.source_names),
-            "committed": self.committed,
+            "committed": durable,
             "window_step": window_step,
             "window": window,
             "topology": {"dp": t.dp, "micro_batches": t.micro_batches, "tokens_per_micro_batch": t.tokens_per_micro_batch,
@@ -315,6 +324,7 @@ class PlannerState:
         self.next_step = int(state["window_step"])
         self.replay_until = int(state["committed"])
         self.acked = [self.replay_until - 1] * len(self.acked)
+        self.durable = list(self.acked)
 
     def _switch_topology(self) -> None:
         """After replaying the delivered steps on the old topology, continue on the plan's: the
@@ -330,11 +340,13 @@ class PlannerState:
         self.step_budget = int(self.balance.fill * self.topology.step_tokens)
         self.heavy_tokens = self.balance.heavy_tokens or max(1, self.topology.tokens_per_micro_batch // 16)
         self.acked = [self.replay_until - 1] * (self.topology.dp * self.topology.cp)
+        self.durable = list(self.acked)
         self.windows.clear()
 
     # ---- acknowledgements ---------------------------------------------------------------------
-    def ack(self, rank: int, step: int, cp_rank: int = 0) -> int:
-        """(``rank``, ``cp_rank``) consumed every step up to ``step``; idempotent. Returns ``committed``."""
+    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> int:
+        """(``rank``, ``cp_rank``) consumed every step up to ``step`` (and, if ``durable``, saved
+        them in its trainer checkpoint); idempotent. Returns ``committed``."""
         if not 0 <= rank < self.topology.dp:
             raise ValueError(f"rank {rank} does not exist: the plan has dp={self.topology.dp} ranks (0..{self.topology.dp - 1})")
         if not 0 <= cp_rank < self.topology.cp:
@@ -343,6 +355,8 @@ class PlannerState:
             raise ValueError(f"rank {rank} acknowledged step {step}, but only steps < {self.next_step} were planned")
         i = rank * self.topology.cp + cp_rank
         self.acked[i] = max(self.acked[i], step)
+        if durable:
+            self.durable[i] = max(self.durable[i], step)
         return self.committed
 
     # ---- inspection ---------------------------------------------------------------------------
@@ -358,6 +372,7 @@ class PlannerState:
         return {
             "next_step": self.next_step,
             "committed": self.committed,
+            "durable": self.durable_step,
             "acked": list(self.acked),
             "failure": self.failure,
             "starved_on": self.starved_on,
