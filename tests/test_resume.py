@@ -191,3 +191,22 @@ def test_commit_on_trainer_checkpoint_resumes_at_the_checkpoint(tmp_path, corpus
     assert sorted(after) == [(r, s) for r in (0, 1) for s in range(4, 12)]
     for key, ids in after.items():
         assert reference[key] == ids, key
+
+
+def test_resume_with_fewer_ranks_keeps_exactly_once(tmp_path, corpus, cluster):
+    """Run on dp=2, stop, resume the same run on dp=1: the one rank continues where the pair
+    left off; no piece is delivered twice over the union of ranks and runs."""
+    from overlord_dask.plan import load_plan
+
+    path = _plan_file(tmp_path, corpus, str(tmp_path / "ck4"))
+    with Service.start(load_plan(path), cluster=cluster) as a:
+        first, _ = _consume(a.address, [0, 1], 6)
+        a.wait_for_step(6, timeout=30)
+    data = yaml.safe_load(path.read_text())
+    data["topology"]["dp"] = 1
+    path.write_text(yaml.safe_dump(data))
+    with Service.start(load_plan(path), cluster=cluster) as b:
+        second, _ = _consume(b.address, [0], 8)
+    assert sorted(second) == [(0, s) for s in range(6, 14)]
+    ids = [i for d in (first, second) for v in d.values() for i in v]
+    assert len(ids) == len(set(ids))
