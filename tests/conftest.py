@@ -6,8 +6,15 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 from overlord_dask.demo import demo_plan, generate_demo_corpus
+
+# CI runs the same hypothesis examples every time (a submission must not fail by chance);
+# local runs keep exploring new ones.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")
