@@ -88,16 +88,18 @@ class Driver(threading.Thread):
 
     # ---- one iteration ------------------------------------------------------------------------
     def tick(self) -> bool:
+        """One round trip to the planner (``overlord_tick``: plan, then wanted units and status),
+        then the work it implies."""
         self.ticks += 1
-        busy = self._submit_loads()
-        busy |= self._forward_lengths()
-        busy |= self._plan_and_build()
+        busy = self._forward_lengths()
+        resp = self._rpc("overlord_tick", max_steps=self.plan.loading.prefetch_steps)
+        busy |= self._submit_loads(resp["wanted"])
+        busy |= self._plan_and_build(resp)
         busy |= self._enqueue_ready()
-        busy |= self._release_acked()
+        busy |= self._release_acked(resp["status"])
         return busy
 
-    def _submit_loads(self) -> bool:
-        wanted = self._rpc("overlord_wanted")
+    def _submit_loads(self, wanted: list) -> bool:
         for source, epoch, unit in wanted:
             u = self.units[source][unit]
             fut = self.client.submit(
@@ -121,8 +123,7 @@ class Driver(threading.Thread):
             self._rpc("overlord_add_lengths", source=source, epoch=epoch, unit=unit, lengths=fut.result())
         return bool(done)
 
-    def _plan_and_build(self) -> bool:
-        resp = self._rpc("overlord_plan", max_steps=self.plan.loading.prefetch_steps)
+    def _plan_and_build(self, resp: dict) -> bool:
         if resp.get("failure"):
             raise LoadFailed(resp["failure"])
         topo = self.plan.topology
@@ -163,8 +164,7 @@ class Driver(threading.Thread):
             self.next_put[rank] += 1
         return True
 
-    def _release_acked(self) -> bool:
-        status = self._rpc("overlord_status")
+    def _release_acked(self, status: dict) -> bool:
         self._rewind(status["rewinds"])
         per_cp = status["acked"]
         acked = [min(per_cp[r * self.cp : (r + 1) * self.cp]) for r in range(self.dp)]  # every CP rank is done

@@ -12,6 +12,7 @@ Routes (scheduler handlers, request/response; all idempotent where a retry could
 - ``overlord_status()``, ``overlord_metrics(start, stop)``, ``overlord_ledger(start, stop)``.
 - ``overlord_fail(message)``: the driver reports a fatal error; consumers see it in their status.
 - ``overlord_snapshots()``: kind, size and write time of the snapshots written so far.
+- ``overlord_tick(max_steps)``: the driver's single call per loop: ``plan`` + ``wanted`` + ``status``.
 - ``overlord_rewind(rank, cp_rank, step)``: a restarted trainer needs its stream again from a
   step it has not acknowledged; returns the queue's new generation.
 
@@ -41,6 +42,7 @@ HANDLERS = (
     "overlord_fail",
     "overlord_snapshots",
     "overlord_rewind",
+    "overlord_tick",
 )
 
 
@@ -163,6 +165,14 @@ class PlannerPlugin(SchedulerPlugin):
 
     def snapshots(self) -> list[dict]:
         return list(self.snapshot_stats) if self.store is not None else []
+
+    def tick(self, max_steps: int = 1) -> dict:
+        """The driver's one call per loop: plan what it can, then say which units to load next
+        and the status (acks, rewinds), in one round trip instead of three."""
+        out = self.plan(max_steps)
+        out["wanted"] = [] if out.get("failure") else self.wanted()
+        out["status"] = self.status()
+        return out
 
     def status(self) -> dict:
         return {**self.state.status(), "rewinds": [[r, c, s, g] for (r, c), (s, g) in self.rewinds.items()]}
