@@ -149,9 +149,6 @@ def select_cp(batch: dict, cp_rank: int) -> dict:
     return {**batch, "micro_batches": mbs}
 
 
-def batch_nbytes(batch: dict) -> int:
-    return sum(v.nbytes for mb in batch["micro_batches"] for v in mb.values() if isinstance(v, np.ndarray))
-
 
 def check_micro_batch(mb: dict, capacity: int) -> None:
     """Raise ValueError unless a packed micro-batch is self-consistent: ``cu_seqlens`` starts at 0,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import traceback
 
 import numpy as np
@@ -185,10 +184,6 @@ class Driver(threading.Thread):
                 self.queues[rank][j].put({"step": s, "rank": rank, "key": fut.key, "workers": list(where.get(fut.key, ())),
                                           "run_id": self.run_id, "gen": gen})
 
-    def wait_idle(self, timeout: float = 10.0) -> None:
-        t0 = time.monotonic()
-        while self.is_alive() and time.monotonic() - t0 < timeout:
-            time.sleep(0.01)
 
 
 class LoadFailed(Exception):

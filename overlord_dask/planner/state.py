@@ -22,9 +22,6 @@ from .metrics import step_imbalance
 from .mixing import Starved, next_carry, select_step
 from .streams import SourceStream
 
-PIECE_FIELDS = ("source", "epoch", "unit", "doc", "start", "stop")
-
-
 def _tokens(rows: np.ndarray) -> int:
     return int((rows[:, 5] - rows[:, 4]).sum())
 
