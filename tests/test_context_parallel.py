@@ -3,7 +3,6 @@ cp > 1 serves each (rank, cp rank) its own slice."""
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from overlord_dask import RankError, Service, connect
 from overlord_dask.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch, zigzag_chunks
 from overlord_dask.sources.blocks import SampleBlock
 
+from .harness import run_ranks
 from .reference import read_source
 
 
@@ -67,25 +67,17 @@ def test_service_with_context_parallelism(cluster, small_plan):
     plan = small_plan(topology={"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 4096, "cp": 2, "cp_min_tokens": 512})
     steps = 6
     got: dict = {}
-    errors: list = []
     with Service.start(plan, cluster=cluster) as service:
         with pytest.raises(RankError, match="runs context parallelism cp=2: pass cp_rank"):
             connect(service.address, 0)
 
-        def run(rank, cp_rank):
-            try:
-                with connect(service.address, rank, cp_rank=cp_rank, timeout=120) as s:
-                    got[(rank, cp_rank)] = [s.next_batch() for _ in range(steps)]
-                    s.commit()
-            except BaseException as err:
-                errors.append(err)
+        def run(rank_cp):
+            rank, cp_rank = rank_cp
+            with connect(service.address, rank, cp_rank=cp_rank, timeout=120) as s:
+                got[(rank, cp_rank)] = [s.next_batch() for _ in range(steps)]
+                s.commit()
 
-        threads = [threading.Thread(target=run, args=(r, j)) for r in range(2) for j in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors, errors
+        run_ranks(run, [(r, j) for r in range(2) for j in range(2)])
         service.wait_for_step(steps, timeout=60)
     reference = {i: read_source(plan, s.name) for i, s in enumerate(plan.sources)}
     split_seen = 0

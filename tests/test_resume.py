@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,8 @@ import yaml
 
 from overlord_dask import Service, connect
 from overlord_dask.report import delivered_identities, delivered_record
+
+from .harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,28 +45,19 @@ def _serve(plan: Path) -> tuple[subprocess.Popen, str]:
 
 def _consume(address, ranks, steps, states=None) -> tuple[dict, dict]:
     """Each rank (a thread) consumes `steps` steps; returns identities per (rank, step) and state_dicts."""
-    got, out_states, errors = {}, {}, []
+    got, out_states = {}, {}
 
     def run(r):
-        try:
-            with connect(address, r, timeout=120) as s:
-                if states:
-                    s.load_state_dict(states[r])
-                for _ in range(steps):
-                    b = s.next_batch()
-                    got[(r, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
-                s.commit()
-                out_states[r] = s.state_dict()
-        except BaseException as err:
-            errors.append(err)
+        with connect(address, r, timeout=120) as s:
+            if states:
+                s.load_state_dict(states[r])
+            for _ in range(steps):
+                b = s.next_batch()
+                got[(r, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
+            s.commit()
+            out_states[r] = s.state_dict()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if errors:
-        raise errors[0]
+    run_ranks(run, ranks)
     return got, out_states
 
 
@@ -173,11 +165,7 @@ def test_commit_on_trainer_checkpoint_resumes_at_the_checkpoint(tmp_path, corpus
                         saved[r] = s.state_dict()  # the trainer checkpoints after step 3
                 s.commit()
 
-        threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        run_ranks(trainer, (0, 1))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from overlord_dask.constructors import check_micro_batch
 from overlord_dask.plan import plan_from_dict
 from overlord_dask.report import delivered_identities, delivered_record, exactly_once, planned_identities
 
+from .harness import run_ranks
 from .reference import read_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,26 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def consume(address: str, ranks: list[int], steps: int) -> dict[int, list[dict]]:
     """Consume ``steps`` steps on each rank, one thread per rank (each with its own client)."""
     out: dict[int, list[dict]] = {}
-    errors: list[BaseException] = []
 
     def run(rank: int) -> None:
-        try:
-            with connect(address, rank, timeout=120) as stream:
-                got = []
-                for _ in range(steps):
-                    got.append(stream.next_batch())
-                stream.commit()
-                out[rank] = got
-        except BaseException as err:  # re-raised in the test thread
-            errors.append(err)
+        with connect(address, rank, timeout=120) as stream:
+            got = [stream.next_batch() for _ in range(steps)]
+            stream.commit()
+            out[rank] = got
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if errors:
-        raise errors[0]
+    run_ranks(run, ranks)
     return out
 
 

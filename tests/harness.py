@@ -1,0 +1,25 @@
+"""Test harness: run one function per trainer rank in threads (each thread has its own Dask
+client through `connect`), and re-raise the first failure in the test's thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable
+
+
+def run_ranks(fn: Callable[[object], None], ranks: Iterable, timeout: float = 300) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(rank) -> None:
+        try:
+            fn(rank)
+        except BaseException as err:  # re-raised below, in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    if errors:
+        raise errors[0]
