@@ -3,11 +3,12 @@
 It runs in the service process (next to the cluster object), talks to the planner only through its
 scheduler handlers, and holds the futures that keep blocks and batches alive on the workers:
 
-1. ask ``overlord_wanted`` and submit a load task (block stays on its worker) plus a tiny lengths
-   task per unit;
-2. forward finished lengths to ``overlord_add_lengths``;
-3. ask ``overlord_plan`` and submit one constructor task per (step, rank), whose arguments are the
-   block futures its pieces live in; drop the block futures of units no later step needs;
+1. forward finished lengths to ``overlord_add_lengths``;
+2. call ``overlord_tick`` once: it plans what it can and answers with the new steps, the units
+   to load next and the status (acks, rewinds);
+3. submit a load task (block stays on its worker) plus a tiny lengths task per wanted unit, and
+   one constructor task per (step, rank) of each new step, whose arguments are the block futures
+   its pieces live in; drop the block futures of units no later step needs;
 4. put each rank's finished batches, in step order, into its ``distributed.Queue`` as a descriptor
    of a few hundred bytes (batch key and the worker holding it); the consumer fetches the batch
    from that worker directly (``batch_server``);
@@ -157,9 +158,8 @@ class Driver(threading.Thread):
         where = self.client.who_has([f for _, f in ready])  # one scheduler call for all of them
         for rank, fut in ready:
             step = self.next_put[rank]
-            desc = {"step": step, "rank": rank, "key": fut.key, "workers": list(where.get(fut.key, ())), "run_id": self.run_id}
             for j, q in enumerate(self.queues[rank]):
-                q.put({**desc, "gen": self.generation.get((rank, j), 0)})
+                q.put(self._descriptor(step, rank, fut, where, self.generation.get((rank, j), 0)))
             self.next_put[rank] += 1
         return True
 
@@ -181,8 +181,11 @@ class Driver(threading.Thread):
             futs = [(s, self.batches[(s, rank)]) for s in range(step, self.next_put[rank]) if (s, rank) in self.batches]
             where = self.client.who_has([f for _, f in futs]) if futs else {}
             for s, fut in futs:
-                self.queues[rank][j].put({"step": s, "rank": rank, "key": fut.key, "workers": list(where.get(fut.key, ())),
-                                          "run_id": self.run_id, "gen": gen})
+                self.queues[rank][j].put(self._descriptor(s, rank, fut, where, gen))
+
+    def _descriptor(self, step: int, rank: int, fut: Future, where: dict, gen: int) -> dict:
+        """A queue item: a few hundred bytes naming the batch and the workers that hold it."""
+        return {"step": step, "rank": rank, "key": fut.key, "workers": list(where.get(fut.key, ())), "run_id": self.run_id, "gen": gen}
 
 
 

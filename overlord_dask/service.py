@@ -17,7 +17,6 @@ long-lived job, not inside a trainer rank.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +31,7 @@ from .plan.loading import plan_to_dict
 from .plan.models import Plan
 from .planner.plugin import HANDLERS, PlannerPlugin
 from .sources import discover_units
+from .sources.fs import resolve_url
 from .sources.units import LoadUnit
 
 
@@ -88,7 +88,7 @@ class Service:
         if ck.url:
             from .snapshots import SnapshotStore
 
-            url = ck.url if "://" in ck.url or os.path.isabs(ck.url) else os.path.join(plan.base_dir or os.getcwd(), ck.url)
+            url = resolve_url(ck.url, plan.base_dir)
             snap = {"checkpoint_url": url, "storage_options": ck.storage_options, "keep_bases": ck.keep_bases}
             loaded = SnapshotStore(url, ck.storage_options).load() if ck.resume else None
             if loaded is not None:

@@ -57,7 +57,7 @@ def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, su
                 if not enough:
                     raise Starved(streams[i].name)
                 cand[i] = rows
-        tags, src, idx = [], [], []
+        tags, src, idx, lens_parts = [], [], [], []
         for i in active:
             i = int(i)
             lens = cand[i][:, 4] - cand[i][:, 3]
@@ -65,9 +65,10 @@ def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, su
             tags.append((surplus[i] + before) / weights[i])
             src.append(np.full(len(lens), i))
             idx.append(np.arange(len(lens)))
+            lens_parts.append(lens)
         tags_a, src_a, idx_a = np.concatenate(tags), np.concatenate(src), np.concatenate(idx)
         order = np.lexsort((src_a, tags_a))
-        lens_all = np.concatenate([cand[int(i)][:, 4] - cand[int(i)][:, 3] for i in active])[order]
+        lens_all = np.concatenate(lens_parts)[order]
         n_take = int(np.searchsorted(np.cumsum(lens_all), budget, side="right"))
         taken = order[:n_take]
         # a source whose every candidate was taken might have had more to give: widen and redo

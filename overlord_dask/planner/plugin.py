@@ -3,16 +3,16 @@
 Routes (scheduler handlers, request/response; all idempotent where a retry could repeat them):
 
 - ``overlord_info()``: the topology and names a consumer needs to attach.
-- ``overlord_wanted()``: units whose lengths the planner needs next (the driver loads them).
 - ``overlord_add_lengths(source, epoch, unit, lengths)``: a loaded unit's document lengths
   (little-endian int64 bytes); a repeat (recomputed load) is ignored.
-- ``overlord_plan(max_steps)``: plan the next steps within the prefetch bound.
 - ``overlord_ack(rank, step, cp_rank=0, durable=False)``: a (rank, cp rank) consumed every step
   up to ``step`` (``durable``: and saved them in its trainer checkpoint).
 - ``overlord_status()``, ``overlord_metrics(start, stop)``, ``overlord_ledger(start, stop)``.
 - ``overlord_fail(message)``: the driver reports a fatal error; consumers see it in their status.
 - ``overlord_snapshots()``: kind, size and write time of the snapshots written so far.
-- ``overlord_tick(max_steps)``: the driver's single call per loop: ``plan`` + ``wanted`` + ``status``.
+- ``overlord_tick(max_steps)``: the driver's single call per loop: plan the next steps within
+  the prefetch bound, and answer with them, the units whose lengths the planner needs next, and
+  the status.
 - ``overlord_rewind(rank, cp_rank, step)``: a restarted trainer needs its stream again from a
   step it has not acknowledged; returns the queue's new generation.
 
@@ -24,6 +24,10 @@ Handlers run on the scheduler's event loop; each is O(step size) metadata work, 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
 import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -32,9 +36,7 @@ from .state import PlannerState
 
 HANDLERS = (
     "overlord_info",
-    "overlord_wanted",
     "overlord_add_lengths",
-    "overlord_plan",
     "overlord_ack",
     "overlord_status",
     "overlord_metrics",
@@ -67,8 +69,6 @@ class PlannerPlugin(SchedulerPlugin):
         self.rewinds: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, cp) -> (from step, generation)
 
     async def start(self, scheduler) -> None:
-        import asyncio
-
         self.scheduler = scheduler
         self.state = PlannerState(plan_from_dict(self.plan_dict, where="<service plan>"), self.unit_first_ids, state=self.restore_state)
         self.store = None
@@ -100,14 +100,9 @@ class PlannerPlugin(SchedulerPlugin):
             try:
                 await self._write_snapshot()
             except Exception:  # storage hiccups must not kill the planner; the next commit retries
-                import logging
-
                 logging.getLogger(__name__).exception("writing a planner snapshot to %s failed", self.checkpoint_url)
 
     async def _write_snapshot(self) -> None:
-        import asyncio
-        import time
-
         st = self.state.get_state()
         if st["committed"] == self._written_committed:
             return

@@ -10,6 +10,7 @@ committed steps is kept for inspection (``history_steps``).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -26,6 +27,11 @@ def _tokens(rows: np.ndarray) -> int:
     return int((rows[:, 5] - rows[:, 4]).sum())
 
 
+def _with_age(rows: np.ndarray, age: int = 0) -> np.ndarray:
+    """Piece rows ``[n, 6]`` with the balancer's waiting-age column appended."""
+    return np.concatenate([rows, np.full((len(rows), 1), age, dtype=np.int64)], axis=1)
+
+
 STATE_VERSION = 1
 
 
@@ -34,8 +40,7 @@ class PlannerState:
         self.final_plan = plan
         if state is not None:  # replay on the topology the snapshot was planned with, switch at `committed`
             plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
-        self.plan = plan
-        self.topology = plan.topology
+        self._use_plan(plan)
         self.source_names = [s.name for s in plan.sources]
         w = np.array([s.weight for s in plan.sources], dtype=np.float64)
         self.weights = w / w.sum()
@@ -53,8 +58,6 @@ class PlannerState:
         self.next_step = 0
         self.cum_tokens = np.zeros(len(self.streams), dtype=np.int64)
         self.carry = np.zeros(len(self.streams))
-        self.acked = [-1] * (plan.topology.dp * plan.topology.cp)  # last step each (rank, cp rank) consumed
-        self.durable = [-1] * (plan.topology.dp * plan.topology.cp)  # last step each saved in a trainer checkpoint
         self.commit_mode = plan.checkpoint.commit
         self.ledger: OrderedDict[int, dict] = OrderedDict()  # step -> {"pieces": int64[n,6], "slot": int32[n,2]}
         self.metrics: OrderedDict[int, dict] = OrderedDict()
@@ -63,8 +66,6 @@ class PlannerState:
         self.starved_on: str | None = None
         # policy "cost": a window of steps is planned at once and handed out one step at a time
         self.balance = plan.balance
-        self.heavy_tokens = plan.balance.heavy_tokens or max(1, plan.topology.tokens_per_micro_batch // 16)
-        self.step_budget = int(plan.balance.fill * plan.topology.step_tokens)
         self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs)
         self.pending = np.zeros((0, 7), dtype=np.int64)  # pieces waiting for the next window
         self.selected = np.zeros(len(self.streams), dtype=np.int64)  # tokens selected per source so far
@@ -74,6 +75,16 @@ class PlannerState:
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
         if state is not None:
             self._restore(state)
+
+    def _use_plan(self, plan: Plan, acked_through: int = -1) -> None:
+        """Adopt a plan's topology and the budgets derived from it; every (rank, cp rank) has
+        consumed (and saved) the steps up to ``acked_through``."""
+        self.plan = plan
+        self.topology = plan.topology
+        self.step_budget = int(plan.balance.fill * plan.topology.step_tokens)
+        self.heavy_tokens = plan.balance.heavy_tokens or max(1, plan.topology.tokens_per_micro_batch // 16)
+        self.acked = [acked_through] * (plan.topology.dp * plan.topology.cp)  # last step each (rank, cp rank) consumed
+        self.durable = list(self.acked)  # last step each saved in a trainer checkpoint
 
     # ---- loading ------------------------------------------------------------------------------
     def wanted(self) -> list[list]:
@@ -126,8 +137,6 @@ class PlannerState:
         Python object per piece); finished units are ``[source, epoch, unit]`` whose blocks no
         later step needs.
         """
-        import time
-
         steps = []
         t0 = time.perf_counter()
         while len(steps) < max_steps and self.can_plan():
@@ -204,7 +213,7 @@ class PlannerState:
             for _ in range(self.TOPUP_ROUNDS):
                 if need > 0:
                     rows = self._select(need)
-                    pieces = np.concatenate([pieces, np.concatenate([rows, np.zeros((len(rows), 1), dtype=np.int64)], axis=1)])
+                    pieces = np.concatenate([pieces, _with_age(rows)])
                 costs = doc_costs(pieces[:, 5] - pieces[:, 4], self.plan.cost)
                 wp = balance_window(
                     pieces, costs, steps=bal.window, dp=topo.dp, micro_batches=topo.micro_batches,
@@ -328,16 +337,9 @@ class PlannerState:
         pieces planned but not delivered go back to the front of the queue, in order."""
         undelivered = [rows for ranks, _ in self.ready for mbs in ranks for rows in mbs]
         if undelivered:
-            rows = np.concatenate(undelivered)
-            rows = np.concatenate([rows, np.zeros((len(rows), 1), dtype=np.int64)], axis=1)
-            self.pending = np.concatenate([self.pending, rows])
+            self.pending = np.concatenate([self.pending, _with_age(np.concatenate(undelivered))])
         self.ready.clear()
-        self.plan = self.final_plan
-        self.topology = self.plan.topology
-        self.step_budget = int(self.balance.fill * self.topology.step_tokens)
-        self.heavy_tokens = self.balance.heavy_tokens or max(1, self.topology.tokens_per_micro_batch // 16)
-        self.acked = [self.replay_until - 1] * (self.topology.dp * self.topology.cp)
-        self.durable = list(self.acked)
+        self._use_plan(self.final_plan, acked_through=self.replay_until - 1)
         self.windows.clear()
 
     # ---- acknowledgements ---------------------------------------------------------------------

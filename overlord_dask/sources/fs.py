@@ -13,12 +13,16 @@ from ..plan.models import Source
 _GLOB_CHARS = "*?["
 
 
-def source_url(source: Source, base_dir: str | None) -> str:
-    """Absolute URL of a source: relative local paths are joined to the plan's folder."""
-    url = source.url
+def resolve_url(url: str, base_dir: str | None) -> str:
+    """An fsspec URL as given, or a relative local path joined to the plan's folder."""
     if "://" not in url and not os.path.isabs(url):
         url = os.path.join(base_dir or os.getcwd(), url)
     return url
+
+
+def source_url(source: Source, base_dir: str | None) -> str:
+    """Absolute URL of a source: relative local paths are joined to the plan's folder."""
+    return resolve_url(source.url, base_dir)
 
 
 def source_fs(source: Source, base_dir: str | None) -> tuple[fsspec.AbstractFileSystem, str]:
