@@ -93,8 +93,7 @@ def run_demo(*, steps: int = 100, dp: int = 4, workers: int = 2, data: str = "de
         ledger = service.ledger(0, steps)
         metrics = service.metrics(0, steps)
 
-    piece_tokens = plan.topology.piece_tokens
-    planned = [planned_identities(ledger[s], piece_tokens) for s in range(steps)]
+    planned = [planned_identities(ledger[s]) for s in range(steps)]
     delivered = [delivered_identities(r) for r in ranks]
     duplicates, missing = exactly_once(planned, delivered)
     src_tokens = np.zeros(len(plan.sources))

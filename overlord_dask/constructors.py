@@ -11,7 +11,9 @@ micro-batch, padded to the token capacity so every micro-batch has the same shap
 - ``position_ids`` int32 [C] restart at 0 for every piece; padding counts on from 0 as well
 - ``cu_seqlens``  int32 [n+1] piece boundaries over the real tokens (flash-attn varlen layout)
 - ``sample_ids``  int64 [n]  source-wide document ids; ``source_ids`` int32 [n] plan source index;
-  ``chunk_ids`` int32 [n] piece index inside a split document; ``epochs`` int32 [n]
+  ``chunk_ids`` int32 [n] piece index inside a split document (``piece_starts`` int64 [n]: its
+  first token's offset in the document, exact even when the piece size changed between stages);
+  ``epochs`` int32 [n]
 - ``num_tokens``  int        real (non-padding) tokens
 
 Integer numpy arrays only: they serialize zero-copy, and the trainer converts them to torch.
@@ -40,6 +42,7 @@ def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
     sample_ids = np.empty(n, dtype=np.int64)
     source_ids = np.empty(n, dtype=np.int32)
     chunk_ids = np.empty(n, dtype=np.int32)
+    piece_starts = np.empty(n, dtype=np.int64)
     epochs = np.empty(n, dtype=np.int32)
     pos = 0
     for k, (src, epoch, unit, doc, start, stop) in enumerate(np.asarray(pieces, dtype=np.int64).reshape(-1, 6).tolist()):
@@ -57,6 +60,7 @@ def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
         sample_ids[k] = block.sample_ids[doc]
         source_ids[k] = src
         chunk_ids[k] = start // piece_tokens
+        piece_starts[k] = start
         epochs[k] = epoch
     position_ids[pos:] = np.arange(capacity - pos, dtype=np.int32)
     return {
@@ -67,6 +71,7 @@ def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
         "sample_ids": sample_ids,
         "source_ids": source_ids,
         "chunk_ids": chunk_ids,
+        "piece_starts": piece_starts,
         "epochs": epochs,
         "num_tokens": pos,
     }
@@ -144,7 +149,7 @@ def select_cp(batch: dict, cp_rank: int) -> dict:
     (token arrays replaced by the slice's), plus the per-piece identity arrays."""
     mbs = []
     for mb in batch["micro_batches"]:
-        piece_meta = {k: mb[k] for k in ("sample_ids", "source_ids", "chunk_ids", "epochs")}
+        piece_meta = {k: mb[k] for k in ("sample_ids", "source_ids", "chunk_ids", "piece_starts", "epochs")}
         mbs.append({**mb["cp"][cp_rank], **piece_meta, "cp_rank": cp_rank})
     return {**batch, "micro_batches": mbs}
 
@@ -160,7 +165,7 @@ def check_micro_batch(mb: dict, capacity: int) -> None:
         raise ValueError(f"token arrays must have shape ({capacity},)")
     if cu[0] != 0 or np.any(np.diff(cu) <= 0) or cu[-1] != mb["num_tokens"] or cu[-1] > capacity:
         raise ValueError(f"bad cu_seqlens {cu.tolist()} for num_tokens={mb['num_tokens']}")
-    for k in ("sample_ids", "source_ids", "chunk_ids", "epochs"):
+    for k in ("sample_ids", "source_ids", "chunk_ids", "piece_starts", "epochs"):
         if len(mb[k]) != n:
             raise ValueError(f"{k} has {len(mb[k])} entries for {n} pieces")
     pos = mb["position_ids"].astype(np.int64)

@@ -29,8 +29,11 @@ from distributed import Client, Future, Queue
 
 from .constructors import block_key, build_rank_batch
 from .loaders import batch_key, block_lengths, lengths_key, load_block, load_key
+from .plan.loading import plan_from_dict
 from .plan.models import Plan
+from .plan.timeline import PlanTimeline
 from .planner.plugin import rank_queue_name
+from .sources import discover_units
 from .sources.units import LoadUnit
 
 logger = logging.getLogger(__name__)
@@ -43,8 +46,9 @@ class Driver(threading.Thread):
         self.plan = plan
         self.plan_dict = plan_dict
         self.run_id = run_id
-        self.units = units
-        self.src_index = {s.name: i for i, s in enumerate(plan.sources)}
+        self.units = dict(units)
+        self.plan_version = -1
+        self._sync_plans()
         self.dp = plan.topology.dp
         self.blocks: dict[str, Future] = {}
         self.pending_lengths: dict[tuple[str, int, int], Future] = {}
@@ -86,6 +90,21 @@ class Driver(threading.Thread):
     def _rpc(self, name: str, **kwargs):
         return self.client.sync(getattr(self.client.scheduler, name), **kwargs)
 
+    def _sync_plans(self) -> None:
+        """Learn the run's plan versions from the planner: source indices, and the units of
+        sources that a live update added (indexed here, from file metadata)."""
+        versions = self._rpc("overlord_plans")
+        plans = [(at, plan_from_dict(d, where=f"<plan version from step {at}>")) for at, d in versions]
+        timeline = PlanTimeline(plans[0][1], plans[1:])
+        self.src_index = {name: i for i, name in enumerate(timeline.source_names)}
+        self.source_plan = {}  # source -> (cache key, plan dict) its load tasks use
+        for v, (_, p) in enumerate(plans):
+            for src in p.sources:
+                self.source_plan[src.name] = (f"{self.run_id}-v{v}", versions[v][1])
+                if src.name not in self.units:
+                    self.units[src.name] = discover_units(src, p)
+        self.plan_version = len(plans) - 1
+
     # ---- one iteration ------------------------------------------------------------------------
     def tick(self) -> bool:
         """One round trip to the planner (``overlord_tick``: plan, then wanted units and status),
@@ -93,6 +112,8 @@ class Driver(threading.Thread):
         self.ticks += 1
         busy = self._forward_lengths()
         resp = self._rpc("overlord_tick", max_steps=self.plan.loading.prefetch_steps)
+        if resp["status"]["plan_version"] != self.plan_version:
+            self._sync_plans()
         busy |= self._submit_loads(resp["wanted"])
         busy |= self._plan_and_build(resp)
         busy |= self._enqueue_ready()
@@ -102,8 +123,9 @@ class Driver(threading.Thread):
     def _submit_loads(self, wanted: list) -> bool:
         for source, epoch, unit in wanted:
             u = self.units[source][unit]
+            cache_key, plan_dict = self.source_plan[source]
             fut = self.client.submit(
-                load_block, self.plan_dict, self.run_id, u.to_dict(),
+                load_block, plan_dict, cache_key, u.to_dict(),
                 key=load_key(self.run_id, source, epoch, unit), retries=self.plan.loading.retries, pure=False,
             )
             self.blocks[block_key(self.src_index[source], epoch, unit)] = fut
@@ -134,7 +156,7 @@ class Driver(threading.Thread):
                 blocks = {block_key(*map(int, u)): self.blocks[block_key(*map(int, u))] for u in units}
                 self.batches[(step, rank)] = self.client.submit(
                     build_rank_batch, step, rank, mbs, blocks,
-                    topo.tokens_per_micro_batch, topo.piece_tokens, topo.cp, topo.cp_split_tokens,
+                    topo.tokens_per_micro_batch, step_plan.get("piece_tokens", topo.piece_tokens), topo.cp, topo.cp_split_tokens,
                     key=batch_key(self.run_id, step, rank), pure=False,
                 )
         for source, epoch, unit in resp["finished"]:

@@ -16,15 +16,17 @@ from .sources.units import LoadUnit
 _PLAN_CACHE: dict[str, object] = {}
 
 
-def _plan(plan_dict: dict, run_id: str):
-    plan = _PLAN_CACHE.get(run_id)
+def _plan(plan_dict: dict, cache_key: str):
+    plan = _PLAN_CACHE.get(cache_key)
     if plan is None:
-        plan = _PLAN_CACHE[run_id] = plan_from_dict(plan_dict, where="<service plan>")
+        plan = _PLAN_CACHE[cache_key] = plan_from_dict(plan_dict, where="<service plan>")
     return plan
 
 
-def load_block(plan_dict: dict, run_id: str, unit: dict) -> SampleBlock:
-    plan = _plan(plan_dict, run_id)
+def load_block(plan_dict: dict, cache_key: str, unit: dict) -> SampleBlock:
+    """Load one unit; ``cache_key`` names the plan version (run id and version) that defines the
+    unit's source, so a worker validates each version's plan once."""
+    plan = _plan(plan_dict, cache_key)
     u = LoadUnit.from_dict(unit)
     return load_unit(plan.source(u.source), plan, u)
 

@@ -11,25 +11,25 @@ import numpy as np
 
 def delivered_record(batch: dict) -> dict[str, np.ndarray]:
     """Per piece of a rank's step batch: identity and length (for exactly-once accounting)."""
-    cols = {k: [] for k in ("micro_batch", "source", "epoch", "sample", "chunk", "length")}
+    cols = {k: [] for k in ("micro_batch", "source", "epoch", "sample", "start", "length")}
     for m, mb in enumerate(batch["micro_batches"]):
         n = len(mb["sample_ids"])
         cols["micro_batch"].append(np.full(n, m))
         cols["source"].append(mb["source_ids"])
         cols["epoch"].append(mb["epochs"])
         cols["sample"].append(mb["sample_ids"])
-        cols["chunk"].append(mb["chunk_ids"])
+        cols["start"].append(mb["piece_starts"])
         cols["length"].append(np.diff(mb["cu_seqlens"]))
     return {k: np.concatenate(v).astype(np.int64) if v else np.zeros(0, np.int64) for k, v in cols.items()}
 
 
-def _identity(source, epoch, sample, chunk) -> np.ndarray:
-    return np.stack([source, epoch, sample, chunk], axis=1).astype(np.int64)
+def _identity(source, epoch, sample, start) -> np.ndarray:
+    return np.stack([source, epoch, sample, start], axis=1).astype(np.int64)
 
 
 def exactly_once(planned: list[np.ndarray], delivered: list[np.ndarray]) -> tuple[int, int]:
     """(duplicates, missing) between planned and delivered piece identities ``[source, epoch,
-    sample, chunk]`` (each a list of [n, 4] arrays). Duplicates count every extra delivery of a
+    sample, start token]`` (each a list of [n, 4] arrays). Duplicates count every extra delivery of a
     piece; missing counts planned pieces never delivered."""
     p = np.concatenate(planned) if planned else np.zeros((0, 4), np.int64)
     d = np.concatenate(delivered) if delivered else np.zeros((0, 4), np.int64)
@@ -45,13 +45,28 @@ def exactly_once(planned: list[np.ndarray], delivered: list[np.ndarray]) -> tupl
     return duplicates, missing
 
 
-def planned_identities(ledger_entry: dict, piece_tokens: int) -> np.ndarray:
+def planned_identities(ledger_entry: dict) -> np.ndarray:
     p = ledger_entry["pieces"]
-    return _identity(p[:, 0], p[:, 1], ledger_entry["sample_ids"], p[:, 4] // piece_tokens)
+    return _identity(p[:, 0], p[:, 1], ledger_entry["sample_ids"], p[:, 4])
 
 
 def delivered_identities(rec: dict) -> np.ndarray:
-    return _identity(rec["source"], rec["epoch"], rec["sample"], rec["chunk"])
+    return _identity(rec["source"], rec["epoch"], rec["sample"], rec["start"])
+
+
+def window_mix_errors(source_tokens: np.ndarray, weights: np.ndarray, window: int) -> np.ndarray:
+    """Per window of ``window`` consecutive steps (sliding): the largest gap between a source's
+    delivered token share and its declared share, where the declared share weighs each step's
+    weights by that step's tokens. ``source_tokens`` and ``weights`` are [steps, sources]."""
+    t = np.asarray(source_tokens, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64) * t.sum(axis=1, keepdims=True)
+    if len(t) < window:
+        return np.zeros(0)
+    ct = np.concatenate([np.zeros((1, t.shape[1])), np.cumsum(t, axis=0)])
+    cw = np.concatenate([np.zeros((1, t.shape[1])), np.cumsum(w, axis=0)])
+    got, want = ct[window:] - ct[:-window], cw[window:] - cw[:-window]
+    total = got.sum(axis=1, keepdims=True)
+    return np.abs(got - want).max(axis=1) / np.maximum(total[:, 0], 1)
 
 
 def mix_error(source_tokens: np.ndarray, weights: np.ndarray) -> float:

@@ -149,13 +149,15 @@ class Service:
 
     def ledger(self, start: int = 0, stop: int | None = None) -> dict[int, dict[str, np.ndarray]]:
         """What was planned per step: pieces ``[source, epoch, unit, doc, start, stop]``, their
-        ``(rank, micro_batch)`` slots and source-wide sample ids."""
+        ``(rank, micro_batch)`` slots and source-wide sample ids, and the documents a ``drop``
+        policy skipped while planning it (``[source, epoch, sample id, tokens]``)."""
         out = {}
         for e in self._rpc("overlord_ledger", start=start, stop=stop):
             out[e["step"]] = {
                 "pieces": np.frombuffer(e["pieces"], dtype=np.int64).reshape(-1, 6),
                 "slot": np.frombuffer(e["slot"], dtype=np.int32).reshape(-1, 2),
                 "sample_ids": np.frombuffer(e["sample_ids"], dtype=np.int64),
+                "dropped": np.frombuffer(e["dropped"], dtype=np.int64).reshape(-1, 4),
             }
         return out
 

@@ -98,7 +98,7 @@ def test_weights(tmp_path):
     data = _base()
     for s in data["sources"]:
         s["weight"] = 0
-    assert "all weights are 0" in _error(data, tmp_path)
+    assert "no source is active at step 0" in _error(data, tmp_path)
 
 
 def test_parquet_needs_exactly_one_field(tmp_path):

@@ -24,7 +24,7 @@ def make_streams(lengths: list[list[np.ndarray]], piece_tokens: int, epochs: int
         s = SourceStream(f"s{i}", i, len(units), first, seed, piece_tokens)
         for e in range(epochs):
             for u, L in enumerate(units):
-                s.lengths[(e, u)] = np.asarray(L, dtype=np.int64)
+                assert s.add_lengths(e, u, np.asarray(L, dtype=np.int64))
         out.append(s)
     return out
 
@@ -36,7 +36,7 @@ def run_steps(streams, weights, n_bins, capacity, steps):
     for _ in range(steps):
         sel = select_step(streams, weights, n_bins, capacity, carry)
         cum += sel.source_tokens
-        carry = next_carry(cum, weights, sel.longest_piece)
+        carry = next_carry(cum, weights * cum.sum(), sel.longest_piece)
         out.append(sel)
     return out
 
@@ -68,18 +68,20 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
         assert sel.total_tokens == sum(p.length for b in sel.bins for p in b)
         err = np.abs(sel.source_tokens - w * sel.total_tokens)
         assert err.max() <= 2 * sel.longest_piece + 1e-9  # per-step mix bound
-        order = sorted((p for b in sel.bins for p in b), key=lambda p: (p.epoch, streams[p.source].position(p.epoch, p.unit), p.doc, p.start))
+        order = sorted((p for b in sel.bins for p in b),
+                       key=lambda p: (p.epoch, streams[p.source].position(p.epoch, p.unit), streams[p.source]._shuffled_doc((p.epoch, p.unit), p.doc), p.start))
         for p in order:
             per_source[p.source].append(p)
-    # each source's pieces tile its documents in order, exactly once, each piece <= piece size
+    # each source's pieces tile its documents in (shuffled) order, exactly once, each piece <= piece size
     for i, pieces in per_source.items():
         s = streams[i]
         expect_e, expect_pos, expect_doc, expect_tok = 0, 0, 0, 0
         for p in pieces:
             assert p.length <= piece and p.length > 0
-            L = s.lengths[(p.epoch, p.unit)]
+            L = s.lengths[(p.epoch, p.unit)]  # in shuffled order
+            doc = s._shuffled_doc((p.epoch, p.unit), p.doc)
             # skip empty documents and finished units between consecutive pieces
-            while (expect_e, expect_pos) != (p.epoch, s.position(p.epoch, p.unit)) or expect_doc != p.doc:
+            while (expect_e, expect_pos) != (p.epoch, s.position(p.epoch, p.unit)) or expect_doc != doc:
                 assert expect_tok == 0, "a document was left half-delivered"
                 Lcur = s.lengths[(expect_e, int(s.order(expect_e)[expect_pos]))]
                 if expect_doc < len(Lcur):
@@ -91,7 +93,7 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
                     if expect_pos == s.n_units:
                         expect_e, expect_pos = expect_e + 1, 0
             assert p.start == expect_tok
-            expect_tok = p.stop if p.stop < L[p.doc] else 0
+            expect_tok = p.stop if p.stop < L[doc] else 0
             if expect_tok == 0:
                 expect_doc += 1
 
@@ -114,7 +116,7 @@ def test_deterministic_and_independent_of_load_timing():
             assert streams[i].add_lengths(e, u, lengths[i][u])
             continue
         cum += sel.source_tokens
-        carry = next_carry(cum, w, sel.longest_piece)
+        carry = next_carry(cum, w * cum.sum(), sel.longest_piece)
         b.append(sel)
     for x, y in zip(a, b):
         assert [[p.as_list() for p in bin_] for bin_ in x.bins] == [[p.as_list() for p in bin_] for bin_ in y.bins]

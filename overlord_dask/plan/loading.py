@@ -26,7 +26,22 @@ def _dotted(loc: tuple) -> str:
 def format_validation_error(err: ValidationError, where: str, data: Any = None) -> str:
     """One line per problem: `where: sources[1](web).format: Input should be 'parquet' or 'zarr' (got 'csv')`."""
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    # `weight: -1` fails both branches of `float | Schedule`; report only the branch the user meant
+    def branch(e) -> str | None:
+        last = e["loc"][-1] if e["loc"] else None
+        if last == "float":
+            return "float"
+        if isinstance(last, str) and "Schedule" in last:
+            return "Schedule"
+        return None
+
+    for e in errors:
+        b = branch(e)
+        if b is not None:
+            if b != ("Schedule" if isinstance(e.get("input"), dict) or b == "Schedule" and e["type"] == "value_error" else "float"):
+                continue
+            e = {**e, "loc": e["loc"][:-1]}
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         path = _dotted(loc)
         # name the source as well as its index: "sources[1]" alone makes the user count

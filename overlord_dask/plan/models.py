@@ -24,6 +24,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .schedule import Context, Schedule, Stage, weight_at
+
 SourceFormat = Literal["parquet", "zarr"]
 
 
@@ -59,8 +61,14 @@ class Source(_Strict):
     url: str
     """fsspec URL, path or glob (`s3://b/web/*.parquet`, `data/web/*.parquet`). A relative path is
     resolved against the plan file's folder."""
-    weight: float = Field(ge=0.0)
-    """Mixing weight; weights are normalised over the sources, so they need not sum to one."""
+    weight: float | Schedule = Field(default=1.0)
+    """Mixing weight, a number or a :class:`~overlord_dask.plan.schedule.Schedule` over steps;
+    weights are normalised over the sources active at a step, so they need not sum to one."""
+    start_step: int = Field(default=0, ge=0)
+    """The source enters the mix at this step (weight 0 before)."""
+    stop_step: int | None = Field(default=None, ge=1)
+    """The source leaves the mix at this step (weight 0 from then on). Its position is kept: a
+    later plan update that brings it back continues where it stopped."""
     text_field: str | None = None
     """parquet: a string column, tokenized by `tokenizer`."""
     tokens_field: str | None = None
@@ -75,8 +83,17 @@ class Source(_Strict):
     storage_options: dict = Field(default_factory=dict)
     """Passed to fsspec (e.g. `endpoint_url` and credentials for S3)."""
 
+    @field_validator("weight")
+    @classmethod
+    def _non_negative(cls, w):
+        if not isinstance(w, Schedule) and not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"weight must be a finite number >= 0 (got {w})")
+        return w
+
     @model_validator(mode="after")
     def _fields_fit_format(self) -> "Source":
+        if self.stop_step is not None and self.stop_step <= self.start_step:
+            raise ValueError(f"source {self.name!r}: stop_step={self.stop_step} must be after start_step={self.start_step}")
         if self.format == "parquet":
             if (self.text_field is None) == (self.tokens_field is None):
                 raise ValueError(
@@ -91,6 +108,17 @@ class Source(_Strict):
     @property
     def token_array(self) -> str:
         return self.tokens_field or "tokens"
+
+    def weight_at(self, step: int) -> float:
+        """This source's own (unnormalised) weight at ``step``, 0 outside [start_step, stop_step)."""
+        if step < self.start_step or (self.stop_step is not None and step >= self.stop_step):
+            return 0.0
+        return weight_at(self.weight, step)
+
+    @property
+    def data_key(self) -> tuple:
+        """What fixes the source's documents and their order; a plan update may not change it."""
+        return (self.format, self.url, self.text_field, self.tokens_field, self.offsets_field, self.tokenizer, self.transform)
 
 
 class Topology(_Strict):
@@ -224,6 +252,12 @@ class Plan(_Strict):
     loading: Loading = Field(default_factory=Loading)
     balance: Balance = Field(default_factory=Balance)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    stages: list[Stage] = Field(default_factory=list)
+    """Curriculum stages in step order (mix and context strategy per stage); see
+    :class:`~overlord_dask.plan.schedule.Stage`."""
+    steps: int | None = Field(default=None, ge=1)
+    """Planned length of the run in steps: weight functions are checked over it, and inspection
+    tables show the declared mix up to it. The service itself runs until it is stopped."""
     base_dir: str | None = None
     """Folder that relative source URLs are resolved against (set by `load_plan` to the plan file's
     folder; defaults to the working directory)."""
@@ -239,19 +273,124 @@ class Plan(_Strict):
         return sources
 
     @model_validator(mode="after")
-    def _positive_mix(self) -> "Plan":
-        total = sum(s.weight for s in self.sources)
-        if not math.isfinite(total) or total <= 0:
-            raise ValueError("at least one source needs a positive weight (all weights are 0)")
+    def _valid_curriculum(self) -> "Plan":
+        names = {s.name for s in self.sources}
+        starts = [st.start_step for st in self.stages]
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"stages must start at strictly increasing steps (got {starts})")
+        if len({st.name for st in self.stages}) != len(self.stages):
+            raise ValueError(f"stage names must be unique (got {[st.name for st in self.stages]})")
+        for st in self.stages:
+            unknown = sorted(set(st.weights or {}) - names)
+            if unknown:
+                raise ValueError(f"stage {st.name!r} weights name unknown sources {unknown}; sources: {sorted(names)}")
+            if st.max_doc_tokens is not None and st.max_doc_tokens > self.topology.tokens_per_micro_batch:
+                raise ValueError(f"stage {st.name!r}: max_doc_tokens={st.max_doc_tokens} exceeds tokens_per_micro_batch="
+                                 f"{self.topology.tokens_per_micro_batch}: a piece must fit into one micro-batch")
+        self.check_weights()
         return self
 
+    def check_weights(self, start: int = 0) -> None:
+        """Raise ValueError naming the step (and source) where a weight is negative or where no
+        source is active. Piecewise schedules are checked at their knots (linear in between);
+        weight functions at every step up to ``steps`` (or 10,000 steps without it)."""
+        horizon = max(self.steps or 0, max(self.change_points(), default=0) + 1)
+        steps = set(self.change_points()) | {start}
+        if any(isinstance(s.weight, Schedule) and s.weight.is_function for s in self.sources):
+            steps |= set(range(start, max(horizon, self.steps or 10_000)))
+        for step in sorted(t for t in steps if t >= start):
+            w = self.weights_at(step, normalise=False)
+            for name, v in w.items():
+                if not (math.isfinite(v) and v >= 0):
+                    raise ValueError(f"source {name!r} has weight {v} at step {step}; weights must be finite and >= 0")
+            if sum(w.values()) <= 0:
+                raise ValueError(f"no source is active at step {step} (every weight is 0 there{self._stage_hint(step)})")
+
+    def _stage_hint(self, step: int) -> str:
+        st = self.stage_at(step)
+        hint = f", in stage {st.name!r}" if st is not None else ""
+        gone = [f"{s.name!r} stops at {s.stop_step}" for s in self.sources if s.stop_step is not None and s.stop_step <= step]
+        later = [f"{s.name!r} starts at {s.start_step}" for s in self.sources if s.start_step > step]
+        return hint + "".join(f"; {x}" for x in gone + later)
+
+    def change_points(self) -> list[int]:
+        """Steps at which some weight or the context strategy may change (sorted)."""
+        return sorted(self._points(smooth=True) | {0})
+
+    def jumps(self) -> list[int]:
+        """Steps at which the mix or the context strategy changes abruptly: the planner starts a
+        planning window there, so that no window mixes two regimes (ramps and weight functions
+        change smoothly and are followed step by step inside a window)."""
+        return sorted(self._points(smooth=False) - {0})
+
+    def _points(self, smooth: bool) -> set[int]:
+        pts: set[int] = set()
+        for s in self.sources:
+            pts.add(s.start_step)
+            if s.stop_step is not None:
+                pts.add(s.stop_step)
+            if isinstance(s.weight, Schedule):
+                pts.update(s.weight.knots() if smooth else s.weight.jumps())
+        for st in self.stages:
+            pts.add(st.start_step)
+            if smooth:
+                pts.add(st.start_step + st.ramp_steps)
+        return pts
+
+    def stage_at(self, step: int) -> Stage | None:
+        cur = None
+        for st in self.stages:
+            if st.start_step > step:
+                break
+            cur = st
+        return cur
+
+    def _stage_weights(self, i: int, step: int) -> dict[str, float]:
+        """Raw weights in stage ``i`` (-1: before any stage) at ``step``."""
+        st = self.stages[i] if i >= 0 else None
+        if st is None or st.weights is None:
+            own = {s.name: s.weight_at(step) for s in self.sources}
+        else:
+            own = {s.name: (st.weights.get(s.name, 0.0) if _in_window(s, step) else 0.0) for s in self.sources}
+        if st is not None and st.ramp_steps and step < st.start_step + st.ramp_steps:
+            prev = self._stage_weights(i - 1, step)
+            a = (step - st.start_step + 1) / (st.ramp_steps + 1)
+            own = {k: (1 - a) * prev[k] + a * own[k] for k in own}
+        return own
+
+    def weights_at(self, step: int, *, normalise: bool = True) -> dict[str, float]:
+        """Mixing weights by source name at ``step`` (normalised to sum to one by default)."""
+        i = -1
+        for k, st in enumerate(self.stages):
+            if st.start_step <= step:
+                i = k
+        w = self._stage_weights(i, step)
+        if not normalise:
+            return w
+        total = sum(w.values())
+        if not total > 0:
+            raise ValueError(f"no source is active at step {step}{self._stage_hint(step)}")
+        return {k: v / total for k, v in w.items()}
+
     def weights(self) -> dict[str, float]:
-        """Normalised mixing weights by source name."""
-        total = sum(s.weight for s in self.sources)
-        return {s.name: s.weight / total for s in self.sources}
+        """Normalised mixing weights by source name at step 0."""
+        return self.weights_at(0)
+
+    def context_at(self, step: int) -> Context:
+        """The context strategy (maximum piece length, long-document policy and share) at ``step``."""
+        st = self.stage_at(step)
+        default = self.topology.piece_tokens
+        if st is None:
+            return Context(stage=None, piece_tokens=default)
+        return Context(stage=st.name, piece_tokens=st.max_doc_tokens or default, long_policy=st.long_policy,
+                       long_tokens=st.long_tokens, long_share=st.long_share)
 
     def source(self, name: str) -> Source:
         for s in self.sources:
             if s.name == name:
                 return s
         raise KeyError(f"no source named {name!r}; sources: {[s.name for s in self.sources]}")
+
+
+def _in_window(source: Source, step: int) -> bool:
+    return step >= source.start_step and (source.stop_step is None or step < source.stop_step)

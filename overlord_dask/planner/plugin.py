@@ -15,6 +15,10 @@ Routes (scheduler handlers, request/response; all idempotent where a retry could
   the status.
 - ``overlord_rewind(rank, cp_rank, step)``: a restarted trainer needs its stream again from a
   step it has not acknowledged; returns the queue's new generation.
+- ``overlord_update(plan, at_step, unit_first_ids)``: a live plan update from ``at_step`` (None: the
+  first step not planned yet); answers once the update is in a snapshot (with a checkpoint URL).
+- ``overlord_plans()``: every plan version as ``[at_step, plan dict]`` (the driver and
+  inspection read it).
 
 With a checkpoint URL, every newly committed step is snapshotted asynchronously (a base when the
 planning window or topology changed, else a delta of a few dozen bytes), never blocking an ack.
@@ -31,7 +35,8 @@ import time
 import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from ..plan.loading import plan_from_dict
+from ..errors import PlanError
+from ..plan.loading import plan_from_dict, plan_to_dict
 from .state import PlannerState
 
 HANDLERS = (
@@ -45,6 +50,8 @@ HANDLERS = (
     "overlord_snapshots",
     "overlord_rewind",
     "overlord_tick",
+    "overlord_update",
+    "overlord_plans",
 )
 
 
@@ -76,6 +83,7 @@ class PlannerPlugin(SchedulerPlugin):
         self._base_key = None  # (window_step, topology) of the last base written
         self._written_committed = -1
         self._wake = asyncio.Event()
+        self._write_lock = asyncio.Lock()  # the loop and a plan update both write; sequence numbers must not race
         if self.checkpoint_url:
             from ..snapshots import SnapshotStore
 
@@ -88,7 +96,8 @@ class PlannerPlugin(SchedulerPlugin):
     async def close(self) -> None:
         if self.store is not None:
             self._writer.cancel()
-            await self._write_snapshot()  # the last committed step, before the scheduler goes
+            async with self._write_lock:
+                await self._write_snapshot()  # the last committed step, before the scheduler goes
         for name in HANDLERS:
             self.scheduler.handlers.pop(name, None)
 
@@ -98,16 +107,17 @@ class PlannerPlugin(SchedulerPlugin):
             await self._wake.wait()
             self._wake.clear()
             try:
-                await self._write_snapshot()
+                async with self._write_lock:
+                    await self._write_snapshot()
             except Exception:  # storage hiccups must not kill the planner; the next commit retries
                 logging.getLogger(__name__).exception("writing a planner snapshot to %s failed", self.checkpoint_url)
 
-    async def _write_snapshot(self) -> None:
+    async def _write_snapshot(self, force: bool = False) -> None:
         st = self.state.get_state()
-        if st["committed"] == self._written_committed:
+        if st["committed"] == self._written_committed and not force:
             return
         t0 = time.perf_counter()
-        key = (st["window_step"], tuple(sorted(st["topology"].items())))
+        key = (st["window_step"], tuple(sorted(st["topology"].items())), len(st["updates"]))
         self.seq += 1
         if key != self._base_key:
             kind, n = "base", await asyncio.to_thread(self.store.write_base, self.seq, st)
@@ -120,6 +130,22 @@ class PlannerPlugin(SchedulerPlugin):
         del self.snapshot_stats[:-1000]
 
     # ---- routes -------------------------------------------------------------------------------
+    async def update(self, plan: dict, at_step: int | None = None, unit_first_ids: dict | None = None) -> dict:
+        """Apply a live plan update; with snapshots, answer only once a base holding it is written
+        (so an acknowledged update survives a crash)."""
+        try:
+            new = plan_from_dict(plan, where="<plan update>")
+            at = self.state.update(new, at_step, unit_first_ids or {})
+        except (PlanError, ValueError) as err:
+            return {"error": str(err), "at_step": None, "version": self.state.plan_version}
+        if self.store is not None:
+            async with self._write_lock:
+                await self._write_snapshot(force=True)
+        return {"error": None, "at_step": at, "version": self.state.plan_version}
+
+    def plans(self) -> list:
+        return [[at, plan_to_dict(p)] for at, p in self.state.timeline.versions]
+
     def info(self) -> dict:
         t = self.state.final_plan.topology
         return {
@@ -130,7 +156,8 @@ class PlannerPlugin(SchedulerPlugin):
             "micro_batches": t.micro_batches,
             "tokens_per_micro_batch": t.tokens_per_micro_batch,
             "sources": self.state.source_names,
-            "weights": [float(w) for w in self.state.weights],
+            "weights": [float(w) for w in self.state.weights_at(self.state.next_step)],
+            "plan_version": self.state.plan_version,
             "queue_prefix": queue_prefix(self.run_id),
             "first_step": self.state.replay_until,
             "commit": self.state.commit_mode,
@@ -186,6 +213,7 @@ class PlannerPlugin(SchedulerPlugin):
                         "pieces": p.tobytes(),
                         "slot": entry["slot"].tobytes(),
                         "sample_ids": self.state.sample_ids(p).tobytes(),
+                        "dropped": self.state.dropped_ids(entry["dropped"]).tobytes(),
                     }
                 )
         return out

@@ -15,7 +15,10 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from ..errors import PlanError
+from ..plan.loading import plan_from_dict, plan_to_dict
 from ..plan.models import Plan
+from ..plan.timeline import PlanTimeline
 from .assign import assign_bins
 from .balance import balance_window, wfq_select
 from .cost import doc_costs
@@ -32,32 +35,31 @@ def _with_age(rows: np.ndarray, age: int = 0) -> np.ndarray:
     return np.concatenate([rows, np.full((len(rows), 1), age, dtype=np.int64)], axis=1)
 
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+
+
+def decode_updates(state: dict | None) -> list[tuple[int, Plan]]:
+    """The live plan updates recorded in a snapshot, as ``(at_step, Plan)``."""
+    if not state:
+        return []
+    return [(int(at), plan_from_dict(d, where=f"<snapshot plan update at step {at}>")) for at, d in state.get("updates", [])]
 
 
 class PlannerState:
-    def __init__(self, plan: Plan, unit_first_ids: dict[str, list[int]], *, history_steps: int = 100_000, state: dict | None = None):
+    def __init__(self, plan: Plan, unit_first_ids: dict[str, list[int]], *, history_steps: int = 100_000, state: dict | None = None,
+                 updates: list[tuple[int, Plan]] = ()):
         self.final_plan = plan
+        self.timeline = PlanTimeline(plan, list(updates) or decode_updates(state))
         if state is not None:  # replay on the topology the snapshot was planned with, switch at `committed`
             plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
         self._use_plan(plan)
-        self.source_names = [s.name for s in plan.sources]
-        w = np.array([s.weight for s in plan.sources], dtype=np.float64)
-        self.weights = w / w.sum()
-        self.streams = [
-            SourceStream(
-                name=s.name,
-                index=i,
-                n_units=len(unit_first_ids[s.name]),
-                first_ids=np.asarray(unit_first_ids[s.name], dtype=np.int64),
-                seed=plan.seed,
-                piece_tokens=plan.topology.piece_tokens,
-            )
-            for i, s in enumerate(plan.sources)
-        ]
+        self.source_names = list(self.timeline.source_names)
+        self.streams = [self._new_stream(name, i, unit_first_ids[name]) for i, name in enumerate(self.source_names)]
         self.next_step = 0
         self.cum_tokens = np.zeros(len(self.streams), dtype=np.int64)
+        self.cum_declared = np.zeros(len(self.streams))
         self.carry = np.zeros(len(self.streams))
+        self.dropped = np.zeros((len(self.streams), 2), dtype=np.int64)  # documents, tokens skipped by a drop policy
         self.commit_mode = plan.checkpoint.commit
         self.ledger: OrderedDict[int, dict] = OrderedDict()  # step -> {"pieces": int64[n,6], "slot": int32[n,2]}
         self.metrics: OrderedDict[int, dict] = OrderedDict()
@@ -69,12 +71,79 @@ class PlannerState:
         self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs)
         self.pending = np.zeros((0, 7), dtype=np.int64)  # pieces waiting for the next window
         self.selected = np.zeros(len(self.streams), dtype=np.int64)  # tokens selected per source so far
+        self.declared = np.zeros(len(self.streams))  # tokens the per-step weights asked for so far
         self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
         self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by pending/ready pieces
         self.windows: OrderedDict[int, dict] = OrderedDict()  # first step of a planned window -> state before it
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
         if state is not None:
             self._restore(state)
+
+    def _new_stream(self, name: str, index: int, first_ids) -> SourceStream:
+        plan = self.timeline.initial
+        return SourceStream(name=name, index=index, n_units=len(first_ids), first_ids=np.asarray(first_ids, dtype=np.int64),
+                            seed=plan.seed, piece_tokens=plan.topology.piece_tokens)
+
+    def _grow(self, n: int) -> None:
+        """Extend the per-source arrays to ``n`` sources (a plan update added some)."""
+        k = n - len(self.cum_tokens)
+        if k > 0:
+            self.cum_tokens = np.concatenate([self.cum_tokens, np.zeros(k, np.int64)])
+            self.cum_declared = np.concatenate([self.cum_declared, np.zeros(k)])
+            self.carry = np.concatenate([self.carry, np.zeros(k)])
+            self.selected = np.concatenate([self.selected, np.zeros(k, np.int64)])
+            self.declared = np.concatenate([self.declared, np.zeros(k)])
+            self.dropped = np.concatenate([self.dropped, np.zeros((k, 2), np.int64)])
+
+    # ---- live plan updates ----------------------------------------------------------------------
+    @property
+    def frontier(self) -> int:
+        """The first step not planned yet: the earliest an update can apply from."""
+        return max(self.next_step + len(self.ready), self.replay_until)
+
+    @property
+    def plan_version(self) -> int:
+        return len(self.timeline.versions) - 1
+
+    def update(self, plan: Plan, at_step: int | None, unit_first_ids: dict[str, list[int]]) -> int:
+        """Apply ``plan`` from ``at_step`` (default: the first step not planned yet). New sources
+        need their units' first ids. Returns the step the update applies from."""
+        frontier = self.frontier
+        at_step = frontier if at_step is None else int(at_step)
+        if at_step < frontier:
+            raise PlanError(f"plan update at step {at_step}: steps up to {frontier - 1} are already planned; "
+                            f"the earliest step an update can apply from is {frontier} (or pass at_step=None)")
+        missing = [s.name for s in plan.sources if s.name not in self.source_names and s.name not in unit_first_ids]
+        if missing:
+            raise PlanError(f"plan update at step {at_step}: new sources {missing} were not indexed")
+        for name in self.timeline.add(plan, at_step):
+            self.source_names.append(name)
+            self.streams.append(self._new_stream(name, len(self.streams), unit_first_ids[name]))
+        self._grow(len(self.streams))
+        return at_step
+
+    def weights_at(self, step: int) -> np.ndarray:
+        return self.timeline.weights_at(step)
+
+    def _apply_context(self, step: int) -> None:
+        """Set every stream's piece size and drop policy for the window starting at ``step``."""
+        ctx = self.timeline.context_at(step)
+        for s in self.streams:
+            s.piece_tokens = ctx.piece_tokens
+            s.drop_over = ctx.piece_tokens if ctx.long_policy == "drop" else None
+
+    def _drain_drops(self) -> np.ndarray:
+        """Dropped documents recorded since the last call, as rows [source, epoch, unit, doc, tokens]."""
+        rows = []
+        for i, s in enumerate(self.streams):
+            for (e, u, d), L in s.drops.items():
+                rows.append((i, e, u, d, L))
+            s.drops.clear()
+        out = np.array(sorted(rows), dtype=np.int64).reshape(-1, 5)
+        if len(out):
+            np.add.at(self.dropped[:, 0], out[:, 0], 1)
+            np.add.at(self.dropped[:, 1], out[:, 0], out[:, 4])
+        return out
 
     def _use_plan(self, plan: Plan, acked_through: int = -1) -> None:
         """Adopt a plan's topology and the budgets derived from it; every (rank, cp rank) has
@@ -91,7 +160,7 @@ class PlannerState:
         """Units whose metadata the planner needs next: [source, epoch, unit] each."""
         out = []
         step_tokens = self.topology.step_tokens
-        for s, w in zip(self.streams, self.weights):
+        for s, w in zip(self.streams, self._weights_ahead()):
             if w <= 0:
                 continue
             target = max(1, int(w * step_tokens * (self._window_steps() + 1) * 1.3))
@@ -103,6 +172,25 @@ class PlannerState:
 
     def _window_steps(self) -> int:
         return self.balance.window if self.balance.policy == "cost" else 1
+
+    def _weights_ahead(self) -> np.ndarray:
+        """Largest weight of each source over the next two windows (so a source that enters at a
+        coming step is loaded before it is needed)."""
+        t0 = self.next_step
+        horizon = t0 + 2 * self._window_steps() + 1
+        steps = {t0, horizon - 1}
+        j = self.timeline.next_jump(t0)
+        while j is not None and j < horizon:
+            steps.add(j)
+            j = self.timeline.next_jump(j)
+        return np.max([self.weights_at(t) for t in sorted(steps)], axis=0)
+
+    def _window_len(self) -> int:
+        """Steps in the next planning window: ``balance.window``, cut at the next jump of the mix
+        or context (a stage start, a source entering or leaving, a live update)."""
+        j = self.timeline.next_jump(self.next_step)
+        n = self._window_steps()
+        return n if j is None else max(1, min(n, j - self.next_step))
 
     def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray) -> bool:
         return self._stream(source).add_lengths(epoch, unit, lengths)
@@ -154,7 +242,8 @@ class PlannerState:
                 continue  # delivered before the restore: only the planner state had to catch up
             self._record(step, ranks, mb_costs)
             entry = self.ledger[step]
-            steps.append({"step": step, "pieces": entry["pieces"].astype("<i8").tobytes(), "slot": entry["slot"].astype("<i4").tobytes()})
+            steps.append({"step": step, "pieces": entry["pieces"].astype("<i8").tobytes(), "slot": entry["slot"].astype("<i4").tobytes(),
+                          "piece_tokens": self.metrics[step]["piece_tokens"]})
         if steps:
             self.plan_seconds.append(time.perf_counter() - t0)
             del self.plan_seconds[:-10_000]
@@ -176,21 +265,30 @@ class PlannerState:
         """The next step's pieces per (rank, micro-batch) as int64 rows, and their costs."""
         if self.balance.policy == "none" or not self.ready:
             self.windows[self.next_step] = self._capture()
+            self._apply_context(self.next_step)
             try:
                 if self.balance.policy == "none":
-                    return self._exact_step()
-                self._plan_window()
+                    out = self._exact_step()
+                else:
+                    self._plan_window()
             except Starved:
                 del self.windows[self.next_step]
+                for s in self.streams:
+                    s.drops.clear()
                 raise
+            self._window_drops = self._drain_drops()
             self._prune_windows()
+            if self.balance.policy == "none":
+                return out
         return self.ready.popleft()
 
     def _exact_step(self):
         topo = self.topology
-        sel = select_step(self.streams, self.weights, topo.dp * topo.micro_batches, topo.tokens_per_micro_batch, self.carry)
+        w = self.weights_at(self.next_step)
+        sel = select_step(self.streams, w, topo.dp * topo.micro_batches, topo.tokens_per_micro_batch, self.carry)
         self.cum_tokens += sel.source_tokens
-        self.carry = next_carry(self.cum_tokens, self.weights, sel.longest_piece)
+        self.cum_declared += w * sel.total_tokens
+        self.carry = next_carry(self.cum_tokens, self.cum_declared, sel.longest_piece)
         bins = [np.asarray([p.as_list() for p in b], dtype=np.int64).reshape(-1, 6) for b in sel.bins]
         bin_costs = np.array([doc_costs(b[:, 5] - b[:, 4], self.plan.cost).sum() for b in bins])
         slots = assign_bins(bin_costs, topo.dp, topo.micro_batches)
@@ -204,19 +302,27 @@ class PlannerState:
         window; it is topped up with more selected pieces and balanced again, up to
         ``TOPUP_ROUNDS`` times, so deferral does not cost fill."""
         topo, bal = self.topology, self.balance
-        target = bal.window * self.step_budget
+        n_steps = self._window_len()
+        target = n_steps * self.step_budget
         slack = min(topo.tokens_per_micro_batch, target // 100)
-        saved = [s.cursor() for s in self.streams], self.selected.copy()
+        saved = [s.cursor() for s in self.streams], self.selected.copy(), self.declared.copy()
         pieces = self.pending
+        # pieces still waiting fill the window's first steps; every other step selects with its own weights
+        budgets = np.full(n_steps, self.step_budget, dtype=np.int64)
+        carried = _tokens(pieces)
+        for k in range(n_steps):
+            take = min(carried, budgets[k])
+            budgets[k] -= take
+            carried -= take
         need = target - _tokens(pieces)
         try:
-            for _ in range(self.TOPUP_ROUNDS):
+            for rnd in range(self.TOPUP_ROUNDS):
                 if need > 0:
-                    rows = self._select(need)
+                    rows = self._select_steps(self.next_step, budgets if rnd == 0 else np.array([need]), last=n_steps - 1)
                     pieces = np.concatenate([pieces, _with_age(rows)])
                 costs = doc_costs(pieces[:, 5] - pieces[:, 4], self.plan.cost)
                 wp = balance_window(
-                    pieces, costs, steps=bal.window, dp=topo.dp, micro_batches=topo.micro_batches,
+                    pieces, costs, steps=n_steps, dp=topo.dp, micro_batches=topo.micro_batches,
                     capacity=topo.tokens_per_micro_batch, step_budget=self.step_budget, heavy_tokens=self.heavy_tokens,
                     sync=bal.sync, max_delay=bal.max_delay,
                 )
@@ -226,7 +332,7 @@ class PlannerState:
         except Starved:
             for s, cur in zip(self.streams, saved[0]):
                 s.restore(cur)
-            self.selected = saved[1]
+            self.selected, self.declared = saved[1], saved[2]
             raise
         self.pending = wp.pending
         for ranks, mb_costs in zip(wp.steps, wp.bin_costs):
@@ -234,12 +340,33 @@ class PlannerState:
 
     TOPUP_ROUNDS = 3
 
-    def _select(self, budget: int) -> np.ndarray:
+    def _select_steps(self, first: int, budgets: np.ndarray, last: int | None = None) -> np.ndarray:
+        """Select ``budgets[k]`` tokens with the weights of step ``first + k`` (runs of steps with
+        equal weights in one call). A single budget (a top-up) uses the weights of step
+        ``first + last``."""
+        if len(budgets) == 1 and last is not None:
+            groups = [(first + last, int(budgets[0]))]
+        else:
+            groups = []
+            for k, b in enumerate(budgets):
+                w = self.weights_at(first + k)
+                if groups and np.array_equal(groups[-1][2], w):
+                    groups[-1][1] += int(b)
+                else:
+                    groups.append([first + k, int(b), w])
+            groups = [(g[0], g[1]) for g in groups]
+        parts = [self._select(b, step) for step, b in groups]
+        return np.concatenate(parts) if parts else np.zeros((0, 6), np.int64)
+
+    def _select(self, budget: int, step: int) -> np.ndarray:
         if budget <= 0:
             return np.zeros((0, 6), np.int64)
-        surplus = self.selected - self.weights * self.selected.sum()
-        rows = wfq_select(self.streams, self.weights, budget, surplus)
-        self.selected += np.bincount(rows[:, 0], weights=rows[:, 5] - rows[:, 4], minlength=len(self.streams)).astype(np.int64)
+        w = self.weights_at(step)
+        surplus = self.selected - self.declared
+        rows = wfq_select(self.streams, w, budget, surplus)
+        got = np.bincount(rows[:, 0], weights=rows[:, 5] - rows[:, 4], minlength=len(self.streams)).astype(np.int64)
+        self.selected += got
+        self.declared += w * got.sum()
         return rows
 
     def _record(self, step: int, ranks: list[list[np.ndarray]], mb_costs: np.ndarray) -> None:
@@ -249,7 +376,12 @@ class PlannerState:
                 parts.append(rows)
                 slots.append(np.broadcast_to(np.array([r, m], dtype=np.int32), (len(rows), 2)))
         pieces = np.concatenate(parts) if parts else np.zeros((0, 6), np.int64)
-        self.ledger[step] = {"pieces": pieces, "slot": np.concatenate(slots) if slots else np.zeros((0, 2), np.int32)}
+        drops = getattr(self, "_window_drops", None)
+        self._window_drops = None  # a window's drops are recorded with its first step
+        if drops is None:
+            drops = np.zeros((0, 5), np.int64)
+        self.ledger[step] = {"pieces": pieces, "slot": np.concatenate(slots) if slots else np.zeros((0, 2), np.int32), "dropped": drops}
+        ctx = self.timeline.context_at(step)
         lens = pieces[:, 5] - pieces[:, 4]
         tokens = int(lens.sum())
         imb, mb_imb = step_imbalance(mb_costs)
@@ -266,6 +398,12 @@ class PlannerState:
             "cost_mean": float(rank_costs.mean()),
             "lower_bound": float(max(doc_costs(lens, self.plan.cost).max(initial=0.0), rank_costs.sum() / self.topology.dp)),
             "pending": int(len(self.pending)),
+            "weights": [float(x) for x in self.weights_at(step)],
+            "version": self.timeline.version_at(step),
+            "stage": ctx.stage,
+            "piece_tokens": ctx.piece_tokens,
+            "dropped_docs": [int(x) for x in np.bincount(drops[:, 0], minlength=len(self.streams))],
+            "dropped_tokens": [int(x) for x in np.bincount(drops[:, 0], weights=drops[:, 4], minlength=len(self.streams))],
         }
         while len(self.metrics) > self.history_steps:
             self.metrics.popitem(last=False)
@@ -282,8 +420,11 @@ class PlannerState:
             "cursors": [list(s.cursor()) for s in self.streams],
             "pending": self.pending.astype("<i8").tobytes(),
             "selected": [int(x) for x in self.selected],
+            "declared": [float(x) for x in self.declared],
             "cum_tokens": [int(x) for x in self.cum_tokens],
+            "cum_declared": [float(x) for x in self.cum_declared],
             "carry": [float(x) for x in self.carry],
+            "dropped": self.dropped.astype("<i8").tobytes(),
         }
 
     def _prune_windows(self) -> None:
@@ -306,6 +447,7 @@ class PlannerState:
             "version": STATE_VERSION,
             "plan": self.plan.name,
             "sources": list(self.source_names),
+            "updates": [[at, plan_to_dict(p)] for at, p in self.timeline.updates],
             "committed": durable,
             "window_step": window_step,
             "window": window,
@@ -318,15 +460,25 @@ class PlannerState:
             raise ValueError(f"snapshot version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
         if list(state["sources"]) != self.source_names:
             raise ValueError(f"snapshot sources {list(state['sources'])} differ from the plan's {self.source_names}; "
-                             "adding or removing sources on resume is not supported yet")
+                             "to add or remove sources, resume with the snapshot's plan and apply a plan update")
         w = state["window"]
+        n = len(self.streams)
+        window_sources = len(w["cursors"])  # sources that existed when the window started
+        self._grow(n)
         for s, cur in zip(self.streams, w["cursors"]):
             s.restore(tuple(cur))
             s.req_epoch, s.req_pos = s.epoch, s.pos
+
+        def padded(values, dtype):
+            return np.concatenate([np.asarray(values, dtype=dtype), np.zeros(n - window_sources, dtype=dtype)])
+
         self.pending = np.frombuffer(w["pending"], dtype="<i8").reshape(-1, 7).copy()
-        self.selected = np.asarray(w["selected"], dtype=np.int64)
-        self.cum_tokens = np.asarray(w["cum_tokens"], dtype=np.int64)
-        self.carry = np.asarray(w["carry"], dtype=np.float64)
+        self.selected = padded(w["selected"], np.int64)
+        self.declared = padded(w["declared"], np.float64)
+        self.cum_tokens = padded(w["cum_tokens"], np.int64)
+        self.cum_declared = padded(w["cum_declared"], np.float64)
+        self.carry = padded(w["carry"], np.float64)
+        self.dropped = np.concatenate([np.frombuffer(w["dropped"], dtype="<i8").reshape(-1, 2), np.zeros((n - window_sources, 2), np.int64)])
         self.next_step = int(state["window_step"])
         self.replay_until = int(state["committed"])
         self.acked = [self.replay_until - 1] * len(self.acked)
@@ -367,6 +519,15 @@ class PlannerState:
             out[sel] = s.first_ids[pieces[sel, 2]] + pieces[sel, 3]
         return out
 
+    def dropped_ids(self, drops: np.ndarray) -> np.ndarray:
+        """Ledger drop rows ``[source, epoch, unit, doc, tokens]`` as ``[source, epoch, sample id, tokens]``."""
+        out = np.empty((len(drops), 4), dtype=np.int64)
+        out[:, 0], out[:, 1], out[:, 3] = drops[:, 0], drops[:, 1], drops[:, 4]
+        for i, s in enumerate(self.streams):
+            sel = drops[:, 0] == i
+            out[sel, 2] = s.first_ids[drops[sel, 2]] + drops[sel, 3]
+        return out
+
     def status(self) -> dict:
         return {
             "next_step": self.next_step,
@@ -377,4 +538,7 @@ class PlannerState:
             "starved_on": self.starved_on,
             "cursors": {s.name: list(s.cursor()[:4]) for s in self.streams},
             "loaded_units": {s.name: len(s.lengths) for s in self.streams},
+            "plan_version": self.plan_version,
+            "frontier": self.frontier,
+            "dropped": {s.name: {"docs": int(d), "tokens": int(t)} for s, (d, t) in zip(self.streams, self.dropped)},
         }

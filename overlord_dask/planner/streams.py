@@ -1,9 +1,11 @@
 """Per-source streams: each source's own order, position and loaded metadata, inside the planner.
 
-A source's order is a seeded permutation of its load units per epoch, seeded from (plan seed,
-source name, epoch) so it never depends on list position, worker count or dp size. The position is
-a small cursor ``(epoch, pos, doc, tok)``: the next piece is the ``tok``-th token onward of document
-``doc`` in unit ``order[pos]``. Documents longer than the piece size are cut into consecutive
+A source's order is a seeded permutation of its load units per epoch and, inside each unit (a
+bounded window of documents), a seeded permutation of its documents; both are seeded from (plan
+seed, source name, epoch[, unit]) so they never depend on list position, worker count or dp size.
+The position is a small cursor ``(epoch, pos, doc, tok)``: the next piece is the ``tok``-th token
+onward of the ``doc``-th document (in shuffled order) of unit ``order[pos]``. Piece rows name
+documents by their index in the unit's file order, so the constructor needs no permutation. Documents longer than the piece size are cut into consecutive
 pieces, each a sample in its own right (same sample id, increasing chunk index).
 
 The stream only knows lengths of units whose metadata arrived; ``peek()`` returns ``None`` when the
@@ -53,6 +55,8 @@ class SourceStream:
     seed: int
     piece_tokens: int
     shuffle_units: bool = True
+    shuffle_docs: bool = True
+    drop_over: int | None = None  # context policy 'drop': documents longer than this are skipped
     # cursor of the next piece to plan
     epoch: int = 0
     pos: int = 0
@@ -64,6 +68,8 @@ class SourceStream:
     lengths: dict = field(default_factory=dict)  # (epoch, unit) -> int64 lengths, loaded and not yet fully planned
     requested: set = field(default_factory=set)  # (epoch, unit) requested, lengths not yet arrived
     epoch_tokens: int = 0  # tokens planned in the current epoch (to detect an all-empty source)
+    perms: dict = field(default_factory=dict)  # (epoch, unit) -> document order inside the unit
+    drops: dict = field(default_factory=dict)  # (epoch, unit, doc) -> tokens of a dropped document, until drained
     _orders: dict = field(default_factory=dict)
 
     def order(self, epoch: int) -> np.ndarray:
@@ -112,7 +118,12 @@ class SourceStream:
                 self.doc += 1
                 self.tok = 0
                 continue
-            return Piece(self.index, key[0], key[1], self.doc, self.tok, min(L, self.tok + self.piece_tokens))
+            doc = self._file_doc(key, self.doc)
+            if self.tok == 0 and self.drop_over is not None and L > self.drop_over:
+                self.drops[(key[0], key[1], doc)] = L
+                self.doc += 1
+                continue
+            return Piece(self.index, key[0], key[1], doc, self.tok, min(L, self.tok + self.piece_tokens))
 
     def advance(self, piece: Piece) -> None:
         self.epoch_tokens += piece.length
@@ -151,6 +162,10 @@ class SourceStream:
             if len(L):
                 rem = L.copy()
                 rem[0] -= tok
+                if self.drop_over is not None:  # dropped documents yield no pieces (a started one finishes)
+                    dropped = L > self.drop_over
+                    dropped[0] &= tok == 0
+                    rem[dropped] = 0
                 n = np.where(rem > 0, -(-rem // self.piece_tokens), 0)
                 k_total = int(n.sum())
                 if k_total:
@@ -159,7 +174,7 @@ class SourceStream:
                     start = k * self.piece_tokens + np.where(d == 0, tok, 0)
                     stop = np.minimum(start + self.piece_tokens, L[d])
                     block = np.empty((k_total, 5), dtype=np.int64)
-                    block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = e, unit, d + doc, start, stop
+                    block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = e, unit, self._file_doc((e, unit), d + doc), start, stop
                     rows.append(block)
                     total += int((stop - start).sum())
                     empty_units = 0
@@ -177,18 +192,49 @@ class SourceStream:
         return out, total >= min_tokens
 
     def advance_past(self, row: np.ndarray) -> None:
-        """Move the cursor just past piece ``row`` = [epoch, unit, doc, start, stop]."""
-        e, unit, doc, _, stop = (int(x) for x in row)
+        """Move the cursor just past piece ``row`` = [epoch, unit, doc, start, stop] (recording the
+        documents the drop policy skipped on the way)."""
+        e, unit, file_doc, _, stop = (int(x) for x in row)
+        doc = self._shuffled_doc((e, unit), file_doc)
+        if self.drop_over is not None:
+            self._record_drops(e, self.position(e, unit), doc)
         self.epoch, self.pos = e, self.position(e, unit)
         L = int(self.lengths[(e, unit)][doc])
         self.doc, self.tok = (doc + 1, 0) if stop >= L else (doc, stop)
         self.epoch_tokens = 1  # this epoch has tokens: the empty-source check is satisfied
+
+    def _record_drops(self, epoch: int, pos: int, doc: int) -> None:
+        """Record the documents over ``drop_over`` between the cursor and (epoch, pos, doc)."""
+        e, p, d, tok = self.epoch, self.pos, self.doc, self.tok
+        while (e, p) <= (epoch, pos):
+            unit = int(self.order(e)[p])
+            lens = self.lengths.get((e, unit))
+            if lens is not None:
+                hi = doc if (e, p) == (epoch, pos) else len(lens)
+                idx = np.arange(d, hi)
+                if tok and len(idx):
+                    idx = idx[1:]  # a started document is finished, never dropped
+                for k in idx[lens[idx] > self.drop_over].tolist():
+                    self.drops[(e, unit, self._file_doc((e, unit), k))] = int(lens[k])
+            d, tok, p = 0, 0, p + 1
+            if p >= self.n_units:
+                e, p = e + 1, 0
+
+    def _file_doc(self, key: tuple[int, int], shuffled):
+        """Document index in the unit's file order from its position in the shuffled order."""
+        perm = self.perms.get(key)
+        return shuffled if perm is None else perm[0][shuffled]
+
+    def _shuffled_doc(self, key: tuple[int, int], file_doc: int) -> int:
+        perm = self.perms.get(key)
+        return file_doc if perm is None else int(perm[1][file_doc])
 
     def finished_units(self) -> list[tuple[int, int]]:
         """Loaded units wholly behind the cursor: their blocks are no longer needed for planning."""
         done = [key for key in self.lengths if self._behind(*key)]
         for key in done:
             del self.lengths[key]
+            self.perms.pop(key, None)
         return done
 
     def _behind(self, epoch: int, unit: int) -> bool:
@@ -231,5 +277,11 @@ class SourceStream:
         self.requested.discard(key)
         if key in self.lengths or self._behind(epoch, unit):
             return False  # a duplicate, or a unit the cursor has already passed
-        self.lengths[key] = np.asarray(lengths, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if self.shuffle_docs and len(lengths) > 1:
+            rng = np.random.default_rng(stable_seed(self.seed, "docs", self.name, epoch, unit))
+            perm = rng.permutation(len(lengths))
+            self.perms[key] = (perm, np.argsort(perm))
+            lengths = lengths[perm]
+        self.lengths[key] = lengths
         return True

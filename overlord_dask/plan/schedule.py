@@ -1,0 +1,180 @@
+"""Weights and context strategy as functions of the global step: the curriculum.
+
+A source's ``weight`` is a number (constant) or a :class:`Schedule`::
+
+    weight: 0.5                                   # constant
+    weight: {stages: [[0, 0.5], [400, 0.2]]}      # piecewise constant: 0.5 from step 0, 0.2 from 400
+    weight: {ramp: [[0, 0.1], [500, 0.4]]}        # linear from 0.1 at step 0 to 0.4 at 500, flat outside
+    weight: {function: "my_mix:web_weight"}       # any callable step -> weight
+
+A plan may also declare :class:`Stage` s, each from a step on: the whole mix for that stage
+(``weights``, optionally ramped in from the previous stage over ``ramp_steps``) and its context
+strategy (maximum document length, what happens to longer documents, share of long documents).
+
+Why steps and not tokens or samples: steps are what a trainer's LR schedule, checkpoints and
+evaluation use, and a step boundary is where the planner can switch without splitting a batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _points(points: list[tuple[int, float]], what: str) -> list[tuple[int, float]]:
+    if not points:
+        raise ValueError(f"{what} needs at least one [step, weight] point")
+    steps = [p[0] for p in points]
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"{what} steps must increase strictly (got {steps})")
+    for step, w in points:
+        if step < 0:
+            raise ValueError(f"{what}: step {step} is negative")
+        if not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"{what}: weight at step {step} must be a finite number >= 0 (got {w})")
+    return points
+
+
+class Schedule(_Strict):
+    """A weight that changes with the step: exactly one of ``stages``, ``ramp`` or ``function``."""
+
+    stages: list[tuple[int, float]] | None = None
+    """Piecewise constant: ``[step, weight]`` points; the weight holds from its step to the next
+    point's step. Before the first point the first weight applies."""
+    ramp: list[tuple[int, float]] | None = None
+    """Piecewise linear between ``[step, weight]`` points; flat before the first and after the last."""
+    function: str | None = None
+    """``module:callable`` mapping a step (int) to a weight (float >= 0); must be importable
+    wherever the planner runs (the scheduler)."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "Schedule":
+        kinds = [k for k in ("stages", "ramp", "function") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"a weight schedule needs exactly one of stages, ramp or function (got {kinds or 'none'})")
+        if self.stages is not None:
+            _points(self.stages, "stages")
+        if self.ramp is not None:
+            _points(self.ramp, "ramp")
+        if self.function is not None:
+            from .models import _import_callable
+
+            _import_callable(self.function)
+        return self
+
+    def at(self, step: int) -> float:
+        if self.stages is not None:
+            w = self.stages[0][1]
+            for s, v in self.stages:
+                if s > step:
+                    break
+                w = v
+            return float(w)
+        if self.ramp is not None:
+            pts = self.ramp
+            if step <= pts[0][0]:
+                return float(pts[0][1])
+            for (s0, w0), (s1, w1) in zip(pts, pts[1:]):
+                if step < s1:
+                    return float(w0 + (w1 - w0) * (step - s0) / (s1 - s0))
+            return float(pts[-1][1])
+        return float(_callable(self.function)(step))
+
+    def jumps(self) -> list[int]:
+        """Steps where the weight may change discontinuously (the planner starts a window there)."""
+        return [s for s, _ in self.stages] if self.stages is not None else []
+
+    def knots(self) -> list[int]:
+        """Steps at which checking the weight covers every step (linear pieces in between)."""
+        if self.stages is not None:
+            return [s for s, _ in self.stages]
+        if self.ramp is not None:
+            return [s for s, _ in self.ramp]
+        return []
+
+    @property
+    def is_function(self) -> bool:
+        return self.function is not None
+
+
+_CALLABLES: dict[str, object] = {}
+
+
+def _callable(spec: str):
+    fn = _CALLABLES.get(spec)
+    if fn is None:
+        from .models import _import_callable
+
+        fn = _CALLABLES[spec] = _import_callable(spec)
+    return fn
+
+
+Weight = float | Schedule
+
+
+def weight_at(weight: Weight, step: int) -> float:
+    return float(weight) if not isinstance(weight, Schedule) else weight.at(step)
+
+
+class Stage(_Strict):
+    """One phase of the run, from ``start_step`` until the next stage starts.
+
+    Example: a long-context extension as the last 10% of a run::
+
+        stages:
+          - {name: base, start_step: 0, max_doc_tokens: 4096}
+          - name: long
+            start_step: 9000
+            max_doc_tokens: 65536
+            long_tokens: 32768        # a document over 32k is "long"
+            long_share: 0.3           # 30% of each step's tokens from long documents
+            weights: {web: 0.5, books: 0.5}
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    start_step: int = Field(ge=0)
+    weights: dict[str, float] | None = None
+    """The stage's whole mix by source name (unlisted sources get 0); None keeps each source's own
+    ``weight`` (schedules included)."""
+    ramp_steps: int = Field(default=0, ge=0)
+    """Move linearly from the previous stage's weights to this stage's over this many steps."""
+    max_doc_tokens: int | None = Field(default=None, ge=1)
+    """Longest piece delivered in this stage (default: the topology's); longer documents are
+    handled by ``long_policy``."""
+    long_policy: Literal["split", "drop"] = "split"
+    """``split``: cut longer documents into consecutive pieces (same sample id, increasing chunk
+    index); ``drop``: skip them, counted per source in the metrics and listed in the ledger."""
+    long_tokens: int | None = Field(default=None, ge=1)
+    """Documents longer than this count as long (for ``long_share``)."""
+    long_share: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Fraction of the stage's tokens that come from long documents, drawn from the sources in
+    proportion to their weights; the rest comes from the other documents. None: the natural mix."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Stage":
+        if self.weights is not None:
+            for name, w in self.weights.items():
+                if not (math.isfinite(w) and w >= 0):
+                    raise ValueError(f"stage {self.name!r}: weight of {name!r} must be a finite number >= 0 (got {w})")
+        if (self.long_share is None) != (self.long_tokens is None):
+            raise ValueError(f"stage {self.name!r}: long_share and long_tokens go together (got long_share={self.long_share}, long_tokens={self.long_tokens})")
+        if self.long_tokens is not None and self.long_policy == "drop" and self.max_doc_tokens is not None and self.long_tokens >= self.max_doc_tokens:
+            raise ValueError(f"stage {self.name!r}: with long_policy 'drop', no document over max_doc_tokens={self.max_doc_tokens} "
+                             f"is kept, so none is over long_tokens={self.long_tokens}")
+        return self
+
+
+class Context(_Strict):
+    """The context strategy in force at one step (resolved from the stages and the topology)."""
+
+    stage: str | None
+    piece_tokens: int
+    long_policy: Literal["split", "drop"] = "split"
+    long_tokens: int | None = None
+    long_share: float | None = None

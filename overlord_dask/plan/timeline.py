@@ -1,0 +1,113 @@
+"""The versions of a running plan: the initial plan, then each live update from the step it applies.
+
+``service.update_plan(new_plan, at_step=N)`` does not edit the running plan; it appends a version
+that governs steps ``N`` onward. The stream is then a pure function of (initial plan, the list of
+``(at_step, plan)`` updates), which is what snapshots store and what a replay needs: applying the
+same updates at the same steps gives the same stream.
+
+Sources keep a stable index in the order they first appear in any version (the ledger and the
+batches name sources by this index). A source that a later version leaves out is paused (weight 0),
+not forgotten: its position is kept and a version that names it again continues where it stopped.
+Schedules in every version count global steps (a ramp ``[[500, 0], [600, 0.3]]`` in an update
+applied at step 450 starts moving at step 500).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import PlanError
+from .models import Plan, Source
+from .schedule import Context
+
+# what an update may change; everything else is fixed for the run
+MUTABLE = ("sources", "stages", "steps", "name")
+
+
+def check_update(current: Plan, new: Plan, at_step: int) -> None:
+    """Raise PlanError unless ``new`` may replace ``current`` from ``at_step``."""
+    for field in type(current).model_fields:
+        if field in MUTABLE:
+            continue
+        if getattr(current, field) != getattr(new, field):
+            raise PlanError(f"plan update at step {at_step}: {field!r} differs from the running plan; an update may "
+                            f"change only {', '.join(MUTABLE)} (start a new run to change {field!r})")
+
+
+class PlanTimeline:
+    def __init__(self, plan: Plan, updates: list[tuple[int, Plan]] = ()):
+        self.versions: list[tuple[int, Plan]] = [(0, plan)]
+        self.source_names: list[str] = []
+        self._sources: dict[str, Source] = {}
+        self._register(plan)
+        for at_step, new in updates:
+            self.add(new, at_step)
+
+    def _register(self, plan: Plan) -> list[str]:
+        new = []
+        for s in plan.sources:
+            old = self._sources.get(s.name)
+            if old is not None and old.data_key != s.data_key:
+                raise PlanError(f"plan update: source {s.name!r} changes its data ({old.url!r} -> {s.url!r}, or its fields); "
+                                "positions refer to its files, so give changed data a new source name")
+            if old is None:
+                self.source_names.append(s.name)
+                new.append(s.name)
+            self._sources[s.name] = s
+        return new
+
+    def add(self, plan: Plan, at_step: int) -> list[str]:
+        """Append a version from ``at_step`` (after the last one); returns the names of new sources."""
+        last_step, last = self.versions[-1]
+        if at_step <= last_step and len(self.versions) > 1 or at_step < last_step:
+            raise PlanError(f"plan update at step {at_step}: the last update already applies from step {last_step}")
+        check_update(last, plan, at_step)
+        try:
+            plan.check_weights(start=at_step)
+        except ValueError as err:
+            raise PlanError(f"plan update at step {at_step}: {err}") from None
+        new = self._register(plan)
+        self.versions.append((at_step, plan))
+        return new
+
+    # ---- queries by step ------------------------------------------------------------------------
+    @property
+    def initial(self) -> Plan:
+        return self.versions[0][1]
+
+    @property
+    def latest(self) -> Plan:
+        return self.versions[-1][1]
+
+    @property
+    def updates(self) -> list[tuple[int, Plan]]:
+        return self.versions[1:]
+
+    def version_at(self, step: int) -> int:
+        v = 0
+        for i, (at, _) in enumerate(self.versions):
+            if at <= step:
+                v = i
+        return v
+
+    def plan_at(self, step: int) -> Plan:
+        return self.versions[self.version_at(step)][1]
+
+    def source(self, name: str) -> Source:
+        return self._sources[name]
+
+    def weights_at(self, step: int) -> np.ndarray:
+        """Normalised weights at ``step`` over every source of the run (0 for sources the version
+        in force does not name)."""
+        w = self.plan_at(step).weights_at(step)
+        return np.array([w.get(name, 0.0) for name in self.source_names], dtype=np.float64)
+
+    def context_at(self, step: int) -> Context:
+        return self.plan_at(step).context_at(step)
+
+    def next_jump(self, step: int) -> int | None:
+        """The first step after ``step`` where the mix or context changes abruptly (a planning
+        window ends there), or None."""
+        cands = [at for at, _ in self.versions[1:] if at > step]
+        cands += [j for j in self.plan_at(step).jumps() if j > step]
+        return min(cands) if cands else None
