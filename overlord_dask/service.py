@@ -12,7 +12,10 @@ Python face for launchers, scripts and notebooks::
 ``Service.start`` indexes every source first (so a missing file or column fails here, naming it),
 then registers the planner plugin on the scheduler and starts the driver loop. It owns the
 cluster only when it created it. The scheduler lives in the service's process: run it as a
-long-lived job, not inside a trainer rank.
+long-lived job, not inside a trainer rank. A notebook or script elsewhere attaches to the running
+service with ``Service.attach(address)`` to inspect it or change its plan::
+
+    service.update_plan(load_plan("pipelines/anneal.yaml"), at_step=5000)
 """
 
 from __future__ import annotations
@@ -26,20 +29,35 @@ from distributed import Client
 
 from .batch_server import BatchServer
 from .driver import Driver
-from .errors import ServiceError
-from .plan.loading import plan_to_dict
-from .plan.models import Plan
+from .errors import PlanError, ServiceError
+from .plan.loading import plan_from_dict, plan_to_dict
+from .plan.models import Plan, Source
+from .plan.timeline import PlanTimeline
 from .planner.plugin import HANDLERS, PlannerPlugin
+from .planner.state import decode_updates
 from .sources import discover_units
 from .sources.fs import resolve_url
 from .sources.units import LoadUnit
 
 
-def index_sources(plan: Plan) -> dict[str, list[LoadUnit]]:
-    """Discover every source's load units (metadata only), in parallel; errors name the source."""
-    with ThreadPoolExecutor(max_workers=min(8, len(plan.sources))) as pool:
-        futs = {s.name: pool.submit(discover_units, s, plan) for s in plan.sources}
+def index_sources(plan: Plan, sources: list[Source] | None = None) -> dict[str, list[LoadUnit]]:
+    """Discover the load units (metadata only) of ``sources`` (default: all of the plan's), in
+    parallel; errors name the source."""
+    sources = plan.sources if sources is None else sources
+    if not sources:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(8, len(sources))) as pool:
+        futs = {s.name: pool.submit(discover_units, s, plan) for s in sources}
         return {name: f.result() for name, f in futs.items()}
+
+
+def index_timeline(timeline: PlanTimeline) -> dict[str, list[LoadUnit]]:
+    """Units of every source any plan version names (each source indexed once, with the plan
+    version that defines it, so relative URLs resolve against that plan's folder)."""
+    units: dict[str, list[LoadUnit]] = {}
+    for _, plan in timeline.versions:
+        units.update(index_sources(plan, [s for s in plan.sources if s.name not in units]))
+    return units
 
 
 def _detach_planner(dask_scheduler) -> None:
@@ -50,7 +68,7 @@ def _detach_planner(dask_scheduler) -> None:
 
 
 class Service:
-    def __init__(self, plan: Plan, client: Client, driver: Driver, run_id: str, units: dict[str, list[LoadUnit]], cluster=None):
+    def __init__(self, plan: Plan, client: Client, driver: Driver | None, run_id: str, units: dict[str, list[LoadUnit]], cluster=None):
         self.plan = plan
         self.client = client
         self.driver = driver
@@ -73,7 +91,14 @@ class Service:
     ) -> "Service":
         """Start a run on ``cluster`` (any Dask cluster object), on a running scheduler at
         ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes."""
-        units = index_sources(plan)
+        loaded = None
+        ck = plan.checkpoint
+        if ck.url and ck.resume:
+            from .snapshots import SnapshotStore
+
+            loaded = SnapshotStore(resolve_url(ck.url, plan.base_dir), ck.storage_options).load()
+        # the sources of every plan version in the snapshot (live updates before a restart)
+        units = index_timeline(PlanTimeline(plan, decode_updates(loaded[0]) if loaded else []))
         owned = None
         if cluster is None and address is None:
             from .deploy import local_cluster  # the embedded default deployment
@@ -84,13 +109,8 @@ class Service:
         plan_dict = plan_to_dict(plan)
         first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
         snap = {}
-        ck = plan.checkpoint
         if ck.url:
-            from .snapshots import SnapshotStore
-
-            url = resolve_url(ck.url, plan.base_dir)
-            snap = {"checkpoint_url": url, "storage_options": ck.storage_options, "keep_bases": ck.keep_bases}
-            loaded = SnapshotStore(url, ck.storage_options).load() if ck.resume else None
+            snap = {"checkpoint_url": resolve_url(ck.url, plan.base_dir), "storage_options": ck.storage_options, "keep_bases": ck.keep_bases}
             if loaded is not None:
                 snap["restore"], snap["restore_seq"] = loaded
         try:
@@ -105,7 +125,24 @@ class Service:
             raise
         return cls(plan, client, driver, run_id, units, cluster=owned)
 
+    @classmethod
+    def attach(cls, address: str) -> "Service":
+        """A handle on a service running elsewhere (another process or machine): inspect it and
+        update its plan; ``close()`` only disconnects."""
+        client = Client(address, set_as_default=False)
+        try:
+            info = client.sync(client.scheduler.overlord_info)
+            plans = client.sync(client.scheduler.overlord_plans)
+        except Exception as err:
+            client.close()
+            raise ServiceError(f"no overlord service at {address}: {err}") from None
+        plan = plan_from_dict(plans[0][1], where="<running plan>")
+        return cls(plan, client, None, info["run_id"], {})
+
     def close(self) -> None:
+        if self.driver is None:  # attached: the service keeps running
+            self.client.close()
+            return
         self.driver.stop()
         self.driver.join(timeout=10)
         try:
@@ -131,9 +168,29 @@ class Service:
     def _rpc(self, name: str, **kwargs):
         return self.client.sync(getattr(self.client.scheduler, name), **kwargs)
 
+    # ---- the plan ---------------------------------------------------------------------------------
+    def timeline(self) -> PlanTimeline:
+        """Every plan version of the run, with the step each applies from."""
+        plans = [(at, plan_from_dict(d, where=f"<plan version from step {at}>")) for at, d in self._rpc("overlord_plans")]
+        return PlanTimeline(plans[0][1], plans[1:])
+
+    def update_plan(self, plan: Plan, at_step: int | None = None) -> int:
+        """Run ``plan`` from ``at_step`` on (default: the first step not planned yet); returns that
+        step. An update may change the sources (weights, schedules, new sources, sources left
+        out, which pause and keep their position) and the stages; every other field must stay.
+        Steps before ``at_step`` are not affected, and no sample of any source is repeated or
+        skipped. With snapshots, the update is durable when this returns."""
+        known = set(self.timeline().source_names)
+        new = [s for s in plan.sources if s.name not in known]
+        first_ids = {name: [u.first_id for u in us] for name, us in index_sources(plan, new).items()}
+        resp = self._rpc("overlord_update", plan=plan_to_dict(plan), at_step=at_step, unit_first_ids=first_ids)
+        if resp["error"]:
+            raise PlanError(resp["error"])
+        return resp["at_step"]
+
     def status(self) -> dict:
         st = self._rpc("overlord_status")
-        if self.driver.error and not st.get("failure"):
+        if self.driver is not None and self.driver.error and not st.get("failure"):
             st["failure"] = self.driver.error
         return st
 

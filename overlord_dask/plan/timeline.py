@@ -14,6 +14,8 @@ applied at step 450 starts moving at step 500).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..errors import PlanError
@@ -21,7 +23,15 @@ from .models import Plan, Source
 from .schedule import Context
 
 # what an update may change; everything else is fixed for the run
-MUTABLE = ("sources", "stages", "steps", "name")
+MUTABLE = ("sources", "stages", "steps", "name", "base_dir")
+
+
+def _data_key(source: Source, base_dir: str | None) -> tuple:
+    """A source's data identity with a relative URL resolved against its plan's folder."""
+    url = source.url
+    if "://" not in url and not os.path.isabs(url):
+        url = os.path.normpath(os.path.join(base_dir or os.getcwd(), url))
+    return (url,) + source.data_key[2:] + (source.format,)
 
 
 def check_update(current: Plan, new: Plan, at_step: int) -> None:
@@ -39,6 +49,7 @@ class PlanTimeline:
         self.versions: list[tuple[int, Plan]] = [(0, plan)]
         self.source_names: list[str] = []
         self._sources: dict[str, Source] = {}
+        self._keys: dict[str, tuple] = {}
         self._register(plan)
         for at_step, new in updates:
             self.add(new, at_step)
@@ -47,13 +58,15 @@ class PlanTimeline:
         new = []
         for s in plan.sources:
             old = self._sources.get(s.name)
-            if old is not None and old.data_key != s.data_key:
+            key = _data_key(s, plan.base_dir)
+            if old is not None and self._keys[s.name] != key:
                 raise PlanError(f"plan update: source {s.name!r} changes its data ({old.url!r} -> {s.url!r}, or its fields); "
                                 "positions refer to its files, so give changed data a new source name")
             if old is None:
                 self.source_names.append(s.name)
                 new.append(s.name)
             self._sources[s.name] = s
+            self._keys[s.name] = key
         return new
 
     def add(self, plan: Plan, at_step: int) -> list[str]:

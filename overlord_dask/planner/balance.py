@@ -11,15 +11,17 @@ loaders). What works is deciding *which* long documents share a step:
    prefix of the run is within one piece per source of the declared mix. Numpy only.
 2. **Heavy pieces** (at least ``heavy_tokens`` long) are grouped, oldest first, into groups of
    ``dp`` pieces of similar cost, and each group is placed one piece per rank into the same
-   (step, micro-batch) row, rows chosen by LPT. The ``< dp`` newest heavy pieces that do not
-   make a whole group wait for the next window (WLB-LLM's *outlier delay*); a piece that has
-   already waited ``max_delay`` windows is placed alone.
-3. **Light pieces** are shared among the window's steps in selection order, in proportion to the
-   room each step has left after its heavy pieces, and are
-   *water-filled* over the step's bins (sync ``micro_batch``) or ranks (sync ``step``): the
-   container with less heavy cost gets more light tokens, so all reach the same cost ``Q``,
-   without exceeding capacity. A repair pass moves pieces that overflow a bin to the emptiest
-   bin with room, or defers them to the next window.
+   (step, micro-batch) row. The ``< dp`` newest heavy pieces that do not make a whole group wait
+   for the next window (WLB-LLM's *outlier delay*); a piece that has already waited
+   ``max_delay`` windows is placed alone. Which *step* a group goes to follows the selection
+   chronology per source (:func:`_groups_to_steps`), so the mix holds over any stretch of steps,
+   not only over whole windows; inside its step a group takes the row with the least cost.
+3. **Light pieces** are shared among the window's steps so that each source's cumulative tokens
+   stay on its selection chronology (:func:`_light_to_steps`, making up for the coarse heavy
+   groups), and are *water-filled* over the step's bins (sync ``micro_batch``) or ranks (sync
+   ``step``): the container with less heavy cost gets more light tokens, so all reach the same
+   cost ``Q``, without exceeding capacity. A repair pass moves pieces that overflow a bin to the
+   emptiest bin with room, or defers them to the next window.
 
 Guarantees (tested): no bin over capacity; every selected piece is planned exactly once (in this
 window or a later one); a piece waits at most ``max_delay`` windows; over any run of whole
@@ -130,30 +132,39 @@ def balance_window(
     rho = float(costs[light].sum() / max(lens[light].sum(), 1)) if len(light) else float(costs.sum() / max(lens.sum(), 1))
     eff = costs[heavy] + rho * (capacity - lens[heavy])
     groups = group_heavy(eff, pieces[heavy, AGE] >= max_delay, dp, age=pieces[heavy, AGE], empty=rho * capacity)
+    # the step each piece was selected for: its position in selection order against the step budgets
+    intended = np.minimum(((np.cumsum(lens) - lens / 2) // max(step_budget, 1)).astype(np.int64), steps - 1)
     if groups:
-        row_cost = np.zeros(steps * micro_batches)
-        for group in sorted(groups, key=lambda g: -costs[heavy[g]].sum()):  # LPT over rows
-            members = heavy[group]
+        step_of_group = _groups_to_steps(groups, heavy, pieces, lens, intended, steps)
+        row_cost = np.zeros((steps, micro_batches))
+        for g in np.argsort([-costs[heavy[g]].sum() for g in groups], kind="stable"):  # big groups first
+            members = heavy[groups[g]]
             members = members[np.argsort(-costs[members], kind="stable")]
-            for row in np.argsort(row_cost, kind="stable"):
-                s, m = divmod(int(row), micro_batches)
-                bins = s * n_bins + np.arange(dp) * micro_batches + m  # bin (rank r, mb m) of step s
-                order = np.argsort(bin_cost.ravel()[bins], kind="stable")[: len(members)]
-                if np.all(capacity - bin_tok.ravel()[bins[order]] >= lens[members]):
-                    where[members] = bins[order]
-                    np.add.at(bin_tok.ravel(), bins[order], lens[members])
-                    np.add.at(bin_cost.ravel(), bins[order], costs[members])
-                    row_cost[row] += costs[members].sum()
+            # its own step first, then the nearest ones (keeps the per-step mix), rows by least cost
+            t0 = step_of_group[g]
+            for s in sorted(range(steps), key=lambda t: (abs(t - t0), t)):
+                placed = False
+                for m in np.argsort(row_cost[s], kind="stable"):
+                    bins = s * n_bins + np.arange(dp) * micro_batches + int(m)  # bin (rank r, mb m) of step s
+                    order = np.argsort(bin_cost.ravel()[bins], kind="stable")[: len(members)]
+                    if np.all(capacity - bin_tok.ravel()[bins[order]] >= lens[members]):
+                        where[members] = bins[order]
+                        np.add.at(bin_tok.ravel(), bins[order], lens[members])
+                        np.add.at(bin_cost.ravel(), bins[order], costs[members])
+                        row_cost[s, m] += costs[members].sum()
+                        placed = True
+                        break
+                if placed:
                     break
             # a group that fits no row stays pending (where == -1)
 
-    # --- 3. light pieces: fill each step to its budget in selection order, then water-fill
+    # --- 3. light pieces: per step, from each source what keeps its cumulative tokens on the
+    # selection chronology (making up for the coarse heavy groups), then water-filled over bins
     step_room = np.maximum(step_budget - bin_tok.sum(axis=1), 0).astype(np.float64)
     light_total = float(lens[light].sum())
     if step_room.sum() > light_total > 0:  # fewer light tokens than room: share the shortfall evenly
         step_room *= light_total / step_room.sum()
-    cum = np.cumsum(lens[light])
-    step_of = np.searchsorted(np.cumsum(step_room), cum - 0.5 * lens[light], side="left")  # by piece midpoint
+    step_of = _light_to_steps(light, heavy, where, pieces, lens, intended, step_room, n_bins)
     for s in range(steps):
         mine = light[step_of == s]
         if len(mine):
@@ -174,6 +185,81 @@ def balance_window(
     pending = pieces[where < 0].copy()
     pending[:, AGE] += 1
     return WindowPlan(out_steps, pending, out_costs, out_tok)
+
+
+def _groups_to_steps(groups, heavy, pieces, lens, intended, steps: int) -> np.ndarray:
+    """The step each heavy group goes to, so that every source's tokens follow the selection
+    chronology: a piece selected for (or carried into) step ``t`` belongs there, and groups are
+    chosen greedily, step by step, to keep each source's cumulative tokens closest to the
+    cumulative tokens selected for it up to that step. Without this, similar-cost grouping
+    would put all of a long-document source into a few steps, and the mix over any stretch of
+    steps shorter than a window would be off by many points."""
+    n_src = int(pieces[:, SRC].max()) + 1
+    member_src = [pieces[heavy[g], SRC] for g in groups]
+    vec = np.zeros((len(groups), n_src))
+    for k, g in enumerate(groups):
+        np.add.at(vec[k], member_src[k], lens[heavy[g]])
+    target = np.zeros((steps, n_src))
+    for k, g in enumerate(groups):
+        np.add.at(target, (intended[heavy[g]], member_src[k]), lens[heavy[g]])
+    cum_target = np.cumsum(target, axis=0)
+    out = np.full(len(groups), steps - 1, dtype=np.int64)
+    left = np.ones(len(groups), dtype=bool)
+    have = np.zeros(n_src)
+    for t in range(steps):
+        while left.any() and have.sum() < cum_target[t].sum() - 0.5 * vec[left].sum(axis=1).min():
+            cand = np.flatnonzero(left)
+            err = np.abs(have + vec[cand] - cum_target[t]).sum(axis=1)
+            k = int(cand[np.argmin(err)])
+            out[k], left[k] = t, False
+            have += vec[k]
+    return out
+
+
+def _light_to_steps(light, heavy, where, pieces, lens, intended, step_room, n_bins) -> np.ndarray:
+    """The step of every light piece. Each step takes ``step_room`` light tokens, shared among
+    the sources by how far each one's cumulative tokens (heavy pieces placed so far plus light
+    ones) are behind the cumulative tokens selected for it; each source's light pieces keep
+    their selection order. The last step takes whatever is left. Numpy per (step, source)."""
+    steps = len(step_room)
+    if len(light) == 0:
+        return np.zeros(0, dtype=np.int64)
+    n_src = int(pieces[:, SRC].max()) + 1
+    src = pieces[:, SRC]
+    placed_heavy = heavy[where[heavy] >= 0]
+    heavy_at = np.zeros((steps, n_src))
+    np.add.at(heavy_at, (where[placed_heavy] // n_bins, src[placed_heavy]), lens[placed_heavy])
+    counted = np.concatenate([placed_heavy, light])  # heavy pieces left pending are nobody's target
+    target = np.zeros((steps, n_src))
+    np.add.at(target, (intended[counted], src[counted]), lens[counted])
+    cum_target, cum_heavy = np.cumsum(target, axis=0), np.cumsum(heavy_at, axis=0)
+    order = np.argsort(src[light], kind="stable")  # light pieces grouped by source, selection order kept
+    bounds = np.searchsorted(src[light][order], np.arange(n_src + 1))
+    lq = lens[light][order].astype(np.float64)
+    cq = np.concatenate([[0.0], np.cumsum(lq)])  # cumulative tokens along each source's queue
+    mid = cq[1:] - lq / 2  # a piece is taken when its midpoint fits the quota
+    head = bounds[:-1].copy()
+    light_have = np.zeros(n_src)
+    step_sorted = np.full(len(light), steps - 1, dtype=np.int64)
+    for t in range(steps - 1):
+        avail = cq[bounds[1:]] - cq[head]
+        behind = np.minimum(np.maximum(cum_target[t] - cum_heavy[t] - light_have, 0.0), avail)
+        room = step_room[t]
+        if behind.sum() <= 0 or room <= 0:
+            continue
+        quota = behind * min(1.0, room / behind.sum())
+        extra = room - quota.sum()  # room beyond what the sources are behind: in proportion to what is left
+        if extra > 0 and (avail - quota).sum() > 0:
+            quota += extra * (avail - quota) / (avail - quota).sum()
+        for k in np.flatnonzero(quota > 0):
+            a, b = head[k], bounds[k + 1]
+            n = int(np.searchsorted(mid[a:b] - cq[a], quota[k], side="right"))
+            step_sorted[a : a + n] = t
+            light_have[k] += cq[a + n] - cq[a]
+            head[k] = a + n
+    out = np.empty(len(light), dtype=np.int64)
+    out[order] = step_sorted
+    return out
 
 
 def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | None = None, age: np.ndarray | None = None,
