@@ -198,3 +198,49 @@ def test_resume_with_fewer_ranks_keeps_exactly_once(tmp_path, corpus, cluster):
     assert sorted(second) == [(0, s) for s in range(6, 14)]
     ids = [i for d in (first, second) for v in d.values() for i in v]
     assert len(ids) == len(set(ids))
+
+
+def test_sigkill_after_a_live_update_resumes_with_it(tmp_path, corpus, cluster):
+    """A plan update applied live (from another process, through ``Service.attach``) is in the
+    snapshot: the restarted service, given the original plan file, continues with it in force,
+    and the stream equals an uninterrupted run that applied the same update."""
+    from overlord_dask.plan import load_plan, plan_from_dict, plan_to_dict
+
+    at, k, m = 10, 13, 7
+    original = load_plan(_plan_file(tmp_path, corpus, None))
+    d = plan_to_dict(original)
+    d["sources"] = [s for s in d["sources"] if s["name"] != "books"] + [{**d["sources"][0], "name": "web_late", "weight": 0.3}]
+    new = plan_from_dict(d)
+    with Service.start(original, cluster=cluster) as ref_service:
+        assert ref_service.update_plan(new, at_step=at) == at
+        reference, _ = _consume(ref_service.address, [0, 1], k + m)
+
+    plan = _plan_file(tmp_path, corpus, str(tmp_path / "ck"))
+    proc, address = _serve(plan)
+    try:
+        first, states = _consume(address, [0, 1], 3)
+        handle = Service.attach(address)
+        try:
+            assert handle.update_plan(new.model_copy(update={"checkpoint": handle.plan.checkpoint}), at_step=at) == at
+        finally:
+            handle.close()
+        more, states = _consume(address, [0, 1], k - 3, states=states)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    proc, address = _serve(plan)
+    try:
+        handle = Service.attach(address)
+        try:
+            tl = handle.timeline()
+        finally:
+            handle.close()
+        after, _ = _consume(address, [0, 1], m, states=states)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert [a for a, _ in tl.versions] == [0, at] and "web_late" in tl.source_names
+    combined = {**first, **more, **after}
+    assert sorted(combined) == sorted(reference)
+    for key, ids in reference.items():
+        assert combined[key] == ids, key

@@ -187,3 +187,47 @@ def test_snapshot_state_is_small_and_rejects_other_sources():
     other = plan_from_dict({**_plan().model_dump(mode="json"), "sources": [{"name": "web", "format": "zarr", "url": "w", "weight": 1.0}]})
     with pytest.raises(ValueError, match=r"snapshot sources \['web', 'books'\] differ from the plan's \['web'\]"):
         PlannerState(other, {"web": FIRST_IDS["web"]}, state=st_.get_state())
+
+
+def test_resume_after_a_live_update_equals_uninterrupted():
+    """The snapshot carries the plan versions: a restart from it (given the original plan)
+    continues with the update in force, and the stream equals an uninterrupted run's."""
+    base = _plan(policy="cost")
+    d = base.model_dump(mode="json")
+    d["sources"] = [{**d["sources"][1], "weight": 0.6}, {"name": "extra", "format": "zarr", "url": "x.zarr", "weight": 0.4}]  # web leaves
+    new = plan_from_dict(d)
+    ids = {**FIRST_IDS, "extra": FIRST_IDS["web"]}
+
+    def lengths(name, epoch, unit):
+        return _lengths("web" if name == "extra" else name, epoch, unit + (7 if name == "extra" else 0))
+
+    def run(state, until, update_at=None):
+        out = {}
+        while state.next_step < until:
+            if update_at is not None and state.next_step >= 6 and state.plan_version == 0:
+                state.update(new, update_at, {"extra": ids["extra"]})
+            for name, epoch, unit in state.wanted():
+                state.add_lengths(name, epoch, unit, lengths(name, epoch, unit))
+            planned, _ = state.plan_steps(min(until, 6 if state.plan_version == 0 and update_at is not None else until) - state.next_step)
+            for p in planned:
+                e = state.ledger[p["step"]]
+                out[p["step"]] = (e["pieces"].copy(), e["slot"].copy())
+                for r in range(state.topology.dp):
+                    state.ack(r, p["step"])
+        return out
+
+    reference = run(PlannerState(base, ids), 30, update_at=12)
+    import msgpack
+
+    first = PlannerState(base, ids)
+    run(first, 17, update_at=12)  # crash at 17, after the update applied at 12
+    state = msgpack.unpackb(msgpack.packb(first.get_state(), use_bin_type=True), raw=False)
+    assert [at for at, _ in state["updates"]] == [12]
+    resumed = PlannerState(base, ids, state=state)
+    assert resumed.plan_version == 1 and resumed.source_names == ["web", "books", "extra"]
+    again = run(resumed, 30)
+    assert sorted(again) == list(range(17, 30))
+    for s in range(17, 30):
+        np.testing.assert_array_equal(again[s][0], reference[s][0])
+        np.testing.assert_array_equal(again[s][1], reference[s][1])
+    assert not any((reference[s][0][:, 0] == 0).any() for s in range(16, 30))  # web is out from the update on (and its last waiting pieces)
