@@ -222,6 +222,51 @@ class Service:
         """Snapshots written by this service: kind (base/delta), bytes, seconds, committed step."""
         return self._rpc("overlord_snapshots")
 
+    # ---- inspection tables and plots (overlord_dask.inspect) -----------------------------------
+    def mix_table(self, start: int = 0, stop: int | None = None):
+        """Tokens, share and declared share per (planned step, source), with plan version, stage
+        and whether the step is committed (pyarrow.Table)."""
+        from .inspect import mix_table
+
+        return mix_table(self.metrics(start, stop), self.timeline().source_names, self.status()["committed"])
+
+    def schedule_table(self, start: int | None = None, stop: int | None = None):
+        """The declared mix of the steps not planned yet (default: up to the plan's ``steps``, or
+        100 steps ahead): what will be delivered."""
+        from .inspect import schedule_table
+
+        tl = self.timeline()
+        start = self.status()["frontier"] if start is None else start
+        stop = stop if stop is not None else max(tl.latest.steps or 0, start + 100)
+        return schedule_table(tl, start, stop)
+
+    def imbalance_table(self, start: int = 0, stop: int | None = None):
+        from .inspect import imbalance_table
+
+        return imbalance_table(self.metrics(start, stop))
+
+    def length_table(self, start: int = 0, stop: int | None = None, edges=None):
+        """Histogram of delivered piece lengths per source over the planned steps."""
+        from .inspect import DEFAULT_EDGES, length_table
+
+        return length_table(self.ledger(start, stop), self.timeline().source_names, DEFAULT_EDGES if edges is None else edges)
+
+    def plot_mix(self, start: int = 0, stop: int | None = None, window: int = 20, ax=None, ahead: int = 0):
+        """Declared vs delivered mix over a sliding window of steps (matplotlib axes); ``ahead``
+        steps of the declared schedule beyond the planned ones are drawn dotted."""
+        from .inspect import plot_mix
+
+        schedule = self.schedule_table(stop=self.status()["frontier"] + ahead) if ahead else None
+        return plot_mix(self.mix_table(start, stop), window=window, ax=ax, schedule=schedule)
+
+    def _repr_html_(self) -> str:
+        from .inspect import service_html
+
+        try:
+            return service_html(self.status(), self.timeline(), self.metrics(max(0, self.status()["next_step"] - 20)))
+        except Exception as err:  # a notebook must still show something when the service is gone
+            return f"<b>overlord service</b> {self.run_id}: unreachable ({err})"
+
     def wait_for_step(self, committed: int, timeout: float = 600.0, poll: float = 0.05) -> dict:
         """Block until ``committed`` steps are acknowledged by every rank (or the run fails)."""
         deadline = time.monotonic() + timeout

@@ -385,6 +385,11 @@ class Plan(_Strict):
         return Context(stage=st.name, piece_tokens=st.max_doc_tokens or default, long_policy=st.long_policy,
                        long_tokens=st.long_tokens, long_share=st.long_share)
 
+    def _repr_html_(self) -> str:
+        from .display import plan_html
+
+        return plan_html(self)
+
     def source(self, name: str) -> Source:
         for s in self.sources:
             if s.name == name:
