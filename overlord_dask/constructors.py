@@ -15,6 +15,11 @@ micro-batch, padded to the token capacity so every micro-batch has the same shap
   first token's offset in the document, exact even when the piece size changed between stages);
   ``epochs`` int32 [n]
 - ``num_tokens``  int        real (non-padding) tokens
+- multimodal runs also get, per image patch in the micro-batch (one placeholder token each):
+  ``image_patches`` [n_patches, patch_dim] (the source's dtype), ``image_positions`` int32
+  [n_patches] (the placeholder's position in ``input_ids``) and ``patch_index`` int32
+  [n_patches] (the patch's index inside its image, for 2-D position embeddings). A piece that
+  cuts through an image carries only that image's patches whose placeholders it holds.
 
 Integer numpy arrays only: they serialize zero-copy, and the trainer converts them to torch.
 """
@@ -33,7 +38,7 @@ def block_key(source: int, epoch: int, unit: int) -> str:
     return f"s{source}-e{epoch}-u{unit}"
 
 
-def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int) -> dict:
+def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False) -> dict:
     n = len(pieces)
     input_ids = np.full(capacity, PAD_ID, dtype=np.int32)
     labels = np.full(capacity, IGNORE_INDEX, dtype=np.int32)
@@ -45,8 +50,11 @@ def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
     piece_starts = np.empty(n, dtype=np.int64)
     epochs = np.empty(n, dtype=np.int32)
     pos = 0
+    patches, patch_pos, patch_idx = [], [], []
     for k, (src, epoch, unit, doc, start, stop) in enumerate(np.asarray(pieces, dtype=np.int64).reshape(-1, 6).tolist()):
         block = blocks[block_key(src, epoch, unit)]
+        if block.images is not None:
+            _image_patches(block, doc, start, stop, pos, patches, patch_pos, patch_idx)
         toks = block.doc(doc)
         L = stop - start
         if pos + L > capacity:
@@ -63,7 +71,7 @@ def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
         piece_starts[k] = start
         epochs[k] = epoch
     position_ids[pos:] = np.arange(capacity - pos, dtype=np.int32)
-    return {
+    out = {
         "input_ids": input_ids,
         "labels": labels,
         "position_ids": position_ids,
@@ -75,13 +83,32 @@ def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
         "epochs": epochs,
         "num_tokens": pos,
     }
+    if multimodal:
+        dims = [b.images.shape[2:] for b in blocks.values() if b.images is not None]
+        dtype = next((b.images.dtype for b in blocks.values() if b.images is not None), np.uint8)
+        out["image_patches"] = np.concatenate(patches) if patches else np.zeros((0,) + (dims[0] if dims else (0,)), dtype=dtype)
+        out["image_positions"] = np.concatenate(patch_pos).astype(np.int32) if patch_pos else np.zeros(0, np.int32)
+        out["patch_index"] = np.concatenate(patch_idx).astype(np.int32) if patch_idx else np.zeros(0, np.int32)
+    return out
+
+
+def _image_patches(block: SampleBlock, doc: int, start: int, stop: int, pos: int, patches, patch_pos, patch_idx) -> None:
+    """The patches of document ``doc``'s images whose placeholder tokens lie in [start, stop)."""
+    P = block.patches_per_image
+    for i in range(int(block.image_offsets[doc]), int(block.image_offsets[doc + 1])):
+        s0 = int(block.image_starts[i])
+        a, b = max(s0, start), min(s0 + P, stop)
+        if a < b:
+            patches.append(block.images[i, a - s0 : b - s0])
+            patch_pos.append(pos + (a - start) + np.arange(b - a))
+            patch_idx.append(np.arange(a - s0, b - s0))
 
 
 def build_rank_batch(step: int, rank: int, micro_batches: list, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int,
-                     cp: int = 1, cp_split_tokens: int | None = None) -> dict:
+                     cp: int = 1, cp_split_tokens: int | None = None, multimodal: bool = False) -> dict:
     """One Dask task per (step, rank): every micro-batch of that rank for that step; with
     ``cp > 1`` each micro-batch also carries its ``cp`` context-parallel slices (``"cp"``)."""
-    mbs = [pack_micro_batch(mb, blocks, capacity, piece_tokens) for mb in micro_batches]
+    mbs = [pack_micro_batch(mb, blocks, capacity, piece_tokens, multimodal) for mb in micro_batches]
     if cp > 1:
         for mb in mbs:
             mb["cp"] = cp_slices(mb, cp, cp_split_tokens or 2 * cp)
@@ -140,6 +167,13 @@ def cp_slices(mb: dict, cp: int, split_tokens: int) -> list[dict]:
         sl["input_ids"][:n] = mb["input_ids"][idx]
         sl["labels"][:n] = mb["labels"][idx]
         sl["position_ids"][:n] = mb["position_ids"][idx]
+        if "image_positions" in mb:  # the patches whose placeholders this slice holds, at their slice positions
+            where = np.full(len(mb["input_ids"]), -1, dtype=np.int64)
+            where[idx] = np.arange(n)
+            at = where[mb["image_positions"]]
+            keep = at >= 0
+            sl["image_patches"], sl["image_positions"] = mb["image_patches"][keep], at[keep].astype(np.int32)
+            sl["patch_index"] = mb["patch_index"][keep]
         out.append(sl)
     return out
 

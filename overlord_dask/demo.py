@@ -1,9 +1,11 @@
-"""The demo corpus and plan: three sources with clearly different length distributions.
+"""The demo corpus and plan: sources with clearly different length distributions.
 
 - ``web``   parquet, a text column (tokenized on the workers by the byte tokenizer); lognormal
   lengths around 700 tokens.
 - ``chat``  parquet, a list<int32> ``input_ids`` column (already tokenized); short, ~150 tokens.
 - ``books`` zarr, flat ``tokens`` + ``offsets``; long-tailed (Pareto), 512 to 65,536 tokens.
+- ``captions`` zarr, multimodal: short captions with 1-3 images each (16 patches of 48 bytes),
+  used by ``pipelines/multimodal.yaml`` (the demo plan itself has the first three).
 
 Generated deterministically from a seed; ``scale`` multiplies the number of documents.
 """
@@ -23,7 +25,7 @@ from .plan.models import Plan
 from .plan.loading import load_plan, plan_from_dict
 from .sources.tokenizers import BYTE_OFFSET, EOS_ID
 
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2
 _ALPHABET = np.frombuffer(b"etaoinshrdlucmfwypvbgkjqxz      ", dtype=np.uint8)
 PLAN_FILE = Path(__file__).parent / "demo_plan.yaml"
 
@@ -76,6 +78,26 @@ def _write_books(root: Path, rng, n_docs: int) -> None:
     g.create_array("offsets", shape=offsets.shape, chunks=(1 << 16,), dtype="int64")[:] = offsets
 
 
+def _write_captions(root: Path, rng, n_docs: int, patches: int = 16, patch_dim: int = 48) -> None:
+    """A multimodal source: short captions with 1-3 images each (16 patches of 4x4 RGB pixels)."""
+    text = np.clip(rng.lognormal(4.5, 0.6, n_docs), 8, 1_000).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(text)]).astype(np.int64)
+    toks = (_text_bytes(rng, int(offsets[-1])).astype(np.int32) + BYTE_OFFSET).astype(np.int32)
+    toks[offsets[1:] - 1] = EOS_ID
+    n_img = rng.integers(1, 4, n_docs)
+    img_off = np.concatenate([[0], np.cumsum(n_img)]).astype(np.int64)
+    doc_of = np.repeat(np.arange(n_docs), n_img)
+    positions = np.floor(rng.random(int(img_off[-1])) * (text[doc_of] - 1)).astype(np.int64)
+    positions = np.concatenate([np.sort(positions[a:b]) for a, b in zip(img_off[:-1], img_off[1:])])
+    images = rng.integers(0, 256, size=(int(img_off[-1]), patches, patch_dim), dtype=np.uint8)
+    g = zarr.open_group(str(root / "captions.zarr"), mode="w")
+    g.create_array("tokens", shape=toks.shape, chunks=(1 << 20,), dtype="int32")[:] = toks
+    g.create_array("offsets", shape=offsets.shape, chunks=(1 << 16,), dtype="int64")[:] = offsets
+    g.create_array("images", shape=images.shape, chunks=(4096, patches, patch_dim), dtype="uint8")[:] = images
+    g.create_array("image_offsets", shape=img_off.shape, chunks=(1 << 16,), dtype="int64")[:] = img_off
+    g.create_array("image_positions", shape=positions.shape, chunks=(1 << 16,), dtype="int64")[:] = positions
+
+
 def generate_demo_corpus(root: str | os.PathLike, *, scale: float = 1.0, seed: int = 0) -> Path:
     """Write the demo corpus under ``root`` (idempotent: an existing complete corpus is kept)."""
     root = Path(root)
@@ -88,6 +110,7 @@ def generate_demo_corpus(root: str | os.PathLike, *, scale: float = 1.0, seed: i
     _write_web(root, rng, max(8, int(12_000 * scale)))
     _write_chat(root, rng, max(8, int(20_000 * scale)))
     _write_books(root, rng, max(8, int(3_000 * scale)))
+    _write_captions(root, rng, max(8, int(4_000 * scale)))
     marker.write_text(json.dumps(meta))
     return root
 

@@ -104,6 +104,7 @@ class Driver(threading.Thread):
                 if src.name not in self.units:
                     self.units[src.name] = discover_units(src, p)
         self.plan_version = len(plans) - 1
+        self.multimodal = any(timeline.source(n).images_field for n in timeline.source_names)  # batches carry image fields
 
     # ---- one iteration ------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -142,7 +143,8 @@ class Driver(threading.Thread):
                 u = self.units[source][unit]
                 exc = fut.exception() if fut.status == "error" else "cancelled"
                 raise LoadFailed(f"loading {u.describe()} failed after {self.plan.loading.retries} retries: {exc}")
-            self._rpc("overlord_add_lengths", source=source, epoch=epoch, unit=unit, lengths=fut.result())
+            meta = fut.result()
+            self._rpc("overlord_add_lengths", source=source, epoch=epoch, unit=unit, lengths=meta["lengths"], vision=meta["vision"])
         return bool(done)
 
     def _plan_and_build(self, resp: dict) -> bool:
@@ -156,7 +158,7 @@ class Driver(threading.Thread):
                 blocks = {block_key(*map(int, u)): self.blocks[block_key(*map(int, u))] for u in units}
                 self.batches[(step, rank)] = self.client.submit(
                     build_rank_batch, step, rank, mbs, blocks,
-                    topo.tokens_per_micro_batch, step_plan.get("piece_tokens", topo.piece_tokens), topo.cp, topo.cp_split_tokens,
+                    topo.tokens_per_micro_batch, step_plan.get("piece_tokens", topo.piece_tokens), topo.cp, topo.cp_split_tokens, self.multimodal,
                     key=batch_key(self.run_id, step, rank), pure=False,
                 )
         for source, epoch, unit in resp["finished"]:

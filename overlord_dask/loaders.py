@@ -31,8 +31,11 @@ def load_block(plan_dict: dict, cache_key: str, unit: dict) -> SampleBlock:
     return load_unit(plan.source(u.source), plan, u)
 
 
-def block_lengths(block: SampleBlock) -> bytes:
-    return block.lengths().astype("<i8").tobytes()
+def block_lengths(block: SampleBlock) -> dict:
+    """What the planner learns of a loaded unit: document lengths, and image tokens per document
+    for a multimodal source (little-endian int64 bytes)."""
+    vision = block.vision_tokens()
+    return {"lengths": block.lengths().astype("<i8").tobytes(), "vision": None if vision is None else vision.astype("<i8").tobytes()}
 
 
 def load_key(run_id: str, source: str, epoch: int, unit: int) -> str:

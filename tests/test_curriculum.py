@@ -109,7 +109,7 @@ def test_schedules_stages_and_functions():
                   {"name": "b", "format": "zarr", "url": "b", "weight": 1.0, "start_step": 45}]},
      "no source is active at step 40 (every weight is 0 there; 'a' stops at 40; 'b' starts at 45)"),
     ({"stages": [{"name": "s", "start_step": 3, "weights": {"a": 1.0, "zz": 1.0}}]}, "stage 's' weights name unknown sources ['zz']"),
-    ({"stages": [{"name": "s", "start_step": 3, "long_share": 0.3}]}, "long_share and long_tokens go together"),
+    ({"stages": [{"name": "s", "start_step": 3, "max_doc_tokens": 9000}]}, "stage 's': max_doc_tokens=9000 exceeds tokens_per_micro_batch=4096"),
     ({"stages": [{"name": "s", "start_step": 9}, {"name": "t", "start_step": 4}]}, "stages must start at strictly increasing steps"),
     ({"sources": [{"name": "a", "format": "zarr", "url": "a", "weight": {"stages": [[0, 1.0], [10, -2]]}}]},
      "sources[0](a).weight: Value error, stages: weight at step 10 must be a finite number >= 0"),

@@ -82,6 +82,17 @@ class Source(_Strict):
     """Optional `module:callable` applied to each loaded sample block (filter, truncate, remap)."""
     storage_options: dict = Field(default_factory=dict)
     """Passed to fsspec (e.g. `endpoint_url` and credentials for S3)."""
+    images_field: str | None = None
+    """zarr, multimodal: an array ``[n_images, patches, patch_dim]`` of image patch tensors. Each
+    image becomes ``patches`` placeholder tokens (``image_token_id``) in its document's token
+    stream, so a sample's length counts its image tokens; the batch carries the patches and the
+    position of each one's placeholder."""
+    image_offsets_field: str = "image_offsets"
+    """zarr, multimodal: int64 ``[n_docs + 1]``, document i owns images ``image_offsets[i]:image_offsets[i+1]``."""
+    image_positions_field: str = "image_positions"
+    """zarr, multimodal: int64 ``[n_images]``, the text-token offset in its document where each image goes."""
+    image_token_id: int = Field(default=259, ge=0)
+    """Placeholder token id of an image patch (the byte tokenizer uses 0..258)."""
 
     @field_validator("weight")
     @classmethod
@@ -100,6 +111,8 @@ class Source(_Strict):
                     f"parquet source {self.name!r} needs exactly one of text_field or tokens_field "
                     f"(got text_field={self.text_field!r}, tokens_field={self.tokens_field!r})"
                 )
+            if self.images_field is not None:
+                raise ValueError(f"source {self.name!r}: images_field is supported for zarr sources (got format 'parquet')")
         else:
             if self.text_field is not None:
                 raise ValueError(f"zarr source {self.name!r} stores token ids; text_field is not allowed")
@@ -118,7 +131,8 @@ class Source(_Strict):
     @property
     def data_key(self) -> tuple:
         """What fixes the source's documents and their order; a plan update may not change it."""
-        return (self.format, self.url, self.text_field, self.tokens_field, self.offsets_field, self.tokenizer, self.transform)
+        return (self.format, self.url, self.text_field, self.tokens_field, self.offsets_field, self.tokenizer, self.transform,
+                self.images_field, self.image_offsets_field, self.image_positions_field, self.image_token_id)
 
 
 class Topology(_Strict):
@@ -165,14 +179,19 @@ class Topology(_Strict):
 
 
 class CostModel(_Strict):
-    """Cost of one document of L tokens: `attention·L² + linear·L + constant` (documents in a packed
-    micro-batch do not attend to each other, so a micro-batch costs the sum over its documents)."""
+    """Cost of one document of L tokens, V of them image tokens: `attention·L² + linear·L +
+    constant + encoder·V` (documents in a packed micro-batch do not attend to each other, so a
+    micro-batch costs the sum over its documents; the backbone sees all L tokens, the vision
+    encoder only the V patches)."""
 
     attention: float = Field(default=1.0, ge=0.0)
     linear: float | None = Field(default=None, ge=0.0)
     """Default 6·hidden."""
     constant: float = Field(default=0.0, ge=0.0)
     hidden: int = Field(default=4096, ge=1)
+    encoder: float = Field(default=0.0, ge=0.0)
+    """Vision-encoder cost per image token (patch), added to the backbone cost of the tokens;
+    e.g. ``6·d_vit·layers_vit / layers`` relative to the backbone's per-token ``linear`` cost."""
     function: str | None = None
     """Optional `module:callable` mapping an int64 array of document lengths to float costs
     (vectorised); replaces the formula. It must be importable on the scheduler."""
@@ -377,13 +396,12 @@ class Plan(_Strict):
         return self.weights_at(0)
 
     def context_at(self, step: int) -> Context:
-        """The context strategy (maximum piece length, long-document policy and share) at ``step``."""
+        """The context strategy (maximum piece length and long-document policy) at ``step``."""
         st = self.stage_at(step)
         default = self.topology.piece_tokens
         if st is None:
             return Context(stage=None, piece_tokens=default)
-        return Context(stage=st.name, piece_tokens=st.max_doc_tokens or default, long_policy=st.long_policy,
-                       long_tokens=st.long_tokens, long_share=st.long_share)
+        return Context(stage=st.name, piece_tokens=st.max_doc_tokens or default, long_policy=st.long_policy)
 
     def _repr_html_(self) -> str:
         from .display import plan_html

@@ -9,7 +9,7 @@ A source's ``weight`` is a number (constant) or a :class:`Schedule`::
 
 A plan may also declare :class:`Stage` s, each from a step on: the whole mix for that stage
 (``weights``, optionally ramped in from the previous stage over ``ramp_steps``) and its context
-strategy (maximum document length, what happens to longer documents, share of long documents).
+strategy (maximum document length and what happens to longer documents).
 
 Why steps and not tokens or samples: steps are what a trainer's LR schedule, checkpoints and
 evaluation use, and a step boundary is where the planner can switch without splitting a batch.
@@ -131,10 +131,8 @@ class Stage(_Strict):
           - {name: base, start_step: 0, max_doc_tokens: 4096}
           - name: long
             start_step: 9000
-            max_doc_tokens: 65536
-            long_tokens: 32768        # a document over 32k is "long"
-            long_share: 0.3           # 30% of each step's tokens from long documents
-            weights: {web: 0.5, books: 0.5}
+            max_doc_tokens: 65536        # longer context: documents up to 64k stay whole
+            weights: {web: 0.5, books: 0.5}   # upsample the long-document source
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
@@ -150,11 +148,6 @@ class Stage(_Strict):
     long_policy: Literal["split", "drop"] = "split"
     """``split``: cut longer documents into consecutive pieces (same sample id, increasing chunk
     index); ``drop``: skip them, counted per source in the metrics and listed in the ledger."""
-    long_tokens: int | None = Field(default=None, ge=1)
-    """Documents longer than this count as long (for ``long_share``)."""
-    long_share: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Fraction of the stage's tokens that come from long documents, drawn from the sources in
-    proportion to their weights; the rest comes from the other documents. None: the natural mix."""
 
     @model_validator(mode="after")
     def _check(self) -> "Stage":
@@ -162,11 +155,6 @@ class Stage(_Strict):
             for name, w in self.weights.items():
                 if not (math.isfinite(w) and w >= 0):
                     raise ValueError(f"stage {self.name!r}: weight of {name!r} must be a finite number >= 0 (got {w})")
-        if (self.long_share is None) != (self.long_tokens is None):
-            raise ValueError(f"stage {self.name!r}: long_share and long_tokens go together (got long_share={self.long_share}, long_tokens={self.long_tokens})")
-        if self.long_tokens is not None and self.long_policy == "drop" and self.max_doc_tokens is not None and self.long_tokens >= self.max_doc_tokens:
-            raise ValueError(f"stage {self.name!r}: with long_policy 'drop', no document over max_doc_tokens={self.max_doc_tokens} "
-                             f"is kept, so none is over long_tokens={self.long_tokens}")
         return self
 
 
@@ -176,5 +164,3 @@ class Context(_Strict):
     stage: str | None
     piece_tokens: int
     long_policy: Literal["split", "drop"] = "split"
-    long_tokens: int | None = None
-    long_share: float | None = None

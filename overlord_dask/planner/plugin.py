@@ -3,8 +3,9 @@
 Routes (scheduler handlers, request/response; all idempotent where a retry could repeat them):
 
 - ``overlord_info()``: the topology and names a consumer needs to attach.
-- ``overlord_add_lengths(source, epoch, unit, lengths)``: a loaded unit's document lengths
-  (little-endian int64 bytes); a repeat (recomputed load) is ignored.
+- ``overlord_add_lengths(source, epoch, unit, lengths, vision=None)``: a loaded unit's document
+  lengths (and image tokens per document, multimodal sources), little-endian int64 bytes; a
+  repeat (recomputed load) is ignored.
 - ``overlord_ack(rank, step, cp_rank=0, durable=False)``: a (rank, cp rank) consumed every step
   up to ``step`` (``durable``: and saved them in its trainer checkpoint).
 - ``overlord_status()``, ``overlord_metrics(start, stop)``, ``overlord_ledger(start, stop)``.
@@ -166,8 +167,9 @@ class PlannerPlugin(SchedulerPlugin):
     def wanted(self) -> list:
         return self.state.wanted()
 
-    def add_lengths(self, source: str, epoch: int, unit: int, lengths: bytes) -> bool:
-        return self.state.add_lengths(source, epoch, unit, np.frombuffer(lengths, dtype="<i8"))
+    def add_lengths(self, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None) -> bool:
+        v = None if vision is None else np.frombuffer(vision, dtype="<i8")
+        return self.state.add_lengths(source, epoch, unit, np.frombuffer(lengths, dtype="<i8"), v)
 
     def plan(self, max_steps: int = 1) -> dict:
         if self.state.failure:

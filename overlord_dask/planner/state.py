@@ -35,6 +35,20 @@ def _with_age(rows: np.ndarray, age: int = 0) -> np.ndarray:
     return np.concatenate([rows, np.full((len(rows), 1), age, dtype=np.int64)], axis=1)
 
 
+def _recut(rows: np.ndarray, piece_tokens: int) -> np.ndarray:
+    """Rows ``[source, epoch, unit, doc, start, stop, age]`` with every piece longer than
+    ``piece_tokens`` cut into consecutive pieces of at most that many tokens (same document)."""
+    lens = rows[:, 5] - rows[:, 4]
+    if not len(rows) or lens.max() <= piece_tokens:
+        return rows
+    n = -(-lens // piece_tokens)
+    out = np.repeat(rows, n, axis=0)
+    k = np.arange(len(out)) - np.repeat(np.cumsum(n) - n, n)
+    out[:, 4] = np.repeat(rows[:, 4], n) + k * piece_tokens
+    out[:, 5] = np.minimum(out[:, 4] + piece_tokens, np.repeat(rows[:, 5], n))
+    return out
+
+
 STATE_VERSION = 2
 
 
@@ -131,6 +145,8 @@ class PlannerState:
         for s in self.streams:
             s.piece_tokens = ctx.piece_tokens
             s.drop_over = ctx.piece_tokens if ctx.long_policy == "drop" else None
+        # pieces still waiting from an earlier stage are cut to this stage's piece size
+        self.pending = _recut(self.pending, ctx.piece_tokens)
 
     def _drain_drops(self) -> np.ndarray:
         """Dropped documents recorded since the last call, as rows [source, epoch, unit, doc, tokens]."""
@@ -192,8 +208,18 @@ class PlannerState:
         n = self._window_steps()
         return n if j is None else max(1, min(n, j - self.next_step))
 
-    def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray) -> bool:
-        return self._stream(source).add_lengths(epoch, unit, lengths)
+    def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
+        return self._stream(source).add_lengths(epoch, unit, lengths, vision)
+
+    def _costs(self, rows: np.ndarray) -> np.ndarray:
+        """Cost of piece rows ``[source, epoch, unit, doc, start, stop, ...]``: the backbone's
+        cost of their tokens plus the vision encoder's cost of their image tokens."""
+        costs = doc_costs(rows[:, 5] - rows[:, 4], self.plan.cost)
+        if self.plan.cost.encoder > 0:
+            for i in np.unique(rows[:, 0]):
+                sel = rows[:, 0] == i
+                costs[sel] += self.plan.cost.encoder * self.streams[int(i)].piece_vision(rows[sel][:, 1:6])
+        return costs
 
     def _stream(self, name: str) -> SourceStream:
         try:
@@ -259,6 +285,8 @@ class PlannerState:
         in_use = {tuple(r) for r in np.unique(np.concatenate(refs), axis=0).tolist()} if refs else set()
         done = [k for k in self.held if k not in in_use]
         self.held.difference_update(done)
+        for i, e, u in done:
+            self.streams[i].vision.pop((e, u), None)
         return [[self.source_names[i], e, u] for i, e, u in sorted(done)]
 
     def _next_planned(self) -> tuple[list[list[np.ndarray]], np.ndarray]:
@@ -290,7 +318,7 @@ class PlannerState:
         self.cum_declared += w * sel.total_tokens
         self.carry = next_carry(self.cum_tokens, self.cum_declared, sel.longest_piece)
         bins = [np.asarray([p.as_list() for p in b], dtype=np.int64).reshape(-1, 6) for b in sel.bins]
-        bin_costs = np.array([doc_costs(b[:, 5] - b[:, 4], self.plan.cost).sum() for b in bins])
+        bin_costs = np.array([self._costs(b).sum() for b in bins])
         slots = assign_bins(bin_costs, topo.dp, topo.micro_batches)
         ranks = [[bins[slots[r, m]] for m in range(topo.micro_batches)] for r in range(topo.dp)]
         return ranks, bin_costs[slots]
@@ -320,7 +348,7 @@ class PlannerState:
                 if need > 0:
                     rows = self._select_steps(self.next_step, budgets if rnd == 0 else np.array([need]), last=n_steps - 1)
                     pieces = np.concatenate([pieces, _with_age(rows)])
-                costs = doc_costs(pieces[:, 5] - pieces[:, 4], self.plan.cost)
+                costs = self._costs(pieces)
                 wp = balance_window(
                     pieces, costs, steps=n_steps, dp=topo.dp, micro_batches=topo.micro_batches,
                     capacity=topo.tokens_per_micro_batch, step_budget=self.step_budget, heavy_tokens=self.heavy_tokens,
@@ -396,7 +424,7 @@ class PlannerState:
             "longest_piece": int(lens.max()) if len(lens) else 0,
             "cost_max": float(rank_costs.max()),
             "cost_mean": float(rank_costs.mean()),
-            "lower_bound": float(max(doc_costs(lens, self.plan.cost).max(initial=0.0), rank_costs.sum() / self.topology.dp)),
+            "lower_bound": float(max(self._costs(pieces).max(initial=0.0), rank_costs.sum() / self.topology.dp)),
             "pending": int(len(self.pending)),
             "weights": [float(x) for x in self.weights_at(step)],
             "version": self.timeline.version_at(step),

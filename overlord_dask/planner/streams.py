@@ -69,6 +69,7 @@ class SourceStream:
     requested: set = field(default_factory=set)  # (epoch, unit) requested, lengths not yet arrived
     epoch_tokens: int = 0  # tokens planned in the current epoch (to detect an all-empty source)
     perms: dict = field(default_factory=dict)  # (epoch, unit) -> document order inside the unit
+    vision: dict = field(default_factory=dict)  # (epoch, unit) -> (image tokens, length) per document in file order
     drops: dict = field(default_factory=dict)  # (epoch, unit, doc) -> tokens of a dropped document, until drained
     _orders: dict = field(default_factory=dict)
 
@@ -229,6 +230,18 @@ class SourceStream:
         perm = self.perms.get(key)
         return file_doc if perm is None else int(perm[1][file_doc])
 
+    def piece_vision(self, rows: np.ndarray) -> np.ndarray:
+        """Image tokens in pieces ``[.., epoch, unit, doc, start, stop]`` (last five columns) of
+        this source: the document's image tokens in proportion to the piece's share of it."""
+        out = np.zeros(len(rows))
+        if not self.vision:
+            return out
+        for k, (e, u, d, a, b) in enumerate(rows[:, -5:].tolist()):
+            v = self.vision.get((e, u))
+            if v is not None and v[1][d]:
+                out[k] = v[0][d] * (b - a) / v[1][d]
+        return out
+
     def finished_units(self) -> list[tuple[int, int]]:
         """Loaded units wholly behind the cursor: their blocks are no longer needed for planning."""
         done = [key for key in self.lengths if self._behind(*key)]
@@ -271,13 +284,16 @@ class SourceStream:
                 break
         return out
 
-    def add_lengths(self, epoch: int, unit: int, lengths: np.ndarray) -> bool:
-        """Register a loaded unit's document lengths; idempotent (a recomputed load is ignored)."""
+    def add_lengths(self, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
+        """Register a loaded unit's document lengths (and image tokens per document, for the
+        encoder cost); idempotent (a recomputed load is ignored)."""
         key = (epoch, unit)
         self.requested.discard(key)
         if key in self.lengths or self._behind(epoch, unit):
             return False  # a duplicate, or a unit the cursor has already passed
         lengths = np.asarray(lengths, dtype=np.int64)
+        if vision is not None and np.any(vision):
+            self.vision[key] = (np.asarray(vision, dtype=np.int64), lengths)
         if self.shuffle_docs and len(lengths) > 1:
             rng = np.random.default_rng(stable_seed(self.seed, "docs", self.name, epoch, unit))
             perm = rng.permutation(len(lengths))

@@ -22,6 +22,10 @@ class SampleBlock:
     tokens: np.ndarray  # int32 [total_tokens]
     offsets: np.ndarray  # int64 [n_docs + 1], offsets[0] == 0
     sample_ids: np.ndarray  # int64 [n_docs]
+    # multimodal: image patch tensors and where each image's placeholder tokens start in its document
+    images: np.ndarray | None = None  # [n_images, patches, patch_dim]
+    image_offsets: np.ndarray | None = None  # int64 [n_docs + 1]: document i owns images image_offsets[i]:image_offsets[i+1]
+    image_starts: np.ndarray | None = None  # int64 [n_images]: first placeholder token of the image inside its document
 
     def __post_init__(self) -> None:
         self.tokens = np.ascontiguousarray(self.tokens, dtype=TOKEN_DTYPE)
@@ -35,13 +39,30 @@ class SampleBlock:
             )
         if n and np.any(np.diff(self.offsets) < 0):
             raise ValueError(f"source {self.source!r}: document offsets are not monotone")
+        if self.images is not None:
+            self.image_offsets = np.ascontiguousarray(self.image_offsets, dtype=np.int64)
+            self.image_starts = np.ascontiguousarray(self.image_starts, dtype=np.int64)
+            if self.image_offsets.shape != (n + 1,) or self.image_offsets[-1] != len(self.images) or len(self.image_starts) != len(self.images):
+                raise ValueError(f"source {self.source!r}: inconsistent images (image_offsets shape={self.image_offsets.shape}, "
+                                 f"images={len(self.images)}, image_starts={len(self.image_starts)})")
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
     @property
     def nbytes(self) -> int:
-        return self.tokens.nbytes + self.offsets.nbytes + self.sample_ids.nbytes
+        extra = 0 if self.images is None else self.images.nbytes + self.image_offsets.nbytes + self.image_starts.nbytes
+        return self.tokens.nbytes + self.offsets.nbytes + self.sample_ids.nbytes + extra
+
+    @property
+    def patches_per_image(self) -> int:
+        return 0 if self.images is None else int(self.images.shape[1])
+
+    def vision_tokens(self) -> np.ndarray | None:
+        """Image tokens per document (None for a text-only block)."""
+        if self.images is None:
+            return None
+        return np.diff(self.image_offsets) * self.patches_per_image
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets).astype(np.int64)

@@ -1,6 +1,12 @@
 """Zarr sources: a group holding a flat int token array and an int64 offsets array (n_docs + 1).
 
 Units are document ranges of about ``loading.unit_tokens`` tokens, cut from the offsets array alone.
+
+Multimodal groups (``images_field``) also hold the images as an array ``[n_images, patches,
+patch_dim]``, ``image_offsets`` (images per document, like ``offsets``) and ``image_positions``
+(where in its document's text each image goes). Loading inserts ``patches`` placeholder tokens
+per image into the token stream, so everything downstream (lengths, packing, splitting) counts
+image tokens like text tokens, and the block keeps the patches for the constructor.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ def _open_group(source: Source, plan: Plan):
             group = zarr.open_group(url, mode="r")
     except Exception as err:  # zarr raises a zoo of errors for broken metadata
         raise SourceError(f"source {source.name!r}: cannot open zarr group {url!r}: {err}") from None
-    for name in (source.token_array, source.offsets_field):
+    names = [source.token_array, source.offsets_field]
+    if source.images_field:
+        names += [source.images_field, source.image_offsets_field, source.image_positions_field]
+    for name in names:
         if name not in group:
             raise SourceError(
                 f"source {source.name!r}: array {name!r} not found in zarr group {url!r}; "
@@ -49,6 +58,8 @@ def discover(source: Source, plan: Plan) -> list[LoadUnit]:
             f"source {source.name!r}: offsets end at {offsets[-1]} but {source.token_array!r} holds {tokens.shape[0]} tokens"
         )
     n_docs = len(offsets) - 1
+    if source.images_field:
+        _check_images(source, group, n_docs)
     # cut at the first document boundary at or after each multiple of unit_tokens
     targets = np.arange(plan.loading.unit_tokens, offsets[-1], plan.loading.unit_tokens)
     cuts = np.unique(np.concatenate([[0], np.searchsorted(offsets, targets, side="left"), [n_docs]]))
@@ -60,14 +71,57 @@ def discover(source: Source, plan: Plan) -> list[LoadUnit]:
     return units
 
 
+def _check_images(source: Source, group, n_docs: int) -> None:
+    images, img_off, img_pos = (group[source.images_field], group[source.image_offsets_field], group[source.image_positions_field])
+    where = f"source {source.name!r}"
+    if images.ndim != 3:
+        raise SourceError(f"{where}: {source.images_field!r} must be [n_images, patches, patch_dim] (got shape {images.shape})")
+    off = np.asarray(img_off[:], dtype=np.int64)
+    if off.shape != (n_docs + 1,) or off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] != images.shape[0]:
+        raise SourceError(f"{where}: {source.image_offsets_field!r} must have n_docs + 1 = {n_docs + 1} entries, start at 0, never "
+                          f"decrease and end at the number of images {images.shape[0]} (got shape {off.shape}, last {off[-1] if len(off) else None})")
+    if img_pos.shape != (images.shape[0],):
+        raise SourceError(f"{where}: {source.image_positions_field!r} needs one entry per image ({images.shape[0]}), got shape {img_pos.shape}")
+
+
 def load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
     group, _ = _open_group(source, plan)
     try:
         offsets = np.asarray(group[source.offsets_field][unit.start : unit.stop + 1], dtype=np.int64)
         tokens = np.asarray(group[source.token_array][int(offsets[0]) : int(offsets[-1])])
+        if source.images_field:
+            img_off = np.asarray(group[source.image_offsets_field][unit.start : unit.stop + 1], dtype=np.int64)
+            images = np.asarray(group[source.images_field][int(img_off[0]) : int(img_off[-1])])
+            positions = np.asarray(group[source.image_positions_field][int(img_off[0]) : int(img_off[-1])], dtype=np.int64)
     except Exception as err:
         raise SourceError(f"corrupt data in {unit.describe()}: {err}") from None
     if len(offsets) != unit.n_docs + 1:
         raise SourceError(f"{unit.describe()}: offsets array is shorter than when the source was indexed")
     ids = np.arange(unit.first_id, unit.first_id + unit.n_docs, dtype=np.int64)
-    return SampleBlock(source.name, tokens.astype(np.int32, copy=False), offsets - offsets[0], ids)
+    offsets = offsets - offsets[0]
+    tokens = tokens.astype(np.int32, copy=False)
+    if not source.images_field:
+        return SampleBlock(source.name, tokens, offsets, ids)
+    return _with_image_tokens(source, unit, tokens, offsets, ids, images, img_off - img_off[0], positions)
+
+
+def _with_image_tokens(source, unit, tokens, offsets, ids, images, img_off, positions) -> SampleBlock:
+    """Insert ``patches`` placeholder tokens per image at its position in its document's text."""
+    P = images.shape[1]
+    n_img = np.diff(img_off)
+    doc_of = np.repeat(np.arange(len(n_img)), n_img)
+    text_len = np.diff(offsets)
+    if len(positions) and (np.any(positions < 0) or np.any(positions > text_len[doc_of])):
+        bad = int(np.flatnonzero((positions < 0) | (positions > text_len[doc_of]))[0])
+        raise SourceError(f"{unit.describe()}: image {bad} of the unit is at text position {positions[bad]}, outside its document "
+                          f"(sample id {ids[doc_of[bad]]}, {text_len[doc_of[bad]]} text tokens)")
+    if len(positions) > 1:
+        same_doc = doc_of[1:] == doc_of[:-1]
+        if np.any(same_doc & (np.diff(positions) < 0)):
+            raise SourceError(f"{unit.describe()}: image positions must not decrease within a document")
+    k_in_doc = np.arange(len(positions)) - img_off[doc_of]  # images before this one in its document
+    starts = positions + k_in_doc * P  # where its placeholders start in the document with images
+    flat_at = offsets[doc_of] + positions  # insertion point in the flat text array
+    tokens = np.insert(tokens, np.repeat(flat_at, P), np.int32(source.image_token_id))
+    new_offsets = offsets + np.concatenate([[0], np.cumsum(n_img * P)])
+    return SampleBlock(source.name, tokens, new_offsets, ids, images=images, image_offsets=img_off, image_starts=starts)

@@ -1,0 +1,150 @@
+"""The example plans in pipelines/ run through the service on the demo corpus and do what their
+comments promise; multimodal sources carry their images to the batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+import zarr
+
+from overlord_dask import Service, SourceError, connect
+from overlord_dask.constructors import check_micro_batch, cp_slices
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.planner.state import PlannerState
+from overlord_dask.report import delivered_identities, delivered_record, exactly_once, planned_identities, window_mix_errors
+from overlord_dask.sources import discover_units, load_unit
+
+from .harness import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pipeline(name: str, corpus, **over):
+    data = yaml.safe_load((ROOT / "pipelines" / f"{name}.yaml").read_text())
+    for s in data["sources"]:
+        s["url"] = s["url"].replace("../demo-data/", f"{Path(corpus).resolve()}/")
+    data.update(over)
+    return plan_from_dict(data, where=f"pipelines/{name}.yaml")
+
+
+def run(plan, cluster, steps):
+    got = {}
+    with Service.start(plan, cluster=cluster) as service:
+        def consume(rank):
+            with connect(service.address, rank, timeout=120) as stream:
+                got[rank] = [stream.next_batch() for _ in range(steps)]
+                stream.commit()
+
+        run_ranks(consume, range(plan.topology.dp))
+        service.wait_for_step(steps, timeout=60)
+        ledger, metrics = service.ledger(0, steps), service.metrics(0, steps)
+    delivered = [delivered_identities(delivered_record(b)) for bs in got.values() for b in bs]
+    assert exactly_once([planned_identities(ledger[s]) for s in range(steps)], delivered) == (0, 0)
+    for bs in got.values():
+        for b in bs:
+            for mb in b["micro_batches"]:
+                check_micro_batch(mb, plan.topology.tokens_per_micro_batch)
+    return got, ledger, metrics
+
+
+def longest(metrics, a, b):
+    return max(m["longest_piece"] for m in metrics[a:b])
+
+
+def test_curriculum_pipeline(corpus, cluster):
+    plan = pipeline("curriculum", corpus)
+    steps = 96
+    _, ledger, metrics = run(plan, cluster, steps)
+    assert [metrics[s]["stage"] for s in (0, 39, 40, 79, 80)] == ["warmup", "warmup", "main", "main", "anneal"]
+    tokens = np.array([m["source_tokens"] for m in metrics], dtype=np.float64)
+    weights = np.array([m["weights"] for m in metrics])
+    assert tokens[74:, 1].sum() < 0.01 * tokens[74:].sum()  # chat left at 70 (a few waiting pieces may follow)
+    assert longest(metrics, 80, steps) <= 8192 < longest(metrics, 0, 80)  # the anneal stage's context
+    # steps of 64k tokens hold a few long pieces each: over 16 steps the mix is off by at most a
+    # few pieces (heavy pieces move in groups of dp), not by a share of the run
+    err_tokens = window_mix_errors(tokens, weights, 16) * np.convolve(tokens.sum(axis=1), np.ones(16), "valid")
+    assert err_tokens.max() <= 3 * plan.topology.tokens_per_micro_batch
+
+
+def test_long_context_pipeline(corpus, cluster):
+    plan = pipeline("long_context", corpus)
+    _, ledger, metrics = run(plan, cluster, 56)
+    assert longest(metrics, 0, 40) <= 4096 < longest(metrics, 40, 56)
+    assert metrics[39]["piece_tokens"] == 4096 and metrics[40]["piece_tokens"] == 32768
+    books = np.array([m["source_tokens"][1] / m["tokens"] for m in metrics])
+    assert books[50:].mean() > books[:40].mean() + 0.15  # the long stage upsamples books
+
+
+def test_multimodal_pipeline_delivers_images_with_their_placeholders(corpus, cluster):
+    plan = pipeline("multimodal", corpus)
+    got, _, _ = run(plan, cluster, 10)
+    g = zarr.open_group(str(Path(corpus) / "captions.zarr"), mode="r")
+    images, img_off, img_pos = g["images"][:], g["image_offsets"][:], g["image_positions"][:]
+    token_id, P = plan.sources[1].image_token_id, images.shape[1]
+    seen = 0
+    for bs in got.values():
+        for b in bs:
+            for mb in b["micro_batches"]:
+                assert mb["image_patches"].shape[1:] == images.shape[2:] and mb["image_patches"].dtype == np.uint8
+                assert np.all(mb["input_ids"][mb["image_positions"]] == token_id)
+                assert int((mb["input_ids"][: mb["num_tokens"]] == token_id).sum()) == len(mb["image_positions"])
+                cu = mb["cu_seqlens"]
+                for k in np.flatnonzero(mb["source_ids"] == 1):
+                    a, z = cu[k], cu[k + 1]
+                    sel = (mb["image_positions"] >= a) & (mb["image_positions"] < z)
+                    sid = int(mb["sample_ids"][k])
+                    start = int(mb["piece_starts"][k])
+                    # the patches, in order, are the stored images of this sample from the piece's start on
+                    n_img = img_off[sid + 1] - img_off[sid]
+                    starts = img_pos[img_off[sid] : img_off[sid + 1]] + np.arange(n_img) * P
+                    want = [images[img_off[sid] + i, max(0, start - s0) : max(0, min(P, start + (z - a) - s0))] for i, s0 in enumerate(starts)]
+                    want = np.concatenate(want) if want else np.zeros((0,) + images.shape[2:], np.uint8)
+                    np.testing.assert_array_equal(mb["image_patches"][sel], want)
+                    seen += int(sel.sum())
+    assert seen > 0
+
+
+def test_multimodal_cp_slices_keep_each_patch_with_its_placeholder(corpus):
+    plan = pipeline("multimodal", corpus)
+    src = plan.sources[1]
+    block = load_unit(src, plan, discover_units(src, plan)[0])
+    from overlord_dask.constructors import block_key, pack_micro_batch
+
+    lens = block.lengths()
+    mb = pack_micro_batch([[1, 0, 0, d, 0, int(lens[d])] for d in range(6)], {block_key(1, 0, 0): block}, 4096, 4096, multimodal=True)
+    for sl in cp_slices(mb, 2, 8):
+        assert np.all(sl["input_ids"][sl["image_positions"]] == src.image_token_id)
+        assert len(sl["image_positions"]) == int((sl["input_ids"][: sl["num_tokens"]] == src.image_token_id).sum())
+    total = sum(len(sl["image_positions"]) for sl in cp_slices(mb, 2, 8))
+    assert total == len(mb["image_positions"])
+
+
+def test_encoder_cost_weighs_image_tokens(corpus):
+    plan = pipeline("multimodal", corpus)
+    state = PlannerState(plan, {"web": [0], "captions": [0]})
+    state.add_lengths("captions", 0, 0, np.array([100, 100]), np.array([48, 0]))
+    rows = np.array([[1, 0, 0, 0, 0, 100], [1, 0, 0, 1, 0, 100], [1, 0, 0, 0, 50, 100]])
+    c = state._costs(rows)
+    assert c[0] - c[1] == pytest.approx(48 * plan.cost.encoder)  # same length, 48 image tokens more
+    assert c[2] - state._costs(np.array([[1, 0, 0, 1, 0, 50]]))[0] == pytest.approx(24 * plan.cost.encoder)  # half the document
+
+
+def test_multimodal_errors_name_the_culprit(corpus, tmp_path):
+    plan = pipeline("multimodal", corpus)
+    bad = tmp_path / "bad.zarr"
+    src = zarr.open_group(str(Path(corpus) / "captions.zarr"), mode="r")
+    g = zarr.open_group(str(bad), mode="w")
+    for name in ("tokens", "offsets", "images", "image_positions"):
+        g.create_array(name, shape=src[name].shape, dtype=src[name].dtype)[:] = src[name][:]
+    off = src["image_offsets"][:]
+    g.create_array("image_offsets", shape=(len(off) - 1,), dtype="int64")[:] = off[:-1]  # one entry short
+    d = plan.model_dump(mode="json")
+    d["sources"][1]["url"] = str(bad)
+    broken = plan_from_dict(d)
+    with pytest.raises(SourceError, match=r"source 'captions': 'image_offsets' must have n_docs \+ 1"):
+        discover_units(broken.sources[1], broken)
+    with pytest.raises(Exception, match="images_field is supported for zarr sources"):
+        plan_from_dict({**d, "sources": [{**d["sources"][0], "images_field": "images"}]})
