@@ -67,7 +67,7 @@ def drive(state: PlannerState, until: int, updates: dict[int, tuple] | None = No
         for p in planned:
             for r in range(state.topology.dp):
                 state.ack(r, p["step"])
-    return {s: state.ledger[s] for s in range(until)}
+    return {s: state.ledger[s] for s in range(until) if s in state.ledger}
 
 
 def source_tokens(state, ledger):
@@ -276,3 +276,128 @@ def test_live_update_through_the_service(cluster, small_plan):
         again = _consume(service.address, list(range(dp)), steps)
     for key, ids in got.items():
         assert sorted(map(tuple, ids.tolist())) == sorted(map(tuple, again[key].tolist())), key
+
+
+# ---- long-document share ---------------------------------------------------------------------
+def _long_plan(**over):
+    d = plan_dict(
+        sources=[
+            {"name": "a", "format": "zarr", "url": "a.zarr", "weight": 0.6},
+            {"name": "c", "format": "zarr", "url": "c.zarr", "weight": 0.4},
+        ],
+        balance={"policy": "cost", "window": 4},
+        stages=[
+            {"name": "short", "start_step": 0},
+            {"name": "long", "start_step": 10, "long_tokens": 2000, "long_share": 0.7, "long_sources": {"a": 0.5, "c": 0.5}},
+            {"name": "after", "start_step": 50},
+        ],
+        loading={"prefetch_steps": 40, "units_ahead": 2},
+    )
+    d.update(over)
+    return d
+
+
+def _check_classes_exactly_once(state, ledger, threshold=2000):
+    """Every document up to the trailing cursor is delivered whole, once; between the cursors,
+    exactly the leading class's documents are; none beyond; nothing twice."""
+    pieces = np.concatenate([ledger[s]["pieces"] for s in ledger] + [state.pending[:, :6]]
+                            + [r for ranks, _ in state.ready for mbs in ranks for r in mbs])
+    for i, s in enumerate(state.streams):
+        spans: dict = {}
+        for _, e, u, d, a, b in pieces[pieces[:, 0] == i].tolist():
+            spans.setdefault((e, u, d), []).append((a, b))
+        cur = {"short": (s.epoch, s.pos, s.doc, s.tok)}
+        if s.split:
+            cur["long"] = tuple(s.long_cur)
+        trail = min(cur.values())
+        e, pos = 0, 0
+        while (e, pos) <= max(cur.values())[:2]:
+            unit = int(s.order(e)[pos])
+            L = lengths(s.name, e, unit)
+            perm = np.random.default_rng(stable_seed(s.seed, "docs", s.name, e, unit)).permutation(len(L))
+            for k in range(len(L)):
+                d = int(perm[k])
+                got = sorted(spans.pop((e, unit, d), []))
+                here = (e, pos, k)
+                cls = "long" if L[d] > threshold else "short"
+                c = cur.get(cls, cur["short"]) if s.split else trail
+                if here < c[:3]:
+                    want_end = int(L[d])
+                elif here == c[:3]:
+                    want_end = c[3]
+                else:
+                    want_end = 0
+                covered = 0
+                for a, b in got:
+                    assert a == covered, (s.name, e, unit, d, got)  # no gap, no overlap
+                    covered = b
+                assert covered == want_end, (s.name, e, unit, d, cls, covered, want_end, here, c)
+            pos += 1
+            if pos == s.n_units:
+                e, pos = e + 1, 0
+        assert not spans  # nothing beyond the cursors
+
+
+def test_long_share_stage_reads_each_class_once_and_meets_the_share():
+    state = PlannerState(plan_from_dict(_long_plan()), FIRST_IDS)
+    ledger = drive(state, 40)
+    assert all(s.split == 2000 for s in state.streams)
+    _check_classes_exactly_once(state, ledger)
+
+    def long_share(a, b):
+        pieces = np.concatenate([ledger[s]["pieces"] for s in range(a, b)])
+        lens = pieces[:, 5] - pieces[:, 4]
+        full = np.array([lengths(state.source_names[i], e, u)[d] for i, e, u, d in pieces[:, :4].tolist()])
+        return lens[full > 2000].sum() / lens.sum()
+
+    natural, stage = long_share(0, 10), long_share(14, 40)
+    assert natural < 0.4 and abs(stage - 0.7) < 0.02, (natural, stage)  # the stage asks for 70% from documents over 2000 tokens
+    # each source delivers its declared share: (1 - 0.7)·weight + 0.7·long weight
+    tokens = source_tokens(state, ledger)[14:40].sum(axis=0)
+    np.testing.assert_allclose(tokens / tokens.sum(), [0.3 * 0.6 + 0.35, 0.3 * 0.4 + 0.35], atol=0.01)
+    # the long cursor runs ahead; the units between the cursors are evicted, not held: every
+    # loaded unit is within the trailing cursor's look-ahead or at/after the leading cursor
+    for s in state.streams:
+        s.finished_units()
+        te, tp = s._trailing()[:2]
+        lead = s._leading()[:2]
+        for e, u in s.lengths:
+            p = s.position(e, u)
+            assert (e, p) >= lead or e * s.n_units + p <= te * s.n_units + tp + max(s.evict_after, s.keep_units), (s.name, e, p)
+        assert s.keep_units < 20
+
+
+def test_after_a_long_share_stage_the_classes_merge_back():
+    state = PlannerState(plan_from_dict(_long_plan()), FIRST_IDS)
+    ledger = drive(state, 50)
+    assert any(s.split for s in state.streams)
+    ledger = drive(state, 500)
+    _check_classes_exactly_once(state, ledger)
+    assert not any(s.split for s in state.streams)  # the short cursor caught up: one cursor again
+
+
+def test_resume_inside_a_long_share_stage_equals_uninterrupted():
+    import msgpack
+
+    reference = drive(PlannerState(plan_from_dict(_long_plan()), FIRST_IDS), 36)
+    first = PlannerState(plan_from_dict(_long_plan()), FIRST_IDS)
+    drive(first, 23)
+    state = msgpack.unpackb(msgpack.packb(first.get_state(), use_bin_type=True), raw=False)
+    resumed = PlannerState(plan_from_dict(_long_plan()), FIRST_IDS, state=state)
+    again = drive(resumed, 36)
+    for s in range(23, 36):
+        np.testing.assert_array_equal(again[s]["pieces"], reference[s]["pieces"])
+        np.testing.assert_array_equal(again[s]["slot"], reference[s]["slot"])
+
+
+def test_long_share_errors():
+    with pytest.raises(PlanError, match="long_share needs balance.policy 'cost'"):
+        plan_from_dict(_long_plan(balance={"policy": "none"}))
+    bad = _long_plan()
+    bad["stages"][2] = {"name": "after", "start_step": 50, "long_tokens": 4000, "long_share": 0.2}
+    with pytest.raises(PlanError, match=r"long_tokens must be the same in every stage of a run \(got \[2000, 4000\]\)"):
+        plan_from_dict(bad)
+    bad = _long_plan()
+    bad["stages"][1]["long_sources"] = {"zz": 1.0}
+    with pytest.raises(PlanError, match=r"stage 'long' long_sources name unknown sources \['zz'\]"):
+        plan_from_dict(bad)

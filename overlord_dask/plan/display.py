@@ -33,7 +33,8 @@ def plan_html(plan: Plan) -> str:
     if plan.stages:
         parts.append(html_table(["stage", "from step", "weights", "ramp", "max piece", "long docs"],
                             [[st.name, st.start_step, ", ".join(f"{k} {v:g}" for k, v in (st.weights or {}).items()) or "(sources' own)",
-                              st.ramp_steps or "", st.max_doc_tokens or "", st.long_policy]
+                              st.ramp_steps or "", st.max_doc_tokens or "", st.long_policy +
+                              (f", {st.long_share:.0%} over {st.long_tokens:,}" if st.long_share is not None else "")]
                              for st in plan.stages]))
     return "".join(parts)
 

@@ -300,12 +300,19 @@ class Plan(_Strict):
         if len({st.name for st in self.stages}) != len(self.stages):
             raise ValueError(f"stage names must be unique (got {[st.name for st in self.stages]})")
         for st in self.stages:
-            unknown = sorted(set(st.weights or {}) - names)
-            if unknown:
-                raise ValueError(f"stage {st.name!r} weights name unknown sources {unknown}; sources: {sorted(names)}")
+            for what, mix in (("weights", st.weights), ("long_sources", st.long_sources)):
+                unknown = sorted(set(mix or {}) - names)
+                if unknown:
+                    raise ValueError(f"stage {st.name!r} {what} name unknown sources {unknown}; sources: {sorted(names)}")
+            if st.long_share is not None and self.balance.policy != "cost":
+                raise ValueError(f"stage {st.name!r}: long_share needs balance.policy 'cost' (the exact per-step policy reads each source in one order)")
             if st.max_doc_tokens is not None and st.max_doc_tokens > self.topology.tokens_per_micro_batch:
                 raise ValueError(f"stage {st.name!r}: max_doc_tokens={st.max_doc_tokens} exceeds tokens_per_micro_batch="
                                  f"{self.topology.tokens_per_micro_batch}: a piece must fit into one micro-batch")
+        thresholds = {st.long_tokens for st in self.stages if st.long_tokens is not None}
+        if len(thresholds) > 1:
+            raise ValueError(f"long_tokens must be the same in every stage of a run (got {sorted(thresholds)}): documents are "
+                             "classified once, so that long and short ones each keep an exact position")
         self.check_weights()
         return self
 
@@ -396,12 +403,13 @@ class Plan(_Strict):
         return self.weights_at(0)
 
     def context_at(self, step: int) -> Context:
-        """The context strategy (maximum piece length and long-document policy) at ``step``."""
+        """The context strategy (maximum piece length, long-document policy and share) at ``step``."""
         st = self.stage_at(step)
         default = self.topology.piece_tokens
         if st is None:
             return Context(stage=None, piece_tokens=default)
-        return Context(stage=st.name, piece_tokens=st.max_doc_tokens or default, long_policy=st.long_policy)
+        return Context(stage=st.name, piece_tokens=st.max_doc_tokens or default, long_policy=st.long_policy,
+                       long_tokens=st.long_tokens, long_share=st.long_share, long_sources=st.long_sources)
 
     def _repr_html_(self) -> str:
         from .display import plan_html

@@ -9,7 +9,8 @@ A source's ``weight`` is a number (constant) or a :class:`Schedule`::
 
 A plan may also declare :class:`Stage` s, each from a step on: the whole mix for that stage
 (``weights``, optionally ramped in from the previous stage over ``ramp_steps``) and its context
-strategy (maximum document length and what happens to longer documents).
+strategy (maximum document length, what happens to longer documents, and the share of tokens
+that comes from long documents).
 
 Why steps and not tokens or samples: steps are what a trainer's LR schedule, checkpoints and
 evaluation use, and a step boundary is where the planner can switch without splitting a batch.
@@ -132,7 +133,9 @@ class Stage(_Strict):
           - name: long
             start_step: 9000
             max_doc_tokens: 65536        # longer context: documents up to 64k stay whole
-            weights: {web: 0.5, books: 0.5}   # upsample the long-document source
+            long_tokens: 32768           # a document over 32k is "long"
+            long_share: 0.3              # 30% of the stage's tokens from long documents
+            long_sources: {books: 0.8, web: 0.2}   # where the long tokens come from
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
@@ -148,13 +151,34 @@ class Stage(_Strict):
     long_policy: Literal["split", "drop"] = "split"
     """``split``: cut longer documents into consecutive pieces (same sample id, increasing chunk
     index); ``drop``: skip them, counted per source in the metrics and listed in the ledger."""
+    long_tokens: int | None = Field(default=None, ge=1)
+    """Documents longer than this count as long (for ``long_share``). One value per run: a
+    source's documents are classified once, so that each class keeps its own exact position."""
+    long_share: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Fraction of the stage's tokens from long documents; the rest comes from the other
+    documents. Each source then reads its long and its short documents with two cursors (both
+    in the source's own order, each document exactly once); a source rich in short documents
+    whose long ones are rare runs through its files faster in the long class. None: the natural
+    mix of lengths. Needs ``balance.policy: cost``."""
+    long_sources: dict[str, float] | None = None
+    """Where the long tokens come from, by source (normalised); default: the stage's weights."""
 
     @model_validator(mode="after")
     def _check(self) -> "Stage":
-        if self.weights is not None:
-            for name, w in self.weights.items():
+        for what, mix in (("weight", self.weights), ("long_sources weight", self.long_sources)):
+            for name, w in (mix or {}).items():
                 if not (math.isfinite(w) and w >= 0):
-                    raise ValueError(f"stage {self.name!r}: weight of {name!r} must be a finite number >= 0 (got {w})")
+                    raise ValueError(f"stage {self.name!r}: {what} of {name!r} must be a finite number >= 0 (got {w})")
+        if (self.long_share is None) != (self.long_tokens is None):
+            raise ValueError(f"stage {self.name!r}: long_share and long_tokens go together "
+                             f"(got long_share={self.long_share}, long_tokens={self.long_tokens})")
+        if self.long_sources is not None and self.long_share is None:
+            raise ValueError(f"stage {self.name!r}: long_sources needs long_share and long_tokens")
+        if self.long_sources is not None and not sum(self.long_sources.values()) > 0:
+            raise ValueError(f"stage {self.name!r}: long_sources needs a positive weight")
+        if self.long_tokens is not None and self.max_doc_tokens is not None and self.long_policy == "drop" and self.long_tokens >= self.max_doc_tokens:
+            raise ValueError(f"stage {self.name!r}: with long_policy 'drop' no document over max_doc_tokens={self.max_doc_tokens} "
+                             f"is kept, so none is over long_tokens={self.long_tokens}")
         return self
 
 
@@ -164,3 +188,6 @@ class Context(_Strict):
     stage: str | None
     piece_tokens: int
     long_policy: Literal["split", "drop"] = "split"
+    long_tokens: int | None = None
+    long_share: float | None = None
+    long_sources: dict[str, float] | None = None

@@ -75,6 +75,11 @@ class PlanTimeline:
         if at_step <= last_step and len(self.versions) > 1 or at_step < last_step:
             raise PlanError(f"plan update at step {at_step}: the last update already applies from step {last_step}")
         check_update(last, plan, at_step)
+        mine = {st.long_tokens for st in plan.stages if st.long_tokens is not None}
+        ours = {st.long_tokens for _, p in self.versions for st in p.stages if st.long_tokens is not None}
+        if mine and ours and mine != ours:
+            raise PlanError(f"plan update at step {at_step}: long_tokens {sorted(mine)} differs from the run's {sorted(ours)}; "
+                            "documents are classified once per run")
         try:
             plan.check_weights(start=at_step)
         except ValueError as err:

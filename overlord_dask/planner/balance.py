@@ -87,7 +87,7 @@ def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, su
         if sel.any():
             rows = cand[i][idx_a[taken][sel]]
             out[sel, 1:] = rows
-            streams[i].advance_past(rows[-1])
+            streams[i].take(rows)
     return out
 
 

@@ -24,7 +24,7 @@ from .balance import balance_window, wfq_select
 from .cost import doc_costs
 from .metrics import step_imbalance
 from .mixing import Starved, next_carry, select_step
-from .streams import SourceStream
+from .streams import ClassView, SourceStream
 
 def _tokens(rows: np.ndarray) -> int:
     return int((rows[:, 5] - rows[:, 4]).sum())
@@ -74,6 +74,8 @@ class PlannerState:
         self.cum_declared = np.zeros(len(self.streams))
         self.carry = np.zeros(len(self.streams))
         self.dropped = np.zeros((len(self.streams), 2), dtype=np.int64)  # documents, tokens skipped by a drop policy
+        self.cls_selected = np.zeros((len(self.streams), 2), dtype=np.int64)  # tokens per (source, short/long) in long-share stages
+        self.cls_declared = np.zeros((len(self.streams), 2))
         self.commit_mode = plan.checkpoint.commit
         self.ledger: OrderedDict[int, dict] = OrderedDict()  # step -> {"pieces": int64[n,6], "slot": int32[n,2]}
         self.metrics: OrderedDict[int, dict] = OrderedDict()
@@ -96,7 +98,7 @@ class PlannerState:
     def _new_stream(self, name: str, index: int, first_ids) -> SourceStream:
         plan = self.timeline.initial
         return SourceStream(name=name, index=index, n_units=len(first_ids), first_ids=np.asarray(first_ids, dtype=np.int64),
-                            seed=plan.seed, piece_tokens=plan.topology.piece_tokens)
+                            seed=plan.seed, piece_tokens=plan.topology.piece_tokens, evict_after=plan.loading.units_ahead + 2)
 
     def _grow(self, n: int) -> None:
         """Extend the per-source arrays to ``n`` sources (a plan update added some)."""
@@ -108,6 +110,8 @@ class PlannerState:
             self.selected = np.concatenate([self.selected, np.zeros(k, np.int64)])
             self.declared = np.concatenate([self.declared, np.zeros(k)])
             self.dropped = np.concatenate([self.dropped, np.zeros((k, 2), np.int64)])
+            self.cls_selected = np.concatenate([self.cls_selected, np.zeros((k, 2), np.int64)])
+            self.cls_declared = np.concatenate([self.cls_declared, np.zeros((k, 2))])
 
     # ---- live plan updates ----------------------------------------------------------------------
     @property
@@ -137,7 +141,24 @@ class PlannerState:
         return at_step
 
     def weights_at(self, step: int) -> np.ndarray:
-        return self.timeline.weights_at(step)
+        """Each source's share of step ``step``'s tokens: its weight, or in a stage with a long
+        share, ``(1 - share)·weight + share·long weight``."""
+        cw = self.class_weights_at(step)
+        return self.timeline.weights_at(step) if cw is None else cw.sum(axis=1)
+
+    def class_weights_at(self, step: int) -> np.ndarray | None:
+        """``[source, (short, long)]`` shares of step ``step`` in a stage with a long share, else None."""
+        ctx = self.timeline.context_at(step)
+        if ctx.long_share is None:
+            return None
+        w = self.timeline.weights_at(step)
+        if ctx.long_sources:
+            lw = np.array([ctx.long_sources.get(n, 0.0) for n in self.source_names])
+            lw = lw * (w > 0) if (lw * (w > 0)).sum() > 0 else lw
+            lw = lw / lw.sum()
+        else:
+            lw = w
+        return np.stack([w * (1 - ctx.long_share), lw * ctx.long_share], axis=1)
 
     def _apply_context(self, step: int) -> None:
         """Set every stream's piece size and drop policy for the window starting at ``step``."""
@@ -145,6 +166,7 @@ class PlannerState:
         for s in self.streams:
             s.piece_tokens = ctx.piece_tokens
             s.drop_over = ctx.piece_tokens if ctx.long_policy == "drop" else None
+            s.set_split(ctx.long_tokens if ctx.long_share is not None else None)
         # pieces still waiting from an earlier stage are cut to this stage's piece size
         self.pending = _recut(self.pending, ctx.piece_tokens)
 
@@ -181,7 +203,7 @@ class PlannerState:
                 continue
             target = max(1, int(w * step_tokens * (self._window_steps() + 1) * 1.3))
             if s.name == self.starved_on:  # planning needs more of this source than the look-ahead holds
-                target = s.unplanned_tokens() + 1
+                target = s.unplanned_tokens() + 1 if not s.split else 2 * target
             for epoch, unit in s.want(target, self.plan.loading.units_ahead):
                 out.append([s.name, epoch, unit])
         return out
@@ -333,7 +355,7 @@ class PlannerState:
         n_steps = self._window_len()
         target = n_steps * self.step_budget
         slack = min(topo.tokens_per_micro_batch, target // 100)
-        saved = [s.cursor() for s in self.streams], self.selected.copy(), self.declared.copy()
+        saved = [s.cursor() for s in self.streams], self.selected.copy(), self.declared.copy(), self.cls_selected.copy(), self.cls_declared.copy()
         pieces = self.pending
         # pieces still waiting fill the window's first steps; every other step selects with its own weights
         budgets = np.full(n_steps, self.step_budget, dtype=np.int64)
@@ -360,7 +382,7 @@ class PlannerState:
         except Starved:
             for s, cur in zip(self.streams, saved[0]):
                 s.restore(cur)
-            self.selected, self.declared = saved[1], saved[2]
+            self.selected, self.declared, self.cls_selected, self.cls_declared = saved[1:]
             raise
         self.pending = wp.pending
         for ranks, mb_costs in zip(wp.steps, wp.bin_costs):
@@ -390,8 +412,16 @@ class PlannerState:
         if budget <= 0:
             return np.zeros((0, 6), np.int64)
         w = self.weights_at(step)
-        surplus = self.selected - self.declared
-        rows = wfq_select(self.streams, w, budget, surplus)
+        cw = self.class_weights_at(step)
+        if cw is None:
+            rows = wfq_select(self.streams, w, budget, self.selected - self.declared)
+        else:  # each (source, length class) is a source of its own, with its own cursor
+            views = [ClassView(s, c) for s in self.streams for c in ("short", "long")]
+            rows = wfq_select(views, cw.ravel(), budget, (self.cls_selected - self.cls_declared).ravel())
+            got_cls = np.bincount(rows[:, 0], weights=rows[:, 5] - rows[:, 4], minlength=cw.size).astype(np.int64)
+            self.cls_selected += got_cls.reshape(-1, 2)
+            self.cls_declared += cw * got_cls.sum()
+            rows[:, 0] //= 2
         got = np.bincount(rows[:, 0], weights=rows[:, 5] - rows[:, 4], minlength=len(self.streams)).astype(np.int64)
         self.selected += got
         self.declared += w * got.sum()
@@ -453,6 +483,8 @@ class PlannerState:
             "cum_declared": [float(x) for x in self.cum_declared],
             "carry": [float(x) for x in self.carry],
             "dropped": self.dropped.astype("<i8").tobytes(),
+            "cls_selected": self.cls_selected.astype("<i8").tobytes(),
+            "cls_declared": [float(x) for x in self.cls_declared.ravel()],
         }
 
     def _prune_windows(self) -> None:
@@ -507,6 +539,8 @@ class PlannerState:
         self.cum_declared = padded(w["cum_declared"], np.float64)
         self.carry = padded(w["carry"], np.float64)
         self.dropped = np.concatenate([np.frombuffer(w["dropped"], dtype="<i8").reshape(-1, 2), np.zeros((n - window_sources, 2), np.int64)])
+        self.cls_selected = np.concatenate([np.frombuffer(w["cls_selected"], dtype="<i8").reshape(-1, 2), np.zeros((n - window_sources, 2), np.int64)])
+        self.cls_declared = np.concatenate([np.asarray(w["cls_declared"], dtype=np.float64).reshape(-1, 2), np.zeros((n - window_sources, 2))])
         self.next_step = int(state["window_step"])
         self.replay_until = int(state["committed"])
         self.acked = [self.replay_until - 1] * len(self.acked)

@@ -47,6 +47,29 @@ class Piece:
 
 
 @dataclass(slots=True)
+class ClassView:
+    """One length class of a source ("long" or "short"), which selection treats as a source of
+    its own (its own weight, its own cursor)."""
+
+    stream: "SourceStream"
+    cls: str
+
+    @property
+    def name(self) -> str:
+        return self.stream.name
+
+    @property
+    def piece_tokens(self) -> int:
+        return self.stream.piece_tokens
+
+    def pieces_ahead(self, min_tokens: int) -> tuple[np.ndarray, bool]:
+        return self.stream.pieces_ahead(min_tokens, self.cls)
+
+    def take(self, rows: np.ndarray) -> None:
+        self.stream.take(rows, self.cls)
+
+
+@dataclass(slots=True)
 class SourceStream:
     name: str
     index: int
@@ -71,6 +94,11 @@ class SourceStream:
     perms: dict = field(default_factory=dict)  # (epoch, unit) -> document order inside the unit
     vision: dict = field(default_factory=dict)  # (epoch, unit) -> (image tokens, length) per document in file order
     drops: dict = field(default_factory=dict)  # (epoch, unit, doc) -> tokens of a dropped document, until drained
+    split: int = 0  # > 0: read by length class, documents over this many tokens are "long"
+    long_cur: list | None = None  # [epoch, pos, doc, tok] of the long class while split
+    split_wanted: bool = False
+    evict_after: int = 4  # units between the class cursors further than this past the trailing one are evicted
+    keep_units: int = 0  # ... or further than the trailing cursor's look-ahead, if that is longer
     _orders: dict = field(default_factory=dict)
 
     def order(self, epoch: int) -> np.ndarray:
@@ -95,11 +123,18 @@ class SourceStream:
         return o
 
     # ---- cursor -------------------------------------------------------------------------------
-    def cursor(self) -> tuple[int, int, int, int, int]:
-        return (self.epoch, self.pos, self.doc, self.tok, self.epoch_tokens)
+    def cursor(self) -> tuple:
+        """``(epoch, pos, doc, tok, epoch_tokens)``, plus ``(split, *long cursor, wanted)`` while
+        reading by length class."""
+        base = (self.epoch, self.pos, self.doc, self.tok, self.epoch_tokens)
+        return base + ((self.split, *self.long_cur, int(self.split_wanted)) if self.split else ())
 
-    def restore(self, cur: tuple[int, int, int, int, int]) -> None:
-        self.epoch, self.pos, self.doc, self.tok, self.epoch_tokens = cur
+    def restore(self, cur) -> None:
+        self.epoch, self.pos, self.doc, self.tok, self.epoch_tokens = cur[:5]
+        if len(cur) > 5:
+            self.split, self.long_cur, self.split_wanted = int(cur[5]), [int(x) for x in cur[6:10]], bool(cur[10])
+        else:
+            self.split, self.long_cur, self.split_wanted = 0, None, False
 
     def _unit_here(self) -> tuple[int, int]:
         return self.epoch, int(self.order(self.epoch)[self.pos])
@@ -145,24 +180,114 @@ class SourceStream:
             self.pos = 0
             self.epoch_tokens = 0
 
-    # ---- vectorised access (the balancing planner) --------------------------------------------
-    def pieces_ahead(self, min_tokens: int) -> tuple[np.ndarray, bool]:
-        """Upcoming pieces from the cursor as int64 rows ``[epoch, unit, doc, start, stop]``,
-        covering at least ``min_tokens`` tokens if that much metadata is loaded. Returns
-        (rows, enough); numpy per unit, no Python loop per document."""
-        rows: list[np.ndarray] = []
-        total = 0
-        e, pos, doc, tok = self.epoch, self.pos, self.doc, self.tok
-        empty_units = 0
-        while total < min_tokens:
+    # ---- length classes (a stage's long-document share) ----------------------------------------
+    # With ``split = T`` the source is read with two cursors in its one order: the main cursor
+    # takes only documents of at most T tokens ("short"), ``long_cur`` only longer ones ("long").
+    # Each document belongs to one class, so each is delivered once; the docs between the cursors
+    # that the leading class skipped wait for the trailing one (their units are evicted and
+    # reloaded when it gets there, so the gap costs no memory). When no stage asks for a share
+    # any more, both classes are read merged in the source's order until the cursors meet.
+
+    def set_split(self, threshold: int | None) -> None:
+        """Read by length class from now on (``threshold``), or stop wanting it (None)."""
+        self.split_wanted = threshold is not None
+        if threshold is not None and not self.split:
+            self.split = int(threshold)
+            self.long_cur = [self.epoch, self.pos, self.doc, self.tok]
+        elif threshold is None:
+            self._try_unsplit()
+
+    def _cur(self, cls: str | None) -> list[int]:
+        return self.long_cur if cls == "long" else [self.epoch, self.pos, self.doc, self.tok]
+
+    def _set_cur(self, cls: str | None, e: int, pos: int, doc: int, tok: int) -> None:
+        if cls == "long":
+            self.long_cur = [e, pos, doc, tok]
+        else:
+            self.epoch, self.pos, self.doc, self.tok = e, pos, doc, tok
+
+    def _class_mask(self, L: np.ndarray, cls: str | None) -> np.ndarray | None:
+        if cls is None or not self.split:
+            return None
+        return L > self.split if cls == "long" else L <= self.split
+
+    def _trailing(self) -> tuple:
+        main = (self.epoch, self.pos, self.doc, self.tok)
+        return min(main, tuple(self.long_cur)) if self.split else main
+
+    def _leading(self) -> tuple:
+        main = (self.epoch, self.pos, self.doc, self.tok)
+        return max(main, tuple(self.long_cur)) if self.split else main
+
+    def _try_unsplit(self) -> None:
+        """Back to one cursor once the trailing class has nothing left before the leading cursor."""
+        if not self.split or self.split_wanted:
+            return
+        main = (self.epoch, self.pos, self.doc, self.tok)
+        lead, trail_cls = (tuple(self.long_cur), "short") if tuple(self.long_cur) >= main else (main, "long")
+        e, pos, doc, tok = self._cur(trail_cls)
+        while (e, pos, doc) < lead[:3]:
             unit = int(self.order(e)[pos])
             lens = self.lengths.get((e, unit))
             if lens is None:
+                return  # not loaded: cannot tell yet
+            stop = lead[2] if (e, pos) == lead[:2] else len(lens)
+            mine = self._class_mask(lens[doc:stop], trail_cls)
+            first = doc + (int(np.argmax(mine)) if mine.any() else stop - doc)
+            if first < stop:
+                return  # a document of the trailing class is still unconsumed before the leading cursor
+            doc, tok = 0, 0
+            pos += 1
+            if pos >= self.n_units:
+                e, pos = e + 1, 0
+            if (e, pos) > lead[:2]:
                 break
+        self.epoch, self.pos, self.doc, self.tok = lead
+        self.split, self.long_cur = 0, None
+
+    # ---- vectorised access (the balancing planner) --------------------------------------------
+    def pieces_ahead(self, min_tokens: int, cls: str | None = None) -> tuple[np.ndarray, bool]:
+        """Upcoming pieces as int64 rows ``[epoch, unit, doc, start, stop]`` (of length class
+        ``cls``, or every class in the source's order), covering at least ``min_tokens`` tokens
+        if that much metadata is loaded. Returns (rows, enough); numpy per unit."""
+        if not self.split or cls is not None:
+            rows, _, total, enough = self._scan(cls if self.split else None, min_tokens)
+            return rows, enough
+        # merged order: the trailing class for min_tokens, the other one up to where that ends
+        trail = "short" if (self.epoch, self.pos, self.doc, self.tok) <= tuple(self.long_cur) else "long"
+        other = "long" if trail == "short" else "short"
+        rt, kt, tt, enough = self._scan(trail, min_tokens)
+        if not enough:
+            return rt, False
+        ro, ko, _, loaded = self._scan(other, 0, until=tuple(kt[-1]))
+        if not loaded:
+            return np.zeros((0, 5), np.int64), False
+        keep = np.array([tuple(k) <= tuple(kt[-1]) for k in ko.tolist()], dtype=bool)
+        rows, keys = np.concatenate([rt, ro[keep]]), np.concatenate([kt, ko[keep]])
+        return rows[np.lexsort(keys.T[::-1])], True
+
+    def _scan(self, cls: str | None, min_tokens: int, until: tuple | None = None) -> tuple[np.ndarray, np.ndarray, int, bool]:
+        """Rows of class ``cls`` from its cursor, their order keys ``[epoch, pos, doc position,
+        start]``, their tokens, and whether ``min_tokens`` were reached (with ``until``, a key:
+        every unit up to that key's unit instead, and whether they were all loaded)."""
+        rows: list[np.ndarray] = []
+        keys: list[np.ndarray] = []
+        total = 0
+        e, pos, doc, tok = self._cur(cls)
+        empty_units = 0
+        while (total < min_tokens) if until is None else ((e, pos) <= tuple(until[:2])):
+            unit = int(self.order(e)[pos])
+            lens = self.lengths.get((e, unit))
+            if lens is None:
+                return (np.concatenate(rows) if rows else np.zeros((0, 5), np.int64),
+                        np.concatenate(keys) if keys else np.zeros((0, 4), np.int64), total, False)
             L = lens[doc:]
             if len(L):
                 rem = L.copy()
                 rem[0] -= tok
+                mask = self._class_mask(L, cls)
+                if mask is not None:
+                    rem[~mask] = 0
                 if self.drop_over is not None:  # dropped documents yield no pieces (a started one finishes)
                     dropped = L > self.drop_over
                     dropped[0] &= tok == 0
@@ -177,36 +302,57 @@ class SourceStream:
                     block = np.empty((k_total, 5), dtype=np.int64)
                     block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = e, unit, self._file_doc((e, unit), d + doc), start, stop
                     rows.append(block)
+                    key = np.empty((k_total, 4), dtype=np.int64)
+                    key[:, 0], key[:, 1], key[:, 2], key[:, 3] = e, pos, d + doc, start
+                    keys.append(key)
                     total += int((stop - start).sum())
                     empty_units = 0
                 else:
                     empty_units += 1
             else:
                 empty_units += 1
-            if empty_units > self.n_units:
+            if empty_units > self.n_units and until is None:
+                if cls is not None and self.split:
+                    raise SourceError(f"source {self.name!r} has no {cls} documents (long: over long_tokens={self.split} tokens) "
+                                      "in a whole pass over its files; leave it out of the stage's long_sources")
                 raise SourceError(f"source {self.name!r} is empty: a whole pass over its files found no tokens")
             doc, tok = 0, 0
             pos += 1
             if pos >= self.n_units:
                 e, pos = e + 1, 0
         out = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
-        return out, total >= min_tokens
+        kout = np.concatenate(keys) if keys else np.zeros((0, 4), dtype=np.int64)
+        return out, kout, total, (total >= min_tokens) if until is None else True
 
-    def advance_past(self, row: np.ndarray) -> None:
-        """Move the cursor just past piece ``row`` = [epoch, unit, doc, start, stop] (recording the
-        documents the drop policy skipped on the way)."""
+    def take(self, rows: np.ndarray, cls: str | None = None) -> None:
+        """The planner took ``rows``, a prefix of ``pieces_ahead(.., cls)``: move the cursors past them."""
+        if not len(rows):
+            return
+        if not self.split or cls is not None:
+            self.advance_past(rows[-1], cls if self.split else None)
+            return
+        lens = np.array([self.lengths[(int(e), int(u))][self._shuffled_doc((int(e), int(u)), int(d))] for e, u, d in rows[:, :3].tolist()])
+        is_long = lens > self.split
+        for c, sel in (("short", ~is_long), ("long", is_long)):
+            if sel.any():
+                self.advance_past(rows[np.flatnonzero(sel)[-1]], c)
+        self._try_unsplit()
+
+    def advance_past(self, row: np.ndarray, cls: str | None = None) -> None:
+        """Move the cursor (of class ``cls``) just past piece ``row`` = [epoch, unit, doc, start,
+        stop], recording the documents the drop policy skipped on the way."""
         e, unit, file_doc, _, stop = (int(x) for x in row)
         doc = self._shuffled_doc((e, unit), file_doc)
         if self.drop_over is not None:
-            self._record_drops(e, self.position(e, unit), doc)
-        self.epoch, self.pos = e, self.position(e, unit)
+            self._record_drops(e, self.position(e, unit), doc, cls)
         L = int(self.lengths[(e, unit)][doc])
-        self.doc, self.tok = (doc + 1, 0) if stop >= L else (doc, stop)
+        self._set_cur(cls, e, self.position(e, unit), *((doc + 1, 0) if stop >= L else (doc, stop)))
         self.epoch_tokens = 1  # this epoch has tokens: the empty-source check is satisfied
 
-    def _record_drops(self, epoch: int, pos: int, doc: int) -> None:
-        """Record the documents over ``drop_over`` between the cursor and (epoch, pos, doc)."""
-        e, p, d, tok = self.epoch, self.pos, self.doc, self.tok
+    def _record_drops(self, epoch: int, pos: int, doc: int, cls: str | None = None) -> None:
+        """Record the documents over ``drop_over`` (of class ``cls``) between that class's cursor
+        and (epoch, pos, doc)."""
+        e, p, d, tok = self._cur(cls)
         while (e, p) <= (epoch, pos):
             unit = int(self.order(e)[p])
             lens = self.lengths.get((e, unit))
@@ -215,7 +361,9 @@ class SourceStream:
                 idx = np.arange(d, hi)
                 if tok and len(idx):
                     idx = idx[1:]  # a started document is finished, never dropped
-                for k in idx[lens[idx] > self.drop_over].tolist():
+                over = lens[idx] > self.drop_over
+                mask = self._class_mask(lens[idx], cls)
+                for k in idx[over if mask is None else over & mask].tolist():
                     self.drops[(e, unit, self._file_doc((e, unit), k))] = int(lens[k])
             d, tok, p = 0, 0, p + 1
             if p >= self.n_units:
@@ -243,21 +391,38 @@ class SourceStream:
         return out
 
     def finished_units(self) -> list[tuple[int, int]]:
-        """Loaded units wholly behind the cursor: their blocks are no longer needed for planning."""
+        """Loaded units no longer needed for planning: wholly behind the (trailing) cursor, or,
+        while reading by length class, between the cursors and far from the trailing one
+        (evicted: loaded again when the trailing cursor gets near)."""
         done = [key for key in self.lengths if self._behind(*key)]
+        if self.split:
+            te, tp = self._trailing()[:2]
+            le, lp = self._leading()[:2]
+            far = (te * self.n_units + tp) + max(self.evict_after, self.keep_units)
+            for e, u in self.lengths:
+                p = self.position(e, u)
+                if (e, p) < (le, lp) and e * self.n_units + p > far:
+                    done.append((e, u))
         for key in done:
             del self.lengths[key]
             self.perms.pop(key, None)
         return done
 
     def _behind(self, epoch: int, unit: int) -> bool:
-        return epoch < self.epoch or (epoch == self.epoch and self.position(epoch, unit) < self.pos)
+        te, tp = self._trailing()[:2]
+        return epoch < te or (epoch == te and self.position(epoch, unit) < tp)
 
     # ---- loading look-ahead -------------------------------------------------------------------
     def unplanned_tokens(self) -> int:
+        """Loaded tokens not planned yet (while split: in the units from the leading cursor on,
+        which is where loading must stay ahead)."""
         total = 0
+        lead = self._leading()[:2] if self.split else None
         for (e, u), lens in self.lengths.items():
-            if (e, u) == self._unit_here():
+            if lead is not None:
+                if (e, self.position(e, u)) >= lead:
+                    total += int(lens.sum())
+            elif (e, u) == self._unit_here():
                 total += int(lens[self.doc :].sum()) - self.tok
             else:
                 total += int(lens.sum())
@@ -266,9 +431,12 @@ class SourceStream:
     def want(self, target_tokens: int, max_inflight: int) -> list[tuple[int, int]]:
         """Next units to load so that about ``target_tokens`` unplanned tokens are at hand."""
         out = []
-        # never request units behind the planning cursor (after a restore, say)
-        if (self.req_epoch, self.req_pos) < (self.epoch, self.pos):
-            self.req_epoch, self.req_pos = self.epoch, self.pos
+        if self.split:
+            return self._want_split(target_tokens, max_inflight)
+        # never request units behind the leading planning cursor (after a restore, say)
+        lead = self._leading()[:2]
+        if (self.req_epoch, self.req_pos) < lead:
+            self.req_epoch, self.req_pos = lead
         have = self.unplanned_tokens()
         while len(self.requested) < max_inflight and (have < target_tokens or not self.lengths and not self.requested):
             key = (self.req_epoch, int(self.order(self.req_epoch)[self.req_pos]))
@@ -282,6 +450,33 @@ class SourceStream:
             out.append(key)
             if have >= target_tokens:
                 break
+        return out
+
+    def _want_split(self, target_tokens: int, max_inflight: int) -> list[tuple[int, int]]:
+        """While reading by length class: the units after each class cursor until about
+        ``target_tokens`` of that class are at hand (the trailing cursor's may have been evicted
+        and come back here). Remembers how far the trailing cursor looks, so eviction spares it."""
+        out = []
+        for cls in ("short", "long"):
+            e, p = self._cur(cls)[:2]
+            have, n = 0, 0
+            while have < target_tokens and n < max(64, 4 * self.n_units):
+                key = (e, int(self.order(e)[p]))
+                lens = self.lengths.get(key)
+                if lens is None:
+                    if key not in self.requested:
+                        if len(self.requested) >= max_inflight:
+                            break
+                        self.requested.add(key)
+                        out.append(key)
+                else:
+                    have += int(lens[self._class_mask(lens, cls)].sum())
+                n += 1
+                p += 1
+                if p >= self.n_units:
+                    e, p = e + 1, 0
+            if tuple(self._cur(cls)) == self._trailing():
+                self.keep_units = max(self.evict_after, n)
         return out
 
     def add_lengths(self, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
