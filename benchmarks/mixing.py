@@ -3,8 +3,9 @@
     python benchmarks/mixing.py            # readable table
     python benchmarks/mixing.py --json     # one JSON object
 
-A 5-source curriculum over 1,000 steps (dp 8 x 4 micro-batches x 8k tokens, documents from ~100
-tokens to 64k, long ones split), planner only, lengths generated per unit from a seed:
+A 5-source curriculum over 1,000 steps (dp 8 x 8 micro-batches x 8k tokens = 0.5M tokens per
+step; documents from ~100 tokens to 64k, long ones split), planner only, lengths generated per unit
+from a seed:
 
 - step 0: warm-up mix (web, code, books, chat); ``math`` enters at step 300 (its ``start_step``);
 - step 300: stage ``mid`` (a new mix, jump 1);
@@ -61,24 +62,26 @@ def lengths(name: str, epoch: int, unit: int) -> np.ndarray:
     return np.clip(rng.lognormal(mu, sigma, DOCS_PER_UNIT), 16, 65_536).astype(np.int64)
 
 
-def curriculum(policy: str = "cost", seed: int = 0) -> dict:
+def curriculum(policy: str = "cost", seed: int = 0, micro_batches: int = 8, steps: int = 1000) -> dict:
+    """The curriculum of ``steps`` steps (the step numbers below are for 1,000 and scale with it)."""
+    at = lambda x: int(x * steps / 1000)  # noqa: E731
     return {
         "name": "curriculum",
         "seed": seed,
-        "steps": 1000,
+        "steps": steps,
         "sources": [
             {"name": "web", "format": "zarr", "url": "web.zarr", "weight": 0.5},
             {"name": "code", "format": "zarr", "url": "code.zarr", "weight": 0.2},
             {"name": "books", "format": "zarr", "url": "books.zarr", "weight": 0.2},
-            {"name": "math", "format": "zarr", "url": "math.zarr", "weight": 0.1, "start_step": 300},
+            {"name": "math", "format": "zarr", "url": "math.zarr", "weight": 0.1, "start_step": at(300)},
             {"name": "chat", "format": "zarr", "url": "chat.zarr", "weight": 0.1},
         ],
         "stages": [
             {"name": "warmup", "start_step": 0},
-            {"name": "mid", "start_step": 300, "weights": {"web": 0.35, "code": 0.25, "books": 0.15, "math": 0.15, "chat": 0.1}},
-            {"name": "late", "start_step": 600, "ramp_steps": 50, "weights": {"web": 0.25, "code": 0.3, "books": 0.1, "math": 0.25, "chat": 0.1}},
+            {"name": "mid", "start_step": at(300), "weights": {"web": 0.35, "code": 0.25, "books": 0.15, "math": 0.15, "chat": 0.1}},
+            {"name": "late", "start_step": at(600), "ramp_steps": at(50), "weights": {"web": 0.25, "code": 0.3, "books": 0.1, "math": 0.25, "chat": 0.1}},
         ],
-        "topology": {"dp": 8, "micro_batches": 8, "tokens_per_micro_batch": 8192},
+        "topology": {"dp": 8, "micro_batches": micro_batches, "tokens_per_micro_batch": 8192},
         "balance": {"policy": policy},
         "loading": {"prefetch_steps": 24, "units_ahead": 8},
     }
@@ -176,25 +179,27 @@ def per_step(state: PlannerState, ledger: dict[int, dict]) -> tuple[np.ndarray, 
     return tokens, weights, longest
 
 
-def run(steps: int = 1000, seed: int = 0, window: int = 20) -> dict:
-    base = curriculum("cost", seed)
+def run(steps: int = 1000, seed: int = 0, window: int = 20, micro_batches: int = 8) -> dict:
+    base = curriculum("cost", seed, micro_batches, steps)
+    live = {"update_at": int(0.8 * steps), "live_from": int(0.8 * steps) - 20}
     t0 = time.perf_counter()
-    state, ledger = simulate(base, steps, live_update(base))
+    state, ledger = simulate(base, steps, live_update(base), **live)
     plan_s = time.perf_counter() - t0
     tokens, weights, _ = per_step(state, ledger)
     errs = window_mix_errors(tokens, weights, window)
     duplicates, missing = coverage(state, ledger)
-    _, replay = simulate(base, steps, live_update(base), known_upfront=True)
+    _, replay = simulate(base, steps, live_update(base), known_upfront=True, **live)
     replay_identical = stream_key(ledger) == stream_key(replay)
 
-    exact = curriculum("none", seed)
-    st_none, led_none = simulate(exact, steps, live_update(exact))
+    exact = curriculum("none", seed, micro_batches, steps)
+    st_none, led_none = simulate(exact, steps, live_update(exact), **live)
     t_none, w_none, longest = per_step(st_none, led_none)
     step_err = np.abs(t_none - w_none * t_none.sum(axis=1, keepdims=True)).max(axis=1) / longest
     d2, m2 = coverage(st_none, led_none)
     imb = [state.metrics[s]["imbalance"] for s in range(steps)]
     return {
         "steps": steps,
+        "step_tokens": state.topology.step_tokens,
         "sources": len(state.streams),
         "weight_changes": 3,
         "live_updates": 1,
@@ -218,8 +223,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--micro-batches", type=int, default=8, help="per rank per step (dp 8 x this x 8k tokens)")
     args = ap.parse_args(argv)
-    out = run(args.steps, args.seed)
+    out = run(args.steps, args.seed, micro_batches=args.micro_batches)
     if args.json:
         print(json.dumps(out))
     else:

@@ -4,13 +4,17 @@
     python benchmarks/resume.py --json     # one JSON object
 
 Part 1 (planner + snapshot store, local folder): an uninterrupted run of ``--steps`` steps is
-the reference; a second run writes a snapshot on every committed step exactly as the service
-does (a base when the planning window changes, else a delta), "crashes" at a seeded random step,
+the reference; a second run writes a snapshot on every committed step with the service's own
+``SnapshotWriter`` (a base every ``--base-every`` steps, else a delta that carries the window
+state when planning moved to a new window), "crashes" at a seeded random step,
 restores from storage (load + rebuild + replay to the committed step) and runs to the end.
 ``identical`` says whether the combined stream equals the reference step for step.
 
 Part 2 (the real service, demo corpus, 4 trainer processes): consumer wait p99 with and without
 snapshots, measured in the same run, to show snapshots add no wait on the trainers' path.
+
+Part 3 (the real service): time to the first batch after a restart from a snapshot, next to a
+cold start in the same run (both include starting a LocalCluster of worker processes).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
 from overlord_dask.planner.streams import stable_seed  # noqa: E402
 from overlord_dask.report import exactly_once  # noqa: E402
-from overlord_dask.snapshots import SnapshotStore  # noqa: E402
+from overlord_dask.snapshots import SnapshotStore, SnapshotWriter  # noqa: E402
 
 N_SOURCES, UNITS_PER_SOURCE, DOCS_PER_UNIT = 100, 100, 256
 
@@ -84,27 +88,22 @@ def run(state: PlannerState, until: int, on_commit=None) -> dict[int, np.ndarray
     return out
 
 
-def part1(steps: int, seed: int) -> dict:
+def part1(steps: int, seed: int, base_every: int = 50) -> dict:
     plan = make_plan(seed)
     reference = run(PlannerState(plan, FIRST_IDS), steps)
     crash = int(np.random.default_rng(seed).integers(steps // 3, 2 * steps // 3))
     with tempfile.TemporaryDirectory() as tmp:
         store = SnapshotStore(os.path.join(tmp, "ck"))
-        stats = {"seq": -1, "base_key": None, "base_seq": None, "delta_bytes": [], "base_bytes": [], "encode_ms": [], "snapshot_ms": []}
+        writer = SnapshotWriter(store, base_every_steps=base_every)  # the plugin's policy
+        stats = {"delta_bytes": [], "base_bytes": [], "encode_ms": [], "snapshot_ms": []}
 
         def snapshot(state: PlannerState) -> None:  # what the plugin does on each newly committed step
             t0 = time.perf_counter()
             st = state.get_state()
             msgpack.packb(st, use_bin_type=True)
             stats["encode_ms"].append(1e3 * (time.perf_counter() - t0))
-            stats["seq"] += 1
-            key = (st["window_step"], tuple(sorted(st["topology"].items())))
-            if key != stats["base_key"]:
-                stats["base_bytes"].append(store.write_base(stats["seq"], st))
-                stats["base_key"], stats["base_seq"] = key, stats["seq"]
-                store.gc(2)
-            else:
-                stats["delta_bytes"].append(store.write_delta(stats["seq"], stats["base_seq"], st["committed"]))
+            kind, n = writer.write(st)
+            stats[f"{kind}_bytes"].append(n)
             stats["snapshot_ms"].append(1e3 * (time.perf_counter() - t0))
 
         before = run(PlannerState(plan, FIRST_IDS), crash, on_commit=snapshot)
@@ -131,6 +130,8 @@ def part1(steps: int, seed: int) -> dict:
         "duplicates": duplicates,
         "missing": missing,
         "delta_bytes_p50": q(stats["delta_bytes"], 50),
+        "delta_bytes_max": max(stats["delta_bytes"]),
+        "base_every_steps": base_every,
         "base_bytes": q(stats["base_bytes"], 50),
         "base_bytes_max": max(stats["base_bytes"]),
         "encode_ms_p50": q(stats["encode_ms"], 50),
@@ -167,17 +168,52 @@ def part2(steps: int, data: str) -> dict:
     return out
 
 
+def part3(data: str, steps: int = 30) -> dict:
+    """Service-level restart: time from ``Service.start`` to the first batch on a trainer, for a
+    cold start and for a restart from the snapshot of a run that committed ``steps`` steps
+    (both on a new LocalCluster of 2 worker processes, so cluster start-up counts)."""
+    from overlord_dask import Service, connect
+    from overlord_dask.demo import demo_plan, generate_demo_corpus
+
+    corpus = generate_demo_corpus(data)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = demo_plan(corpus, checkpoint={"url": os.path.join(tmp, "ck")})
+
+        def first_batch(consume: int) -> float:
+            t0 = time.perf_counter()
+            with Service.start(plan, n_workers=2) as service:
+                streams = [connect(service.address, r) for r in range(plan.topology.dp)]
+                first = None
+                for k in range(max(consume, 1)):
+                    for s in streams:
+                        s.next_batch()
+                        first = first or time.perf_counter() - t0
+                for s in streams:
+                    s.commit()
+                    s.close()
+                if consume:
+                    service.wait_for_step(service.status()["committed"], timeout=60)
+            return first
+
+        out["service_cold_start_s"] = round(first_batch(steps), 3)  # also leaves a snapshot at `steps`
+        out["service_restore_s"] = round(first_batch(0), 3)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base-every", type=int, default=50, help="committed steps between base snapshots")
     ap.add_argument("--service-steps", type=int, default=60, help="steps for the consumer-wait comparison (0: skip)")
     ap.add_argument("--data", default="demo-data")
     args = ap.parse_args(argv)
-    out = part1(args.steps, args.seed)
+    out = part1(args.steps, args.seed, args.base_every)
     if args.service_steps:
         out.update(part2(args.service_steps, args.data))
+        out.update(part3(args.data))
     if args.json:
         print(json.dumps(out))
     else:

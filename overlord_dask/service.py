@@ -110,7 +110,8 @@ class Service:
         first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
         snap = {}
         if ck.url:
-            snap = {"checkpoint_url": resolve_url(ck.url, plan.base_dir), "storage_options": ck.storage_options, "keep_bases": ck.keep_bases}
+            snap = {"checkpoint_url": resolve_url(ck.url, plan.base_dir), "storage_options": ck.storage_options, "keep_bases": ck.keep_bases,
+                    "base_every_steps": ck.base_every_steps, "base_every_seconds": ck.base_every_seconds}
             if loaded is not None:
                 snap["restore"], snap["restore_seq"] = loaded
         try:

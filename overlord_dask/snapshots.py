@@ -4,13 +4,17 @@ Layout under the checkpoint URL (any fsspec URL: a local folder by default, ``s3
 
     base-000000000042.msgpack     {"kind": "base", "seq": 42, "state": {...}}
     delta-000000000043.msgpack    {"kind": "delta", "seq": 43, "base": 42, "committed": 118}
+    delta-000000000044.msgpack    {..., "committed": 120, "window_step": 120, "window": {...}}
 
 A base holds the planner state at the start of the window that contains the oldest uncommitted
 step (``PlannerState.get_state``: per-source positions, waiting pieces, selected tokens, the
-window's first step, the committed step, the topology it was planned on), so it stays small and
-topology-free in what matters; a delta only moves ``committed`` forward. Sequence numbers
-increase strictly across bases and deltas; ``load`` takes the newest readable base and applies
-its deltas in order, and a missing delta in the middle is an error (never a silent skip).
+window's first step, the committed step, the topology and the plan updates), so it stays small
+and topology-free in what matters. A delta moves ``committed`` forward and, when planning moved
+to a new window, carries that window's starting state (a few KB at 100 sources). A base is
+written every ``base_every_steps`` committed steps or ``base_every_seconds``, and whenever the
+topology or the plan versions change (:class:`SnapshotWriter`). Sequence numbers increase
+strictly across bases and deltas; ``load`` takes the newest readable base and applies its deltas
+in order, and a missing delta in the middle is an error (never a silent skip).
 
 Writes are atomic: a local file is written under a temporary name and renamed; an object store
 PUT is atomic per object. ``gc`` keeps the newest ``keep_bases`` bases and their deltas.
@@ -59,8 +63,11 @@ class SnapshotStore:
     def write_base(self, seq: int, state: dict) -> int:
         return self._put(f"base-{seq:012d}.msgpack", {"kind": "base", "seq": seq, "state": state})
 
-    def write_delta(self, seq: int, base: int, committed: int) -> int:
-        return self._put(f"delta-{seq:012d}.msgpack", {"kind": "delta", "seq": seq, "base": base, "committed": committed})
+    def write_delta(self, seq: int, base: int, committed: int, window_step: int | None = None, window: dict | None = None) -> int:
+        payload = {"kind": "delta", "seq": seq, "base": base, "committed": committed}
+        if window is not None:
+            payload.update(window_step=window_step, window=window)
+        return self._put(f"delta-{seq:012d}.msgpack", payload)
 
     # ---- reading ------------------------------------------------------------------------------
     def _entries(self) -> list[tuple[str, int, str]]:
@@ -108,6 +115,8 @@ class SnapshotStore:
                 if delta["base"] != seq:
                     break  # deltas of a newer base that could not be read
                 state["committed"] = max(int(state["committed"]), int(delta["committed"]))
+                if "window" in delta:
+                    state["window_step"], state["window"] = delta["window_step"], delta["window"]
                 last = dseq
             return state, last
         if bases:
@@ -125,3 +134,47 @@ class SnapshotStore:
         for path in old:
             self.fs.rm_file(path)
         return len(old)
+
+
+class SnapshotWriter:
+    """Decides base or delta for each new planner state and writes it (the plugin and the
+    resume benchmark use this one policy).
+
+    A base when none was written yet, when the topology or the plan versions changed (the
+    state's shape changes), or after ``base_every_steps`` committed steps or
+    ``base_every_seconds``; otherwise a delta, carrying the window state when planning moved to
+    a new window since the last snapshot."""
+
+    def __init__(self, store: SnapshotStore, *, keep_bases: int = 2, base_every_steps: int = 1000,
+                 base_every_seconds: float = 600.0, seq: int = -1, clock=None):
+        import time
+
+        self.store = store
+        self.keep_bases = keep_bases
+        self.base_every_steps = base_every_steps
+        self.base_every_seconds = base_every_seconds
+        self.seq = seq
+        self.clock = clock or time.monotonic
+        self._shape = None  # (topology, number of plan updates) of the last base
+        self._base_seq = None
+        self._base_committed = 0
+        self._base_time = 0.0
+        self._window_step = None  # window of the last snapshot written
+
+    def write(self, state: dict) -> tuple[str, int]:
+        """Write ``state`` (``PlannerState.get_state()``); returns (kind, bytes)."""
+        shape = (tuple(sorted(state["topology"].items())), len(state.get("updates", ())))
+        now = self.clock()
+        self.seq += 1
+        if (self._base_seq is None or shape != self._shape or state["committed"] - self._base_committed >= self.base_every_steps
+                or now - self._base_time >= self.base_every_seconds):
+            n = self.store.write_base(self.seq, state)
+            self._shape, self._base_seq, self._base_committed, self._base_time = shape, self.seq, state["committed"], now
+            self._window_step = state["window_step"]
+            self.store.gc(self.keep_bases)
+            return "base", n
+        moved = state["window_step"] != self._window_step
+        n = self.store.write_delta(self.seq, self._base_seq, state["committed"],
+                                   state["window_step"] if moved else None, state["window"] if moved else None)
+        self._window_step = state["window_step"]
+        return "delta", n

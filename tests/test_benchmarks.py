@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import balance  # noqa: E402
+import mixing  # noqa: E402
 
 KEYS = {
     "imbalance_p50", "imbalance_p99", "mb_imbalance_p50", "mb_imbalance_p99", "baseline_imbalance_p50",
@@ -26,3 +27,11 @@ def test_balance_benchmark_runs(capsys):
     assert res["capacity_violations"] == 0
     assert res["imbalance_p50"] < res["baseline_imbalance_p50"]
     assert '"mixed_100k"' in capsys.readouterr().out
+
+
+def test_mixing_benchmark_runs(capsys):
+    out = mixing.main(["--steps", "150", "--micro-batches", "4", "--json"])
+    assert {"mix_error_window_max", "mix_error_step_max", "duplicates", "missing", "replay_identical"} <= set(out)
+    assert out["duplicates"] == 0 and out["missing"] == 0 and out["replay_identical"]
+    assert out["mix_error_step_max"] <= 2.0  # exact per-step policy: within two pieces, always
+    assert '"mix_error_window_max"' in capsys.readouterr().out

@@ -252,6 +252,10 @@ class Checkpoint(_Strict):
     storage_options: dict = Field(default_factory=dict)
     keep_bases: int = Field(default=2, ge=1, le=1000)
     """Base snapshots kept (with their deltas) by garbage collection."""
+    base_every_steps: int = Field(default=1000, ge=1)
+    """A full base snapshot after this many committed steps (deltas in between)."""
+    base_every_seconds: float = Field(default=600.0, gt=0)
+    """... or after this many seconds, whichever comes first."""
     resume: bool = True
     """Start from the newest snapshot at `url` when there is one."""
     commit: Literal["ack", "checkpoint"] = "ack"

@@ -64,6 +64,7 @@ class PlannerPlugin(SchedulerPlugin):
 
     def __init__(self, plan: dict, unit_first_ids: dict[str, list[int]], run_id: str, *,
                  checkpoint_url: str | None = None, storage_options: dict | None = None, keep_bases: int = 2,
+                 base_every_steps: int = 1000, base_every_seconds: float = 600.0,
                  restore: dict | None = None, restore_seq: int = -1):
         self.plan_dict = plan
         self.unit_first_ids = unit_first_ids
@@ -71,6 +72,7 @@ class PlannerPlugin(SchedulerPlugin):
         self.checkpoint_url = checkpoint_url
         self.storage_options = storage_options or {}
         self.keep_bases = keep_bases
+        self.base_every = (base_every_steps, base_every_seconds)
         self.restore_state = restore
         self.seq = restore_seq  # last snapshot sequence number written (or restored)
         self.state: PlannerState | None = None
@@ -81,14 +83,15 @@ class PlannerPlugin(SchedulerPlugin):
         self.state = PlannerState(plan_from_dict(self.plan_dict, where="<service plan>"), self.unit_first_ids, state=self.restore_state)
         self.store = None
         self.snapshot_stats: list[dict] = []
-        self._base_key = None  # (window_step, topology) of the last base written
         self._written_committed = -1
         self._wake = asyncio.Event()
         self._write_lock = asyncio.Lock()  # the loop and a plan update both write; sequence numbers must not race
         if self.checkpoint_url:
-            from ..snapshots import SnapshotStore
+            from ..snapshots import SnapshotStore, SnapshotWriter
 
             self.store = SnapshotStore(self.checkpoint_url, self.storage_options)
+            self.writer = SnapshotWriter(self.store, keep_bases=self.keep_bases, base_every_steps=self.base_every[0],
+                                         base_every_seconds=self.base_every[1], seq=self.seq)
             self._writer = asyncio.create_task(self._snapshot_loop())
             self._wake.set()  # a first base right away
         for name in HANDLERS:
@@ -118,14 +121,7 @@ class PlannerPlugin(SchedulerPlugin):
         if st["committed"] == self._written_committed and not force:
             return
         t0 = time.perf_counter()
-        key = (st["window_step"], tuple(sorted(st["topology"].items())), len(st["updates"]))
-        self.seq += 1
-        if key != self._base_key:
-            kind, n = "base", await asyncio.to_thread(self.store.write_base, self.seq, st)
-            self._base_key, self._base_seq = key, self.seq
-            await asyncio.to_thread(self.store.gc, self.keep_bases)
-        else:
-            kind, n = "delta", await asyncio.to_thread(self.store.write_delta, self.seq, self._base_seq, st["committed"])
+        kind, n = await asyncio.to_thread(self.writer.write, st)
         self._written_committed = st["committed"]
         self.snapshot_stats.append({"kind": kind, "bytes": n, "seconds": time.perf_counter() - t0, "committed": st["committed"]})
         del self.snapshot_stats[:-1000]
