@@ -401,3 +401,16 @@ def test_long_share_errors():
     bad["stages"][1]["long_sources"] = {"zz": 1.0}
     with pytest.raises(PlanError, match=r"stage 'long' long_sources name unknown sources \['zz'\]"):
         plan_from_dict(bad)
+
+
+def test_a_live_update_can_change_the_context_strategy():
+    d = plan_dict(balance={"policy": "cost", "window": 4})
+    state = PlannerState(plan_from_dict(d), FIRST_IDS)
+    drive(state, 8)
+    short = plan_from_dict({**d, "stages": [{"name": "short-docs", "start_step": 0, "max_doc_tokens": 700, "long_policy": "drop"}]})
+    at = state.update(short, None, {})
+    ledger = drive(state, at + 12)
+    assert at >= 8 and state.metrics[at]["stage"] == "short-docs" and state.metrics[at - 1]["stage"] is None
+    assert max(int((ledger[s]["pieces"][:, 5] - ledger[s]["pieces"][:, 4]).max()) for s in range(at, at + 12)) <= 700
+    assert sum(len(ledger[s]["dropped"]) for s in range(at, at + 12)) > 0
+    assert all(len(ledger[s]["dropped"]) == 0 for s in range(at))
