@@ -38,6 +38,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from output import emit  # noqa: E402  (benchmarks/output.py)
 
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
@@ -226,11 +229,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batches", type=int, default=8, help="per rank per step (dp 8 x this x 8k tokens)")
     args = ap.parse_args(argv)
     out = run(args.steps, args.seed, micro_batches=args.micro_batches)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:<32}{v!s:>12}")
+    emit(out, args.json)
     return out
 
 

@@ -20,7 +20,6 @@ cold start in the same run (both include starting a LocalCluster of worker proce
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -30,6 +29,9 @@ import msgpack
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from output import emit  # noqa: E402  (benchmarks/output.py)
 
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
@@ -214,11 +216,7 @@ def main(argv=None) -> dict:
     if args.service_steps:
         out.update(part2(args.service_steps, args.data))
         out.update(part3(args.data))
-    if args.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:<32}{v!s:>14}")
+    emit(out, args.json)
     return out
 
 

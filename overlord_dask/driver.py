@@ -40,11 +40,10 @@ logger = logging.getLogger(__name__)
 
 
 class Driver(threading.Thread):
-    def __init__(self, client: Client, plan: Plan, plan_dict: dict, run_id: str, units: dict[str, list[LoadUnit]]):
+    def __init__(self, client: Client, plan: Plan, run_id: str, units: dict[str, list[LoadUnit]]):
         super().__init__(name=f"overlord-driver-{run_id}", daemon=True)
         self.client = client
         self.plan = plan
-        self.plan_dict = plan_dict
         self.run_id = run_id
         self.units = dict(units)
         self.plan_version = -1

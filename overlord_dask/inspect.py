@@ -109,17 +109,18 @@ def plot_mix(mix: pa.Table, window: int = 20, ax=None, schedule: pa.Table | None
     dec = mix.column("declared").to_numpy()
     step_col = mix.column("step").to_numpy()
     idx = np.searchsorted(steps, step_col)
+    total = np.zeros(len(steps))
+    np.add.at(total, idx, tok)
+    k = np.ones(min(window, len(steps)))
+    window_total = np.maximum(np.convolve(total, k, "valid"), 1)
     for name in dict.fromkeys(src_col):
         sel = src_col == name
         t = np.zeros(len(steps))
-        total = np.zeros(len(steps))
         d = np.zeros(len(steps))
         t[idx[sel]] = tok[sel]
         d[idx[sel]] = dec[sel]
-        np.add.at(total, idx, tok)
-        k = np.ones(min(window, len(steps)))
-        share = np.convolve(t, k, "valid") / np.maximum(np.convolve(total, k, "valid"), 1)
-        declared = np.convolve(d * total, k, "valid") / np.maximum(np.convolve(total, k, "valid"), 1)
+        share = np.convolve(t, k, "valid") / window_total
+        declared = np.convolve(d * total, k, "valid") / window_total
         x = steps[len(k) - 1 :]
         (line,) = ax.plot(x, share, label=f"{name} delivered")
         ax.plot(x, declared, ls="--", color=line.get_color(), label=f"{name} declared")

@@ -117,7 +117,7 @@ class Service:
         try:
             client.register_plugin(BatchServer())
             client.register_plugin(PlannerPlugin(plan_dict, first_ids, run_id, **snap))
-            driver = Driver(client, plan, plan_dict, run_id, units)
+            driver = Driver(client, plan, run_id, units)
             driver.start()
         except BaseException:
             client.close()

@@ -115,17 +115,23 @@ def _lengths(name, epoch, unit):
     return np.clip((rng.pareto(1.0, 64) + 1) * 400, 1, 20_000).astype(np.int64)
 
 
-def _run(state: PlannerState, until: int) -> dict[int, tuple]:
+def _run(state: PlannerState, until: int, *, lengths=_lengths, on_commit=None, hook=None) -> dict[int, tuple]:
+    """Plan up to ``until`` with every rank acknowledging at once; ``hook(state)`` runs first in
+    each round and may return a step planning must not pass yet; ``on_commit(state)`` runs after
+    each committed step."""
     out = {}
-    while state.next_step < until or any(k < until for k in []):
+    while state.next_step < until:
+        cap = hook(state) if hook else None
         for name, epoch, unit in state.wanted():
-            state.add_lengths(name, epoch, unit, _lengths(name, epoch, unit))
-        planned, _ = state.plan_steps(until - state.next_step)
+            state.add_lengths(name, epoch, unit, lengths(name, epoch, unit))
+        planned, _ = state.plan_steps(min(until, cap if cap is not None else until) - state.next_step)
         for p in planned:
             e = state.ledger[p["step"]]
             out[p["step"]] = (e["pieces"].copy(), e["slot"].copy())
             for r in range(state.topology.dp):
                 state.ack(r, p["step"])
+            if on_commit:
+                on_commit(state)
     return out
 
 
@@ -202,19 +208,14 @@ def test_resume_after_a_live_update_equals_uninterrupted():
         return _lengths("web" if name == "extra" else name, epoch, unit + (7 if name == "extra" else 0))
 
     def run(state, until, update_at=None):
-        out = {}
-        while state.next_step < until:
-            if update_at is not None and state.next_step >= 6 and state.plan_version == 0:
-                state.update(new, update_at, {"extra": ids["extra"]})
-            for name, epoch, unit in state.wanted():
-                state.add_lengths(name, epoch, unit, lengths(name, epoch, unit))
-            planned, _ = state.plan_steps(min(until, 6 if state.plan_version == 0 and update_at is not None else until) - state.next_step)
-            for p in planned:
-                e = state.ledger[p["step"]]
-                out[p["step"]] = (e["pieces"].copy(), e["slot"].copy())
-                for r in range(state.topology.dp):
-                    state.ack(r, p["step"])
-        return out
+        def live(st):  # the update arrives once the planner is at step 6; planning waits for it there
+            if update_at is None:
+                return None
+            if st.next_step >= 6 and st.plan_version == 0:
+                st.update(new, update_at, {"extra": ids["extra"]})
+            return 6 if st.plan_version == 0 else None
+
+        return _run(state, until, lengths=lengths, hook=live)
 
     reference = run(PlannerState(base, ids), 30, update_at=12)
     import msgpack
@@ -245,15 +246,13 @@ def test_writer_bases_every_n_steps_and_window_deltas_restore_exactly(tmp_path):
     ticks = iter(range(10_000))
     writer = SnapshotWriter(store, base_every_steps=8, base_every_seconds=1e9, keep_bases=10, clock=lambda: next(ticks))
     kinds = []
+
+    def snapshot(state):
+        st = state.get_state()
+        kinds.append((writer.write(st)[0], st["committed"], st["window_step"]))
+
     first = PlannerState(_plan(policy="cost"), FIRST_IDS)
-    while first.next_step < 19:
-        for name, epoch, unit in first.wanted():
-            first.add_lengths(name, epoch, unit, _lengths(name, epoch, unit))
-        for p in first.plan_steps(19 - first.next_step)[0]:
-            for r in range(first.topology.dp):
-                first.ack(r, p["step"])
-            st = first.get_state()
-            kinds.append((writer.write(st)[0], st["committed"], st["window_step"]))
+    _run(first, 19, on_commit=snapshot)
     assert [k for k, c, _ in kinds if k == "base"] == ["base"] * 3  # at committed 1, 9, 17
     assert [c for k, c, _ in kinds if k == "base"] == [1, 9, 17]
     window_deltas = [f for f in sorted((tmp_path / "ck").glob("delta-*.msgpack")) if "window" in msgpack.unpackb(f.read_bytes(), raw=False)]

@@ -92,6 +92,7 @@ class PlannerState:
         self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by pending/ready pieces
         self.windows: OrderedDict[int, dict] = OrderedDict()  # first step of a planned window -> state before it
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
+        self._window_drops: np.ndarray | None = None  # documents dropped while planning the current window
         if state is not None:
             self._restore(state)
 
@@ -434,10 +435,8 @@ class PlannerState:
                 parts.append(rows)
                 slots.append(np.broadcast_to(np.array([r, m], dtype=np.int32), (len(rows), 2)))
         pieces = np.concatenate(parts) if parts else np.zeros((0, 6), np.int64)
-        drops = getattr(self, "_window_drops", None)
+        drops = self._window_drops if self._window_drops is not None else np.zeros((0, 5), np.int64)
         self._window_drops = None  # a window's drops are recorded with its first step
-        if drops is None:
-            drops = np.zeros((0, 5), np.int64)
         self.ledger[step] = {"pieces": pieces, "slot": np.concatenate(slots) if slots else np.zeros((0, 2), np.int32), "dropped": drops}
         ctx = self.timeline.context_at(step)
         lens = pieces[:, 5] - pieces[:, 4]
