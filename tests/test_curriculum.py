@@ -120,6 +120,14 @@ def test_curriculum_errors_name_the_step_and_source(change, message):
     assert message in str(err.value)
 
 
+def test_a_weight_function_failing_beyond_the_checked_steps_stops_the_planner_with_its_name():
+    d = plan_dict(steps=20, sources=[{"name": "a", "format": "zarr", "url": "a", "weight": {"function": "tests.test_curriculum:negative_late"}},
+                                     {"name": "b", "format": "zarr", "url": "b", "weight": 1.0}])
+    plan = plan_from_dict(d)  # validated over its 20 steps; the function turns negative at 37
+    with pytest.raises(ValueError, match="source 'a' has weight -0.5 at step 37"):
+        plan.weights_at(37)
+
+
 # ---- the planner ------------------------------------------------------------------------------
 def test_exact_policy_follows_the_schedule_every_step():
     state = PlannerState(plan_from_dict(plan_dict()), FIRST_IDS)

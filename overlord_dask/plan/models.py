@@ -397,6 +397,9 @@ class Plan(_Strict):
         w = self._stage_weights(i, step)
         if not normalise:
             return w
+        for name, v in w.items():  # a weight function may misbehave beyond the steps validation checked
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"source {name!r} has weight {v} at step {step}; weights must be finite and >= 0")
         total = sum(w.values())
         if not total > 0:
             raise ValueError(f"no source is active at step {step}{self._stage_hint(step)}")
