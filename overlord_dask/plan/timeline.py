@@ -31,7 +31,7 @@ def _data_key(source: Source, base_dir: str | None) -> tuple:
     url = source.url
     if "://" not in url and not os.path.isabs(url):
         url = os.path.normpath(os.path.join(base_dir or os.getcwd(), url))
-    return (url,) + source.data_key[2:] + (source.format,)
+    return (source.format, url) + source.data_key[2:]
 
 
 def check_update(current: Plan, new: Plan, at_step: int) -> None:

@@ -21,8 +21,9 @@ Routes (scheduler handlers, request/response; all idempotent where a retry could
 - ``overlord_plans()``: every plan version as ``[at_step, plan dict]`` (the driver and
   inspection read it).
 
-With a checkpoint URL, every newly committed step is snapshotted asynchronously (a base when the
-planning window or topology changed, else a delta of a few dozen bytes), never blocking an ack.
+With a checkpoint URL, every newly committed step is snapshotted asynchronously, never blocking
+an ack: a base every ``base_every_steps`` steps or ``base_every_seconds`` (and when the topology
+or the plan versions change), else a delta (``snapshots.SnapshotWriter``).
 
 Handlers run on the scheduler's event loop; each is O(step size) metadata work, never I/O.
 """

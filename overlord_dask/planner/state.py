@@ -368,8 +368,8 @@ class PlannerState:
         need = target - _tokens(pieces)
         try:
             for rnd in range(self.TOPUP_ROUNDS):
-                if need > 0:
-                    rows = self._select_steps(self.next_step, budgets if rnd == 0 else np.array([need]), last=n_steps - 1)
+                if need > 0:  # a top-up selects with the weights of the window's last step
+                    rows = self._select_steps(self.next_step, budgets) if rnd == 0 else self._select(need, self.next_step + n_steps - 1)
                     pieces = np.concatenate([pieces, _with_age(rows)])
                 costs = self._costs(pieces)
                 wp = balance_window(
@@ -391,22 +391,17 @@ class PlannerState:
 
     TOPUP_ROUNDS = 3
 
-    def _select_steps(self, first: int, budgets: np.ndarray, last: int | None = None) -> np.ndarray:
+    def _select_steps(self, first: int, budgets: np.ndarray) -> np.ndarray:
         """Select ``budgets[k]`` tokens with the weights of step ``first + k`` (runs of steps with
-        equal weights in one call). A single budget (a top-up) uses the weights of step
-        ``first + last``."""
-        if len(budgets) == 1 and last is not None:
-            groups = [(first + last, int(budgets[0]))]
-        else:
-            groups = []
-            for k, b in enumerate(budgets):
-                w = self.weights_at(first + k)
-                if groups and np.array_equal(groups[-1][2], w):
-                    groups[-1][1] += int(b)
-                else:
-                    groups.append([first + k, int(b), w])
-            groups = [(g[0], g[1]) for g in groups]
-        parts = [self._select(b, step) for step, b in groups]
+        equal weights in one call)."""
+        groups: list[list] = []  # [first step of the run, budget, weights]
+        for k, b in enumerate(budgets):
+            w = self.weights_at(first + k)
+            if groups and np.array_equal(groups[-1][2], w):
+                groups[-1][1] += int(b)
+            else:
+                groups.append([first + k, int(b), w])
+        parts = [self._select(b, step) for step, b, _ in groups]
         return np.concatenate(parts) if parts else np.zeros((0, 6), np.int64)
 
     def _select(self, budget: int, step: int) -> np.ndarray:

@@ -5,8 +5,9 @@ bounded window of documents), a seeded permutation of its documents; both are se
 seed, source name, epoch[, unit]) so they never depend on list position, worker count or dp size.
 The position is a small cursor ``(epoch, pos, doc, tok)``: the next piece is the ``tok``-th token
 onward of the ``doc``-th document (in shuffled order) of unit ``order[pos]``. Piece rows name
-documents by their index in the unit's file order, so the constructor needs no permutation. Documents longer than the piece size are cut into consecutive
-pieces, each a sample in its own right (same sample id, increasing chunk index).
+documents by their index in the unit's file order, so the constructor needs no permutation.
+Documents longer than the piece size are cut into consecutive pieces, each a sample in its own
+right (same sample id, increasing chunk index).
 
 The stream only knows lengths of units whose metadata arrived; ``peek()`` returns ``None`` when the
 next unit is not loaded yet, and the planner then waits instead of substituting another sample:
@@ -212,18 +213,18 @@ class SourceStream:
         return L > self.split if cls == "long" else L <= self.split
 
     def _trailing(self) -> tuple:
-        main = (self.epoch, self.pos, self.doc, self.tok)
+        main = tuple(self._cur("short"))
         return min(main, tuple(self.long_cur)) if self.split else main
 
     def _leading(self) -> tuple:
-        main = (self.epoch, self.pos, self.doc, self.tok)
+        main = tuple(self._cur("short"))
         return max(main, tuple(self.long_cur)) if self.split else main
 
     def _try_unsplit(self) -> None:
         """Back to one cursor once the trailing class has nothing left before the leading cursor."""
         if not self.split or self.split_wanted:
             return
-        main = (self.epoch, self.pos, self.doc, self.tok)
+        main = tuple(self._cur("short"))
         lead, trail_cls = (tuple(self.long_cur), "short") if tuple(self.long_cur) >= main else (main, "long")
         e, pos, doc, tok = self._cur(trail_cls)
         while (e, pos, doc) < lead[:3]:
@@ -254,9 +255,9 @@ class SourceStream:
             rows, _, total, enough = self._scan(cls if self.split else None, min_tokens)
             return rows, enough
         # merged order: the trailing class for min_tokens, the other one up to where that ends
-        trail = "short" if (self.epoch, self.pos, self.doc, self.tok) <= tuple(self.long_cur) else "long"
+        trail = "short" if tuple(self._cur("short")) <= tuple(self.long_cur) else "long"
         other = "long" if trail == "short" else "short"
-        rt, kt, tt, enough = self._scan(trail, min_tokens)
+        rt, kt, _, enough = self._scan(trail, min_tokens)
         if not enough:
             return rt, False
         ro, ko, _, loaded = self._scan(other, 0, until=tuple(kt[-1]))
@@ -414,15 +415,10 @@ class SourceStream:
 
     # ---- loading look-ahead -------------------------------------------------------------------
     def unplanned_tokens(self) -> int:
-        """Loaded tokens not planned yet (while split: in the units from the leading cursor on,
-        which is where loading must stay ahead)."""
+        """Loaded tokens not planned yet (one cursor; while split, ``_want_split`` counts per class)."""
         total = 0
-        lead = self._leading()[:2] if self.split else None
         for (e, u), lens in self.lengths.items():
-            if lead is not None:
-                if (e, self.position(e, u)) >= lead:
-                    total += int(lens.sum())
-            elif (e, u) == self._unit_here():
+            if (e, u) == self._unit_here():
                 total += int(lens[self.doc :].sum()) - self.tok
             else:
                 total += int(lens.sum())
@@ -433,10 +429,9 @@ class SourceStream:
         out = []
         if self.split:
             return self._want_split(target_tokens, max_inflight)
-        # never request units behind the leading planning cursor (after a restore, say)
-        lead = self._leading()[:2]
-        if (self.req_epoch, self.req_pos) < lead:
-            self.req_epoch, self.req_pos = lead
+        # never request units behind the planning cursor (after a restore, say)
+        if (self.req_epoch, self.req_pos) < (self.epoch, self.pos):
+            self.req_epoch, self.req_pos = self.epoch, self.pos
         have = self.unplanned_tokens()
         while len(self.requested) < max_inflight and (have < target_tokens or not self.lengths and not self.requested):
             key = (self.req_epoch, int(self.order(self.req_epoch)[self.req_pos]))
