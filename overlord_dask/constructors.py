@@ -28,14 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .protocol import block_key
 from .sources.blocks import SampleBlock
 from .sources.tokenizers import PAD_ID
-
-IGNORE_INDEX = -100
-
-
-def block_key(source: int, epoch: int, unit: int) -> str:
-    return f"s{source}-e{epoch}-u{unit}"
+from .wire import IGNORE_INDEX, encode_batch
 
 
 def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False) -> dict:
@@ -113,6 +109,44 @@ def build_rank_batch(step: int, rank: int, micro_batches: list, blocks: dict[str
         for mb in mbs:
             mb["cp"] = cp_slices(mb, cp, cp_split_tokens or 2 * cp)
     return {"step": step, "rank": rank, "micro_batches": mbs}
+
+
+def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> list[list[np.ndarray]]:
+    """Decode a planned step's pieces into ``[rank][micro_batch] -> int64 rows [n, 6]`` for ``ranks``."""
+    rows = np.frombuffer(pieces, dtype="<i8").reshape(-1, 6)
+    sl = np.frombuffer(slot, dtype="<i4").reshape(-1, 2)
+    flat = sl[:, 0].astype(np.int64) * micro_batches + sl[:, 1]
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.arange(ranks.start * micro_batches, ranks.stop * micro_batches + 1))
+    return [[rows[order[bounds[i * micro_batches + m] : bounds[i * micro_batches + m + 1]]] for m in range(micro_batches)]
+            for i in range(len(ranks))]
+
+
+def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: int, blocks: dict[str, SampleBlock], capacity: int,
+                cp: int = 1, cp_split_tokens: int | None = None, multimodal: bool = False) -> dict:
+    """One constructor task: consecutive ``steps`` (planner output, pieces of ranks
+    ``[rank_lo, rank_hi)``) for those ranks. The result stays on the worker until every rank
+    acknowledged its last step; trainers fetch their (step, rank) batches from it directly
+    (``batch_server``). Without context parallelism the batches are stored in wire form
+    (``wire.encode``: narrow dtypes, derivable arrays left out); with it, whole, since every CP
+    rank is sent its own slice."""
+    ranks = range(rank_lo, rank_hi)
+    out: dict[int, dict[int, dict]] = {}
+    for sp in steps:
+        per_rank = split_step(sp["pieces"], sp["slot"], ranks, micro_batches)
+        out[sp["step"]] = {}
+        for rank, mbs in zip(ranks, per_rank):
+            b = build_rank_batch(sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal)
+            out[sp["step"]][rank] = b if cp > 1 else encode_batch(b)
+    return {"encoded": cp == 1, "batches": out}
+
+
+def chunk_batch(chunk: dict, step: int, rank: int, cp_rank: int | None = None) -> dict:
+    """The wire form of one (step, rank[, cp rank]) batch of a constructor task's result."""
+    b = chunk["batches"][step][rank]
+    if chunk["encoded"]:
+        return b
+    return encode_batch(select_cp(b, cp_rank) if cp_rank is not None else b)
 
 
 def zigzag_chunks(length: int, cp: int) -> np.ndarray:

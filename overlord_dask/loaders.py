@@ -1,13 +1,17 @@
 """Source-loader tasks: the functions Dask runs on workers to load units.
 
-``load_block`` reads one unit and keeps the resulting ``SampleBlock`` on the worker; only
-``block_lengths`` (int64 bytes, ~8 bytes per document) travels back, to the planner. Task keys are
-deterministic (run, source, epoch, unit) so a recomputation after a lost worker produces the same
-block under the same name.
+``load_block`` reads one unit and keeps the resulting ``SampleBlock`` on the worker. What the
+planner needs of it (document lengths, ~8 bytes per document, and image tokens per document)
+goes from the worker to the scheduler as one message on the worker's own stream
+(``overlord_lengths``), sent before the task finishes: no second task, no driver hop, no
+polling. A recomputed load (after a lost worker) reports again; the planner ignores repeats.
+Task keys (``protocol.load_key``) are deterministic, so a recomputation produces the same block
+under the same name.
 """
 
 from __future__ import annotations
 
+from .errors import SourceError
 from .plan.loading import plan_from_dict
 from .sources import load_unit
 from .sources.blocks import SampleBlock
@@ -23,28 +27,37 @@ def _plan(plan_dict: dict, cache_key: str):
     return plan
 
 
-def load_block(plan_dict: dict, cache_key: str, unit: dict) -> SampleBlock:
+def load_block(plan_dict: dict, cache_key: str, unit: dict, run_id: str | None = None, epoch: int = 0) -> SampleBlock:
     """Load one unit; ``cache_key`` names the plan version (run id and version) that defines the
-    unit's source, so a worker validates each version's plan once."""
+    unit's source, so a worker validates each version's plan once. Inside a worker, the unit's
+    lengths are reported to the planner of run ``run_id`` (``epoch`` is the planner's)."""
     plan = _plan(plan_dict, cache_key)
     u = LoadUnit.from_dict(unit)
-    return load_unit(plan.source(u.source), plan, u)
+    try:
+        block = load_unit(plan.source(u.source), plan, u)
+    except Exception as err:  # name the unit and its file: the run's error must say where to look
+        raise SourceError(f"loading {u.describe()}: {type(err).__name__}: {err}") from None
+    if run_id is not None:
+        report_lengths(run_id, u.source, epoch, u.index, block)
+    return block
 
 
-def block_lengths(block: SampleBlock) -> dict:
-    """What the planner learns of a loaded unit: document lengths, and image tokens per document
-    for a multimodal source (little-endian int64 bytes)."""
+def report_lengths(run_id: str, source: str, epoch: int, unit: int, block: SampleBlock) -> None:
+    """Send a loaded unit's metadata to the planner through the worker's scheduler stream."""
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:  # not inside a worker (a direct call): nobody to tell
+        return
     vision = block.vision_tokens()
-    return {"lengths": block.lengths().astype("<i8").tobytes(), "vision": None if vision is None else vision.astype("<i8").tobytes()}
-
-
-def load_key(run_id: str, source: str, epoch: int, unit: int) -> str:
-    return f"overlord-load-{run_id}-{source}-e{epoch}-u{unit}"
-
-
-def lengths_key(run_id: str, source: str, epoch: int, unit: int) -> str:
-    return f"overlord-lengths-{run_id}-{source}-e{epoch}-u{unit}"
-
-
-def batch_key(run_id: str, step: int, rank: int) -> str:
-    return f"overlord-batch-{run_id}-{step}-{rank}"
+    msg = {
+        "op": "overlord_lengths",
+        "run_id": run_id,
+        "source": source,
+        "epoch": epoch,
+        "unit": unit,
+        "lengths": block.lengths().astype("<i8").tobytes(),
+        "vision": None if vision is None else vision.astype("<i8").tobytes(),
+    }
+    worker.loop.add_callback(worker.batched_send, msg)  # tasks run in a thread; the stream lives on the loop

@@ -33,7 +33,7 @@ from .errors import PlanError, ServiceError
 from .plan.loading import plan_from_dict, plan_to_dict
 from .plan.models import Plan, Source
 from .plan.timeline import PlanTimeline
-from .planner.plugin import HANDLERS, PlannerPlugin
+from .planner.plugin import PlannerPlugin
 from .planner.state import decode_updates
 from .sources import discover_units
 from .sources.fs import resolve_url
@@ -60,11 +60,12 @@ def index_timeline(timeline: PlanTimeline) -> dict[str, list[LoadUnit]]:
     return units
 
 
-def _detach_planner(dask_scheduler) -> None:
-    """Remove the planner and its routes, so the scheduler can host another run (or none)."""
-    dask_scheduler.plugins.pop(PlannerPlugin.name, None)
-    for name in HANDLERS:
-        dask_scheduler.handlers.pop(name, None)
+async def _detach_planner(dask_scheduler) -> None:
+    """Stop the planner (last snapshot written) and remove it with its routes and queues, so the
+    scheduler can host another run (or none)."""
+    plugin = dask_scheduler.plugins.pop(PlannerPlugin.name, None)
+    if plugin is not None:
+        await plugin.stop()
 
 
 class Service:

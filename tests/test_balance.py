@@ -97,7 +97,7 @@ def _tiles_every_selected_piece(state, steps):
     """Planned pieces plus those still pending tile each source's selected tokens exactly."""
     planned = sum(int((state.ledger[s]["pieces"][:, 5] - state.ledger[s]["pieces"][:, 4]).sum()) for s in steps)
     waiting = int((state.pending[:, 5] - state.pending[:, 4]).sum())
-    waiting += sum(int((rows[:, 5] - rows[:, 4]).sum()) for ranks, _ in state.ready for mbs in ranks for rows in mbs)
+    waiting += sum(int((rows[:, 5] - rows[:, 4]).sum()) for ranks, *_ in state.ready for mbs in ranks for rows in mbs)
     return planned + waiting == int(state.selected.sum())
 
 

@@ -147,10 +147,10 @@ def test_cost_policy_cuts_windows_at_jumps_and_tracks_the_mix():
     starts = []
     orig = state._plan_window
 
-    def spy():
-        if not starts or starts[-1] != state.next_step:  # a starved attempt is retried at the same step
-            starts.append(state.next_step)
-        orig()
+    def spy(start):
+        if not starts or starts[-1] != start:  # a starved attempt is retried at the same step
+            starts.append(start)
+        orig(start)
 
     state._plan_window = spy
     ledger = drive(state, 60)
@@ -309,7 +309,7 @@ def _check_classes_exactly_once(state, ledger, threshold=2000):
     """Every document up to the trailing cursor is delivered whole, once; between the cursors,
     exactly the leading class's documents are; none beyond; nothing twice."""
     pieces = np.concatenate([ledger[s]["pieces"] for s in ledger] + [state.pending[:, :6]]
-                            + [r for ranks, _ in state.ready for mbs in ranks for r in mbs])
+                            + [r for ranks, *_ in state.ready for mbs in ranks for r in mbs])
     for i, s in enumerate(state.streams):
         spans: dict = {}
         for _, e, u, d, a, b in pieces[pieces[:, 0] == i].tolist():

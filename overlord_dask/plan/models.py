@@ -221,6 +221,10 @@ class Loading(_Strict):
     """Loaded-but-unplanned units kept per source beyond what planned steps need."""
     retries: int = Field(default=2, ge=0, le=16)
     """Attempts per load unit before the run fails with the unit's file named."""
+    batch_steps: int | None = Field(default=None, ge=1, le=1024)
+    """Steps handed out together: one constructor task per group of ranks and one queue item per
+    rank name this many consecutive steps, and trainers acknowledge once per such chunk (the
+    control path's cost is per chunk, not per step). Default: half of ``prefetch_steps``."""
 
 
 class Balance(_Strict):

@@ -1,60 +1,51 @@
 """The planner as a Dask scheduler plugin: one central, metadata-only controller per service.
 
-Routes (scheduler handlers, request/response; all idempotent where a retry could repeat them):
+Routes are listed in ``protocol.py``. How the control path is kept off the scheduler's event loop
+and O(1) per step (it was O(dp) RPCs and tasks per step, and a 130-160 ms planning window blocked
+every queue get, ack and heartbeat):
 
-- ``overlord_info()``: the topology and names a consumer needs to attach.
-- ``overlord_add_lengths(source, epoch, unit, lengths, vision=None)``: a loaded unit's document
-  lengths (and image tokens per document, multimodal sources), little-endian int64 bytes; a
-  repeat (recomputed load) is ignored.
-- ``overlord_ack(rank, step, cp_rank=0, durable=False)``: a (rank, cp rank) consumed every step
-  up to ``step`` (``durable``: and saved them in its trainer checkpoint).
-- ``overlord_status()``, ``overlord_metrics(start, stop)``, ``overlord_ledger(start, stop)``.
-- ``overlord_fail(message)``: the driver reports a fatal error; consumers see it in their status.
-- ``overlord_snapshots()``: kind, size and write time of the snapshots written so far.
-- ``overlord_tick(max_steps)``: the driver's single call per loop: plan the next steps within
-  the prefetch bound, and answer with them, the units whose lengths the planner needs next, and
-  the status.
-- ``overlord_rewind(rank, cp_rank, step)``: a restarted trainer needs its stream again from a
-  step it has not acknowledged; returns the queue's new generation.
-- ``overlord_update(plan, at_step, unit_first_ids)``: a live plan update from ``at_step`` (None: the
-  first step not planned yet); answers once the update is in a snapshot (with a checkpoint URL).
-- ``overlord_plans()``: every plan version as ``[at_step, plan dict]`` (the driver and
-  inspection read it).
+- **One planner thread owns the state.** Planning (hand-out of steps, and balancing the next
+  windows *ahead* of hand-out), loaded lengths, live updates, snapshots' state capture and the
+  inspection routes run there, serialised, through a one-thread executor; handlers on the event
+  loop only await it. Acks (a few list writes) stay on the loop.
+- **Event-driven.** Load tasks report their lengths on the worker's stream
+  (``overlord_lengths``); an ack that moves the committed step, new lengths or an update wake the
+  planner; planning results wake the driver's long poll (``overlord_work``); a constructor task
+  reaching memory (the ``transition`` hook) puts its descriptors straight into the ranks'
+  ``distributed.Queue``s in this process, with the workers that hold it. Nothing polls.
+- **Chunks.** Steps are handed out ``chunk_steps`` at a time (``loading.batch_steps``, default
+  half of ``prefetch_steps``); one constructor task builds a chunk for a group of ranks (as many
+  groups as workers, so construction scales with them) and one queue item per rank names the
+  whole chunk, so queue items, queue reads, constructor tasks and acks are per chunk, not per
+  (step, rank).
+- **Measured.** A watchdog coroutine measures how late the event loop wakes (``overlord_loop``).
 
-With a checkpoint URL, every newly committed step is snapshotted asynchronously, never blocking
-an ack: a base every ``base_every_steps`` steps or ``base_every_seconds`` (and when the topology
-or the plan versions change), else a delta (``snapshots.SnapshotWriter``).
-
-Handlers run on the scheduler's event loop; each is O(step size) metadata work, never I/O.
+With a checkpoint URL, every newly durable step is snapshotted asynchronously (a base every
+``base_every_steps`` steps or ``base_every_seconds`` and when the topology or the plan versions
+change, else a delta: ``snapshots.SnapshotWriter``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..errors import PlanError
 from ..plan.loading import plan_from_dict, plan_to_dict
+from ..protocol import HANDLERS, STREAM_HANDLERS, batch_key, load_prefix, rank_queue_name
 from .state import PlannerState
 
-HANDLERS = (
-    "overlord_info",
-    "overlord_add_lengths",
-    "overlord_ack",
-    "overlord_status",
-    "overlord_metrics",
-    "overlord_ledger",
-    "overlord_fail",
-    "overlord_snapshots",
-    "overlord_rewind",
-    "overlord_tick",
-    "overlord_update",
-    "overlord_plans",
-)
+logger = logging.getLogger(__name__)
+TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
+LOOP_TICK_S = 0.01  # the event-loop watchdog's sleep
 
 
 class PlannerPlugin(SchedulerPlugin):
@@ -77,36 +68,162 @@ class PlannerPlugin(SchedulerPlugin):
         self.restore_state = restore
         self.seq = restore_seq  # last snapshot sequence number written (or restored)
         self.state: PlannerState | None = None
-        self.rewinds: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, cp) -> (from step, generation)
 
+    # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
-        self.state = PlannerState(plan_from_dict(self.plan_dict, where="<service plan>"), self.unit_first_ids, state=self.restore_state)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
+        plan = plan_from_dict(self.plan_dict, where="<service plan>")
+        self.state = await self._run(PlannerState, plan, self.unit_first_ids, state=self.restore_state)
+        topo, loading = plan.topology, plan.loading
+        self.chunk_steps = min(loading.batch_steps or max(1, loading.prefetch_steps // 2), loading.prefetch_steps)
+        self.retries = loading.retries
+        self._load_prefix = load_prefix(self.run_id)
+        self._queues = scheduler.extensions["queues"]
+        self.queue_names = {(r, j): rank_queue_name(self.run_id, r, j) for r in range(topo.dp) for j in range(topo.cp)}
+        for name in self.queue_names.values():
+            self._queues.create(name=name, client=self.name)
+        self.generation: dict[tuple[int, int], int] = {}  # (rank, cp rank) -> generation of its queue
+        self.tasks: dict[str, dict] = {}  # constructor task key -> {"steps", "lo", "hi", "workers"}; until released
+        self._built: dict[str, asyncio.Event] = {}  # keys someone waits on (overlord_where)
+        self._wakers: dict[tuple[int, int], asyncio.Event] = {}  # (rank, cp rank) -> set on the next put
+        self._work = _Work()
+        self._work_event = asyncio.Event()
+        self._kick = asyncio.Event()  # something may let the planner make progress
+        self._inbox: deque = deque()  # reported lengths, drained by the planner thread
+        self.loop_lags: deque = deque(maxlen=20_000)
+        self.loop_block_max = 0.0
         self.store = None
         self.snapshot_stats: list[dict] = []
         self._written_committed = -1
         self._wake = asyncio.Event()
         self._write_lock = asyncio.Lock()  # the loop and a plan update both write; sequence numbers must not race
+        self._background = [asyncio.create_task(self._plan_loop()), asyncio.create_task(self._watch_loop())]
         if self.checkpoint_url:
             from ..snapshots import SnapshotStore, SnapshotWriter
 
             self.store = SnapshotStore(self.checkpoint_url, self.storage_options)
             self.writer = SnapshotWriter(self.store, keep_bases=self.keep_bases, base_every_steps=self.base_every[0],
                                          base_every_seconds=self.base_every[1], seq=self.seq)
-            self._writer = asyncio.create_task(self._snapshot_loop())
+            self._background.append(asyncio.create_task(self._snapshot_loop()))
             self._wake.set()  # a first base right away
         for name in HANDLERS:
             scheduler.handlers[name] = getattr(self, name[len("overlord_") :])
+        for name in STREAM_HANDLERS:  # never removed: a message for a handler that is gone drops the worker
+            scheduler.stream_handlers[name] = functools.partial(_dispatch_stream, scheduler, name[len("overlord_") :])
+        self._kick.set()
 
-    async def close(self) -> None:
+    async def stop(self) -> None:
+        """Detach from the scheduler (it may host another run): the last snapshot is written,
+        the routes and queues removed, the planner thread ended."""
+        if getattr(self, "_executor", None) is None:
+            return
+        for t in self._background:
+            t.cancel()
         if self.store is not None:
-            self._writer.cancel()
-            async with self._write_lock:
-                await self._write_snapshot()  # the last committed step, before the scheduler goes
+            try:
+                async with self._write_lock:
+                    await self._write_snapshot()  # the last committed step, before the run goes
+            except Exception:
+                logger.exception("writing the final planner snapshot to %s failed", self.checkpoint_url)
         for name in HANDLERS:
             self.scheduler.handlers.pop(name, None)
+        for name in self.queue_names.values():
+            self._queues.release(name=name, client=self.name)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = None
 
-    # ---- snapshots: encoded on the event loop (small), written in a thread, never on a trainer's path
+    async def close(self) -> None:
+        await self.stop()
+
+    async def _run(self, fn, *args, **kwargs):
+        """Run ``fn`` in the planner thread (the one thread that touches the planner state)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    # ---- the planner thread's loop -------------------------------------------------------------
+    async def _plan_loop(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            try:
+                out = await self._run(self._plan_work)
+            except Exception as err:  # a bug or a misbehaving weight function: stop the run, say why
+                logger.exception("overlord planner failed")
+                self._set_failure(f"planning failed: {type(err).__name__}: {err}")
+                return
+            self._publish(out)
+
+    def _plan_work(self) -> dict:
+        """(planner thread) Take in loaded lengths, hand out every chunk the prefetch bound
+        allows, then plan windows ahead and ask for the units planning will need next."""
+        st = self.state
+        while self._inbox:
+            st.add_lengths(*self._inbox.popleft())
+        out = {"tasks": [], "loads": [], "finished": []}
+        if st.failure:
+            return out
+        prefetch = st.plan.loading.prefetch_steps
+        while prefetch - (st.next_step - st.committed) >= self.chunk_steps:
+            steps, finished = st.plan_steps(self.chunk_steps)
+            out["finished"] += finished
+            if not steps:
+                break
+            out["tasks"] += self._chunk_tasks(steps)
+        st.plan_ahead(self.chunk_steps)  # the next chunk is balanced before anyone asks for it
+        out["loads"] = st.wanted()
+        return out
+
+    def _chunk_tasks(self, steps: list[dict]) -> list[dict]:
+        """(planner thread) Constructor tasks for consecutive ``steps``: one per group of ranks,
+        as many groups as workers (construction runs in parallel) and never more than
+        ``TASK_TOKENS`` tokens per task."""
+        topo = self.state.final_plan.topology
+        dp, mb = topo.dp, topo.micro_batches
+        tokens = len(steps) * topo.step_tokens
+        groups = max(math.ceil(tokens / TASK_TOKENS), min(dp, max(1, len(self.scheduler.workers))))
+        per = math.ceil(dp / min(groups, dp))
+        tasks = []
+        for lo in range(0, dp, per):
+            hi = min(dp, lo + per)
+            parts, units = [], []
+            for sp in steps:
+                pieces = np.frombuffer(sp["pieces"], dtype="<i8").reshape(-1, 6)
+                slot = np.frombuffer(sp["slot"], dtype="<i4").reshape(-1, 2)
+                mine = (slot[:, 0] >= lo) & (slot[:, 0] < hi)
+                parts.append({"step": sp["step"], "pieces": pieces[mine].tobytes(), "slot": slot[mine].tobytes(), "piece_tokens": sp["piece_tokens"]})
+                units.append(pieces[mine][:, :3])
+            used = np.unique(np.concatenate(units), axis=0) if units else np.zeros((0, 3), np.int64)
+            tasks.append({"key": batch_key(self.run_id, steps[0]["step"], lo, hi), "steps": parts, "ranks": [lo, hi],
+                          "micro_batches": mb, "units": used.tolist()})
+        return tasks
+
+    def _publish(self, out: dict) -> None:
+        for t in out["tasks"]:
+            self.tasks[t["key"]] = {"steps": [p["step"] for p in t["steps"]], "lo": t["ranks"][0], "hi": t["ranks"][1], "workers": None}
+        self._work.add(out)
+        if self._work:
+            self._work_event.set()
+
+    # ---- event-loop watchdog ------------------------------------------------------------------
+    async def _watch_loop(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(LOOP_TICK_S)
+            lag = time.perf_counter() - t0 - LOOP_TICK_S
+            self.loop_lags.append(lag)
+            self.loop_block_max = max(self.loop_block_max, lag)
+
+    def loop(self, reset: bool = False) -> dict:
+        """How late the scheduler's event loop woke up (a block of the loop shows as lag)."""
+        lags = np.asarray(self.loop_lags) * 1e3
+        out = {"block_max_ms": round(self.loop_block_max * 1e3, 3), "samples": len(lags),
+               "block_p99_ms": round(float(np.percentile(lags, 99)), 3) if len(lags) else 0.0}
+        if reset:
+            self.loop_lags.clear()
+            self.loop_block_max = 0.0
+        return out
+
+    # ---- snapshots: state captured in the planner thread, written in another thread ------------
     async def _snapshot_loop(self) -> None:
         while True:
             await self._wake.wait()
@@ -115,10 +232,10 @@ class PlannerPlugin(SchedulerPlugin):
                 async with self._write_lock:
                     await self._write_snapshot()
             except Exception:  # storage hiccups must not kill the planner; the next commit retries
-                logging.getLogger(__name__).exception("writing a planner snapshot to %s failed", self.checkpoint_url)
+                logger.exception("writing a planner snapshot to %s failed", self.checkpoint_url)
 
     async def _write_snapshot(self, force: bool = False) -> None:
-        st = self.state.get_state()
+        st = await self._run(self.state.get_state)
         if st["committed"] == self._written_committed and not force:
             return
         t0 = time.perf_counter()
@@ -127,114 +244,240 @@ class PlannerPlugin(SchedulerPlugin):
         self.snapshot_stats.append({"kind": kind, "bytes": n, "seconds": time.perf_counter() - t0, "committed": st["committed"]})
         del self.snapshot_stats[:-1000]
 
+    # ---- worker stream ------------------------------------------------------------------------
+    def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None, **_) -> None:
+        """A load task's unit metadata (one-way, from the worker's stream); repeats are ignored."""
+        if run_id != self.run_id:
+            return
+        v = None if vision is None else np.frombuffer(vision, dtype="<i8")
+        self._inbox.append((source, epoch, unit, np.frombuffer(lengths, dtype="<i8"), v))
+        self._kick.set()
+
+    # ---- task events (scheduler transitions, on the event loop) --------------------------------
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        t = self.tasks.get(key)
+        if t is None:
+            if finish == "erred" and isinstance(key, str) and key.startswith(self._load_prefix):
+                self._set_failure(self._error_text(key))
+            return
+        if finish == "memory":
+            ts = self.scheduler.tasks.get(key)
+            first = t["workers"] is None
+            t["workers"] = [ws.address for ws in ts.who_has] if ts is not None else []
+            if first:
+                for r in range(t["lo"], t["hi"]):
+                    for j in range(self.state.final_plan.topology.cp):
+                        self._put(r, j, self._descriptor(key, t, r, j))
+            ev = self._built.pop(key, None)
+            if ev is not None:
+                ev.set()
+        elif finish == "erred":
+            self._set_failure(self._error_text(key, t))
+
+    def _error_text(self, key: str, task: dict | None = None) -> str:
+        ts = self.scheduler.tasks.get(key)
+        blame = (ts.exception_blame or ts) if ts is not None else None
+        text = (blame.exception_text if blame is not None else None) or "unknown error"
+        if blame is not None and isinstance(blame.key, str) and blame.key.startswith(self._load_prefix):
+            return f"{text} (failed after {self.retries} retries)"
+        steps = task["steps"] if task else "?"
+        return f"building steps {steps} failed: {text}"
+
+    def _descriptor(self, key: str, t: dict, rank: int, cp_rank: int) -> dict:
+        return {"key": key, "steps": t["steps"], "workers": t["workers"], "gen": self.generation.get((rank, cp_rank), 0), "run_id": self.run_id}
+
+    def _put(self, rank: int, cp_rank: int, item: dict) -> None:
+        q = self._queues.queues.get(self.queue_names[(rank, cp_rank)])
+        if q is not None:
+            q.put_nowait({"type": "msgpack", "value": item})
+            self._wake_queue((rank, cp_rank))
+
+    def _set_failure(self, message: str) -> None:
+        if self.state.failure:
+            return
+        self.state.failure = message
+        logger.error("overlord run %s failed: %s", self.run_id, message)
+        for (r, j) in self.queue_names:
+            self._put(r, j, {"error": message})
+        self._work_event.set()
+
     # ---- routes -------------------------------------------------------------------------------
+    async def work(self, timeout: float = 1.0) -> dict:
+        """The driver's long poll: answers as soon as there is something to submit or release."""
+        if not self._work and not self.state.failure:
+            try:
+                await asyncio.wait_for(self._work_event.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        self._work_event.clear()
+        out, self._work = self._work.take(), _Work()
+        out.update(failure=self.state.failure, plan_version=self.state.plan_version)
+        return out
+
+    async def descriptors(self, rank: int, cp_rank: int = 0, generation: int = 0, timeout: float = 2.0) -> list:
+        """A consumer's long poll on its queue: every descriptor waiting (or none in ``timeout``).
+        Only the newest attachment of a (rank, cp rank) takes items: a poll left waiting here by
+        a consumer that died or closed must not swallow what its successor needs."""
+        key = (rank, cp_rank)
+        q = self._queues.queues.get(self.queue_names.get(key, ""))
+        if q is None:
+            return [{"error": f"rank {rank} cp rank {cp_rank} has no queue in run {self.run_id}"}]
+        deadline = time.monotonic() + timeout
+        while q.empty() and self.generation.get(key, 0) == generation:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            waker = self._wakers.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.wait_for(waker.wait(), remaining)
+            except asyncio.TimeoutError:
+                return []
+        if self.generation.get(key, 0) != generation:
+            return []  # a newer consumer attached for this rank
+        out = []
+        while not q.empty():
+            out.append(q.get_nowait()["value"])
+        return out
+
+    def _wake_queue(self, key: tuple[int, int]) -> None:
+        waker = self._wakers.pop(key, None)
+        if waker is not None:
+            waker.set()
+
+    def attach(self, rank: int, cp_rank: int = 0) -> dict:
+        """A consumer joins as (rank, cp rank): it starts after the rank's last acknowledged step;
+        descriptors of built batches from there are queued again under a new generation."""
+        topo = self.state.final_plan.topology
+        if not 0 <= rank < topo.dp or not 0 <= cp_rank < topo.cp:
+            return {"error": f"rank {rank} cp rank {cp_rank} does not exist: the plan has dp={topo.dp}, cp={topo.cp}"}
+        st = self.state
+        i = rank * st.topology.cp + cp_rank
+        first = max(st.replay_until, st.acked[i] + 1 if i < len(st.acked) else 0)
+        gen = self.generation.get((rank, cp_rank), 0) + 1
+        self.generation[(rank, cp_rank)] = gen
+        self._wake_queue((rank, cp_rank))  # a poll of the previous consumer returns empty-handed
+        for key, t in self.tasks.items():
+            if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first:
+                self._put(rank, cp_rank, self._descriptor(key, t, rank, cp_rank))
+        return {"error": None, "first_step": first, "generation": gen}
+
+    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> dict:
+        st = self.state
+        before, before_durable = st.committed, st.durable_step
+        try:
+            committed = st.ack(rank, step, cp_rank, durable)
+        except ValueError as err:
+            return {"committed": st.committed, "error": str(err)}
+        if st.durable_step > before_durable and self.store is not None:
+            self._wake.set()
+        if committed > before:
+            done = [k for k, t in self.tasks.items() if t["steps"][-1] < committed]
+            for k in done:
+                del self.tasks[k]
+            self._work.release += done
+            self._work_event.set()
+            self._kick.set()
+        return {"committed": committed, "error": None}
+
+    async def where(self, key: str, timeout: float = 5.0) -> dict:
+        """Workers holding built batch ``key`` (waits up to ``timeout`` while it is rebuilt)."""
+        if key not in self.tasks:
+            return {"error": f"batch {key} is no longer held: every rank acknowledged its steps", "workers": []}
+        ts = self.scheduler.tasks.get(key)
+        if ts is None or ts.state != "memory":
+            ev = self._built.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.wait_for(ev.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            ts = self.scheduler.tasks.get(key)
+        return {"error": None, "workers": [ws.address for ws in ts.who_has] if ts is not None and ts.state == "memory" else []}
+
     async def update(self, plan: dict, at_step: int | None = None, unit_first_ids: dict | None = None) -> dict:
         """Apply a live plan update; with snapshots, answer only once a base holding it is written
         (so an acknowledged update survives a crash)."""
         try:
             new = plan_from_dict(plan, where="<plan update>")
-            at = self.state.update(new, at_step, unit_first_ids or {})
+            at = await self._run(self.state.update, new, at_step, unit_first_ids or {})
         except (PlanError, ValueError) as err:
             return {"error": str(err), "at_step": None, "version": self.state.plan_version}
+        self._kick.set()
         if self.store is not None:
             async with self._write_lock:
                 await self._write_snapshot(force=True)
         return {"error": None, "at_step": at, "version": self.state.plan_version}
 
-    def plans(self) -> list:
-        return [[at, plan_to_dict(p)] for at, p in self.state.timeline.versions]
+    async def plans(self) -> list:
+        return await self._run(lambda: [[at, plan_to_dict(p)] for at, p in self.state.timeline.versions])
 
     def info(self) -> dict:
-        t = self.state.final_plan.topology
+        plan = self.state.final_plan
+        t = plan.topology
         return {
             "run_id": self.run_id,
-            "name": self.state.plan.name,
+            "name": plan.name,
             "dp": t.dp,
             "cp": t.cp,
             "micro_batches": t.micro_batches,
             "tokens_per_micro_batch": t.tokens_per_micro_batch,
-            "sources": self.state.source_names,
-            "weights": [float(w) for w in self.state.weights_at(self.state.next_step)],
+            "prefetch_steps": plan.loading.prefetch_steps,
+            "chunk_steps": self.chunk_steps,
+            "sources": list(self.state.source_names),
             "plan_version": self.state.plan_version,
-            "queue_prefix": queue_prefix(self.run_id),
-            "first_step": self.state.replay_until,
             "commit": self.state.commit_mode,
         }
-
-    def wanted(self) -> list:
-        return self.state.wanted()
-
-    def add_lengths(self, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None) -> bool:
-        v = None if vision is None else np.frombuffer(vision, dtype="<i8")
-        return self.state.add_lengths(source, epoch, unit, np.frombuffer(lengths, dtype="<i8"), v)
-
-    def plan(self, max_steps: int = 1) -> dict:
-        if self.state.failure:
-            return {"steps": [], "finished": [], "failure": self.state.failure}
-        steps, finished = self.state.plan_steps(max_steps)
-        return {"steps": steps, "finished": finished, "failure": None}
-
-    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> dict:
-        before = self.state.durable_step
-        try:
-            committed = self.state.ack(rank, step, cp_rank, durable)
-        except ValueError as err:
-            return {"committed": self.state.committed, "error": str(err)}
-        if self.state.durable_step > before and self.store is not None:
-            self._wake.set()
-        return {"committed": committed, "error": None}
 
     def snapshots(self) -> list[dict]:
         return list(self.snapshot_stats) if self.store is not None else []
 
-    def tick(self, max_steps: int = 1) -> dict:
-        """The driver's one call per loop: plan what it can, then say which units to load next
-        and the status (acks, rewinds), in one round trip instead of three."""
-        out = self.plan(max_steps)
-        out["wanted"] = [] if out.get("failure") else self.wanted()
-        out["status"] = self.status()
-        return out
+    async def status(self) -> dict:
+        st = await self._run(self.state.status)
+        return {**st, "loop": self.loop(), "chunk_steps": self.chunk_steps, "tasks_held": len(self.tasks)}
 
-    def status(self) -> dict:
-        return {**self.state.status(), "rewinds": [[r, c, s, g] for (r, c), (s, g) in self.rewinds.items()]}
+    async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
+        return await self._run(lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)])
 
-    def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
-        return [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)]
+    async def ledger(self, start: int = 0, stop: int | None = None) -> list[dict]:
+        return await self._run(self._ledger, start, stop)
 
-    def ledger(self, start: int = 0, stop: int | None = None) -> list[dict]:
+    def _ledger(self, start: int, stop: int | None) -> list[dict]:
         out = []
         for s, entry in self.state.ledger.items():
             if s >= start and (stop is None or s < stop):
                 p = entry["pieces"]
-                out.append(
-                    {
-                        "step": s,
-                        "pieces": p.tobytes(),
-                        "slot": entry["slot"].tobytes(),
-                        "sample_ids": self.state.sample_ids(p).tobytes(),
-                        "dropped": self.state.dropped_ids(entry["dropped"]).tobytes(),
-                    }
-                )
+                out.append({"step": s, "pieces": p.tobytes(), "slot": entry["slot"].tobytes(),
+                            "sample_ids": self.state.sample_ids(p).tobytes(),
+                            "dropped": self.state.dropped_ids(entry["dropped"]).tobytes()})
         return out
 
-    def rewind(self, rank: int, cp_rank: int, step: int) -> dict:
-        """A restarted trainer (rank, cp rank) needs its stream again from ``step`` (not yet
-        acknowledged, so its batch is still held). Returns the new generation of its queue: the
-        driver re-sends descriptors from ``step`` tagged with it, and older ones are ignored."""
-        if step <= self.state.acked[rank * self.state.topology.cp + cp_rank]:
-            return {"error": f"rank {rank} cp rank {cp_rank} already acknowledged step {step}; it cannot be sent again", "generation": None}
-        gen = self.rewinds.get((rank, cp_rank), (0, 0))[1] + 1
-        self.rewinds[(rank, cp_rank)] = (step, gen)
-        return {"error": None, "generation": gen}
-
     def fail(self, message: str) -> None:
-        if not self.state.failure:
-            self.state.failure = message
+        self._set_failure(message)
 
 
-def queue_prefix(run_id: str) -> str:
-    return f"overlord-{run_id}"
+def _dispatch_stream(scheduler, method: str, **msg) -> None:
+    """Worker-stream messages go to the planner of their run; late ones (a load that finished
+    after its run stopped) are dropped here instead of breaking the worker's connection."""
+    plugin = scheduler.plugins.get(PlannerPlugin.name)
+    if isinstance(plugin, PlannerPlugin) and getattr(plugin, "_executor", None) is not None:
+        getattr(plugin, method)(**msg)
 
 
-def rank_queue_name(run_id: str, rank: int, cp_rank: int = 0) -> str:
-    return f"{queue_prefix(run_id)}-rank-{rank}" + (f"-cp-{cp_rank}" if cp_rank else "")
+class _Work:
+    """What the driver has to do next: loads and constructor tasks to submit, batches to release,
+    blocks no later step needs."""
+
+    __slots__ = ("loads", "tasks", "release", "finished")
+
+    def __init__(self):
+        self.loads, self.tasks, self.release, self.finished = [], [], [], []
+
+    def add(self, out: dict) -> None:
+        self.loads += out["loads"]
+        self.tasks += out["tasks"]
+        self.finished += out["finished"]
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.tasks or self.release or self.finished)
+
+    def take(self) -> dict:
+        return {"loads": self.loads, "tasks": self.tasks, "release": self.release, "finished": self.finished}

@@ -84,7 +84,7 @@ class PlannerState:
         self.starved_on: str | None = None
         # policy "cost": a window of steps is planned at once and handed out one step at a time
         self.balance = plan.balance
-        self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs)
+        self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs, drops or None)
         self.pending = np.zeros((0, 7), dtype=np.int64)  # pieces waiting for the next window
         self.selected = np.zeros(len(self.streams), dtype=np.int64)  # tokens selected per source so far
         self.declared = np.zeros(len(self.streams))  # tokens the per-step weights asked for so far
@@ -92,7 +92,6 @@ class PlannerState:
         self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by pending/ready pieces
         self.windows: OrderedDict[int, dict] = OrderedDict()  # first step of a planned window -> state before it
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
-        self._window_drops: np.ndarray | None = None  # documents dropped while planning the current window
         if state is not None:
             self._restore(state)
 
@@ -116,9 +115,14 @@ class PlannerState:
 
     # ---- live plan updates ----------------------------------------------------------------------
     @property
+    def planned_until(self) -> int:
+        """The first step whose pieces are not chosen yet (where the next window starts)."""
+        return self.next_step + len(self.ready)
+
+    @property
     def frontier(self) -> int:
         """The first step not planned yet: the earliest an update can apply from."""
-        return max(self.next_step + len(self.ready), self.replay_until)
+        return max(self.planned_until, self.replay_until)
 
     @property
     def plan_version(self) -> int:
@@ -215,7 +219,7 @@ class PlannerState:
     def _weights_ahead(self) -> np.ndarray:
         """Largest weight of each source over the next two windows (so a source that enters at a
         coming step is loaded before it is needed)."""
-        t0 = self.next_step
+        t0 = self.planned_until
         horizon = t0 + 2 * self._window_steps() + 1
         steps = {t0, horizon - 1}
         j = self.timeline.next_jump(t0)
@@ -224,12 +228,12 @@ class PlannerState:
             j = self.timeline.next_jump(j)
         return np.max([self.weights_at(t) for t in sorted(steps)], axis=0)
 
-    def _window_len(self) -> int:
-        """Steps in the next planning window: ``balance.window``, cut at the next jump of the mix
-        or context (a stage start, a source entering or leaving, a live update)."""
-        j = self.timeline.next_jump(self.next_step)
+    def _window_len(self, start: int) -> int:
+        """Steps in the planning window from ``start``: ``balance.window``, cut at the next jump
+        of the mix or context (a stage start, a source entering or leaving, a live update)."""
+        j = self.timeline.next_jump(start)
         n = self._window_steps()
-        return n if j is None else max(1, min(n, j - self.next_step))
+        return n if j is None else max(1, min(n, j - start))
 
     def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
         return self._stream(source).add_lengths(epoch, unit, lengths, vision)
@@ -280,7 +284,7 @@ class PlannerState:
             if self.next_step == self.replay_until and self.final_plan.topology != self.topology:
                 self._switch_topology()
             try:
-                ranks, mb_costs = self._next_planned()
+                ranks, mb_costs, drops = self._next_planned()
             except Starved as e:
                 self.starved_on = e.source
                 break
@@ -289,7 +293,7 @@ class PlannerState:
             self.next_step += 1
             if step < self.replay_until:
                 continue  # delivered before the restore: only the planner state had to catch up
-            self._record(step, ranks, mb_costs)
+            self._record(step, ranks, mb_costs, drops)
             entry = self.ledger[step]
             steps.append({"step": step, "pieces": entry["pieces"].astype("<i8").tobytes(), "slot": entry["slot"].astype("<i4").tobytes(),
                           "piece_tokens": self.metrics[step]["piece_tokens"]})
@@ -304,7 +308,7 @@ class PlannerState:
             self.held.update((i, e, u) for e, u in s.finished_units())
         if not self.held:
             return []
-        refs = [self.pending[:, :3]] + [rows[:, :3] for ranks, _ in self.ready for mbs in ranks for rows in mbs]
+        refs = [self.pending[:, :3]] + [rows[:, :3] for ranks, _, _ in self.ready for mbs in ranks for rows in mbs]
         in_use = {tuple(r) for r in np.unique(np.concatenate(refs), axis=0).tolist()} if refs else set()
         done = [k for k in self.held if k not in in_use]
         self.held.difference_update(done)
@@ -312,30 +316,56 @@ class PlannerState:
             self.streams[i].vision.pop((e, u), None)
         return [[self.source_names[i], e, u] for i, e, u in sorted(done)]
 
-    def _next_planned(self) -> tuple[list[list[np.ndarray]], np.ndarray]:
-        """The next step's pieces per (rank, micro-batch) as int64 rows, and their costs."""
-        if self.balance.policy == "none" or not self.ready:
-            self.windows[self.next_step] = self._capture()
-            self._apply_context(self.next_step)
-            try:
-                if self.balance.policy == "none":
-                    out = self._exact_step()
-                else:
-                    self._plan_window()
-            except Starved:
-                del self.windows[self.next_step]
-                for s in self.streams:
-                    s.drops.clear()
-                raise
-            self._window_drops = self._drain_drops()
-            self._prune_windows()
-            if self.balance.policy == "none":
-                return out
+    def _next_planned(self) -> tuple[list[list[np.ndarray]], np.ndarray, np.ndarray | None]:
+        """The next step's pieces per (rank, micro-batch) as int64 rows, their costs, and (on a
+        window's first step) the documents a drop policy skipped while planning the window."""
+        if not self.ready:
+            self._plan_next_window()
         return self.ready.popleft()
 
-    def _exact_step(self):
+    def _plan_next_window(self) -> None:
+        """Plan the window that starts at ``planned_until`` (one step with policy ``none``) into
+        ``ready``; its state beforehand is kept for snapshots (``windows``)."""
+        start = self.planned_until
+        self.windows[start] = self._capture()
+        self._apply_context(start)
+        try:
+            if self.balance.policy == "none":
+                self.ready.append((*self._exact_step(start), None))
+            else:
+                self._plan_window(start)
+        except Starved:
+            del self.windows[start]
+            for s in self.streams:
+                s.drops.clear()
+            raise
+        first = start - self.next_step
+        self.ready[first] = (*self.ready[first][:2], self._drain_drops())
+        self._prune_windows()
+
+    def plan_ahead(self, steps: int) -> int:
+        """Plan whole windows ahead of hand-out until at least ``steps`` planned steps wait in
+        ``ready`` (policy ``cost``), so that handing out a step never waits for a window to be
+        balanced. Stops quietly when a source's metadata is not loaded yet (``starved_on``), and
+        never plans past a pending topology switch (the stream must not depend on how far ahead
+        planning ran). Returns the number of windows planned."""
+        n = 0
+        while self.balance.policy == "cost" and len(self.ready) < steps:
+            if self.final_plan.topology != self.topology and self.planned_until >= self.replay_until:
+                break
+            try:
+                self._plan_next_window()
+            except Starved as e:
+                self.starved_on = e.source  # loading looks further ahead for this source (wanted)
+                return n
+            n += 1
+        if self.ready:
+            self.starved_on = None  # planning is ahead: no source holds it back
+        return n
+
+    def _exact_step(self, start: int):
         topo = self.topology
-        w = self.weights_at(self.next_step)
+        w = self.weights_at(start)
         sel = select_step(self.streams, w, topo.dp * topo.micro_batches, topo.tokens_per_micro_batch, self.carry)
         self.cum_tokens += sel.source_tokens
         self.cum_declared += w * sel.total_tokens
@@ -346,14 +376,14 @@ class PlannerState:
         ranks = [[bins[slots[r, m]] for m in range(topo.micro_batches)] for r in range(topo.dp)]
         return ranks, bin_costs[slots]
 
-    def _plan_window(self) -> None:
+    def _plan_window(self, start: int) -> None:
         """Select the next window's pieces (weighted fair queuing) and balance them over ranks.
 
         Pieces deferred by the balancer (heavy outliers without partners) leave room in the
         window; it is topped up with more selected pieces and balanced again, up to
         ``TOPUP_ROUNDS`` times, so deferral does not cost fill."""
         topo, bal = self.topology, self.balance
-        n_steps = self._window_len()
+        n_steps = self._window_len(start)
         target = n_steps * self.step_budget
         slack = min(topo.tokens_per_micro_batch, target // 100)
         saved = [s.cursor() for s in self.streams], self.selected.copy(), self.declared.copy(), self.cls_selected.copy(), self.cls_declared.copy()
@@ -369,7 +399,7 @@ class PlannerState:
         try:
             for rnd in range(self.TOPUP_ROUNDS):
                 if need > 0:  # a top-up selects with the weights of the window's last step
-                    rows = self._select_steps(self.next_step, budgets) if rnd == 0 else self._select(need, self.next_step + n_steps - 1)
+                    rows = self._select_steps(start, budgets) if rnd == 0 else self._select(need, start + n_steps - 1)
                     pieces = np.concatenate([pieces, _with_age(rows)])
                 costs = self._costs(pieces)
                 wp = balance_window(
@@ -387,7 +417,7 @@ class PlannerState:
             raise
         self.pending = wp.pending
         for ranks, mb_costs in zip(wp.steps, wp.bin_costs):
-            self.ready.append((ranks, mb_costs))
+            self.ready.append((ranks, mb_costs, None))
 
     TOPUP_ROUNDS = 3
 
@@ -423,15 +453,14 @@ class PlannerState:
         self.declared += w * got.sum()
         return rows
 
-    def _record(self, step: int, ranks: list[list[np.ndarray]], mb_costs: np.ndarray) -> None:
+    def _record(self, step: int, ranks: list[list[np.ndarray]], mb_costs: np.ndarray, drops: np.ndarray | None) -> None:
         parts, slots = [], []
         for r, mbs in enumerate(ranks):
             for m, rows in enumerate(mbs):
                 parts.append(rows)
                 slots.append(np.broadcast_to(np.array([r, m], dtype=np.int32), (len(rows), 2)))
         pieces = np.concatenate(parts) if parts else np.zeros((0, 6), np.int64)
-        drops = self._window_drops if self._window_drops is not None else np.zeros((0, 5), np.int64)
-        self._window_drops = None  # a window's drops are recorded with its first step
+        drops = drops if drops is not None else np.zeros((0, 5), np.int64)  # a window's drops go with its first step
         self.ledger[step] = {"pieces": pieces, "slot": np.concatenate(slots) if slots else np.zeros((0, 2), np.int32), "dropped": drops}
         ctx = self.timeline.context_at(step)
         lens = pieces[:, 5] - pieces[:, 4]
@@ -495,7 +524,7 @@ class PlannerState:
         if starts:
             window_step, window = starts[-1], self.windows[starts[-1]]
         else:
-            window_step, window = self.next_step, self._capture()
+            window_step, window = self.planned_until, self._capture()
         t = self.topology
         return {
             "version": STATE_VERSION,
@@ -543,7 +572,7 @@ class PlannerState:
     def _switch_topology(self) -> None:
         """After replaying the delivered steps on the old topology, continue on the plan's: the
         pieces planned but not delivered go back to the front of the queue, in order."""
-        undelivered = [rows for ranks, _ in self.ready for mbs in ranks for rows in mbs]
+        undelivered = [rows for ranks, _, _ in self.ready for mbs in ranks for rows in mbs]
         if undelivered:
             self.pending = np.concatenate([self.pending, _with_age(np.concatenate(undelivered))])
         self.ready.clear()

@@ -1,0 +1,79 @@
+"""The control protocol in one place: scheduler routes, queue names, task keys, descriptors.
+
+The planner plugin (scheduler), the driver (service process), the loader and constructor tasks
+(workers), the batch server (workers) and the consumer (trainers) meet only through the names
+defined here, so none of them imports another just to learn a string.
+
+Routes on the scheduler (request/response unless noted):
+
+- ``overlord_info()``: topology and names a consumer needs to attach.
+- ``overlord_attach(rank, cp_rank)``: a consumer joins; answers the first step it gets (the one
+  after the rank's last acknowledged step) and its queue's new generation. Descriptors of built
+  batches from that step on are queued again under the new generation, so a trainer that
+  restarted (or a second consumer after a first one died) loses and repeats nothing.
+- ``overlord_descriptors(rank, cp_rank, generation, timeout)``: a consumer's long poll on its
+  queue: every descriptor waiting, or none within ``timeout`` (only the newest generation takes).
+- ``overlord_ack(rank, step, cp_rank, durable)``: consumed every step up to ``step``.
+- ``overlord_where(key, timeout)``: the workers holding a built batch (waits until it is built).
+- ``overlord_work(timeout)``: the driver's long poll: loads to submit, constructor tasks to
+  submit, batches to release, blocks no longer needed, failure.
+- ``overlord_lengths`` (one-way, worker stream): a load task reports its unit's lengths.
+- ``overlord_status``, ``overlord_metrics``, ``overlord_ledger``, ``overlord_snapshots``,
+  ``overlord_loop``, ``overlord_fail``, ``overlord_update``, ``overlord_plans``.
+
+A queue item (``distributed.Queue`` per (rank, cp rank), msgpack, a few hundred bytes) names one
+constructor task and the consecutive steps of that rank it holds::
+
+    {"key": "overlord-batch-<run>-<first step>-r<lo>-<hi>", "steps": [s0, s1, ...],
+     "workers": ["tcp://..."], "gen": 3, "run_id": "<run>"}
+
+or ``{"error": "..."}`` when the run failed. The batch itself is fetched from the worker
+(``overlord_fetch`` on the worker, see ``batch_server``), never through the scheduler.
+"""
+
+from __future__ import annotations
+
+HANDLERS = (
+    "overlord_info",
+    "overlord_attach",
+    "overlord_descriptors",
+    "overlord_ack",
+    "overlord_where",
+    "overlord_work",
+    "overlord_status",
+    "overlord_metrics",
+    "overlord_ledger",
+    "overlord_fail",
+    "overlord_snapshots",
+    "overlord_loop",
+    "overlord_update",
+    "overlord_plans",
+)
+STREAM_HANDLERS = ("overlord_lengths",)
+WORKER_FETCH = "overlord_fetch"
+
+
+def queue_prefix(run_id: str) -> str:
+    return f"overlord-{run_id}"
+
+
+def rank_queue_name(run_id: str, rank: int, cp_rank: int = 0) -> str:
+    return f"{queue_prefix(run_id)}-rank-{rank}" + (f"-cp-{cp_rank}" if cp_rank else "")
+
+
+def load_prefix(run_id: str) -> str:
+    return f"overlord-load-{run_id}-"
+
+
+def load_key(run_id: str, source: str, epoch: int, unit: int) -> str:
+    return f"{load_prefix(run_id)}{source}-e{epoch}-u{unit}"
+
+
+def batch_key(run_id: str, first_step: int, rank_lo: int, rank_hi: int) -> str:
+    """One constructor task: consecutive steps from ``first_step`` for ranks ``[rank_lo, rank_hi)``."""
+    return f"overlord-batch-{run_id}-{first_step}-r{rank_lo}-{rank_hi}"
+
+
+def block_key(source: int, epoch: int, unit: int) -> str:
+    """Name of a sample block among a constructor task's inputs (source index, epoch, unit)."""
+    return f"s{source}-e{epoch}-u{unit}"

@@ -1,0 +1,100 @@
+"""The wire form of a packed micro-batch: narrow integer dtypes, derivable arrays left out.
+
+A packed micro-batch holds three capacity-long token arrays (``input_ids``, ``labels``,
+``position_ids``), 12 bytes per token as int32. Two of them follow from the first and from
+``cu_seqlens``: a label is the next input token inside a piece (the piece's last token carries
+its document's true next token, or -100), and positions restart at every piece. So the wire
+carries only the real tokens in the narrowest dtype that holds them (2 bytes per token for a
+vocabulary under 65,536) plus one label per piece, and :func:`decode` rebuilds exactly what
+:func:`constructors.pack_micro_batch` made (tested field by field). Every other integer array
+travels narrowed as well; the consumer restores the dtypes in ``DTYPES``.
+
+Context-parallel slices are not derivable this way (zigzag chunks): they travel whole, narrowed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .sources.tokenizers import PAD_ID
+
+IGNORE_INDEX = -100
+DTYPES = {
+    "input_ids": np.int32,
+    "labels": np.int32,
+    "position_ids": np.int32,
+    "cu_seqlens": np.int32,
+    "sample_ids": np.int64,
+    "source_ids": np.int32,
+    "chunk_ids": np.int32,
+    "piece_starts": np.int64,
+    "epochs": np.int32,
+    "seg_piece": np.int32,
+    "seg_chunk": np.int32,
+    "image_positions": np.int32,
+    "patch_index": np.int32,
+}
+_NARROW = (np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64)
+
+
+def narrow(a: np.ndarray) -> np.ndarray:
+    """``a`` in the smallest integer dtype that holds all its values (lossless)."""
+    if a.size == 0:
+        return a.astype(np.uint8)
+    lo, hi = int(a.min()), int(a.max())
+    for dt in _NARROW:
+        info = np.iinfo(dt)
+        if info.min <= lo and hi <= info.max:
+            return a if a.dtype == dt else a.astype(dt)
+    return a
+
+
+def encode(mb: dict) -> dict:
+    """Wire form of one micro-batch (a CP slice or a full micro-batch)."""
+    out = {}
+    derive = "cu_seqlens" in mb and "labels" in mb and "seg_piece" not in mb
+    if derive:
+        n, cu = int(mb["num_tokens"]), mb["cu_seqlens"]
+        out["capacity"] = len(mb["input_ids"])
+        out["tokens"] = narrow(mb["input_ids"][:n])
+        out["last_labels"] = narrow(mb["labels"][cu[1:] - 1]) if len(cu) > 1 else np.zeros(0, np.int8)
+    for k, v in mb.items():
+        if derive and k in ("input_ids", "labels", "position_ids"):
+            continue
+        out[k] = narrow(v) if k in DTYPES and isinstance(v, np.ndarray) else v
+    return out
+
+
+def decode(w: dict) -> dict:
+    """The micro-batch :func:`encode` was given, with the consumer-facing dtypes."""
+    out = {}
+    if "tokens" in w:
+        C, n = int(w["capacity"]), int(w["num_tokens"])
+        cu = w["cu_seqlens"].astype(np.int64)
+        ids = np.full(C, PAD_ID, dtype=np.int32)
+        ids[:n] = w["tokens"]
+        labels = np.full(C, IGNORE_INDEX, dtype=np.int32)
+        labels[: max(n - 1, 0)] = ids[1:n]
+        if len(cu) > 1:
+            labels[cu[1:] - 1] = w["last_labels"]
+        pos = np.arange(C, dtype=np.int32)
+        pos[:n] -= np.repeat(cu[:-1], np.diff(cu)).astype(np.int32)
+        pos[n:] = np.arange(C - n, dtype=np.int32)
+        out.update(input_ids=ids, labels=labels, position_ids=pos)
+    for k, v in w.items():
+        if k in ("tokens", "last_labels", "capacity"):
+            continue
+        out[k] = v.astype(DTYPES[k]) if k in DTYPES and isinstance(v, np.ndarray) else v
+    return out
+
+
+def encode_batch(batch: dict) -> dict:
+    return {**batch, "micro_batches": [encode(mb) for mb in batch["micro_batches"]]}
+
+
+def decode_batch(batch: dict) -> dict:
+    return {**batch, "micro_batches": [decode(mb) for mb in batch["micro_batches"]]}
+
+
+def nbytes(batch: dict) -> int:
+    return sum(v.nbytes for mb in batch["micro_batches"] for v in mb.values() if isinstance(v, np.ndarray))
