@@ -11,3 +11,11 @@ def emit(out: dict, as_json: bool, width: int = 32) -> None:
         return
     for k, v in out.items():
         print(f"{k:<{width}}{v!s:>14}")
+
+
+def print_rows(rows: list[dict], columns: list[str]) -> None:
+    """A readable table: one line per row, the given columns."""
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) + 2 for c in columns]
+    print("".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
+    for r in rows:
+        print("".join(f"{r.get(c, '')!s:>{w}}" for c, w in zip(columns, widths)))

@@ -112,8 +112,9 @@ def build_rank_batch(step: int, rank: int, micro_batches: list, blocks: dict[str
 
 
 def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> list[list[np.ndarray]]:
-    """Decode a planned step's pieces into ``[rank][micro_batch] -> int64 rows [n, 6]`` for ``ranks``."""
-    rows = np.frombuffer(pieces, dtype="<i8").reshape(-1, 6)
+    """Decode a task's step (pieces: int32 rows ``[source, epoch, unit, doc, start, stop]``, slot:
+    int32 ``[rank, micro_batch]``) into ``[rank][micro_batch] -> int64 rows [n, 6]`` for ``ranks``."""
+    rows = np.frombuffer(pieces, dtype="<i4").reshape(-1, 6).astype(np.int64)
     sl = np.frombuffer(slot, dtype="<i4").reshape(-1, 2)
     flat = sl[:, 0].astype(np.int64) * micro_batches + sl[:, 1]
     order = np.argsort(flat, kind="stable")

@@ -169,6 +169,7 @@ class RankStream:
         self._ready: dict[int, dict] = {}  # step -> batch, fetched and decoded
         self._sizes: dict[int, int] = {}
         self._ready_bytes = 0
+        self._step_bytes = 0  # size of the last step fetched (the byte bound's unit)
         self._error: str | None = None
         self._floor = self.next_step  # nothing below this is fetched (load_state_dict moves it)
         self._consumed = self.next_step - 1  # the trainer finished every step up to this one
@@ -209,7 +210,11 @@ class RankStream:
                     continue
                 with self._cond:
                     room = self.max_steps - len(self._ready)
-                    full = room <= 0 or (self._ready and self._ready_bytes >= self.max_bytes)
+                    # the byte bound, at the size of the last step fetched (one step until it is known)
+                    room = min(room, (self.max_bytes - self._ready_bytes) // self._step_bytes if self._step_bytes else 1)
+                    if not self._ready:
+                        room = max(room, 1)  # one step always, however large
+                    full = room <= 0
                     if full:
                         self._room.clear()
                 if full:
@@ -223,6 +228,7 @@ class RankStream:
                     if self.as_torch:
                         b = {**b, "micro_batches": [_to_torch(mb, self.pin_memory) for mb in b["micro_batches"]]}
                     n = nbytes(b) if not self.as_torch else sum(t.nbytes for mb in b["micro_batches"] for t in mb.values() if hasattr(t, "nbytes"))
+                    self._step_bytes = n
                     with self._cond:
                         if s >= self._floor:
                             self._ready[s] = b

@@ -224,7 +224,8 @@ class Loading(_Strict):
     batch_steps: int | None = Field(default=None, ge=1, le=1024)
     """Steps handed out together: one constructor task per group of ranks and one queue item per
     rank name this many consecutive steps, and trainers acknowledge once per such chunk (the
-    control path's cost is per chunk, not per step). Default: half of ``prefetch_steps``."""
+    control path's cost is per chunk, not per step). Default: a quarter of ``prefetch_steps``
+    (at least 1), so that three quarters of the prefetch bound stay lead time."""
 
 
 class Balance(_Strict):

@@ -1,0 +1,151 @@
+"""The control path (issue 13): wire form, background fetch, chunked queue items and acks,
+bounded buffers, and the planner kept off the scheduler's event loop."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from overlord_dask import Service, ServiceError, connect
+from overlord_dask.constructors import build_rank_batch, check_micro_batch
+from overlord_dask.protocol import block_key
+from overlord_dask.sources.blocks import SampleBlock
+from overlord_dask.wire import decode, decode_batch, encode, encode_batch, nbytes
+
+
+def _block(rng, n_docs=40, vocab=300):
+    lens = rng.integers(1, 400, n_docs)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    return SampleBlock("s", rng.integers(0, vocab, int(offsets[-1])).astype(np.int32), offsets, np.arange(n_docs) + 1000)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_wire_form_decodes_to_exactly_the_packed_micro_batch(seed):
+    rng = np.random.default_rng(seed)
+    block = _block(rng)
+    lens = np.diff(block.offsets)
+    pieces, used = [], 0
+    for d in rng.permutation(len(lens))[:12]:
+        L = int(lens[d])
+        a = int(rng.integers(0, L))  # a piece from inside the document: its last label is the true next token
+        b = min(L, a + int(rng.integers(1, 200)))
+        if used + b - a > 2048:
+            break
+        pieces.append([0, 0, 0, int(d), a, b])
+        used += b - a
+    batch = build_rank_batch(0, 0, [pieces, []], {block_key(0, 0, 0): block}, 2048, 512)
+    wire = encode_batch(batch)
+    for mb, w in zip(batch["micro_batches"], wire["micro_batches"]):
+        assert "labels" not in w and "position_ids" not in w and "input_ids" not in w  # derived on the trainer
+        if mb["num_tokens"]:
+            assert w["tokens"].dtype == np.uint16  # a 300-token vocabulary needs 2 bytes, not 4
+        back = decode(w)
+        check_micro_batch(back, 2048)
+        assert set(back) == set(mb)
+        for k, v in mb.items():
+            if isinstance(v, np.ndarray):
+                assert back[k].dtype == v.dtype, k
+                np.testing.assert_array_equal(back[k], v, err_msg=k)
+            else:
+                assert back[k] == v
+    assert nbytes(wire) * 4 < nbytes(batch)  # 12 bytes per token slot became about 2 per real token
+    assert decode_batch(wire)["step"] == 0
+
+
+def test_wire_form_keeps_context_parallel_slices_whole():
+    from overlord_dask.constructors import select_cp
+
+    rng = np.random.default_rng(3)
+    block = _block(rng)
+    batch = build_rank_batch(0, 0, [[[0, 0, 0, 1, 0, int(np.diff(block.offsets)[1])]]], {block_key(0, 0, 0): block}, 1024, 1024, cp=2,
+                             cp_split_tokens=4)
+    sl = select_cp(batch, 1)["micro_batches"][0]
+    back = decode(encode(sl))
+    for k, v in sl.items():
+        if isinstance(v, np.ndarray):
+            np.testing.assert_array_equal(back[k], v, err_msg=k)
+
+
+def _consume_all(address, ranks, steps, **kw):
+    out = {}
+    streams = {r: connect(address, r, timeout=120, **kw) for r in ranks}
+    try:
+        for _ in range(steps):
+            for r, s in streams.items():
+                out.setdefault(r, []).append(s.next_batch()["step"])
+        for s in streams.values():
+            s.commit()
+    finally:
+        for s in streams.values():
+            s.close()
+    return out
+
+
+def test_queue_items_and_acks_are_per_chunk_not_per_step(cluster, small_plan):
+    plan = small_plan(loading={"prefetch_steps": 8, "batch_steps": 4})
+    steps, dp = 16, plan.topology.dp
+    with Service.start(plan, cluster=cluster) as service:
+        got = _consume_all(service.address, range(dp), steps)
+        service.wait_for_step(steps, timeout=60)
+        st = service.status()
+    assert all(v == list(range(steps)) for v in got.values())
+    assert st["chunk_steps"] == 4
+    # one descriptor per rank per chunk of 4 steps (not one per step), one ack per chunk plus the final commit
+    assert st["descriptors_put"] <= dp * (steps // 4 + 2), st
+    assert st["acks"] <= dp * (steps // 4 + 2), st
+    assert st["loop"]["samples"] > 0 and "block_max_ms" in st["loop"]
+
+
+def test_a_slow_rank_bounds_everyone(cluster, small_plan):
+    """Rank 1 never asks: the service plans at most prefetch_steps ahead of it, rank 0 gets no
+    further, and the consumers' buffers hold what their bounds allow."""
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2})
+    with Service.start(plan, cluster=cluster) as service:
+        slow = connect(service.address, 1, timeout=120, prefetch_steps=1)
+        fast = connect(service.address, 0, timeout=3)
+        taken = []
+        with pytest.raises(ServiceError, match="no batch for step"):
+            for _ in range(50):
+                taken.append(fast.next_batch()["step"])
+        assert taken == list(range(4))  # the prefetch bound of the plan, not more
+        st = service.status()
+        assert st["next_step"] - st["committed"] <= 4
+        with slow._cond:
+            assert len(slow._ready) <= 1  # its own bound, while nobody reads it
+        fast.close()
+        slow.close()
+
+
+def test_byte_bound_holds_one_step_at_most_when_tiny(cluster, small_plan):
+    plan = small_plan(loading={"prefetch_steps": 6, "batch_steps": 3})
+    with Service.start(plan, cluster=cluster) as service:
+        streams = [connect(service.address, r, timeout=120, prefetch_bytes=1) for r in range(plan.topology.dp)]
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not all(s._ready for s in streams):
+                time.sleep(0.05)
+            time.sleep(0.5)  # room for a (wrong) second fetch to land
+            assert [len(s._ready) for s in streams] == [1] * len(streams)
+            assert [s.next_batch()["step"] for s in streams] == [0] * len(streams)
+        finally:
+            for s in streams:
+                s.close()
+
+
+def test_pin_memory_without_an_accelerator_warns_and_still_delivers(cluster, small_plan):
+    import torch
+
+    from overlord_dask import OverlordDataset
+
+    plan = small_plan(topology={"dp": 1})
+    with Service.start(plan, cluster=cluster) as service:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds = OverlordDataset(service.address, rank=0, pin_memory=True, timeout=120)
+            mb = next(iter(ds))
+        ds.close()
+    assert torch.cuda.is_available() or any("pin_memory" in str(w.message) for w in caught)
+    assert mb["input_ids"].dtype == torch.int64 and mb["labels"].dtype == torch.int64 and mb["cu_seqlens"].dtype == torch.int32
