@@ -120,7 +120,8 @@ def main(argv=None) -> dict:
     from overlord_dask.demo import generate_demo_corpus
     from overlord_dask.deploy import local_cluster
 
-    generate_demo_corpus(args.data)
+    if not os.path.exists(os.path.join(args.data, "CORPUS.json")):  # an existing corpus (any scale) is used as it is
+        generate_demo_corpus(args.data)
     rows = []
     with local_cluster(n_workers=args.workers) as cluster:
         if not args.no_baseline:

@@ -171,7 +171,8 @@ def main(argv=None) -> dict:
     from overlord_dask.demo import demo_plan, generate_demo_corpus
     from overlord_dask.deploy import local_cluster
 
-    generate_demo_corpus(args.data)
+    if not os.path.exists(os.path.join(args.data, "CORPUS.json")):  # an existing corpus (any scale) is used as it is
+        generate_demo_corpus(args.data)
     plan = demo_plan(args.data, topology={"dp": args.dp, "micro_batches": args.micro_batches, "tokens_per_micro_batch": args.tokens})
     ctx = mp.get_context("spawn")
     files = sorted(glob.glob(os.path.join(os.path.abspath(args.data), "web", "*.parquet")))

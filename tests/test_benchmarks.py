@@ -35,3 +35,24 @@ def test_mixing_benchmark_runs(capsys):
     assert out["duplicates"] == 0 and out["missing"] == 0 and out["replay_identical"]
     assert out["mix_error_step_max"] <= 2.0  # exact per-step policy: within two pieces, always
     assert '"mix_error_window_max"' in capsys.readouterr().out
+
+
+def test_trainer_wait_benchmark_runs(capsys, corpus):
+    import trainer_wait
+
+    out = trainer_wait.main(["--dp", "2", "--steps", "12", "--warmup", "3", "--compute-ms", "20", "--tokens", "4096", "--baseline-workers", "1",
+                             "--data", str(corpus), "--json"])
+    (row,) = out["rows"]
+    assert {"wait_share", "wait_p50_ms", "wait_p99_ms", "time_to_first_batch_s", "compute_ms", "baseline_wait_share"} <= set(row)
+    assert 0 <= row["wait_share"] < 1 and row["compute_ms"] == 20
+    assert '"trainer_wait"' in capsys.readouterr().out
+
+
+def test_control_plane_benchmark_runs(capsys, corpus):
+    import control_plane
+
+    out = control_plane.main(["--dp", "4", "--procs", "2", "--seconds", "2", "--warmup-steps", "3", "--no-baseline", "--data", str(corpus), "--json"])
+    (row,) = out["rows"]
+    assert {"dp", "steps_per_s", "cpu_ms_per_step_rank", "loop_block_max_ms"} <= set(row)
+    assert row["dp"] == 4 and row["steps"] > 0 and row["cpu_ms_per_step_rank"] > 0
+    assert '"control_plane"' in capsys.readouterr().out
