@@ -80,12 +80,12 @@ def measure(cluster, data: str, dp: int, tokens: int, procs: int, seconds: float
         for p in ps:
             p.start()
         st = service.wait_for_step(warmup_steps, timeout=300)
-        service._rpc("overlord_loop", reset=True)
+        service.loop_stats(reset=True)
         c0, cpu0, t0 = st["committed"], sum(me.cpu_times()[:2]), time.perf_counter()
         time.sleep(seconds)
         st = service.status()
         c1, cpu1, t1 = st["committed"], sum(me.cpu_times()[:2]), time.perf_counter()
-        loop = service._rpc("overlord_loop")
+        loop = service.loop_stats()
         for p in ps:  # the consumers run until stopped: the figures above are taken while they stream
             p.terminate()
         for p in ps:

@@ -181,7 +181,7 @@ def main(argv=None) -> dict:
         for compute_ms in args.compute_ms:
             with Service.start(plan, cluster=cluster) as service:
                 res = _run_procs(ctx, _overlord_trainer, lambda r: (service.address, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches), args.dp)
-                loop = service._rpc("overlord_loop")
+                loop = service.loop_stats()
             row = {"system": "overlord", "compute_ms": compute_ms, **_summarise(res, args.warmup), "loop_block_max_ms": loop["block_max_ms"]}
             if not args.no_baseline:
                 base = _run_procs(ctx, _baseline_trainer, lambda r: (files, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches, args.tokens,

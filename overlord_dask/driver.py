@@ -50,6 +50,7 @@ class Driver(threading.Thread):
         self.error: str | None = None
         self._stop_event = threading.Event()
         self.rounds = 0
+        self.loads = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def stop(self) -> None:
@@ -113,9 +114,12 @@ class Driver(threading.Thread):
         for source, epoch, unit in wanted:
             u = self.units[source][unit]
             cache_key, plan_dict = self.source_plan[source]
+            # a unit asked for again (evicted between two cursors, say) may still be held under its
+            # old key by a constructor that needs it: a new key makes the load run, and report, again
+            self.loads += 1
             self.blocks[block_key(self.src_index[source], epoch, unit)] = self.client.submit(
                 load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch,
-                key=load_key(self.run_id, source, epoch, unit), retries=self.plan.loading.retries, pure=False,
+                key=f"{load_key(self.run_id, source, epoch, unit)}-n{self.loads}", retries=self.plan.loading.retries, pure=False,
             )
 
     def _submit_builds(self, tasks: list) -> None:

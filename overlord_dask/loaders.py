@@ -5,8 +5,9 @@ planner needs of it (document lengths, ~8 bytes per document, and image tokens p
 goes from the worker to the scheduler as one message on the worker's own stream
 (``overlord_lengths``), sent before the task finishes: no second task, no driver hop, no
 polling. A recomputed load (after a lost worker) reports again; the planner ignores repeats.
-Task keys (``protocol.load_key``) are deterministic, so a recomputation produces the same block
-under the same name.
+Task keys (``protocol.load_key`` plus the driver's request number) name one request, so a
+recomputation after a lost worker produces the same block under the same name, and a unit asked
+for again (evicted, then needed) runs, and reports its lengths, again.
 """
 
 from __future__ import annotations

@@ -220,6 +220,11 @@ class Service:
             }
         return out
 
+    def loop_stats(self, reset: bool = False) -> dict:
+        """How late the scheduler's event loop woke up (``block_max_ms``, ``block_p99_ms``): a
+        handler or step that blocked the loop shows here. ``reset`` starts a new measurement."""
+        return self._rpc("overlord_loop", reset=reset)
+
     def snapshots(self) -> list[dict]:
         """Snapshots written by this service: kind (base/delta), bytes, seconds, committed step."""
         return self._rpc("overlord_snapshots")
