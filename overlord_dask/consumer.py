@@ -42,7 +42,7 @@ from typing import Iterator
 import numpy as np
 
 from .errors import RankError, ServiceError
-from .protocol import WORKER_FETCH, rank_queue_name
+from .protocol import WORKER_FETCH
 from .wire import decode_batch, nbytes
 
 TENSOR_FIELDS = {
@@ -153,7 +153,6 @@ class RankStream:
         if cp == 1:
             self.cp_rank = None
         self.micro_batches = self.info["micro_batches"]
-        self.queue_name = rank_queue_name(self.info["run_id"], self.rank, self.cp_rank or 0)
         self.max_steps = max(1, prefetch_steps or self.info.get("prefetch_steps", 4))
         self.max_bytes = prefetch_bytes
         att = self._call_scheduler("overlord_attach", rank=self.rank, cp_rank=self.cp_rank or 0, timeout=60)
