@@ -226,8 +226,7 @@ class RankStream:
                     b = decode_batch(b)
                     if self.as_torch:
                         b = {**b, "micro_batches": [_to_torch(mb, self.pin_memory) for mb in b["micro_batches"]]}
-                    n = nbytes(b) if not self.as_torch else sum(t.nbytes for mb in b["micro_batches"] for t in mb.values() if hasattr(t, "nbytes"))
-                    self._step_bytes = n
+                    n = self._step_bytes = nbytes(b)
                     with self._cond:
                         if s >= self._floor:
                             self._ready[s] = b
@@ -415,6 +414,9 @@ class RankStream:
             self.io.run(self._send_ack(), timeout=10)
         except Exception:  # the service may be gone; nothing to keep
             pass
+        self._stop_background()
+
+    def _stop_background(self) -> None:
         self._closed = True
         for t in getattr(self, "_tasks", ()):
             self.io.loop.call_soon_threadsafe(t.cancel)
@@ -428,10 +430,8 @@ class RankStream:
     def __del__(self):
         try:
             if not self._closed:
-                self._closed = True
-                for t in getattr(self, "_tasks", ()):
-                    self.io.loop.call_soon_threadsafe(t.cancel)
-        except Exception:
+                self._stop_background()
+        except Exception:  # interpreter shutdown: the loop may be gone
             pass
 
 

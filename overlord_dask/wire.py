@@ -97,4 +97,5 @@ def decode_batch(batch: dict) -> dict:
 
 
 def nbytes(batch: dict) -> int:
-    return sum(v.nbytes for mb in batch["micro_batches"] for v in mb.values() if isinstance(v, np.ndarray))
+    """Bytes of a batch's arrays (numpy or torch)."""
+    return sum(v.nbytes for mb in batch["micro_batches"] for v in mb.values() if hasattr(v, "nbytes"))

@@ -183,16 +183,16 @@ class PlannerPlugin(SchedulerPlugin):
         tokens = len(steps) * topo.step_tokens
         groups = max(math.ceil(tokens / TASK_TOKENS), min(dp, max(1, len(self.scheduler.workers))))
         per = math.ceil(dp / min(groups, dp))
+        planned = [(sp, self.state.ledger[sp["step"]]) for sp in steps]  # the arrays plan_steps encoded
         tasks = []
         for lo in range(0, dp, per):
             hi = min(dp, lo + per)
             parts, units = [], []
-            for sp in steps:
-                pieces = np.frombuffer(sp["pieces"], dtype="<i8").reshape(-1, 6)
-                slot = np.frombuffer(sp["slot"], dtype="<i4").reshape(-1, 2)
+            for sp, entry in planned:
+                pieces, slot = entry["pieces"], entry["slot"]
                 mine = (slot[:, 0] >= lo) & (slot[:, 0] < hi)
                 # int32 on the way to the worker: metadata is half the bytes (every field fits)
-                parts.append({"step": sp["step"], "pieces": pieces[mine].astype("<i4").tobytes(), "slot": slot[mine].tobytes(),
+                parts.append({"step": sp["step"], "pieces": pieces[mine].astype("<i4").tobytes(), "slot": slot[mine].astype("<i4").tobytes(),
                               "piece_tokens": sp["piece_tokens"]})
                 units.append(pieces[mine][:, :3])
             used = np.unique(np.concatenate(units), axis=0) if units else np.zeros((0, 3), np.int64)
@@ -266,7 +266,7 @@ class PlannerPlugin(SchedulerPlugin):
         if finish == "memory":
             ts = self.scheduler.tasks.get(key)
             first = t["workers"] is None
-            t["workers"] = [ws.address for ws in ts.who_has] if ts is not None else []
+            t["workers"] = _holders(ts)
             if first:
                 for r in range(t["lo"], t["hi"]):
                     for j in range(self.state.final_plan.topology.cp):
@@ -396,7 +396,7 @@ class PlannerPlugin(SchedulerPlugin):
             except asyncio.TimeoutError:
                 pass
             ts = self.scheduler.tasks.get(key)
-        return {"error": None, "workers": [ws.address for ws in ts.who_has] if ts is not None and ts.state == "memory" else []}
+        return {"error": None, "workers": _holders(ts)}
 
     async def update(self, plan: dict, at_step: int | None = None, unit_first_ids: dict | None = None) -> dict:
         """Apply a live plan update; with snapshots, answer only once a base holding it is written
@@ -457,6 +457,11 @@ class PlannerPlugin(SchedulerPlugin):
 
     def fail(self, message: str) -> None:
         self._set_failure(message)
+
+
+def _holders(ts) -> list[str]:
+    """Addresses of the workers holding a task's result (none unless it is in memory)."""
+    return [ws.address for ws in ts.who_has] if ts is not None and ts.state == "memory" else []
 
 
 def _dispatch_stream(scheduler, method: str, **msg) -> None:
