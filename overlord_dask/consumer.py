@@ -14,9 +14,10 @@ Why it is shaped this way (measured before: a trainer computing 44 ms per step w
 time when every step paid a queue get, a worker fetch, an ack and the decoding on its own thread):
 
 - **Fetch ahead.** A background task (one asyncio loop thread per process, shared by every stream
-  in it) takes the rank's batch descriptors from its ``distributed.Queue`` (one long poll returns
-  every descriptor waiting, each naming several steps), fetches the batches straight from the
-  worker that built them (several steps per call), decodes them (``wire.decode``: narrow dtypes
+  in it) receives the rank's batch descriptors, each naming several steps, as the scheduler
+  drains them from the rank's ``distributed.Queue`` (pushed on the process's channel the moment
+  a batch is built: no polling), fetches the batches straight from the worker that built them
+  (several steps per call), decodes them (``wire.decode``: narrow dtypes
   back to what a model expects), converts to torch and pins memory if asked, and parks them in a
   buffer bounded in steps *and* bytes (``prefetch_steps``, ``prefetch_bytes``). ``next()`` is then
   a local hand-over.
@@ -25,9 +26,11 @@ time when every step paid a queue get, a worker fetch, an ack and the decoding o
   whenever :meth:`RankStream.commit` or :meth:`RankStream.state_dict` asks (those two wait for
   it, so a checkpoint is exact). A slow rank holds back the service's planning (bounded by the
   plan's ``prefetch_steps``), never anyone's memory.
-- **No Dask client per trainer.** The stream talks to the scheduler and workers over Dask's own
-  comms (a shared connection pool): no client registration, heartbeats or task bookkeeping for
-  each of thousands of ranks.
+- **One channel per process, no Dask client per trainer.** Descriptors in and acks out travel
+  on one batched stream per process (``overlord_channel``, shared by every rank in the process),
+  so the scheduler handles a message per process every few ms, not requests per rank; fetches
+  use Dask's comms through a shared connection pool. No client registration, heartbeats or task
+  bookkeeping for each of thousands of ranks.
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ TENSOR_FIELDS = {
     "seg_chunk": "int",
 }
 STATE_VERSION = 1
-POLL_S = 2.0  # long-poll length for descriptors: short enough to notice close(), long enough to be idle-cheap
 
 
 def _to_torch(mb: dict, pin: bool = False) -> dict:
@@ -93,6 +95,7 @@ class _IO:
 
     def __init__(self):
         self.pid = os.getpid()
+        self.channels: dict[tuple[str, str], _Channel] = {}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="overlord-consumer-io", daemon=True)
         self.thread.start()
@@ -106,12 +109,76 @@ class _IO:
         await pool.start()
         return pool
 
+    def channel(self, address: str, run_id: str) -> "_Channel":
+        """This process's channel to run ``run_id`` at ``address`` (opened on first use)."""
+        with self._lock:
+            ch = self.channels.get((address, run_id))
+            if ch is None or ch.closed:
+                ch = self.channels[(address, run_id)] = _Channel(self, address, run_id)
+        ch.wait_open()
+        return ch
+
     def run(self, coro, timeout: float | None = None):
         """Run ``coro`` on the IO loop and wait for its result (from a trainer thread)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def spawn(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+
+class _Channel:
+    """One batched stream per process and run to the scheduler (``overlord_channel``): the
+    scheduler pushes descriptors for the ranks subscribed on it; acks go back one-way. Messages
+    are routed to the process's streams by (rank, cp rank)."""
+
+    def __init__(self, io: _IO, address: str, run_id: str):
+        import uuid
+
+        self.io, self.address, self.run_id = io, address, run_id
+        self.id = f"overlord-channel-{uuid.uuid4().hex}"
+        self.streams: dict[tuple[int, int], "RankStream"] = {}
+        self.closed = False
+        self._opened = io.spawn(self._open())
+
+    def wait_open(self, timeout: float = 60) -> None:
+        try:
+            self._opened.result(timeout)
+        except Exception as err:
+            self.closed = True
+            raise ServiceError(f"cannot open a channel to the overlord service at {self.address}: {err}") from None
+
+    async def _open(self) -> None:
+        from distributed.batched import BatchedSend
+        from distributed.comm import connect
+
+        comm = await connect(self.address, timeout=60, **self.io.pool.connection_args)
+        comm.name = "overlord-consumer-channel"
+        await comm.write({"op": "overlord_channel", "channel_id": self.id, "run_id": self.run_id, "reply": False})
+        self.comm = comm
+        self.bs = BatchedSend(interval="2ms")
+        self.bs.start(comm)
+        self._reader = asyncio.ensure_future(self._read())
+
+    def send(self, msg: dict) -> None:
+        """(IO loop) Queue a message for the scheduler; it leaves within a few ms."""
+        self.bs.send(msg)
+
+    async def _read(self) -> None:
+        why = "the scheduler closed the channel"
+        try:
+            while True:
+                msgs = await self.comm.read()
+                for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
+                    rank = msg.get("rank")
+                    targets = list(self.streams.values()) if rank is None else [self.streams.get((rank, msg.get("cp_rank", 0)))]
+                    for stream in targets:
+                        if stream is not None:
+                            stream._on_message(msg)
+        except Exception as err:  # the scheduler went away: every stream on this channel must hear it
+            why = f"lost the connection to the overlord service at {self.address}: {type(err).__name__}: {err}"
+        self.closed = True
+        for stream in list(self.streams.values()):
+            stream._fail(why)
 
 
 class RankStream:
@@ -179,6 +246,7 @@ class RankStream:
         self._max_seen = self.next_step - 1  # highest step named by a descriptor (planned, so ackable)
         self._acked_sent = self.next_step - 1
         self._durable_sent = self.next_step - 1
+        self.channel = self.io.channel(address, self.info["run_id"])
         self._tasks = self.io.run(self._start(), timeout=30)
 
     @staticmethod
@@ -197,6 +265,10 @@ class RankStream:
         self._room = asyncio.Event()
         self._ack_wake = asyncio.Event()
         self._ack_lock = asyncio.Lock()
+        self._described = asyncio.Event()
+        key = (self.rank, self.cp_rank or 0)
+        self.channel.streams[key] = self
+        self.channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
         return [asyncio.ensure_future(self._prefetch()), asyncio.ensure_future(self._acker())]
 
     # ---- background: descriptors, fetches, acks (IO loop) ---------------------------------------
@@ -205,7 +277,8 @@ class RankStream:
             while not self._closed:
                 self._fetch_next = max(self._fetch_next, self._floor)
                 if self._fetch_next not in self._descs:
-                    await self._take_descriptors()
+                    self._described.clear()
+                    await self._described.wait()  # set by _on_message when descriptors arrive
                     continue
                 with self._cond:
                     room = self.max_steps - len(self._ready)
@@ -240,9 +313,17 @@ class RankStream:
         except Exception as err:  # the trainer must see it, not a silent stall
             self._fail(f"rank {self.rank}: fetching batches failed: {type(err).__name__}: {err}")
 
-    async def _take_descriptors(self) -> None:
-        """One long poll: every descriptor waiting in this rank's queue (or none within POLL_S)."""
-        items = await self.scheduler.overlord_descriptors(rank=self.rank, cp_rank=self.cp_rank or 0, generation=self.generation, timeout=POLL_S)
+    def _on_message(self, msg: dict) -> None:
+        """(IO loop) A message for this rank from the channel."""
+        if self._closed:
+            return
+        if msg["op"] == "error":
+            self._fail(f"the overlord service failed: {msg['message']}")
+        elif msg["op"] == "descriptors":
+            self._take_descriptors(msg["items"])
+            self._described.set()
+
+    def _take_descriptors(self, items: list[dict]) -> None:
         for desc in items:
             if "error" in desc:
                 self._fail(f"the overlord service failed: {desc['error']}")
@@ -282,20 +363,27 @@ class RankStream:
             await self._ack_wake.wait()
             self._ack_wake.clear()
             try:
-                await self._send_ack()
+                await self._send_ack(wait=False)
             except Exception as err:
                 self._fail(f"rank {self.rank}: acknowledging failed: {type(err).__name__}: {err}")
 
-    async def _send_ack(self, durable: bool | None = None) -> None:
+    async def _send_ack(self, durable: bool | None = None, wait: bool = True) -> None:
+        """Acknowledge every consumed step. ``wait``: as a request whose answer says the service
+        has it (``commit``, ``state_dict``, ``close``); else one-way on the channel (the
+        background acks at chunk ends; a refusal comes back as an error message)."""
         async with self._ack_lock:
             step = min(self._consumed, self._max_seen)  # never acknowledge a step not planned yet
             if durable is None:  # with commit 'ack' every consumed step is durable
                 durable = self.info.get("commit", "ack") == "ack"
             if step <= self._acked_sent and not (durable and step > self._durable_sent):
                 return
-            resp = await self.scheduler.overlord_ack(rank=self.rank, step=step, cp_rank=self.cp_rank or 0, durable=durable)
-            if resp.get("error"):
-                raise ServiceError(resp["error"])
+            msg = {"rank": self.rank, "step": step, "cp_rank": self.cp_rank or 0, "durable": durable}
+            if wait:
+                resp = await self.scheduler.overlord_ack(**msg)
+                if resp.get("error"):
+                    raise ServiceError(resp["error"])
+            else:
+                self.channel.send({"op": "ack", **msg})
             self._acked_sent = max(self._acked_sent, step)
             if durable:
                 self._durable_sent = max(self._durable_sent, step)
@@ -420,6 +508,18 @@ class RankStream:
         self._closed = True
         for t in getattr(self, "_tasks", ()):
             self.io.loop.call_soon_threadsafe(t.cancel)
+        if getattr(self, "channel", None) is not None:
+            self.io.loop.call_soon_threadsafe(self._unsubscribe)
+
+    def _unsubscribe(self) -> None:
+        key = (self.rank, self.cp_rank or 0)
+        if self.channel.streams.get(key) is self:
+            del self.channel.streams[key]
+            if not self.channel.closed:
+                try:
+                    self.channel.send({"op": "unsubscribe", "rank": self.rank, "cp_rank": key[1]})
+                except Exception:  # the channel is closing: the scheduler drops the subscription anyway
+                    pass
 
     def __enter__(self) -> "RankStream":
         return self

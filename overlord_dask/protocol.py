@@ -11,9 +11,14 @@ Routes on the scheduler (request/response unless noted):
   after the rank's last acknowledged step) and its queue's new generation. Descriptors of built
   batches from that step on are queued again under the new generation, so a trainer that
   restarted (or a second consumer after a first one died) loses and repeats nothing.
-- ``overlord_descriptors(rank, cp_rank, generation, timeout)``: a consumer's long poll on its
-  queue: every descriptor waiting, or none within ``timeout`` (only the newest generation takes).
-- ``overlord_ack(rank, step, cp_rank, durable)``: consumed every step up to ``step``.
+- ``overlord_channel(channel_id, run_id)`` (a stream, one per consumer process and run): the
+  consumer sends ``{"op": "subscribe", rank, cp_rank, generation}`` (after attaching),
+  ``{"op": "unsubscribe", rank, cp_rank}`` and one-way ``{"op": "ack", rank, step, cp_rank,
+  durable}``; the scheduler pushes ``{"op": "descriptors", rank, cp_rank, items: [queue items]}``
+  as batches are built and ``{"op": "error", rank, cp_rank, message}`` (``rank`` None: every
+  rank of the channel, e.g. the run stopped). Both ways batched every few ms.
+- ``overlord_ack(rank, step, cp_rank, durable)``: consumed every step up to ``step``; the
+  request/response form, for ``commit()`` and ``state_dict()``, which wait for it.
 - ``overlord_where(key, timeout)``: the workers holding a built batch (waits until it is built).
 - ``overlord_work(timeout)``: the driver's long poll: loads to submit, constructor tasks to
   submit, batches to release, blocks no longer needed, failure.
@@ -36,7 +41,7 @@ from __future__ import annotations
 HANDLERS = (
     "overlord_info",
     "overlord_attach",
-    "overlord_descriptors",
+    "overlord_channel",
     "overlord_ack",
     "overlord_where",
     "overlord_work",

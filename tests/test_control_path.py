@@ -99,6 +99,34 @@ def test_queue_items_and_acks_are_per_chunk_not_per_step(cluster, small_plan):
     assert st["loop"]["samples"] > 0 and "block_max_ms" in st["loop"]
 
 
+def test_ranks_of_one_process_share_one_channel_and_descriptors_are_pushed(cluster, small_plan):
+    """Every rank in this process receives its descriptors on one stream (no per-rank polling);
+    a closed stream unsubscribes; a stream waiting when the run stops fails at once, naming it."""
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2})
+    dp = plan.topology.dp
+    with Service.start(plan, cluster=cluster) as service:
+        streams = [connect(service.address, r, timeout=120) for r in range(dp)]
+        assert [s.next_batch()["step"] for s in streams] == [0] * dp
+        st = service.status()
+        assert st["channels"] == 1 and st["subscribed"] == dp, st
+        assert len({id(s.channel) for s in streams}) == 1
+        streams[0].close()
+        deadline = time.monotonic() + 10
+        while service.status()["subscribed"] != dp - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.status()["subscribed"] == dp - 1
+        waiting = streams[1]
+        for _ in range(3):  # everything fetched ahead is still handed over
+            waiting.next_batch()
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError, match="stopped"):
+        for _ in range(20):
+            waiting.next_batch()
+    assert time.monotonic() - t0 < 30  # told, not left to time out (120 s)
+    for s in streams[1:]:
+        s.close()
+
+
 def test_a_slow_rank_bounds_everyone(cluster, small_plan):
     """Rank 1 never asks: the service plans at most prefetch_steps ahead of it, rank 0 gets no
     further, and the consumers' buffers hold what their bounds allow."""
