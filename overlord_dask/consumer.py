@@ -240,6 +240,7 @@ class RankStream:
         self._floor = self.next_step  # nothing below this is fetched (load_state_dict moves it)
         self._consumed = self.next_step - 1  # the trainer finished every step up to this one
         self._chunk_ends: set[int] = set()  # last step of each descriptor: acked right away
+        self._want_room = False  # the prefetcher waits for the trainer to take steps
         # IO-loop side
         self._descs: dict[int, dict] = {}  # step -> descriptor naming it
         self._fetch_next = self.next_step
@@ -289,6 +290,7 @@ class RankStream:
                     full = room <= 0
                     if full:
                         self._room.clear()
+                        self._want_room = True  # the trainer wakes us (next_batch)
                 if full:
                     await self._room.wait()
                     continue
@@ -409,14 +411,23 @@ class RankStream:
                 yield item
 
     def next_batch(self) -> dict:
-        """The next step's batch for this rank; the previous step counts as consumed."""
-        self._finish_previous()
+        """The next step's batch for this rank; the previous step counts as consumed.
+
+        Waking the IO thread is the one cost here when the batch is ready: the wake-up
+        releases the GIL and the woken thread takes it (measured ~0.3 ms on 2 cores, per
+        wake). So the IO thread is woken once per chunk, when the trainer finishes a chunk's
+        last step (acknowledge it; fetch the next chunk into the room it leaves), and
+        otherwise only when this rank would wait or its buffer ran empty."""
+        chunk_done = self._finish_previous()
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout
         with self._cond:
             for s in [s for s in self._ready if s < self.next_step]:  # skipped by load_state_dict
                 self._ready_bytes -= self._sizes.pop(s)
                 del self._ready[s]
+            if self.next_step not in self._ready:  # about to wait: the service must hear everything first
+                self._wake_io(ack=chunk_done)
+                chunk_done = False
             while self.next_step not in self._ready and self._error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -426,21 +437,36 @@ class RankStream:
             if batch is not None:
                 self._ready_bytes -= self._sizes.pop(self.next_step)
             error = self._error
+            if chunk_done or (self._want_room and not self._ready):
+                self._wake_io(ack=chunk_done)
         if batch is None:
             raise ServiceError(error or self._why_stalled())
-        self.io.loop.call_soon_threadsafe(self._room.set)
         self.wait_s.append(time.perf_counter() - t0)
         self._unacked = self.next_step
         self.next_step += 1
         return batch
 
-    def _finish_previous(self) -> None:
+    def _wake_io(self, ack: bool) -> None:
+        """(trainer thread, holding ``_cond``) Let the prefetcher fetch into the room there is,
+        and with ``ack`` send the acknowledgement of what the trainer finished."""
+        room, self._want_room = self._want_room, False
+        if room or ack:
+            self.io.loop.call_soon_threadsafe(self._on_wake, room, ack)
+
+    def _on_wake(self, room: bool, ack: bool) -> None:
+        if room:
+            self._room.set()
+        if ack:
+            self._ack_wake.set()
+
+    def _finish_previous(self) -> bool:
+        """The step handed out last is consumed; True if it ended a chunk (so the service may
+        free its task once acknowledged)."""
         if self._unacked is None:
-            return
+            return False
         step, self._unacked = self._unacked, None
         self._consumed = max(self._consumed, step)
-        if step in self._chunk_ends:  # the descriptor's last step: the service may free its task
-            self.io.loop.call_soon_threadsafe(self._ack_wake.set)
+        return step in self._chunk_ends
 
     def commit(self) -> None:
         """Acknowledge every step yielded so far (the trainer is done with them); returns once
