@@ -46,7 +46,7 @@ import numpy as np
 
 from .errors import RankError, ServiceError
 from .protocol import WORKER_FETCH
-from .wire import decode_batch, nbytes
+from .wire import DTYPES, decode_batch, nbytes
 
 TENSOR_FIELDS = {
     "input_ids": "long",
@@ -60,6 +60,7 @@ TENSOR_FIELDS = {
     "seg_piece": "int",
     "seg_chunk": "int",
 }
+TORCH_DTYPES = {**DTYPES, **{k: np.int64 if kind == "long" else np.int32 for k, kind in TENSOR_FIELDS.items()}}
 STATE_VERSION = 1
 
 
@@ -72,7 +73,7 @@ def _to_torch(mb: dict, pin: bool = False) -> dict:
             if not v.flags.writeable:
                 v = v.copy()
             t = torch.from_numpy(v)
-            kind = TENSOR_FIELDS.get(k)
+            kind = TENSOR_FIELDS.get(k)  # decoded in these dtypes already: a no-op then
             t = t.long() if kind == "long" else t.int() if kind == "int" else t
             out[k] = t.pin_memory() if pin else t
         else:
@@ -298,7 +299,7 @@ class RankStream:
                 steps = [s for s in desc["steps"] if s >= self._fetch_next][:room]
                 batches = await self._fetch(desc, steps)
                 for s, b in zip(steps, batches):
-                    b = decode_batch(b)
+                    b = decode_batch(b, TORCH_DTYPES if self.as_torch else DTYPES)
                     if self.as_torch:
                         b = {**b, "micro_batches": [_to_torch(mb, self.pin_memory) for mb in b["micro_batches"]]}
                     n = self._step_bytes = nbytes(b)

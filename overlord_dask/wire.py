@@ -65,26 +65,28 @@ def encode(mb: dict) -> dict:
     return out
 
 
-def decode(w: dict) -> dict:
-    """The micro-batch :func:`encode` was given, with the consumer-facing dtypes."""
+def decode(w: dict, dtypes: dict = DTYPES) -> dict:
+    """The micro-batch :func:`encode` was given, with the consumer-facing ``dtypes`` (the
+    torch consumer asks for int64 ids straight away: converting afterwards copied every
+    token array once more, the largest cost on the trainer's side)."""
     out = {}
     if "tokens" in w:
         C, n = int(w["capacity"]), int(w["num_tokens"])
         cu = w["cu_seqlens"].astype(np.int64)
-        ids = np.full(C, PAD_ID, dtype=np.int32)
+        ids = np.full(C, PAD_ID, dtype=dtypes["input_ids"])
         ids[:n] = w["tokens"]
-        labels = np.full(C, IGNORE_INDEX, dtype=np.int32)
+        labels = np.full(C, IGNORE_INDEX, dtype=dtypes["labels"])
         labels[: max(n - 1, 0)] = ids[1:n]
         if len(cu) > 1:
             labels[cu[1:] - 1] = w["last_labels"]
-        pos = np.arange(C, dtype=np.int32)
-        pos[:n] -= np.repeat(cu[:-1], np.diff(cu)).astype(np.int32)
-        pos[n:] = np.arange(C - n, dtype=np.int32)
+        pos = np.arange(C, dtype=dtypes["position_ids"])
+        pos[:n] -= np.repeat(cu[:-1], np.diff(cu)).astype(pos.dtype)
+        pos[n:] = np.arange(C - n, dtype=pos.dtype)
         out.update(input_ids=ids, labels=labels, position_ids=pos)
     for k, v in w.items():
         if k in ("tokens", "last_labels", "capacity"):
             continue
-        out[k] = v.astype(DTYPES[k]) if k in DTYPES and isinstance(v, np.ndarray) else v
+        out[k] = v.astype(dtypes[k]) if k in dtypes and isinstance(v, np.ndarray) else v
     return out
 
 
@@ -92,8 +94,8 @@ def encode_batch(batch: dict) -> dict:
     return {**batch, "micro_batches": [encode(mb) for mb in batch["micro_batches"]]}
 
 
-def decode_batch(batch: dict) -> dict:
-    return {**batch, "micro_batches": [decode(mb) for mb in batch["micro_batches"]]}
+def decode_batch(batch: dict, dtypes: dict = DTYPES) -> dict:
+    return {**batch, "micro_batches": [decode(mb, dtypes) for mb in batch["micro_batches"]]}
 
 
 def nbytes(batch: dict) -> int:
