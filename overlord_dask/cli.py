@@ -2,7 +2,7 @@
 
     overlord demo [--dp 4 --steps 100 --data demo-data]   service + trainer processes, JSON summary
     overlord serve PLAN.yaml [--workers 2]                  run a service, print its address
-    overlord validate PLAN.yaml                             check a plan and index its sources
+    overlord validate PLAN.yaml [PLAN.yaml ...]             check plans and index their sources
 """
 
 from __future__ import annotations
@@ -146,30 +146,50 @@ def cmd_serve(args) -> int:
 
 
 def cmd_validate(args) -> int:
+    """One JSON line per plan; every plan is checked, the exit status says whether all were good."""
     from .service import index_sources
 
-    plan = _load(args.plan)
-    units = index_sources(plan)
-    print(json.dumps({"plan": plan.name, "sources": {k: {"units": len(v), "documents": sum(u.n_docs for u in v)} for k, v in units.items()}}))
-    return 0
+    failed = 0
+    for path in args.plan:
+        try:
+            plan = _load(path)
+            units = index_sources(plan)
+        except OverlordError as err:
+            failed += 1
+            print(f"overlord: error: {err}", file=sys.stderr, flush=True)
+            print(json.dumps({"plan": path, "ok": False, "error": str(err)}), flush=True)
+            continue
+        print(json.dumps({"plan": path, "name": plan.name, "ok": True,
+                          "sources": {k: {"units": len(v), "documents": sum(u.n_docs for u in v)} for k, v in units.items()}}), flush=True)
+    return 2 if failed else 0
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="overlord", description="overlord-dask: a Dask data-loading service for LLM training")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="run the service on an embedded LocalCluster with generated data and dp trainer processes")
-    d.add_argument("--dp", type=int, default=4, help="trainer ranks (separate processes)")
-    d.add_argument("--steps", type=int, default=100)
-    d.add_argument("--workers", type=int, default=2, help="Dask worker processes")
+    d.add_argument("--dp", type=_positive, default=4, help="trainer ranks (separate processes)")
+    d.add_argument("--steps", type=_positive, default=100)
+    d.add_argument("--workers", type=_positive, default=2, help="Dask worker processes")
     d.add_argument("--data", default="demo-data", help="demo corpus folder (generated when missing)")
     d.add_argument("--scale", type=float, default=1.0, help="demo corpus size multiplier")
     d.add_argument("--plan", default=None, help="a plan to run instead of the demo plan")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     s = sub.add_parser("serve", help="run a service for a plan and print its address")
     s.add_argument("plan")
-    s.add_argument("--workers", type=int, default=2)
+    s.add_argument("--workers", type=_positive, default=2)
     v = sub.add_parser("validate", help="validate a plan and index its sources")
-    v.add_argument("plan")
+    v.add_argument("plan", nargs="+")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "demo":

@@ -137,7 +137,7 @@ class _Channel:
 
         self.io, self.address, self.run_id = io, address, run_id
         self.id = f"overlord-channel-{uuid.uuid4().hex}"
-        self.streams: dict[tuple[int, int], "RankStream"] = {}
+        self.streams: dict[tuple[int, int], dict[int, "RankStream"]] = {}  # (rank, cp rank) -> generation -> stream
         self.closed = False
         self._opened = io.spawn(self._open())
 
@@ -170,16 +170,23 @@ class _Channel:
             while True:
                 msgs = await self.comm.read()
                 for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
-                    rank = msg.get("rank")
-                    targets = list(self.streams.values()) if rank is None else [self.streams.get((rank, msg.get("cp_rank", 0)))]
-                    for stream in targets:
-                        if stream is not None:
-                            stream._on_message(msg)
+                    for stream in self._targets(msg):
+                        stream._on_message(msg)
         except Exception as err:  # the scheduler went away: every stream on this channel must hear it
             why = f"lost the connection to the overlord service at {self.address}: {type(err).__name__}: {err}"
         self.closed = True
-        for stream in list(self.streams.values()):
-            stream._fail(why)
+        for gens in list(self.streams.values()):
+            for stream in list(gens.values()):
+                stream._fail(why)
+
+    def _targets(self, msg: dict) -> list:
+        """The streams a message is for: every stream (rank None), or one rank's, of the message's
+        generation (a rank re-attached in this process has two for a moment)."""
+        if msg.get("rank") is None:
+            return [s for gens in self.streams.values() for s in gens.values()]
+        gens = self.streams.get((msg["rank"], msg.get("cp_rank", 0)), {})
+        gen = msg.get("generation")
+        return list(gens.values()) if gen is None else [gens[gen]] if gen in gens else []
 
 
 class RankStream:
@@ -269,7 +276,7 @@ class RankStream:
         self._ack_lock = asyncio.Lock()
         self._described = asyncio.Event()
         key = (self.rank, self.cp_rank or 0)
-        self.channel.streams[key] = self
+        self.channel.streams.setdefault(key, {})[self.generation] = self
         self.channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
         return [asyncio.ensure_future(self._prefetch()), asyncio.ensure_future(self._acker())]
 
@@ -318,8 +325,8 @@ class RankStream:
 
     def _on_message(self, msg: dict) -> None:
         """(IO loop) A message for this rank from the channel."""
-        if self._closed:
-            return
+        if self._closed or msg.get("generation", self.generation) != self.generation:
+            return  # meant for an earlier consumer of this rank in this process
         if msg["op"] == "error":
             self._fail(f"the overlord service failed: {msg['message']}")
         elif msg["op"] == "descriptors":
@@ -540,11 +547,14 @@ class RankStream:
 
     def _unsubscribe(self) -> None:
         key = (self.rank, self.cp_rank or 0)
-        if self.channel.streams.get(key) is self:
-            del self.channel.streams[key]
+        gens = self.channel.streams.get(key, {})
+        if gens.get(self.generation) is self:
+            del gens[self.generation]
+            if not gens:
+                self.channel.streams.pop(key, None)
             if not self.channel.closed:
                 try:
-                    self.channel.send({"op": "unsubscribe", "rank": self.rank, "cp_rank": key[1]})
+                    self.channel.send({"op": "unsubscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
                 except Exception:  # the channel is closing: the scheduler drops the subscription anyway
                     pass
 

@@ -13,10 +13,11 @@ Routes on the scheduler (request/response unless noted):
   restarted (or a second consumer after a first one died) loses and repeats nothing.
 - ``overlord_channel(channel_id, run_id)`` (a stream, one per consumer process and run): the
   consumer sends ``{"op": "subscribe", rank, cp_rank, generation}`` (after attaching),
-  ``{"op": "unsubscribe", rank, cp_rank}`` and one-way ``{"op": "ack", rank, step, cp_rank,
-  durable}``; the scheduler pushes ``{"op": "descriptors", rank, cp_rank, items: [queue items]}``
-  as batches are built and ``{"op": "error", rank, cp_rank, message}`` (``rank`` None: every
-  rank of the channel, e.g. the run stopped). Both ways batched every few ms.
+  ``{"op": "unsubscribe", rank, cp_rank, generation}`` and one-way ``{"op": "ack", rank, step,
+  cp_rank, durable}``; the scheduler pushes ``{"op": "descriptors", rank, cp_rank, generation,
+  items: [queue items]}`` as batches are built and ``{"op": "error", rank, cp_rank, generation,
+  message}`` (``rank`` None: every rank of the channel, e.g. the run stopped; an attachment that
+  a newer consumer of its rank replaced is told so). Both ways batched every few ms.
 - ``overlord_ack(rank, step, cp_rank, durable)``: consumed every step up to ``step``; the
   request/response form, for ``commit()`` and ``state_dict()``, which wait for it.
 - ``overlord_where(key, timeout)``: the workers holding a built batch (waits until it is built).

@@ -94,10 +94,13 @@ class Service:
         ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes."""
         loaded = None
         ck = plan.checkpoint
-        if ck.url and ck.resume:
+        if ck.url:  # an unreachable or read-only location fails here, naming it, not later in a log
             from .snapshots import SnapshotStore
 
-            loaded = SnapshotStore(resolve_url(ck.url, plan.base_dir), ck.storage_options).load()
+            store = SnapshotStore(resolve_url(ck.url, plan.base_dir), ck.storage_options)
+            store.check_writable()
+            if ck.resume:
+                loaded = store.load()
         # the sources of every plan version in the snapshot (live updates before a restart)
         units = index_timeline(PlanTimeline(plan, decode_updates(loaded[0]) if loaded else []))
         owned = None
@@ -134,10 +137,13 @@ class Service:
         client = Client(address, set_as_default=False)
         try:
             info = client.sync(client.scheduler.overlord_info)
-            plans = client.sync(client.scheduler.overlord_plans)
+            plans = client.sync(client.scheduler.overlord_plans) if isinstance(info, dict) else None
         except Exception as err:
             client.close()
             raise ServiceError(f"no overlord service at {address}: {err}") from None
+        if not isinstance(info, dict) or not plans:  # a plain Dask scheduler answers None to unknown routes
+            client.close()
+            raise ServiceError(f"no overlord service at {address}: the scheduler there runs no overlord planner")
         plan = plan_from_dict(plans[0][1], where="<running plan>")
         return cls(plan, client, None, info["run_id"], {})
 

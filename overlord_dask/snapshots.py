@@ -18,6 +18,13 @@ in order, and a missing delta in the middle is an error (never a silent skip).
 
 Writes are atomic: a local file is written under a temporary name and renamed; an object store
 PUT is atomic per object. ``gc`` keeps the newest ``keep_bases`` bases and their deltas.
+
+Every file carries a CRC-32 of its body (format version 2), checked before the body is decoded:
+a file with flipped bits, truncated or altered is *unreadable*, never half-trusted (decoding a
+damaged body asked for 112 TiB, or resumed steps late). An unreadable base is skipped for the
+one before it, with its own deltas; an unreadable delta ends its chain there (the run resumes
+from the last step that chain proves; trainers skip what their own checkpoints hold). Each is
+logged as a warning. A location that cannot be written fails the start (``check_writable``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+import zlib
 
 import msgpack
 from fsspec.core import url_to_fs
@@ -32,7 +40,7 @@ from fsspec.core import url_to_fs
 from .errors import OverlordError
 
 logger = logging.getLogger(__name__)
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: body + CRC-32; 1 (no checksum) is still read
 _NAME = re.compile(r"^(base|delta)-(\d{12})\.msgpack$")
 
 
@@ -43,13 +51,31 @@ class SnapshotError(OverlordError):
 class SnapshotStore:
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url = url.rstrip("/")
-        self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
-        self.fs.makedirs(self.root, exist_ok=True)
+        try:
+            self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
+            self.fs.makedirs(self.root, exist_ok=True)
+        except Exception as err:  # a missing server, bad credentials, a read-only folder: one clear line
+            raise SnapshotError(f"checkpoint location {self.url} cannot be used: {type(err).__name__}: {_first_line(err)}") from None
         self._local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+
+    def check_writable(self) -> None:
+        """Write and delete a probe object; raise SnapshotError naming the location if that fails
+        (a run must not go on believing it can resume)."""
+        name = f".overlord-probe-{uuid.uuid4().hex}"
+        try:
+            self._write_bytes(name, b"probe")
+            self.fs.rm_file(f"{self.root}/{name}")
+        except Exception as err:
+            raise SnapshotError(f"checkpoint location {self.url} is not writable: {type(err).__name__}: {_first_line(err)}") from None
 
     # ---- writing ------------------------------------------------------------------------------
     def _put(self, name: str, payload: dict) -> int:
-        data = msgpack.packb({"version": SNAPSHOT_VERSION, **payload}, use_bin_type=True)
+        body = msgpack.packb(payload, use_bin_type=True)
+        data = msgpack.packb({"version": SNAPSHOT_VERSION, "crc32": zlib.crc32(body), "body": body}, use_bin_type=True)
+        self._write_bytes(name, data)
+        return len(data)
+
+    def _write_bytes(self, name: str, data: bytes) -> None:
         path = f"{self.root}/{name}"
         if self._local:  # write then rename: a crash never leaves a half-written snapshot
             tmp = f"{self.root}/.{name}.{uuid.uuid4().hex}.tmp"
@@ -58,7 +84,6 @@ class SnapshotStore:
             self.fs.mv(tmp, path)
         else:  # an object PUT is atomic
             self.fs.pipe_file(path, data)
-        return len(data)
 
     def write_base(self, seq: int, state: dict) -> int:
         return self._put(f"base-{seq:012d}.msgpack", {"kind": "base", "seq": seq, "state": state})
@@ -84,10 +109,30 @@ class SnapshotStore:
         return sorted(out, key=lambda e: e[1])
 
     def _read(self, path: str) -> dict:
-        raw = msgpack.unpackb(self.fs.cat_file(path), raw=False, strict_map_key=False)
-        if raw.get("version") != SNAPSHOT_VERSION:
-            raise SnapshotError(f"{path}: snapshot version {raw.get('version')!r} is not supported (expected {SNAPSHOT_VERSION})")
-        return raw
+        """A snapshot's payload; SnapshotError for a version this code cannot read, _Unreadable
+        for a damaged file (checksum, framing or decoding)."""
+        data = self.fs.cat_file(path)
+        try:
+            raw = _unpack(data)
+        except Exception as err:
+            raise _Unreadable(f"{path}: not a snapshot file ({type(err).__name__}: {err})") from None
+        version = raw.get("version") if isinstance(raw, dict) else None
+        if version == 1:  # written before checksums: as it is
+            return raw
+        if version != SNAPSHOT_VERSION:
+            if isinstance(version, int) and version > SNAPSHOT_VERSION:
+                raise SnapshotError(f"{path}: snapshot version {version!r} is newer than this overlord-dask reads ({SNAPSHOT_VERSION})")
+            raise _Unreadable(f"{path}: no valid snapshot header")
+        body = raw.get("body")
+        if not isinstance(body, bytes) or zlib.crc32(body) != raw.get("crc32"):
+            raise _Unreadable(f"{path}: checksum mismatch (the file is damaged or was altered)")
+        try:
+            payload = _unpack(body)
+        except Exception as err:
+            raise _Unreadable(f"{path}: body does not decode ({type(err).__name__}: {err})") from None
+        if not isinstance(payload, dict) or payload.get("kind") not in ("base", "delta"):
+            raise _Unreadable(f"{path}: not a base or delta")
+        return payload
 
     def exists(self) -> bool:
         return any(kind == "base" for kind, _, _ in self._entries())
@@ -99,22 +144,35 @@ class SnapshotStore:
         for kind, seq, path in reversed(bases):
             try:
                 base = self._read(path)
+                state = dict(base["state"])
+                int(state["committed"])  # the one field the chain needs
             except SnapshotError:
                 raise
-            except Exception as err:  # a corrupt base: fall back to the one before it
+            except Exception as err:  # a damaged base: fall back to the one before it
                 logger.warning("snapshot %s is unreadable (%s); trying an older base", path, err)
                 continue
-            state = dict(base["state"])
             last = seq
             for dkind, dseq, dpath in entries:
                 if dkind != "delta" or dseq <= seq:
                     continue
+                try:
+                    delta = self._read(dpath)
+                    committed, dbase = int(delta["committed"]), int(delta["base"])
+                except SnapshotError:
+                    raise
+                except Exception as err:  # the chain ends at its last good delta
+                    logger.warning("snapshot delta %s is unreadable (%s); resuming from step %s of base %s", dpath, err,
+                                   state["committed"], seq)
+                    break
+                if dbase != seq:
+                    break  # deltas of a newer base that could not be read
                 if dseq != last + 1:
                     raise SnapshotError(f"snapshot chain at {self.url} has a gap: delta {last + 1} is missing before {dseq}")
-                delta = self._read(dpath)
-                if delta["base"] != seq:
-                    break  # deltas of a newer base that could not be read
-                state["committed"] = max(int(state["committed"]), int(delta["committed"]))
+                if committed < int(state["committed"]):
+                    logger.warning("snapshot delta %s goes back to step %s from %s; resuming from %s", dpath, committed,
+                                   state["committed"], state["committed"])
+                    break
+                state["committed"] = committed
                 if "window" in delta:
                     state["window_step"], state["window"] = delta["window_step"], delta["window"]
                 last = dseq
@@ -134,6 +192,22 @@ class SnapshotStore:
         for path in old:
             self.fs.rm_file(path)
         return len(old)
+
+
+class _Unreadable(Exception):
+    """A damaged snapshot file (skipped with a warning, never trusted)."""
+
+
+def _unpack(data: bytes):
+    # bounded by the input: a damaged length field cannot ask for more memory than the file has
+    n = len(data)
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=n, max_str_len=n, max_array_len=n,
+                           max_map_len=n, max_ext_len=n)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else ""
 
 
 class SnapshotWriter:

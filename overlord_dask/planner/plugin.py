@@ -100,6 +100,7 @@ class PlannerPlugin(SchedulerPlugin):
         self.loop_lags: deque = deque(maxlen=20_000)
         self.loop_block_max = 0.0
         self.store = None
+        self.snapshot_error: str | None = None  # the last snapshot write failed (status shows it until one succeeds)
         self.snapshot_stats: list[dict] = []
         self._written_committed = -1
         self._wake = asyncio.Event()
@@ -246,8 +247,11 @@ class PlannerPlugin(SchedulerPlugin):
             try:
                 async with self._write_lock:
                     await self._write_snapshot()
-            except Exception:  # storage hiccups must not kill the planner; the next commit retries
+            except Exception as err:  # storage hiccups must not kill the planner; the next commit retries
                 logger.exception("writing a planner snapshot to %s failed", self.checkpoint_url)
+                self.snapshot_error = f"writing a snapshot to {self.checkpoint_url} failed: {type(err).__name__}: {err}"
+            else:
+                self.snapshot_error = None
 
     async def _write_snapshot(self, force: bool = False) -> None:
         st = await self._run(self.state.get_state)
@@ -377,9 +381,10 @@ class PlannerPlugin(SchedulerPlugin):
             self._subs[key] = channel_id
             self._drain(key)
 
-    def _unsubscribe(self, channel_id: str, rank: int, cp_rank: int = 0, **_) -> None:
-        if self._subs.get((rank, cp_rank)) == channel_id:
-            del self._subs[(rank, cp_rank)]
+    def _unsubscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, **_) -> None:
+        key = (rank, cp_rank)
+        if self._subs.get(key) == channel_id and self.generation.get(key, 0) == generation:
+            del self._subs[key]
 
     def _drain(self, key: tuple[int, int]) -> None:
         """Move everything waiting in the rank's queue to its subscriber, if it has one."""
@@ -391,7 +396,7 @@ class PlannerPlugin(SchedulerPlugin):
         while not q.empty():
             items.append(q.get_nowait()["value"])
         try:
-            bs.send({"op": "descriptors", "rank": key[0], "cp_rank": key[1], "items": items})
+            bs.send({"op": "descriptors", "rank": key[0], "cp_rank": key[1], "generation": self.generation.get(key, 0), "items": items})
         except CommClosedError:  # the process went away; whoever attaches next gets them again
             self._subs.pop(key, None)
 
@@ -406,7 +411,14 @@ class PlannerPlugin(SchedulerPlugin):
         first = max(st.replay_until, st.acked[i] + 1 if i < len(st.acked) else 0)
         gen = self.generation.get((rank, cp_rank), 0) + 1
         self.generation[(rank, cp_rank)] = gen
-        self._subs.pop((rank, cp_rank), None)  # the previous consumer's subscription ends here
+        old = self._channels.get(self._subs.pop((rank, cp_rank), ""))  # the previous consumer's subscription ends here
+        if old is not None:  # ... and it is told so, instead of waiting for batches that now go elsewhere
+            try:
+                old.send({"op": "error", "rank": rank, "cp_rank": cp_rank, "generation": gen - 1,
+                          "message": f"another consumer attached as rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "")
+                          + "; this one no longer receives batches (one consumer per rank)"})
+            except CommClosedError:
+                pass
         for key, t in self.tasks.items():
             if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first:
                 self._put(rank, cp_rank, self._descriptor(key, t, rank, cp_rank))
@@ -485,7 +497,7 @@ class PlannerPlugin(SchedulerPlugin):
     async def status(self) -> dict:
         st = await self._run(self.state.status)
         return {**st, "loop": self.loop(), "chunk_steps": self.chunk_steps, "tasks_held": len(self.tasks),
-                "channels": len(self._channels), "subscribed": len(self._subs), **self.counters}
+                "channels": len(self._channels), "subscribed": len(self._subs), "snapshot_error": self.snapshot_error, **self.counters}
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
         return await self._run(lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)])

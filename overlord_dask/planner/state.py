@@ -236,7 +236,30 @@ class PlannerState:
         return n if j is None else max(1, min(n, j - start))
 
     def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
-        return self._stream(source).add_lengths(epoch, unit, lengths, vision)
+        s = self._stream(source)
+        before = s.tokens_per_pass()
+        added = s.add_lengths(epoch, unit, lengths, vision)
+        if before is None and s.tokens_per_pass() is not None:
+            self._check_source_size(s)
+        return added
+
+    MAX_PASSES_PER_WINDOW = 4
+
+    def _check_source_size(self, s: SourceStream) -> None:
+        """A source whose whole pass over its files is a small part of what one planning window
+        takes from it would repeat every document many times per step (all-empty documents, a
+        handful of tiny ones, micro-batches far larger than the corpus): fail, saying so, instead
+        of loading the same units over and over with no batch in sight."""
+        per_pass = s.tokens_per_pass()
+        w = float(self._weights_ahead()[s.index])
+        need = w * self.step_budget * self._window_steps()
+        if w > 0 and need > self.MAX_PASSES_PER_WINDOW * per_pass:
+            raise PlanError(
+                f"source {s.name!r} holds only {per_pass:,} tokens in a whole pass over its files ({s.n_units} units), but a "
+                f"planning window of {self._window_steps()} steps takes about {int(need):,} tokens from it (weight {w:.3g}), "
+                f"{need / max(per_pass, 1):.0f} passes: every document would repeat within a few steps. Lower its weight, use "
+                f"smaller micro-batches (tokens_per_micro_batch={self.topology.tokens_per_micro_batch:,}), or add data"
+            )
 
     def _costs(self, rows: np.ndarray) -> np.ndarray:
         """Cost of piece rows ``[source, epoch, unit, doc, start, stop, ...]``: the backbone's

@@ -17,11 +17,14 @@ that is what keeps the stream independent of load timing.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import SourceError
+
+MAX_INFLIGHT = 256  # most loads of one source in flight at once (see SourceStream.inflight_for)
 
 
 def stable_seed(*parts: object) -> int:
@@ -100,6 +103,9 @@ class SourceStream:
     split_wanted: bool = False
     evict_after: int = 4  # units between the class cursors further than this past the trailing one are evicted
     keep_units: int = 0  # ... or further than the trailing cursor's look-ahead, if that is longer
+    loaded_units: int = 0  # units whose lengths arrived so far, and their tokens: the load look-ahead's yardstick
+    loaded_tokens: int = 0
+    first_pass: dict = field(default_factory=dict)  # unit -> tokens, for the first epoch's units as they arrive
     _orders: dict = field(default_factory=dict)
 
     def order(self, epoch: int) -> np.ndarray:
@@ -433,6 +439,7 @@ class SourceStream:
         if (self.req_epoch, self.req_pos) < (self.epoch, self.pos):
             self.req_epoch, self.req_pos = self.epoch, self.pos
         have = self.unplanned_tokens()
+        max_inflight = self.inflight_for(target_tokens - have, max_inflight)
         while len(self.requested) < max_inflight and (have < target_tokens or not self.lengths and not self.requested):
             key = (self.req_epoch, int(self.order(self.req_epoch)[self.req_pos]))
             self.req_pos += 1
@@ -447,11 +454,27 @@ class SourceStream:
                 break
         return out
 
+    def tokens_per_pass(self) -> int | None:
+        """Tokens in one pass over the source's files, once every unit was loaded once."""
+        return sum(self.first_pass.values()) if len(self.first_pass) >= self.n_units else None
+
+    def inflight_for(self, missing_tokens: int, max_inflight: int) -> int:
+        """Loads to keep in flight: ``max_inflight`` (the plan's ``units_ahead``), or as many units
+        as the missing tokens need at the tokens per unit seen so far, up to ``MAX_INFLIGHT``. A
+        source of tiny documents, or a step larger than a unit holds, otherwise took one load
+        round trip per ``units_ahead`` units (one per epoch for a one-unit source): no progress
+        for minutes."""
+        if missing_tokens <= 0 or not self.loaded_units:
+            return max_inflight
+        per_unit = max(1.0, self.loaded_tokens / self.loaded_units)
+        return max(max_inflight, min(MAX_INFLIGHT, math.ceil(missing_tokens / per_unit)))
+
     def _want_split(self, target_tokens: int, max_inflight: int) -> list[tuple[int, int]]:
         """While reading by length class: the units after each class cursor until about
         ``target_tokens`` of that class are at hand (the trailing cursor's may have been evicted
         and come back here). Remembers how far the trailing cursor looks, so eviction spares it."""
         out = []
+        max_inflight = self.inflight_for(target_tokens, max_inflight)
         for cls in ("short", "long"):
             e, p = self._cur(cls)[:2]
             have, n = 0, 0
@@ -482,6 +505,10 @@ class SourceStream:
         if key in self.lengths or self._behind(epoch, unit):
             return False  # a duplicate, or a unit the cursor has already passed
         lengths = np.asarray(lengths, dtype=np.int64)
+        self.loaded_units += 1
+        self.loaded_tokens += int(lengths.sum())
+        if epoch == 0:
+            self.first_pass[unit] = int(lengths.sum())
         if vision is not None and np.any(vision):
             self.vision[key] = (np.asarray(vision, dtype=np.int64), lengths)
         if self.shuffle_docs and len(lengths) > 1:

@@ -25,7 +25,13 @@ def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
             import_callable(source.transform)
     except ValueError as err:
         raise SourceError(f"source {source.name!r}: {err}") from None
-    units = FORMATS[source.format].discover(source, plan)
+    try:
+        units = FORMATS[source.format].discover(source, plan)
+    except SourceError:
+        raise
+    except Exception as err:  # an unreachable store, bad credentials, a damaged footer: one line naming the source
+        lines = str(err).strip().splitlines()
+        raise SourceError(f"source {source.name!r}: cannot read {source.url!r}: {type(err).__name__}: {lines[0] if lines else ''}") from None
     if not units:
         raise SourceError(f"source {source.name!r} is empty: its files hold no documents")
     return units

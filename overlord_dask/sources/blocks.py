@@ -16,6 +16,22 @@ import numpy as np
 TOKEN_DTYPE = np.int32
 
 
+def check_tokens(source: str, tokens) -> np.ndarray:
+    """Token ids as int32, or a ValueError naming the source: every loader, tokenizer and
+    transform ends here, so a float, 2-D or negative id never reaches a trainer (a cast alone
+    truncated floats and let negative ids through)."""
+    t = np.asarray(tokens)
+    if t.ndim != 1:
+        raise ValueError(f"source {source!r}: tokens must be a 1-D array of ids, got shape {t.shape}")
+    if t.size:
+        if not np.issubdtype(t.dtype, np.integer):
+            raise ValueError(f"source {source!r}: token ids must be integers, got {t.dtype}")
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi > np.iinfo(TOKEN_DTYPE).max:
+            raise ValueError(f"source {source!r}: token ids must lie in [0, {np.iinfo(TOKEN_DTYPE).max}], got min {lo}, max {hi}")
+    return np.ascontiguousarray(t, dtype=TOKEN_DTYPE)
+
+
 @dataclass(slots=True)
 class SampleBlock:
     source: str
@@ -28,7 +44,7 @@ class SampleBlock:
     image_starts: np.ndarray | None = None  # int64 [n_images]: first placeholder token of the image inside its document
 
     def __post_init__(self) -> None:
-        self.tokens = np.ascontiguousarray(self.tokens, dtype=TOKEN_DTYPE)
+        self.tokens = check_tokens(self.source, self.tokens)
         self.offsets = np.ascontiguousarray(self.offsets, dtype=np.int64)
         self.sample_ids = np.ascontiguousarray(self.sample_ids, dtype=np.int64)
         n = len(self.sample_ids)

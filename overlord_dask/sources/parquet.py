@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import SourceError
@@ -79,12 +80,10 @@ def load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
         tokens, offsets = resolve_tokenizer(source.tokenizer)(col)
     else:
         if col.null_count:
-            col = pa.compute.fill_null(col, pa.scalar([], type=col.type))
+            col = pc.fill_null(col, pa.scalar([], type=col.type))  # a null row is an empty document
         offsets = np.asarray(col.offsets, dtype=np.int64)
         values = col.values.to_numpy(zero_copy_only=False)
         tokens = values[offsets[0] : offsets[-1]]
         offsets = offsets - offsets[0]
-        if len(tokens) and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
-            raise SourceError(f"{unit.describe()}: token ids out of int32 range")
     ids = np.arange(unit.first_id, unit.first_id + unit.n_docs, dtype=np.int64)
-    return SampleBlock(source.name, tokens.astype(np.int32, copy=False), offsets, ids)
+    return SampleBlock(source.name, tokens, offsets, ids)  # checks the ids (integers in [0, 2^31))

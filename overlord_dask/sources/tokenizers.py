@@ -64,12 +64,22 @@ def byte_detokenize(tokens: np.ndarray) -> str:
 
 
 def _wrap_python_tokenizer(fn: Callable) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]:
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+
     def tokenize(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-        docs = [np.asarray(fn_out, dtype=np.int32) for fn_out in fn([t if t is not None else "" for t in texts.to_pylist()])]
+        out = fn([t if t is not None else "" for t in texts.to_pylist()])
+        docs = [np.asarray(d) for d in out]
+        if len(docs) != len(texts):
+            raise ValueError(f"tokenizer {name} returned {len(docs)} documents for {len(texts)} texts")
+        for i, d in enumerate(docs):
+            if d.ndim != 1:
+                raise ValueError(f"tokenizer {name} returned a {d.ndim}-D array of shape {d.shape} for document {i}; expected a 1-D sequence of token ids")
+            if d.size and not np.issubdtype(d.dtype, np.integer):
+                raise ValueError(f"tokenizer {name} returned {d.dtype} values for document {i}; token ids must be integers")
         lens = np.array([len(d) for d in docs], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        tokens = np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32)
-        return tokens, offsets
+        tokens = np.concatenate(docs) if docs else np.zeros(0, np.int32)
+        return tokens, offsets  # SampleBlock checks the range of the ids
 
     return tokenize
 

@@ -16,7 +16,7 @@ import zarr
 
 from ..errors import SourceError
 from ..plan.models import Plan, Source
-from .blocks import SampleBlock
+from .blocks import SampleBlock, check_tokens
 from .fs import source_fs, source_url
 from .units import LoadUnit
 
@@ -99,7 +99,7 @@ def load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
         raise SourceError(f"{unit.describe()}: offsets array is shorter than when the source was indexed")
     ids = np.arange(unit.first_id, unit.first_id + unit.n_docs, dtype=np.int64)
     offsets = offsets - offsets[0]
-    tokens = tokens.astype(np.int32, copy=False)
+    tokens = check_tokens(source.name, tokens)  # before the image placeholders are inserted
     if not source.images_field:
         return SampleBlock(source.name, tokens, offsets, ids)
     return _with_image_tokens(source, unit, tokens, offsets, ids, images, img_off - img_off[0], positions)

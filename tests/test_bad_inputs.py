@@ -1,0 +1,325 @@
+"""The bad-input catalogue (issue 10): inputs and mistakes users make, each with the clear error
+(naming the source, file, field, rank or step) or the recorded handling it must get.
+
+``CASES`` is the catalogue: ``name -> (function, pattern)``. A function sets up one bad input,
+runs what a user would run, and returns the error text (or, for inputs that are handled rather
+than refused, a description of the handling); the text must match ``pattern``. Cases that need
+a service take the session's cluster; everything else runs in this process. Other modules test
+more (plans: ``test_plan.py``, files and schemas: ``test_sources.py``); the cases here are the
+ones that used to hang, crash with an unrelated message, or pass bad data through silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zarr
+
+from overlord_dask import ServiceError, SourceError
+from overlord_dask.errors import OverlordError
+from overlord_dask.loaders import load_block
+from overlord_dask.plan import plan_from_dict, plan_to_dict
+from overlord_dask.sources import discover_units
+from overlord_dask.sources.blocks import SampleBlock
+from overlord_dask.snapshots import SnapshotError, SnapshotStore
+
+ROOT = Path(__file__).resolve().parents[1]
+U = "tests.test_bad_inputs:"  # where the user functions below are imported from
+
+
+# ---- user code the cases plug in (importable as tests.test_bad_inputs:<name>) ---------------------
+def negative_ids(texts):
+    return [[5, -2, 7] for _ in texts]
+
+
+def float_ids(texts):
+    return [[1.5, 2.0] for _ in texts]
+
+
+def two_d_ids(texts):
+    return [[[1, 2], [3, 4]] for _ in texts]
+
+
+def too_few_docs(texts):
+    return [[1, 2]]
+
+
+def not_utf8(texts):
+    raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+
+def two_d_transform(block):
+    return SampleBlock(block.source, block.tokens.reshape(-1, 1), block.offsets, block.sample_ids)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _plan(tmp_path, topology=None, loading=None, checkpoint=None, **src):
+    d = {"sources": [{"name": "s", "weight": 1.0, **src}],
+         "topology": {"dp": 1, "micro_batches": 1, "tokens_per_micro_batch": 1024, **(topology or {})},
+         "loading": {"unit_rows": 3, "unit_tokens": 50, **(loading or {})}}
+    if checkpoint:
+        d["checkpoint"] = checkpoint
+    return plan_from_dict(d, base_dir=tmp_path)
+
+
+def _load_error(plan) -> str:
+    """Load the first unit as a worker would (``load_block``); the error it raises."""
+    import uuid
+
+    with pytest.raises(SourceError) as exc:  # indexing may already refuse it (a float zarr array, say)
+        unit = discover_units(plan.sources[0], plan)[0]
+        load_block(plan_to_dict(plan), uuid.uuid4().hex, unit.to_dict())
+    return str(exc.value)
+
+
+def _text_source(tmp_path, texts=("hello", "world", "again"), **src):
+    pq.write_table(pa.table({"text": list(texts)}), tmp_path / "t.parquet")
+    return _plan(tmp_path, format="parquet", url="t.parquet", text_field="text", **src)
+
+
+def _zarr_source(tmp_path, tokens):
+    g = zarr.open_group(str(tmp_path / "z.zarr"), mode="w")
+    g.create_array("tokens", shape=tokens.shape, dtype=tokens.dtype)[:] = tokens
+    g.create_array("offsets", shape=(3,), dtype="int64")[:] = [0, 2, len(tokens)]
+    return _plan(tmp_path, format="zarr", url="z.zarr")
+
+
+def _run_until_error(plan, cluster, steps=2, timeout=60) -> str:
+    """Start the service, take ``steps`` steps on every rank; the error a trainer sees."""
+    from overlord_dask import Service, connect
+
+    t0 = time.monotonic()
+    with pytest.raises(OverlordError) as exc:
+        with Service.start(plan, cluster=cluster) as service:
+            streams = [connect(service.address, r, timeout=timeout) for r in range(plan.topology.dp)]
+            try:
+                for _ in range(steps):
+                    for s in streams:
+                        s.next_batch()
+            finally:
+                for s in streams:
+                    s.close()
+    assert time.monotonic() - t0 < timeout, "told only after the consumer's timeout: that is a hang"
+    return str(exc.value)
+
+
+def _snapshots(tmp_path) -> SnapshotStore:
+    store = SnapshotStore(str(tmp_path / "ck"))
+    store.write_base(0, {"committed": 4, "topology": {"dp": 1}})
+    store.write_delta(1, 0, 6)
+    store.write_base(2, {"committed": 8, "topology": {"dp": 1}})
+    store.write_delta(3, 2, 9)
+    store.write_delta(4, 2, 12)
+    return store
+
+
+# ---- the cases ----------------------------------------------------------------------------------
+def case_token_list_null_row(tmp_path, cluster):
+    pq.write_table(pa.table({"ids": pa.array([[3, 4], None, [5]], type=pa.list_(pa.int32()))}), tmp_path / "l.parquet")
+    plan = _plan(tmp_path, format="parquet", url="l.parquet", tokens_field="ids")
+    from overlord_dask.sources import load_unit
+
+    block = load_unit(plan.sources[0], plan, discover_units(plan.sources[0], plan)[0])
+    return f"handled: null row loaded as an empty document, lengths {block.lengths().tolist()}"
+
+
+def _loading_text_with(**src):
+    """A case: a text source with a user tokenizer or transform (``src``), loaded as a worker would."""
+    return lambda tmp_path, cluster: _load_error(_text_source(tmp_path, **src))
+
+
+def case_zarr_negative_ids(tmp_path, cluster):
+    return _load_error(_zarr_source(tmp_path, np.array([3, -3, 4, 5], dtype=np.int32)))
+
+
+def case_zarr_float_tokens(tmp_path, cluster):
+    return _load_error(_zarr_source(tmp_path, np.array([3.0, 4.5, 4.0, 5.0])))
+
+
+def case_parquet_negative_token_ids(tmp_path, cluster):
+    pq.write_table(pa.table({"ids": pa.array([[3, -1], [5]], type=pa.list_(pa.int64()))}), tmp_path / "l.parquet")
+    return _load_error(_plan(tmp_path, format="parquet", url="l.parquet", tokens_field="ids"))
+
+
+def case_all_empty_documents(tmp_path, cluster):
+    plan = _text_source(tmp_path, texts=[""] * 30, topology={"dp": 2})
+    return _run_until_error(plan, cluster)
+
+
+def case_tiny_source(tmp_path, cluster):
+    return _run_until_error(_text_source(tmp_path, texts=["hi", "yo"], topology={"dp": 2}), cluster)
+
+
+def case_micro_batch_far_larger_than_corpus(tmp_path, cluster):
+    return _run_until_error(_text_source(tmp_path, texts=["some text"] * 50, topology={"tokens_per_micro_batch": 16_000_000}), cluster)
+
+
+def case_newest_base_flipped_bit(tmp_path, cluster):
+    store = _snapshots(tmp_path)
+    path = tmp_path / "ck" / "base-000000000002.msgpack"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    state, seq = store.load()
+    return f"handled: damaged base skipped, resumed from base 0 at committed {state['committed']} (seq {seq})"
+
+
+def case_delta_committed_altered(tmp_path, cluster):
+    import msgpack
+
+    store = _snapshots(tmp_path)
+    path = tmp_path / "ck" / "delta-000000000004.msgpack"
+    outer = msgpack.unpackb(path.read_bytes(), raw=False)
+    body = msgpack.unpackb(outer["body"], raw=False)
+    body["committed"] = 44  # a hand edit: the checksum no longer matches
+    outer["body"] = msgpack.packb(body, use_bin_type=True)
+    path.write_bytes(msgpack.packb(outer, use_bin_type=True))
+    state, seq = store.load()
+    return f"handled: altered delta rejected, committed {state['committed']} (seq {seq})"
+
+
+def case_newest_base_truncated(tmp_path, cluster):
+    store = _snapshots(tmp_path)
+    path = tmp_path / "ck" / "base-000000000002.msgpack"
+    path.write_bytes(path.read_bytes()[:20])
+    state, seq = store.load()
+    return f"handled: truncated base skipped, resumed from base 0 at committed {state['committed']} (seq {seq})"
+
+
+def case_snapshot_from_a_newer_version(tmp_path, cluster):
+    import msgpack
+
+    store = _snapshots(tmp_path)
+    (tmp_path / "ck" / "base-000000000005.msgpack").write_bytes(msgpack.packb({"version": 99, "body": b""}))
+    with pytest.raises(SnapshotError) as exc:
+        store.load()
+    return str(exc.value)
+
+
+def case_checkpoint_location_unusable(tmp_path, cluster):
+    from overlord_dask import Service
+
+    (tmp_path / "file").write_text("not a folder")
+    plan = _text_source(tmp_path, checkpoint={"url": str(tmp_path / "file" / "ck")})
+    with pytest.raises(SnapshotError) as exc:
+        Service.start(plan, cluster=cluster)
+    return str(exc.value)
+
+
+def case_s3_checkpoint_without_server(tmp_path, cluster):
+    t0 = time.monotonic()
+    with pytest.raises(SnapshotError) as exc:
+        SnapshotStore("s3://overlord-ck/run", {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+                                                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}})
+    assert time.monotonic() - t0 < 30
+    return str(exc.value)
+
+
+def case_attach_to_a_plain_scheduler(tmp_path, cluster):
+    from overlord_dask import Service
+
+    with pytest.raises(ServiceError) as exc:
+        Service.attach(cluster.scheduler_address)
+    return str(exc.value)
+
+
+def case_dp_mismatch(tmp_path, cluster):
+    from overlord_dask import Service, connect
+
+    plan = _text_source(tmp_path, texts=["some text"] * 300, topology={"dp": 2})
+    with Service.start(plan, cluster=cluster) as service:
+        with pytest.raises(OverlordError) as exc:
+            connect(service.address, 0, dp=8)
+    return str(exc.value)
+
+
+def case_two_consumers_on_one_rank(tmp_path, cluster):
+    from overlord_dask import Service, connect
+
+    plan = _text_source(tmp_path, texts=["some text here"] * 3000, topology={"dp": 1})
+    with Service.start(plan, cluster=cluster) as service:
+        first = connect(service.address, 0, timeout=60, prefetch_steps=1)
+        first.next_batch()
+        second = connect(service.address, 0, timeout=60)
+        second.next_batch()  # the newest consumer of the rank gets the stream
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError) as exc:
+            for _ in range(10):
+                first.next_batch()
+        assert time.monotonic() - t0 < 30
+        first.close()
+        second.close()
+    return str(exc.value)
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "overlord_dask.cli", *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def case_cli_demo_zero_workers(tmp_path, cluster):
+    out = _cli("demo", "--workers", "0", "--data", str(tmp_path / "d"))
+    assert out.returncode == 2
+    return out.stderr.strip().splitlines()[-1]
+
+
+def case_cli_validate_many_plans(tmp_path, cluster):
+    good = _text_source(tmp_path)
+    (tmp_path / "good.yaml").write_text(json.dumps({**plan_to_dict(good), "sources": [{**plan_to_dict(good)["sources"][0], "url": str(tmp_path / "t.parquet")}]}))
+    (tmp_path / "bad.yaml").write_text("sources: []\n")
+    out = _cli("validate", str(tmp_path / "good.yaml"), str(tmp_path / "bad.yaml"))
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert out.returncode == 2 and [x["ok"] for x in lines] == [True, False]
+    return lines[1]["error"]
+
+
+def case_cli_validate_unreachable_store(tmp_path, cluster):
+    out = _cli("validate", str(ROOT / "pipelines" / "pretrain_s3.yaml"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    return out.stderr.strip().splitlines()[-1]
+
+
+CASES = {
+    "token list column with a null row": (case_token_list_null_row, r"handled: null row loaded as an empty document, lengths \[2, 0, 1\]"),
+    "tokenizer yields negative ids": (_loading_text_with(tokenizer=U + "negative_ids"), r"unit 0 \(.*t\.parquet.*source 's': token ids must lie in \[0, \d+\], got min -2"),
+    "tokenizer yields floats": (_loading_text_with(tokenizer=U + "float_ids"), r"tokenizer tests\.test_bad_inputs:float_ids returned float64 values for document 0"),
+    "tokenizer yields a 2-D array": (_loading_text_with(tokenizer=U + "two_d_ids"), r"tokenizer tests\.test_bad_inputs:two_d_ids returned a 2-D array"),
+    "tokenizer returns fewer documents than texts": (_loading_text_with(tokenizer=U + "too_few_docs"), r"returned 1 documents for 3 texts"),
+    "tokenizer raises on undecodable bytes": (_loading_text_with(tokenizer=U + "not_utf8"), r"loading source 's' unit 0 .*UnicodeDecodeError: 'utf-8' codec can't decode"),
+    "transform returns 2-D tokens": (_loading_text_with(transform=U + "two_d_transform"), r"source 's': tokens must be a 1-D array of ids, got shape \(\d+, 1\)"),
+    "zarr token array with negative ids": (case_zarr_negative_ids, r"z\.zarr.*token ids must lie in \[0, \d+\], got min -3"),
+    "zarr token array of floats": (case_zarr_float_tokens, r"source 's': 'tokens' has dtype float64, expected integers"),
+    "parquet token column with negative ids": (case_parquet_negative_token_ids, r"l\.parquet.*got min -1"),
+    "text source of empty documents": (case_all_empty_documents, r"source 's' holds only 30 tokens in a whole pass over its files"),
+    "source of two tiny documents": (case_tiny_source, r"source 's' holds only \d+ tokens .* passes: every document would repeat"),
+    "micro-batch far larger than the corpus": (case_micro_batch_far_larger_than_corpus, r"tokens_per_micro_batch=16,000,000"),
+    "newest base with a flipped bit": (case_newest_base_flipped_bit, r"handled: damaged base skipped, resumed from base 0 at committed 6 \(seq 1\)"),
+    "delta with an altered committed step": (case_delta_committed_altered, r"handled: altered delta rejected, committed 9 \(seq 3\)"),
+    "truncated newest base": (case_newest_base_truncated, r"handled: truncated base skipped, resumed from base 0 at committed 6 \(seq 1\)"),
+    "snapshot from a newer version": (case_snapshot_from_a_newer_version, r"base-000000000005\.msgpack: snapshot version 99 is newer"),
+    "checkpoint location that cannot be written": (case_checkpoint_location_unusable, r"checkpoint location .*file/ck cannot be used"),
+    "s3 checkpoint with no server": (case_s3_checkpoint_without_server, r"checkpoint location s3://overlord-ck/run cannot be used: \w+"),
+    "Service.attach to a plain Dask scheduler": (case_attach_to_a_plain_scheduler, r"the scheduler there runs no overlord planner"),
+    "consumer with the wrong dp": (case_dp_mismatch, r"consumer asked for dp=8, but the service at .* runs dp=2"),
+    "two consumers on one rank": (case_two_consumers_on_one_rank, r"another consumer attached as rank 0"),
+    "overlord demo --workers 0": (case_cli_demo_zero_workers, r"argument --workers: must be at least 1, got 0"),
+    "overlord validate with several plans": (case_cli_validate_many_plans, r"bad\.yaml"),
+    "overlord validate on an unreachable store": (case_cli_validate_unreachable_store, r"overlord: error: source 'web': cannot read 's3://"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_gets_a_clear_answer(name, tmp_path, cluster, monkeypatch):
+    fn, pattern = CASES[name]
+    monkeypatch.syspath_prepend(str(ROOT))  # the user functions above, as workers import them
+    text = fn(tmp_path, cluster)
+    assert text and __import__("re").search(pattern, text), f"{name}: {text!r} does not match {pattern!r}"
