@@ -22,7 +22,7 @@ from .errors import OverlordError
 
 def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> None:
     """One trainer rank of the demo: consume ``steps`` steps as a training loop would."""
-    from .consumer import OverlordDataset
+    from .dataset import OverlordDataset
     from .report import delivered_record
 
     import torch
@@ -135,7 +135,7 @@ def cmd_serve(args) -> int:
     from .service import Service
 
     plan = _load(args.plan)
-    with Service.start(plan, n_workers=args.workers) as service:
+    with Service.start(plan, n_workers=args.workers, scheduler_port=args.port) as service:
         print(json.dumps({"run_id": service.run_id, "address": service.address, "dp": plan.topology.dp}), flush=True)
         try:
             while True:
@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="run a service for a plan and print its address")
     s.add_argument("plan")
     s.add_argument("--workers", type=_positive, default=2)
+    s.add_argument("--port", type=int, default=0, help="scheduler port (fixed, so that trainers reconnect to a restarted service)")
     v = sub.add_parser("validate", help="validate a plan and index its sources")
     v.add_argument("plan", nargs="+")
     args = ap.parse_args(argv)

@@ -26,6 +26,10 @@ time when every step paid a queue get, a worker fetch, an ack and the decoding o
   whenever :meth:`RankStream.commit` or :meth:`RankStream.state_dict` asks (those two wait for
   it, so a checkpoint is exact). A slow rank holds back the service's planning (bounded by the
   plan's ``prefetch_steps``), never anyone's memory.
+- **Survives a service restart.** If the connection to the scheduler is lost (the service was
+  killed and is restarted from its snapshot, at the same address), the stream reconnects with
+  backoff for up to ``reconnect_timeout`` seconds, attaches again and continues where its
+  trainer is: steps it already holds or consumed are not fetched again, nothing is skipped.
 - **One channel per process, no Dask client per trainer.** Descriptors in and acks out travel
   on one batched stream per process (``overlord_channel``, shared by every rank in the process),
   so the scheduler handles a message per process every few ms, not requests per rank; fetches
@@ -43,6 +47,7 @@ import warnings
 from typing import Iterator
 
 import numpy as np
+from distributed.comm import CommClosedError
 
 from .errors import RankError, ServiceError
 from .protocol import WORKER_FETCH
@@ -110,13 +115,15 @@ class _IO:
         await pool.start()
         return pool
 
-    def channel(self, address: str, run_id: str) -> "_Channel":
-        """This process's channel to run ``run_id`` at ``address`` (opened on first use)."""
+    def channel(self, address: str, run_id: str, wait: bool = True) -> "_Channel":
+        """This process's channel to run ``run_id`` at ``address`` (opened on first use; from
+        the IO loop pass ``wait=False`` and await ``opened()``)."""
         with self._lock:
             ch = self.channels.get((address, run_id))
             if ch is None or ch.closed:
                 ch = self.channels[(address, run_id)] = _Channel(self, address, run_id)
-        ch.wait_open()
+        if wait:
+            ch.wait_open()
         return ch
 
     def run(self, coro, timeout: float | None = None):
@@ -140,6 +147,14 @@ class _Channel:
         self.streams: dict[tuple[int, int], dict[int, "RankStream"]] = {}  # (rank, cp rank) -> generation -> stream
         self.closed = False
         self._opened = io.spawn(self._open())
+
+    async def opened(self) -> None:
+        """(IO loop) Wait until the channel is open; ServiceError if it cannot be."""
+        try:
+            await asyncio.wrap_future(self._opened)
+        except Exception as err:
+            self.closed = True
+            raise ServiceError(f"cannot open a channel to the overlord service at {self.address}: {err}") from None
 
     def wait_open(self, timeout: float = 60) -> None:
         try:
@@ -177,7 +192,7 @@ class _Channel:
         self.closed = True
         for gens in list(self.streams.values()):
             for stream in list(gens.values()):
-                stream._fail(why)
+                stream._lost(why)
 
     def _targets(self, msg: dict) -> list:
         """The streams a message is for: every stream (rank None), or one rank's, of the message's
@@ -199,8 +214,10 @@ class RankStream:
     ``torch.utils.data.DataLoader`` does)."""
 
     def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, timeout: float = 600.0,
-                 as_torch: bool = False, prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False):
+                 as_torch: bool = False, prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False,
+                 reconnect_timeout: float = 120.0):
         self.address = address
+        self.reconnect_timeout = reconnect_timeout
         self.rank = int(rank)
         self.cp_rank = cp_rank
         self.timeout = timeout
@@ -275,6 +292,9 @@ class RankStream:
         self._ack_wake = asyncio.Event()
         self._ack_lock = asyncio.Lock()
         self._described = asyncio.Event()
+        self._connected = asyncio.Event()
+        self._connected.set()
+        self._reconnecting = None
         key = (self.rank, self.cp_rank or 0)
         self.channel.streams.setdefault(key, {})[self.generation] = self
         self.channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
@@ -304,7 +324,14 @@ class RankStream:
                     continue
                 desc = self._descs[self._fetch_next]
                 steps = [s for s in desc["steps"] if s >= self._fetch_next][:room]
-                batches = await self._fetch(desc, steps)
+                try:
+                    batches = await self._fetch(desc, steps)
+                except (OSError, CommClosedError):
+                    if self.reconnect_timeout <= 0:
+                        raise
+                    await asyncio.sleep(0.1)  # the service is away: the channel notices and reconnects
+                    await self._connected.wait()
+                    continue
                 for s, b in zip(steps, batches):
                     b = decode_batch(b, TORCH_DTYPES if self.as_torch else DTYPES)
                     if self.as_torch:
@@ -372,6 +399,8 @@ class RankStream:
         while not self._closed:
             await self._ack_wake.wait()
             self._ack_wake.clear()
+            if not self._connected.is_set():
+                continue  # acked again after reconnecting
             try:
                 await self._send_ack(wait=False)
             except Exception as err:
@@ -389,6 +418,9 @@ class RankStream:
                 return
             msg = {"rank": self.rank, "step": step, "cp_rank": self.cp_rank or 0, "durable": durable}
             if wait:
+                if not self._connected.is_set():  # commit() or state_dict() while the service restarts
+                    await asyncio.wait_for(self._connected.wait(), self.reconnect_timeout + 10)
+                    msg["step"] = step = min(self._consumed, self._max_seen)
                 resp = await self.scheduler.overlord_ack(**msg)
                 if resp.get("error"):
                     raise ServiceError(resp["error"])
@@ -397,6 +429,59 @@ class RankStream:
             self._acked_sent = max(self._acked_sent, step)
             if durable:
                 self._durable_sent = max(self._durable_sent, step)
+
+    def _lost(self, why: str) -> None:
+        """(IO loop) The channel to the scheduler broke: reconnect (in the background), or fail."""
+        if self._closed:
+            return
+        if self.reconnect_timeout <= 0:
+            self._fail(f"rank {self.rank}: {why}")
+        elif self._reconnecting is None or self._reconnecting.done():
+            self._connected.clear()
+            self._reconnecting = asyncio.ensure_future(self._reconnect(why))
+
+    async def _reconnect(self, why: str) -> None:
+        """Find the service again at the same address (restarted from its snapshot), attach,
+        subscribe on a new channel and go on from this trainer's position."""
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.2
+        while not self._closed:
+            try:  # each try bounded: connecting to a dead address otherwise retries for Dask's 30 s
+                info = await asyncio.wait_for(self.scheduler.overlord_info(), max(0.5, min(5.0, deadline - time.monotonic())))
+                if isinstance(info, dict):
+                    att = await self.scheduler.overlord_attach(rank=self.rank, cp_rank=self.cp_rank or 0)
+                    if att.get("error"):
+                        self._fail(f"rank {self.rank}: reattaching to the restarted service failed: {att['error']}")
+                        return
+                    channel = self.io.channel(self.address, info["run_id"], wait=False)
+                    await channel.opened()
+                    break
+            except (OSError, CommClosedError, ServiceError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self._fail(f"rank {self.rank}: lost the overlord service at {self.address} ({why}) and it did not come back "
+                           f"within {self.reconnect_timeout:.0f}s")
+                return
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+        else:
+            return
+        first = int(att["first_step"])
+        if first > self._consumed + 1:  # another consumer of this rank acknowledged further: never skip silently
+            self._fail(f"rank {self.rank}: the restarted service resumes this rank at step {first}, but its trainer "
+                       f"consumed only up to step {self._consumed}: steps {self._consumed + 1}..{first - 1} would be lost")
+            return
+        self.info, self.channel, self.generation = info, channel, int(att["generation"])
+        self._descs.clear()
+        self._chunk_ends.clear()
+        self._acked_sent = self._durable_sent = first - 1
+        self._max_seen = first - 1  # the new service has planned nothing yet: acks follow its descriptors
+        key = (self.rank, self.cp_rank or 0)
+        channel.streams.setdefault(key, {})[self.generation] = self
+        channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
+        self._connected.set()
+        self._described.set()
+        self._ack_wake.set()  # what the trainer consumed past the service's restart point
 
     def _fail(self, message: str) -> None:
         with self._cond:
@@ -532,10 +617,11 @@ class RankStream:
     def close(self) -> None:
         if self._closed:
             return
-        try:  # steps the trainer finished are consumed; the one it holds now is not (it may have died with it)
-            self.io.run(self._send_ack(), timeout=10)
-        except Exception:  # the service may be gone; nothing to keep
-            pass
+        if self._error is None and self._connected.is_set():
+            try:  # steps the trainer finished are consumed; the one it holds now is not (it may have died with it)
+                self.io.run(self._send_ack(), timeout=10)
+            except Exception:  # the service may be gone; nothing to keep
+                pass
         self._stop_background()
 
     def _stop_background(self) -> None:
@@ -575,53 +661,3 @@ class RankStream:
 def connect(address: str, rank: int, dp: int | None = None, **kwargs) -> RankStream:
     """Attach to a running service as trainer ``rank`` (plain iterator of numpy micro-batches)."""
     return RankStream(address, rank, dp, **kwargs)
-
-
-try:
-    from torch.utils.data import IterableDataset as _IterableDataset
-except ImportError:  # torch is optional for the service side
-    _IterableDataset = object
-
-
-class OverlordDataset(_IterableDataset):
-    """``torch.utils.data.IterableDataset`` of one rank's packed micro-batches (torch tensors).
-
-    Use with ``DataLoader(ds, batch_size=None, num_workers=0)``: batches are already built by the
-    service and fetched ahead in the background, so DataLoader workers would only split (and
-    break) the rank's ordered stream. ``pin_memory=True`` pins them for CUDA trainers.
-    """
-
-    def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, timeout: float = 600.0,
-                 prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False):
-        super().__init__()
-        self.address, self.rank, self.dp, self.cp_rank, self.timeout = address, rank, dp, cp_rank, timeout
-        self.options = {"prefetch_steps": prefetch_steps, "prefetch_bytes": prefetch_bytes, "pin_memory": pin_memory}
-        self._stream: RankStream | None = None
-
-    def __iter__(self):
-        import torch.utils.data as tud
-
-        info = tud.get_worker_info()
-        if info is not None and info.num_workers > 1:
-            raise RuntimeError(
-                f"OverlordDataset(rank={self.rank}) was given to a DataLoader with num_workers={info.num_workers}; "
-                "use num_workers=0: the service already builds the batches"
-            )
-        return iter(self.stream)
-
-    @property
-    def stream(self) -> RankStream:
-        if self._stream is None:
-            self._stream = RankStream(self.address, self.rank, self.dp, cp_rank=self.cp_rank, timeout=self.timeout, as_torch=True, **self.options)
-        return self._stream
-
-    def state_dict(self) -> dict:
-        return self.stream.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.stream.load_state_dict(state)
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None

@@ -89,9 +89,11 @@ class Service:
         n_workers: int = 2,
         threads_per_worker: int = 1,
         run_id: str | None = None,
+        scheduler_port: int = 0,
     ) -> "Service":
         """Start a run on ``cluster`` (any Dask cluster object), on a running scheduler at
-        ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes."""
+        ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes (its
+        scheduler on ``scheduler_port``: fixed, a restarted service is found again by trainers)."""
         loaded = None
         ck = plan.checkpoint
         if ck.url:  # an unreachable or read-only location fails here, naming it, not later in a log
@@ -107,7 +109,7 @@ class Service:
         if cluster is None and address is None:
             from .deploy import local_cluster  # the embedded default deployment
 
-            cluster = owned = local_cluster(n_workers=n_workers, threads_per_worker=threads_per_worker)
+            cluster = owned = local_cluster(n_workers=n_workers, threads_per_worker=threads_per_worker, scheduler_port=scheduler_port)
         client = Client(cluster if address is None else address, set_as_default=False)
         run_id = run_id or f"{plan.name}-{uuid.uuid4().hex[:8]}"
         plan_dict = plan_to_dict(plan)

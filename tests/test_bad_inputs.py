@@ -245,7 +245,7 @@ def case_dp_mismatch(tmp_path, cluster):
 def case_two_consumers_on_one_rank(tmp_path, cluster):
     from overlord_dask import Service, connect
 
-    plan = _text_source(tmp_path, texts=["some text here"] * 3000, topology={"dp": 1})
+    plan = _text_source(tmp_path, texts=["some text here"] * 3000, topology={"dp": 1}, loading={"unit_rows": 1000})
     with Service.start(plan, cluster=cluster) as service:
         first = connect(service.address, 0, timeout=60, prefetch_steps=1)
         first.next_batch()
@@ -258,6 +258,30 @@ def case_two_consumers_on_one_rank(tmp_path, cluster):
         assert time.monotonic() - t0 < 30
         first.close()
         second.close()
+    return str(exc.value)
+
+
+def case_service_killed_for_good(tmp_path, cluster):
+    import signal
+
+    from overlord_dask import connect
+
+    plan = _text_source(tmp_path, texts=["some text here"] * 3000, loading={"unit_rows": 1000})
+    (tmp_path / "p.yaml").write_text(json.dumps({**plan_to_dict(plan), "sources": [{**plan_to_dict(plan)["sources"][0], "url": str(tmp_path / "t.parquet")}]}))
+    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", str(tmp_path / "p.yaml")], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        stream = connect(json.loads(proc.stdout.readline())["address"], 0, timeout=60, reconnect_timeout=3)
+        stream.next_batch()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError) as exc:
+        for _ in range(100):
+            stream.next_batch()
+    assert time.monotonic() - t0 < 30
+    stream.close()
     return str(exc.value)
 
 
@@ -311,6 +335,7 @@ CASES = {
     "Service.attach to a plain Dask scheduler": (case_attach_to_a_plain_scheduler, r"the scheduler there runs no overlord planner"),
     "consumer with the wrong dp": (case_dp_mismatch, r"consumer asked for dp=8, but the service at .* runs dp=2"),
     "two consumers on one rank": (case_two_consumers_on_one_rank, r"another consumer attached as rank 0"),
+    "service killed and not restarted": (case_service_killed_for_good, r"rank 0: lost the overlord service at tcp://.* did not come back within 3s"),
     "overlord demo --workers 0": (case_cli_demo_zero_workers, r"argument --workers: must be at least 1, got 0"),
     "overlord validate with several plans": (case_cli_validate_many_plans, r"bad\.yaml"),
     "overlord validate on an unreachable store": (case_cli_validate_unreachable_store, r"overlord: error: source 'web': cannot read 's3://"),

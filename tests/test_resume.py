@@ -35,8 +35,8 @@ def _plan_file(tmp_path, corpus, checkpoint: str | None, commit: str = "ack") ->
     return path
 
 
-def _serve(plan: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", str(plan)], stdout=subprocess.PIPE,
+def _serve(plan: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", str(plan), "--port", str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
     line = proc.stdout.readline()
     return proc, json.loads(line)["address"]
@@ -89,6 +89,58 @@ def test_sigkill_whole_service_and_resume_exactly(tmp_path, corpus, cluster):
         assert combined[key] == ids, key  # the same stream, step by step and rank by rank
     everything = [i for ids in combined.values() for i in ids]
     assert len(everything) == len(set(everything))  # no piece twice
+
+
+def test_trainers_ride_through_a_service_restart(tmp_path, corpus, cluster):
+    """The service is SIGKILLed mid-run and started again at the same address: the trainers'
+    streams (the same objects, no state reloaded) reconnect and deliver exactly the stream of
+    an uninterrupted run."""
+    import socket
+    import threading
+    import time
+
+    from overlord_dask.plan import load_plan
+
+    steps = 14
+    with Service.start(load_plan(_plan_file(tmp_path, corpus, None)), cluster=cluster) as ref_service:
+        reference, _ = _consume(ref_service.address, [0, 1], steps)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    plan = _plan_file(tmp_path, corpus, str(tmp_path / "ck3"))
+    proc, address = _serve(plan, port)
+    streams = {r: connect(address, r, timeout=120, reconnect_timeout=90) for r in (0, 1)}
+    got, killed = {}, threading.Event()
+
+    def run(r):
+        for _ in range(steps):
+            b = streams[r].next_batch()
+            got[(r, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
+            if b["step"] == 5:
+                killed.wait(60)  # both ranks are past step 5 when the service dies
+        streams[r].commit()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        killed.set()
+        proc, address2 = _serve(plan, port)
+        assert address2 == address
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        for s in streams.values():
+            s.close()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert sorted(got) == [(r, s) for r in (0, 1) for s in range(steps)]
+    for key, ids in reference.items():
+        assert got[key] == ids, key
 
 
 def test_clean_restart_resumes_from_the_committed_step(tmp_path, corpus, cluster):
