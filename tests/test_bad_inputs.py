@@ -112,6 +112,24 @@ def _run_until_error(plan, cluster, steps=2, timeout=60) -> str:
     return str(exc.value)
 
 
+def _told_within(stream, seconds: float) -> str:
+    """The error a trainer gets from ``stream`` (its ServiceError's text), within ``seconds``."""
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError) as exc:
+        for _ in range(1000):
+            stream.next_batch()
+    assert time.monotonic() - t0 < seconds, "told only after the consumer's timeout"
+    return str(exc.value)
+
+
+def _plan_file(path: Path, plan) -> str:
+    """``plan`` (a one-source plan from ``_text_source``) as a file of its own, URL absolute."""
+    d = plan_to_dict(plan)
+    d["sources"][0]["url"] = str(Path(plan.base_dir) / d["sources"][0]["url"])
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
 def _snapshots(tmp_path) -> SnapshotStore:
     store = SnapshotStore(str(tmp_path / "ck"))
     store.write_base(0, {"committed": 4, "topology": {"dp": 1}})
@@ -251,14 +269,10 @@ def case_two_consumers_on_one_rank(tmp_path, cluster):
         first.next_batch()
         second = connect(service.address, 0, timeout=60)
         second.next_batch()  # the newest consumer of the rank gets the stream
-        t0 = time.monotonic()
-        with pytest.raises(ServiceError) as exc:
-            for _ in range(10):
-                first.next_batch()
-        assert time.monotonic() - t0 < 30
+        text = _told_within(first, 30)
         first.close()
         second.close()
-    return str(exc.value)
+    return text
 
 
 def case_service_killed_for_good(tmp_path, cluster):
@@ -267,8 +281,7 @@ def case_service_killed_for_good(tmp_path, cluster):
     from overlord_dask import connect
 
     plan = _text_source(tmp_path, texts=["some text here"] * 3000, loading={"unit_rows": 1000})
-    (tmp_path / "p.yaml").write_text(json.dumps({**plan_to_dict(plan), "sources": [{**plan_to_dict(plan)["sources"][0], "url": str(tmp_path / "t.parquet")}]}))
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", str(tmp_path / "p.yaml")], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", _plan_file(tmp_path / "p.yaml", plan)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
     try:
         stream = connect(json.loads(proc.stdout.readline())["address"], 0, timeout=60, reconnect_timeout=3)
@@ -276,13 +289,9 @@ def case_service_killed_for_good(tmp_path, cluster):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    t0 = time.monotonic()
-    with pytest.raises(ServiceError) as exc:
-        for _ in range(100):
-            stream.next_batch()
-    assert time.monotonic() - t0 < 30
+    text = _told_within(stream, 30)
     stream.close()
-    return str(exc.value)
+    return text
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
@@ -297,10 +306,9 @@ def case_cli_demo_zero_workers(tmp_path, cluster):
 
 
 def case_cli_validate_many_plans(tmp_path, cluster):
-    good = _text_source(tmp_path)
-    (tmp_path / "good.yaml").write_text(json.dumps({**plan_to_dict(good), "sources": [{**plan_to_dict(good)["sources"][0], "url": str(tmp_path / "t.parquet")}]}))
+    good = _plan_file(tmp_path / "good.yaml", _text_source(tmp_path))
     (tmp_path / "bad.yaml").write_text("sources: []\n")
-    out = _cli("validate", str(tmp_path / "good.yaml"), str(tmp_path / "bad.yaml"))
+    out = _cli("validate", good, str(tmp_path / "bad.yaml"))
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert out.returncode == 2 and [x["ok"] for x in lines] == [True, False]
     return lines[1]["error"]
