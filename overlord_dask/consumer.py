@@ -102,6 +102,7 @@ class _IO:
     def __init__(self):
         self.pid = os.getpid()
         self.channels: dict[tuple[str, str], _Channel] = {}
+        self.lost_workers: dict[str, asyncio.Event] = {}  # address -> set once the scheduler says it is gone
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="overlord-consumer-io", daemon=True)
         self.thread.start()
@@ -125,6 +126,33 @@ class _IO:
         if wait:
             ch.wait_open()
         return ch
+
+    def lost(self, address: str) -> asyncio.Event:
+        """(IO loop) Set when the scheduler reports ``address`` gone (``worker_lost``)."""
+        ev = self.lost_workers.get(address)
+        if ev is None:
+            ev = self.lost_workers[address] = asyncio.Event()
+        return ev
+
+    async def call_worker(self, address: str, op: str, abort: asyncio.Event | None = None, **kwargs):
+        """A request to a worker that gives up the moment the worker is reported gone (or
+        ``abort`` is set: the whole service went away): a refused connection is otherwise retried
+        for Dask's whole connect timeout (30 s) while the batch waits on a shadow, is rebuilt
+        elsewhere, or comes from a restarted service."""
+        lost = self.lost(address)
+        if lost.is_set() or (abort is not None and abort.is_set()):
+            raise OSError(f"worker {address} is gone")
+        call = asyncio.ensure_future(self.pool(address).__getattr__(op)(**kwargs))
+        stops = [asyncio.ensure_future(ev.wait()) for ev in (lost, abort) if ev is not None]
+        try:
+            await asyncio.wait({call, *stops}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in stops:
+                t.cancel()
+        if not call.done():
+            call.cancel()
+            raise OSError(f"worker {address} is gone")
+        return call.result()
 
     def run(self, coro, timeout: float | None = None):
         """Run ``coro`` on the IO loop and wait for its result (from a trainer thread)."""
@@ -294,6 +322,7 @@ class RankStream:
         self._described = asyncio.Event()
         self._connected = asyncio.Event()
         self._connected.set()
+        self._disconnected = asyncio.Event()  # the opposite of _connected (asyncio has no wait-for-clear)
         self._reconnecting = None
         key = (self.rank, self.cp_rank or 0)
         self.channel.streams.setdefault(key, {})[self.generation] = self
@@ -354,7 +383,9 @@ class RankStream:
         """(IO loop) A message for this rank from the channel."""
         if self._closed or msg.get("generation", self.generation) != self.generation:
             return  # meant for an earlier consumer of this rank in this process
-        if msg["op"] == "error":
+        if msg["op"] == "worker_lost":
+            self.io.lost(msg["address"]).set()
+        elif msg["op"] == "error":
             self._fail(f"the overlord service failed: {msg['message']}")
         elif msg["op"] == "descriptors":
             self._take_descriptors(msg["items"])
@@ -383,14 +414,17 @@ class RankStream:
         while True:
             for addr in addresses:
                 try:
-                    resp = await self.io.pool(addr).__getattr__(WORKER_FETCH)(key=desc["key"], rank=self.rank, steps=steps, cp_rank=self.cp_rank)
+                    resp = await self.io.call_worker(addr, WORKER_FETCH, abort=self._disconnected, key=desc["key"], rank=self.rank,
+                                                     steps=steps, cp_rank=self.cp_rank)
                 except OSError:
-                    continue  # the worker went away; ask where the batch lives now
+                    continue  # the worker went away; ask where the batch lives now (a shadow, or rebuilt)
                 if resp.get("status") == "OK":
                     return resp["batches"]
             if time.monotonic() > deadline:
                 raise ServiceError(f"batch {desc['key']} could not be fetched within {self.timeout}s (last known workers: {addresses})")
-            resp = await self.scheduler.overlord_where(key=desc["key"], timeout=min(5.0, self.timeout))
+            resp = await self.scheduler.overlord_where(key=desc["key"], timeout=min(5.0, self.timeout), run_id=desc.get("run_id"))
+            if not isinstance(resp, dict) or resp.get("other_run"):  # the service was restarted: reconnect first
+                raise CommClosedError(f"the overlord service at {self.address} was restarted")
             if resp.get("error"):
                 raise ServiceError(resp["error"])
             addresses = resp["workers"]
@@ -438,6 +472,7 @@ class RankStream:
             self._fail(f"rank {self.rank}: {why}")
         elif self._reconnecting is None or self._reconnecting.done():
             self._connected.clear()
+            self._disconnected.set()
             self._reconnecting = asyncio.ensure_future(self._reconnect(why))
 
     async def _reconnect(self, why: str) -> None:
@@ -479,6 +514,7 @@ class RankStream:
         key = (self.rank, self.cp_rank or 0)
         channel.streams.setdefault(key, {})[self.generation] = self
         channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
+        self._disconnected.clear()
         self._connected.set()
         self._described.set()
         self._ack_wake.set()  # what the trainer consumed past the service's restart point

@@ -12,6 +12,8 @@ from distributed import LocalCluster
 
 SERVICE_CONFIG = {
     "distributed.scheduler.worker-ttl": "60s",
+    # the active memory manager's ReduceReplicas would delete the shadow copies of built batches
+    "distributed.scheduler.active-memory-manager.start": False,
 }
 
 

@@ -56,3 +56,15 @@ def test_control_plane_benchmark_runs(capsys, corpus):
     assert {"dp", "steps_per_s", "cpu_ms_per_step_rank", "loop_block_max_ms"} <= set(row)
     assert row["dp"] == 4 and row["steps"] > 0 and row["cpu_ms_per_step_rank"] > 0
     assert '"control_plane"' in capsys.readouterr().out
+
+
+def test_faults_benchmark_runs(capsys, corpus):
+    import faults
+
+    out = faults.main(["--steps", "12", "--fault-at", "5", "--compute-ms", "20", "--no-catalogue", "--data", str(corpus), "--json"])
+    assert set(out["scenarios"]) == {"worker_kill_shadows", "worker_kill_no_shadows", "service_restart"}
+    for name, row in out["scenarios"].items():
+        assert {"stall_max_s", "duplicates", "missing", "identical"} <= set(row), name
+        assert row["identical"] and row["duplicates"] == 0 and row["missing"] == 0, (name, row)
+    assert out["scenarios"]["worker_kill_shadows"]["batches_shadowed"] > 0
+    assert '"faults"' in capsys.readouterr().out

@@ -226,6 +226,12 @@ class Loading(_Strict):
     rank name this many consecutive steps, and trainers acknowledge once per such chunk (the
     control path's cost is per chunk, not per step). Default: a quarter of ``prefetch_steps``
     (at least 1), so that three quarters of the prefetch bound stay lead time."""
+    shadows: int = Field(default=1, ge=0, le=4)
+    """Extra copies of every built batch, each on another worker (hot standbys): a worker that
+    dies takes its batches with it, and the trainers are served from a shadow instead of waiting
+    for the batch to be rebuilt. Costs ``shadows`` × the bytes of the batches in flight (a
+    few steps' worth). Needs Dask's active memory manager off (``deploy.py`` turns it off), which
+    would otherwise drop the copies as redundant."""
 
 
 class Balance(_Strict):

@@ -92,7 +92,9 @@ class PlannerPlugin(SchedulerPlugin):
         self._built: dict[str, asyncio.Event] = {}  # keys someone waits on (overlord_where)
         self._channels: dict[str, BatchedSend] = {}  # consumer process channel id -> its stream
         self._subs: dict[tuple[int, int], str] = {}  # (rank, cp rank) -> channel id its descriptors go to
-        self.counters = {"descriptors_put": 0, "acks": 0}  # control-path traffic (tests and benchmarks read it)
+        self.counters = {"descriptors_put": 0, "acks": 0, "shadowed": 0}  # control-path traffic (tests and benchmarks read it)
+        self.shadows = plan.loading.shadows
+        self._shadow_tasks: set = set()
         self._work = _Work()
         self._work_event = asyncio.Event()
         self._kick = asyncio.Event()  # something may let the planner make progress
@@ -283,6 +285,8 @@ class PlannerPlugin(SchedulerPlugin):
             ts = self.scheduler.tasks.get(key)
             first = t["workers"] is None
             t["workers"] = _holders(ts)
+            if first and self.shadows and len(self.scheduler.workers) > 1:
+                self._shadow(key)
             if first:
                 for r in range(t["lo"], t["hi"]):
                     for j in range(self.state.final_plan.topology.cp):
@@ -292,6 +296,32 @@ class PlannerPlugin(SchedulerPlugin):
                 ev.set()
         elif finish == "erred":
             self._set_failure(self._error_text(key, t))
+
+    def _shadow(self, key: str) -> None:
+        """Copy a built batch to ``shadows`` more workers, in the background (the descriptors
+        go out at once; a trainer that finds the first holder gone asks ``where`` and gets a
+        shadow)."""
+        async def copy():
+            try:
+                await self.scheduler.replicate(keys=[key], n=1 + self.shadows, delete=False)
+                self.counters["shadowed"] += 1
+                t = self.tasks.get(key)
+                if t is not None:
+                    t["workers"] = _holders(self.scheduler.tasks.get(key))
+            except Exception:  # a worker left meanwhile: the batch is rebuilt if it is lost
+                logger.debug("shadowing %s failed", key, exc_info=True)
+
+        self._shadow_tasks.add(task := asyncio.ensure_future(copy()))
+        task.add_done_callback(self._shadow_tasks.discard)
+
+    def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
+        """A worker left (or died): every trainer process hears it at once, so no fetch waits on
+        a dead address (a refused connection is retried for Dask's whole connect timeout)."""
+        for bs in list(self._channels.values()):
+            try:
+                bs.send({"op": "worker_lost", "rank": None, "address": worker})
+            except CommClosedError:
+                pass
 
     def _error_text(self, key: str, task: dict | None = None) -> str:
         ts = self.scheduler.tasks.get(key)
@@ -443,8 +473,12 @@ class PlannerPlugin(SchedulerPlugin):
             self._kick.set()
         return {"committed": committed, "error": None}
 
-    async def where(self, key: str, timeout: float = 5.0) -> dict:
-        """Workers holding built batch ``key`` (waits up to ``timeout`` while it is rebuilt)."""
+    async def where(self, key: str, timeout: float = 5.0, run_id: str | None = None) -> dict:
+        """Workers holding built batch ``key`` (waits up to ``timeout`` while it is rebuilt).
+        A descriptor of another run (a consumer that has not noticed the restart yet) gets
+        ``other_run``: it reconnects instead of failing."""
+        if run_id is not None and run_id != self.run_id:
+            return {"error": None, "workers": [], "other_run": True}
         if key not in self.tasks:
             return {"error": f"batch {key} is no longer held: every rank acknowledged its steps", "workers": []}
         ts = self.scheduler.tasks.get(key)

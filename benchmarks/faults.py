@@ -1,0 +1,208 @@
+"""Faults while trainers compute: how long a trainer stalls, and whether the stream stays exact.
+
+    python benchmarks/faults.py            # readable table
+    python benchmarks/faults.py --json     # one JSON object
+
+``dp`` trainer ranks (threads of this process, each with its own stream, taking one step ahead)
+compute ``--compute-ms`` per step (sleep) for ``--steps`` steps. Every scenario runs the same
+plan as an uninterrupted reference run in the same invocation and compares, rank by rank and
+step by step, the pieces delivered (``identical``, ``duplicates``, ``missing``); ``stall_max_s``
+is the longest a trainer waited for a step after the fault, against ``baseline_wait_max_s`` of
+the reference run.
+
+Scenarios:
+
+- ``worker_kill_shadows``: SIGKILL a worker mid-run (it holds loaded blocks and built batches;
+  its nanny starts a new one) with ``loading.shadows: 1``: the batches it held are served from
+  their copies on the other worker.
+- ``worker_kill_no_shadows``: the same with ``shadows: 0``: its batches are rebuilt elsewhere.
+- ``service_restart``: SIGKILL the whole service (``overlord serve --port``: scheduler, planner,
+  workers) mid-run and start it again at the same address from its snapshot; the trainers' streams
+  (the same objects) reconnect and go on.
+
+Top level: ``bad_inputs`` (cases in the catalogue ``tests/test_bad_inputs.py``) and
+``bad_inputs_clear`` (those that get their clear error or handling: the catalogue run here).
+Targets (issue 10): worker loss with shadows stall ≤ 1 s; every scenario 0 duplicates, 0
+missing, identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.output import print_rows  # noqa: E402
+
+
+def _plan(data: str, dp: int, shadows: int, checkpoint: str | None = None):
+    from overlord_dask.demo import demo_plan
+
+    extra = {"checkpoint": {"url": checkpoint}} if checkpoint else {}
+    return demo_plan(data, topology={"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 8192},
+                     loading={"prefetch_steps": 8, "batch_steps": 2, "shadows": shadows}, **extra)
+
+
+def _train(streams: dict, steps: int, compute_s: float, fault_at: int | None = None, fault=None) -> tuple[dict, list, float]:
+    """Every rank takes ``steps`` steps, computing ``compute_s`` each; ``fault`` runs when rank 0
+    reaches step ``fault_at``. Returns (identities per (rank, step), waits after the fault, wait max before)."""
+    from overlord_dask.report import delivered_identities, delivered_record
+
+    got, after, before, t_fault = {}, [], [], []
+
+    def run(r):
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            b = streams[r].next_batch()
+            w = time.perf_counter() - t0
+            (after if t_fault and t0 >= t_fault[0] else before).append(w)
+            got[(r, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
+            if r == 0 and b["step"] == fault_at and fault is not None:
+                t_fault.append(time.perf_counter())
+                threading.Thread(target=fault, daemon=True).start()
+            time.sleep(compute_s)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got, after, max(before[len(streams):], default=0.0)  # the first step of each rank is the start
+
+
+def _compare(reference: dict, got: dict) -> dict:
+    ref_ids = [i for v in reference.values() for i in v]
+    ids = [i for v in got.values() for i in v]
+    return {"identical": got == reference, "duplicates": len(ids) - len(set(ids)), "missing": len(set(ref_ids) - set(ids))}
+
+
+def _service_run(plan, cluster, steps, compute_s, fault_at=None, fault_on=None):
+    from overlord_dask import Service, connect
+
+    with Service.start(plan, cluster=cluster) as service:
+        streams = {r: connect(service.address, r, timeout=120, prefetch_steps=1) for r in range(plan.topology.dp)}
+        fault = (lambda: fault_on(service)) if fault_on else None
+        out = _train(streams, steps, compute_s, fault_at, fault)
+        shadowed = service.status()["shadowed"]
+        for s in streams.values():
+            s.close()
+    return (*out, shadowed)
+
+
+def _kill_a_worker(service) -> None:
+    pids = service.client.run(os.getpid)
+    os.kill(pids[sorted(pids)[0]], signal.SIGKILL)
+
+
+def _serve(plan_file: Path, port: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", str(plan_file), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return proc, json.loads(proc.stdout.readline())["address"]
+
+
+def _service_restart(plan, steps, compute_s, fault_at, tmp) -> tuple[dict, list]:
+    import yaml
+
+    from overlord_dask import connect
+    from overlord_dask.plan import plan_to_dict
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    d = plan_to_dict(plan)
+    for s in d["sources"]:
+        s["url"] = str(Path(plan.base_dir) / s["url"])
+    plan_file = Path(tmp) / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump(d))
+    procs = [_serve(plan_file, port)[0]]
+    address = f"tcp://127.0.0.1:{port}"
+    streams = {r: connect(address, r, timeout=120, prefetch_steps=1, reconnect_timeout=120) for r in range(plan.topology.dp)}
+
+    def restart():
+        os.killpg(procs[-1].pid, signal.SIGKILL)
+        procs[-1].wait()
+        procs.append(_serve(plan_file, port)[0])
+
+    try:
+        got, after, _ = _train(streams, steps, compute_s, fault_at, restart)
+    finally:
+        for s in streams.values():
+            s.close()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return got, after
+
+
+def _bad_inputs() -> tuple[int, int]:
+    """(cases in the catalogue, cases that pass): the catalogue test, run as CI runs it."""
+    from tests.test_bad_inputs import CASES
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_bad_inputs.py"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    passed = 0
+    for line in out.stdout.splitlines():
+        if " passed" in line:
+            passed = int(line.strip().split(" passed")[0].split()[-1])
+    return len(CASES), passed
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--fault-at", type=int, default=15)
+    ap.add_argument("--compute-ms", type=float, default=50.0)
+    ap.add_argument("--data", default="demo-data")
+    ap.add_argument("--no-catalogue", action="store_true", help="skip running the bad-input catalogue")
+    args = ap.parse_args(argv)
+
+    from overlord_dask.demo import generate_demo_corpus
+    from overlord_dask.deploy import local_cluster
+
+    if not os.path.exists(os.path.join(args.data, "CORPUS.json")):
+        generate_demo_corpus(args.data)
+    compute_s = args.compute_ms / 1e3
+    rows = []
+    with local_cluster(n_workers=2) as cluster:
+        reference, _, base_wait, _ = _service_run(_plan(args.data, args.dp, 1), cluster, args.steps, compute_s)
+        for name, shadows in (("worker_kill_shadows", 1), ("worker_kill_no_shadows", 0)):
+            got, after, _, shadowed = _service_run(_plan(args.data, args.dp, shadows), cluster, args.steps, compute_s, args.fault_at, _kill_a_worker)
+            rows.append({"scenario": name, "stall_max_s": round(max(after, default=0.0), 3), "baseline_wait_max_s": round(base_wait, 3),
+                         "batches_shadowed": shadowed, **_compare(reference, got)})
+            deadline = time.monotonic() + 60  # the nanny starts a new worker
+            while len(cluster.scheduler_info["workers"]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = _plan(args.data, args.dp, 1, checkpoint=os.path.join(tmp, "ck"))
+        got, after = _service_restart(plan, args.steps, compute_s, args.fault_at, tmp)
+        rows.append({"scenario": "service_restart", "stall_max_s": round(max(after, default=0.0), 3), "baseline_wait_max_s": round(base_wait, 3),
+                     "batches_shadowed": "", **_compare(reference, got)})
+    cases, clear = (0, 0) if args.no_catalogue else _bad_inputs()
+    out = {"benchmark": "faults", "cores": os.cpu_count(), "dp": args.dp, "steps": args.steps, "compute_ms": args.compute_ms,
+           "scenarios": {r["scenario"]: {k: v for k, v in r.items() if k != "scenario"} for r in rows},
+           "bad_inputs": cases, "bad_inputs_clear": clear}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print_rows(rows, ["scenario", "stall_max_s", "baseline_wait_max_s", "batches_shadowed", "identical", "duplicates", "missing"])
+        print(f"bad inputs: {clear} of {cases} get their clear error or handling (tests/test_bad_inputs.py)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
