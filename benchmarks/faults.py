@@ -20,6 +20,9 @@ Scenarios:
   workers) mid-run and start it again at the same address from its snapshot; the trainers' streams
   (the same objects) reconnect and go on.
 
+``batch_bytes_max`` / ``shadow_bytes_max``: the most bytes of built batches held on the workers
+during the run, and what their shadow copies added (the shadows' memory cost).
+
 Top level: ``bad_inputs`` (cases in the catalogue ``tests/test_bad_inputs.py``) and
 ``bad_inputs_clear`` (those that get their clear error or handling: the catalogue run here).
 Targets (issue 10): worker loss with shadows stall ≤ 1 s; every scenario 0 duplicates, 0
@@ -93,8 +96,19 @@ def _service_run(plan, cluster, steps, compute_s, fault_at=None, fault_on=None):
     with Service.start(plan, cluster=cluster) as service:
         streams = {r: connect(service.address, r, timeout=120, prefetch_steps=1) for r in range(plan.topology.dp)}
         fault = (lambda: fault_on(service)) if fault_on else None
+        memory = []  # (batch bytes, shadow bytes) every 0.2 s while the trainers run
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(0.2):
+                st = service.status()
+                memory.append((st["batch_bytes"], st["shadow_bytes"]))
+
+        threading.Thread(target=sample, daemon=True).start()
         out = _train(streams, steps, compute_s, fault_at, fault)
-        shadowed = service.status()["shadowed"]
+        done.set()
+        shadowed = {"batches_shadowed": service.status()["shadowed"], "batch_bytes_max": max((m[0] for m in memory), default=0),
+                    "shadow_bytes_max": max((m[1] for m in memory), default=0)}
         for s in streams.values():
             s.close()
     return (*out, shadowed)
@@ -183,7 +197,7 @@ def main(argv=None) -> dict:
         for name, shadows in (("worker_kill_shadows", 1), ("worker_kill_no_shadows", 0)):
             got, after, _, shadowed = _service_run(_plan(args.data, args.dp, shadows), cluster, args.steps, compute_s, args.fault_at, _kill_a_worker)
             rows.append({"scenario": name, "stall_max_s": round(max(after, default=0.0), 3), "baseline_wait_max_s": round(base_wait, 3),
-                         "batches_shadowed": shadowed, **_compare(reference, got)})
+                         **shadowed, **_compare(reference, got)})
             deadline = time.monotonic() + 60  # the nanny starts a new worker
             while len(cluster.scheduler_info["workers"]) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -199,7 +213,8 @@ def main(argv=None) -> dict:
     if args.json:
         print(json.dumps(out))
     else:
-        print_rows(rows, ["scenario", "stall_max_s", "baseline_wait_max_s", "batches_shadowed", "identical", "duplicates", "missing"])
+        print_rows(rows, ["scenario", "stall_max_s", "baseline_wait_max_s", "batches_shadowed", "batch_bytes_max", "shadow_bytes_max",
+                          "identical", "duplicates", "missing"])
         print(f"bad inputs: {clear} of {cases} get their clear error or handling (tests/test_bad_inputs.py)")
     return out
 

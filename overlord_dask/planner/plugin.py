@@ -530,7 +530,10 @@ class PlannerPlugin(SchedulerPlugin):
 
     async def status(self) -> dict:
         st = await self._run(self.state.status)
+        held = [ts for ts in map(self.scheduler.tasks.get, self.tasks) if ts is not None and ts.state == "memory"]
         return {**st, "loop": self.loop(), "chunk_steps": self.chunk_steps, "tasks_held": len(self.tasks),
+                "batch_bytes": sum(ts.nbytes for ts in held),  # built batches in flight, and what their shadows add
+                "shadow_bytes": sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in held),
                 "channels": len(self._channels), "subscribed": len(self._subs), "snapshot_error": self.snapshot_error, **self.counters}
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
