@@ -16,6 +16,9 @@ Scenarios:
   its nanny starts a new one) with ``loading.shadows: 1``: the batches it held are served from
   their copies on the other worker.
 - ``worker_kill_no_shadows``: the same with ``shadows: 0``: its batches are rebuilt elsewhere.
+- ``worker_hung_shadows``: SIGSTOP a worker mid-run (it neither answers nor dies): a fetch
+  unanswered for 2 s goes to the batch's shadow, and the scheduler removes the worker after the
+  worker TTL (20 s in ``deploy.py``), rebuilding what it was building. SIGCONT at the end.
 - ``service_restart``: SIGKILL the whole service (``overlord serve --port``: scheduler, planner,
   workers) mid-run and start it again at the same address from its snapshot; the trainers' streams
   (the same objects) reconnect and go on.
@@ -114,9 +117,14 @@ def _service_run(plan, cluster, steps, compute_s, fault_at=None, fault_on=None):
     return (*out, shadowed)
 
 
-def _kill_a_worker(service) -> None:
-    pids = service.client.run(os.getpid)
-    os.kill(pids[sorted(pids)[0]], signal.SIGKILL)
+def _signal_a_worker(sig: int, stopped: list):
+    def fault(service) -> None:
+        pids = service.client.run(os.getpid, on_error="ignore")  # a worker replaced in an earlier scenario may still be listed
+        pid = pids[sorted(pids)[0]]
+        os.kill(pid, sig)
+        stopped.append(pid)
+
+    return fault
 
 
 def _serve(plan_file: Path, port: int) -> tuple[subprocess.Popen, str]:
@@ -194,8 +202,18 @@ def main(argv=None) -> dict:
     rows = []
     with local_cluster(n_workers=2) as cluster:
         reference, _, base_wait, _ = _service_run(_plan(args.data, args.dp, 1), cluster, args.steps, compute_s)
-        for name, shadows in (("worker_kill_shadows", 1), ("worker_kill_no_shadows", 0)):
-            got, after, _, shadowed = _service_run(_plan(args.data, args.dp, shadows), cluster, args.steps, compute_s, args.fault_at, _kill_a_worker)
+        for name, shadows, sig in (("worker_kill_shadows", 1, signal.SIGKILL), ("worker_kill_no_shadows", 0, signal.SIGKILL),
+                                   ("worker_hung_shadows", 1, signal.SIGSTOP)):
+            hit: list[int] = []
+            try:
+                got, after, _, shadowed = _service_run(_plan(args.data, args.dp, shadows), cluster, args.steps, compute_s, args.fault_at,
+                                                       _signal_a_worker(sig, hit))
+            finally:
+                for pid in hit if sig == signal.SIGSTOP else ():
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except ProcessLookupError:  # its nanny already replaced it
+                        pass
             rows.append({"scenario": name, "stall_max_s": round(max(after, default=0.0), 3), "baseline_wait_max_s": round(base_wait, 3),
                          **shadowed, **_compare(reference, got)})
             deadline = time.monotonic() + 60  # the nanny starts a new worker

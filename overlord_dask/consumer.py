@@ -67,6 +67,7 @@ TENSOR_FIELDS = {
 }
 TORCH_DTYPES = {**DTYPES, **{k: np.int64 if kind == "long" else np.int32 for k, kind in TENSOR_FIELDS.items()}}
 STATE_VERSION = 1
+HEDGE_S = 2.0  # a worker that has not answered a fetch in this long may be hung: try the batch's other holders (doubles per retry)
 
 
 def _to_torch(mb: dict, pin: bool = False) -> dict:
@@ -146,11 +147,13 @@ class _IO:
         stops = [asyncio.ensure_future(ev.wait()) for ev in (lost, abort) if ev is not None]
         try:
             await asyncio.wait({call, *stops}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # also when this call is cancelled (a hedged fetch that gave up)
             for t in stops:
                 t.cancel()
-        if not call.done():
-            call.cancel()
+            answered = call.done()
+            if not answered:
+                call.cancel()
+        if not answered:
             raise OSError(f"worker {address} is gone")
         return call.result()
 
@@ -411,11 +414,18 @@ class RankStream:
         task if it moved (a lost worker: the scheduler recomputed it elsewhere)."""
         deadline = time.monotonic() + self.timeout
         addresses = list(desc.get("workers", ()))
+        slow: set[str] = set()  # holders that did not answer within the hedge time (hung, say: SIGSTOP)
+        hedge = HEDGE_S
         while True:
             for addr in addresses:
                 try:
-                    resp = await self.io.call_worker(addr, WORKER_FETCH, abort=self._disconnected, key=desc["key"], rank=self.rank,
-                                                     steps=steps, cp_rank=self.cp_rank)
+                    resp = await asyncio.wait_for(
+                        self.io.call_worker(addr, WORKER_FETCH, abort=self._disconnected, key=desc["key"], rank=self.rank,
+                                            steps=steps, cp_rank=self.cp_rank), hedge)
+                except asyncio.TimeoutError:
+                    slow.add(addr)  # a hung worker is only removed after the worker TTL: use a shadow meanwhile
+                    hedge *= 2
+                    continue
                 except OSError:
                     continue  # the worker went away; ask where the batch lives now (a shadow, or rebuilt)
                 if resp.get("status") == "OK":
@@ -427,7 +437,7 @@ class RankStream:
                 raise CommClosedError(f"the overlord service at {self.address} was restarted")
             if resp.get("error"):
                 raise ServiceError(resp["error"])
-            addresses = resp["workers"]
+            addresses = [a for a in resp["workers"] if a not in slow] or resp["workers"]  # the slow ones last resort
 
     async def _acker(self) -> None:
         while not self._closed:

@@ -11,7 +11,9 @@ import dask
 from distributed import LocalCluster
 
 SERVICE_CONFIG = {
-    "distributed.scheduler.worker-ttl": "60s",
+    # a hung worker (SIGSTOP, a stuck NFS read) is removed after this long and its work rebuilt
+    # elsewhere; trainers meanwhile fetch from shadows (consumer.HEDGE_S)
+    "distributed.scheduler.worker-ttl": "20s",
     # the active memory manager's ReduceReplicas would delete the shadow copies of built batches
     "distributed.scheduler.active-memory-manager.start": False,
 }
