@@ -19,6 +19,11 @@ Scenarios:
 - ``worker_hung_shadows``: SIGSTOP a worker mid-run (it neither answers nor dies): a fetch
   unanswered for 2 s goes to the batch's shadow, and the scheduler removes the worker after the
   worker TTL (20 s in ``deploy.py``), rebuilding what it was building. SIGCONT at the end.
+- ``slow_trainer``: rank 1 computes 10× longer per step than the others for the whole run
+  (``--steps`` × 10 × ``--compute-ms``), while the memory (RSS) of the service process and of
+  every worker is sampled: ``rss_growth_mb`` is the largest growth of any of them from the first
+  to the last third of the samples (a bounded pipeline shows none). The fast ranks wait for the
+  slow one by design (the prefetch bound): their stall is not a fault's.
 - ``service_restart``: SIGKILL the whole service (``overlord serve --port``: scheduler, planner,
   workers) mid-run and start it again at the same address from its snapshot; the trainers' streams
   (the same objects) reconnect and go on.
@@ -46,6 +51,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -60,7 +67,8 @@ def _plan(data: str, dp: int, shadows: int, checkpoint: str | None = None):
                      loading={"prefetch_steps": 8, "batch_steps": 2, "shadows": shadows}, **extra)
 
 
-def _train(streams: dict, steps: int, compute_s: float, fault_at: int | None = None, fault=None) -> tuple[dict, list, float]:
+def _train(streams: dict, steps: int, compute_s: float, fault_at: int | None = None, fault=None,
+           slow: dict | None = None) -> tuple[dict, list, float]:
     """Every rank takes ``steps`` steps, computing ``compute_s`` each; ``fault`` runs when rank 0
     reaches step ``fault_at``. Returns (identities per (rank, step), waits after the fault, wait max before)."""
     from overlord_dask.report import delivered_identities, delivered_record
@@ -77,7 +85,7 @@ def _train(streams: dict, steps: int, compute_s: float, fault_at: int | None = N
             if r == 0 and b["step"] == fault_at and fault is not None:
                 t_fault.append(time.perf_counter())
                 threading.Thread(target=fault, daemon=True).start()
-            time.sleep(compute_s)
+            time.sleep(compute_s * (slow or {}).get(r, 1))
 
     threads = [threading.Thread(target=run, args=(r,)) for r in streams]
     for t in threads:
@@ -93,28 +101,50 @@ def _compare(reference: dict, got: dict) -> dict:
     return {"identical": got == reference, "duplicates": len(ids) - len(set(ids)), "missing": len(set(ref_ids) - set(ids))}
 
 
-def _service_run(plan, cluster, steps, compute_s, fault_at=None, fault_on=None):
+def _service_run(plan, cluster, steps, compute_s, fault_at=None, fault_on=None, slow=None):
     from overlord_dask import Service, connect
 
     with Service.start(plan, cluster=cluster) as service:
         streams = {r: connect(service.address, r, timeout=120, prefetch_steps=1) for r in range(plan.topology.dp)}
         fault = (lambda: fault_on(service)) if fault_on else None
-        memory = []  # (batch bytes, shadow bytes) every 0.2 s while the trainers run
+        memory, rss = [], []  # (batch bytes, shadow bytes); {pid: RSS} of this process and the workers, every 0.2 s
         done = threading.Event()
+        procs = [psutil.Process()] + [psutil.Process(p) for p in service.client.run(os.getpid).values()]
 
         def sample():
             while not done.wait(0.2):
                 st = service.status()
                 memory.append((st["batch_bytes"], st["shadow_bytes"]))
+                row = {}
+                for p in procs:
+                    try:
+                        row[p.pid] = p.memory_info().rss
+                    except psutil.Error:  # a worker killed by the scenario
+                        pass
+                rss.append(row)
 
         threading.Thread(target=sample, daemon=True).start()
-        out = _train(streams, steps, compute_s, fault_at, fault)
+        out = _train(streams, steps, compute_s, fault_at, fault, slow)
         done.set()
         shadowed = {"batches_shadowed": service.status()["shadowed"], "batch_bytes_max": max((m[0] for m in memory), default=0),
-                    "shadow_bytes_max": max((m[1] for m in memory), default=0)}
+                    "shadow_bytes_max": max((m[1] for m in memory), default=0), "rss_growth_mb": _growth(rss)}
         for s in streams.values():
             s.close()
     return (*out, shadowed)
+
+
+def _growth(rss: list[dict]) -> float:
+    """Largest RSS growth (MB) of any sampled process from the first to the last third of the run."""
+    k = len(rss) // 3
+    if k == 0:
+        return 0.0
+    out = 0.0
+    for pid in rss[0]:
+        first = [r[pid] for r in rss[:k] if pid in r]
+        last = [r[pid] for r in rss[-k:] if pid in r]
+        if first and last:
+            out = max(out, (sum(last) / len(last) - sum(first) / len(first)) / 2**20)
+    return round(out, 1)
 
 
 def _signal_a_worker(sig: int, stopped: list):
@@ -219,6 +249,9 @@ def main(argv=None) -> dict:
             deadline = time.monotonic() + 60  # the nanny starts a new worker
             while len(cluster.scheduler_info["workers"]) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
+        got, after, _, mem = _service_run(_plan(args.data, args.dp, 1), cluster, args.steps, compute_s, slow={1: 10})
+        rows.append({"scenario": "slow_trainer", "stall_max_s": round(max(after, default=0.0), 3), "baseline_wait_max_s": round(base_wait, 3),
+                     **mem, **_compare(reference, got)})
     with tempfile.TemporaryDirectory() as tmp:
         plan = _plan(args.data, args.dp, 1, checkpoint=os.path.join(tmp, "ck"))
         got, after = _service_restart(plan, args.steps, compute_s, args.fault_at, tmp)
@@ -232,7 +265,7 @@ def main(argv=None) -> dict:
         print(json.dumps(out))
     else:
         print_rows(rows, ["scenario", "stall_max_s", "baseline_wait_max_s", "batches_shadowed", "batch_bytes_max", "shadow_bytes_max",
-                          "identical", "duplicates", "missing"])
+                          "rss_growth_mb", "identical", "duplicates", "missing"])
         print(f"bad inputs: {clear} of {cases} get their clear error or handling (tests/test_bad_inputs.py)")
     return out
 

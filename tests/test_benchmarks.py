@@ -62,7 +62,8 @@ def test_faults_benchmark_runs(capsys, corpus):
     import faults
 
     out = faults.main(["--steps", "12", "--fault-at", "5", "--compute-ms", "20", "--no-catalogue", "--data", str(corpus), "--json"])
-    assert set(out["scenarios"]) == {"worker_kill_shadows", "worker_kill_no_shadows", "worker_hung_shadows", "service_restart"}
+    assert set(out["scenarios"]) == {"worker_kill_shadows", "worker_kill_no_shadows", "worker_hung_shadows", "slow_trainer", "service_restart"}
+    assert out["scenarios"]["slow_trainer"]["rss_growth_mb"] < 200
     for name, row in out["scenarios"].items():
         assert {"stall_max_s", "duplicates", "missing", "identical"} <= set(row), name
         assert row["identical"] and row["duplicates"] == 0 and row["missing"] == 0, (name, row)
