@@ -476,7 +476,7 @@ class RankStream:
 
     def _lost(self, why: str) -> None:
         """(IO loop) The channel to the scheduler broke: reconnect (in the background), or fail."""
-        if self._closed:
+        if self._closed or self._error is not None:  # closed, or already told why (the run stopped, say)
             return
         if self.reconnect_timeout <= 0:
             self._fail(f"rank {self.rank}: {why}")
