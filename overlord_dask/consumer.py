@@ -184,15 +184,17 @@ class _Channel:
         try:
             await asyncio.wrap_future(self._opened)
         except Exception as err:
-            self.closed = True
-            raise ServiceError(f"cannot open a channel to the overlord service at {self.address}: {err}") from None
+            raise self._failed(err) from None
 
     def wait_open(self, timeout: float = 60) -> None:
         try:
             self._opened.result(timeout)
         except Exception as err:
-            self.closed = True
-            raise ServiceError(f"cannot open a channel to the overlord service at {self.address}: {err}") from None
+            raise self._failed(err) from None
+
+    def _failed(self, err: Exception) -> ServiceError:
+        self.closed = True
+        return ServiceError(f"cannot open a channel to the overlord service at {self.address}: {err}")
 
     async def _open(self) -> None:
         from distributed.batched import BatchedSend
@@ -327,10 +329,14 @@ class RankStream:
         self._connected.set()
         self._disconnected = asyncio.Event()  # the opposite of _connected (asyncio has no wait-for-clear)
         self._reconnecting = None
+        self._subscribe()
+        return [asyncio.ensure_future(self._prefetch()), asyncio.ensure_future(self._acker())]
+
+    def _subscribe(self) -> None:
+        """(IO loop) Receive this rank's messages on ``self.channel`` (as this generation)."""
         key = (self.rank, self.cp_rank or 0)
         self.channel.streams.setdefault(key, {})[self.generation] = self
         self.channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
-        return [asyncio.ensure_future(self._prefetch()), asyncio.ensure_future(self._acker())]
 
     # ---- background: descriptors, fetches, acks (IO loop) ---------------------------------------
     async def _prefetch(self) -> None:
@@ -521,9 +527,7 @@ class RankStream:
         self._chunk_ends.clear()
         self._acked_sent = self._durable_sent = first - 1
         self._max_seen = first - 1  # the new service has planned nothing yet: acks follow its descriptors
-        key = (self.rank, self.cp_rank or 0)
-        channel.streams.setdefault(key, {})[self.generation] = self
-        channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
+        self._subscribe()
         self._disconnected.clear()
         self._connected.set()
         self._described.set()

@@ -138,9 +138,9 @@ class PlannerPlugin(SchedulerPlugin):
                 logger.exception("writing the final planner snapshot to %s failed", self.checkpoint_url)
         for name in HANDLERS:
             self.scheduler.handlers.pop(name, None)
-        for bs in list(self._channels.values()):  # consumers learn that the run is gone, then the stream closes
+        self._broadcast({"op": "error", "rank": None, "message": f"the overlord run {self.run_id} stopped"})
+        for bs in list(self._channels.values()):  # consumers learned that the run is gone; then the stream closes
             try:
-                bs.send({"op": "error", "rank": None, "message": f"the overlord run {self.run_id} stopped"})
                 await bs.close(timeout=2)
             except Exception:
                 pass
@@ -317,11 +317,12 @@ class PlannerPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
         """A worker left (or died): every trainer process hears it at once, so no fetch waits on
         a dead address (a refused connection is retried for Dask's whole connect timeout)."""
+        self._broadcast({"op": "worker_lost", "rank": None, "address": worker})
+
+    def _broadcast(self, msg: dict) -> None:
+        """``msg`` to every consumer process's channel."""
         for bs in list(self._channels.values()):
-            try:
-                bs.send({"op": "worker_lost", "rank": None, "address": worker})
-            except CommClosedError:
-                pass
+            _send(bs, msg)
 
     def _error_text(self, key: str, task: dict | None = None) -> str:
         ts = self.scheduler.tasks.get(key)
@@ -400,7 +401,7 @@ class PlannerPlugin(SchedulerPlugin):
     def _channel_ack(self, bs, rank: int, step: int, cp_rank: int = 0, durable: bool = False, **_) -> None:
         resp = self.ack(rank, step, cp_rank, durable)
         if resp["error"]:
-            bs.send({"op": "error", "rank": rank, "cp_rank": cp_rank, "message": resp["error"]})
+            _send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "message": resp["error"]})
 
     def _subscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, **_) -> None:
         """Push (rank, cp rank)'s descriptors to this channel from now on. Only the newest
@@ -425,10 +426,8 @@ class PlannerPlugin(SchedulerPlugin):
         items = []
         while not q.empty():
             items.append(q.get_nowait()["value"])
-        try:
-            bs.send({"op": "descriptors", "rank": key[0], "cp_rank": key[1], "generation": self.generation.get(key, 0), "items": items})
-        except CommClosedError:  # the process went away; whoever attaches next gets them again
-            self._subs.pop(key, None)
+        if not _send(bs, {"op": "descriptors", "rank": key[0], "cp_rank": key[1], "generation": self.generation.get(key, 0), "items": items}):
+            self._subs.pop(key, None)  # the process went away; whoever attaches next gets them again
 
     def attach(self, rank: int, cp_rank: int = 0) -> dict:
         """A consumer joins as (rank, cp rank): it starts after the rank's last acknowledged step;
@@ -443,12 +442,9 @@ class PlannerPlugin(SchedulerPlugin):
         self.generation[(rank, cp_rank)] = gen
         old = self._channels.get(self._subs.pop((rank, cp_rank), ""))  # the previous consumer's subscription ends here
         if old is not None:  # ... and it is told so, instead of waiting for batches that now go elsewhere
-            try:
-                old.send({"op": "error", "rank": rank, "cp_rank": cp_rank, "generation": gen - 1,
-                          "message": f"another consumer attached as rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "")
-                          + "; this one no longer receives batches (one consumer per rank)"})
-            except CommClosedError:
-                pass
+            _send(old, {"op": "error", "rank": rank, "cp_rank": cp_rank, "generation": gen - 1,
+                        "message": f"another consumer attached as rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "")
+                        + "; this one no longer receives batches (one consumer per rank)"})
         for key, t in self.tasks.items():
             if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first:
                 self._put(rank, cp_rank, self._descriptor(key, t, rank, cp_rank))
@@ -564,6 +560,15 @@ def _freeze_heap() -> None:
     objects are merely never collected, and they are the process's long-lived ones."""
     gc.collect()
     gc.freeze()
+
+
+def _send(bs: BatchedSend, msg: dict) -> bool:
+    """Queue ``msg`` on a consumer channel; False if that process is gone (nothing to tell)."""
+    try:
+        bs.send(msg)
+        return True
+    except CommClosedError:
+        return False
 
 
 def _holders(ts) -> list[str]:
