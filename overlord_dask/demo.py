@@ -6,6 +6,9 @@
 - ``books`` zarr, flat ``tokens`` + ``offsets``; long-tailed (Pareto), 512 to 65,536 tokens.
 - ``captions`` zarr, multimodal: short captions with 1-3 images each (16 patches of 48 bytes),
   used by ``pipelines/multimodal.yaml`` (the demo plan itself has the first three).
+- ``photos`` parquet, multimodal with *encoded* images: short captions with 1-2 JPEG photos each
+  (128×128, smooth synthetic scenes), decoded and patched on the workers: a source whose loading
+  costs far more CPU per token than the others (``pipelines/photos.yaml``, the autoscale benchmark).
 
 Generated deterministically from a seed; ``scale`` multiplies the number of documents.
 """
@@ -25,7 +28,7 @@ from .plan.models import Plan
 from .plan.loading import load_plan, plan_from_dict
 from .sources.tokenizers import BYTE_OFFSET, EOS_ID
 
-CORPUS_VERSION = 2
+CORPUS_VERSION = 3
 _ALPHABET = np.frombuffer(b"etaoinshrdlucmfwypvbgkjqxz      ", dtype=np.uint8)
 PLAN_FILE = Path(__file__).parent / "demo_plan.yaml"
 
@@ -98,6 +101,41 @@ def _write_captions(root: Path, rng, n_docs: int, patches: int = 16, patch_dim: 
     g.create_array("image_positions", shape=positions.shape, chunks=(1 << 16,), dtype="int64")[:] = positions
 
 
+def _photo(rng, size: int) -> bytes:
+    """A smooth synthetic scene (two colours, a wave pattern, a disc) as JPEG bytes."""
+    import io
+
+    from PIL import Image
+
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    fx, fy, phase = rng.uniform(1, 12, 2).tolist() + [rng.uniform(0, 6.3)]
+    t = (np.sin(fx * x * 6.3 + fy * y * 6.3 + phase) + 1) / 2
+    c0, c1 = rng.integers(0, 256, (2, 3))
+    img = t[..., None] * c0 + (1 - t[..., None]) * c1
+    cx, cy, r = rng.uniform(0.2, 0.8, 2).tolist() + [rng.uniform(0.05, 0.3)]
+    img[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.integers(0, 256, 3)
+    buf = io.BytesIO()
+    Image.fromarray(img.astype(np.uint8)).save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
+
+
+def _write_photos(root: Path, rng, n_docs: int, files: int = 2, row_group: int = 250, size: int = 128) -> None:
+    """A multimodal parquet source: short captions (text) with 1-2 encoded JPEG photos each."""
+    (root / "photos").mkdir(parents=True, exist_ok=True)
+    for f, idx in enumerate(np.array_split(np.arange(n_docs), files)):
+        n = len(idx)
+        lens = np.clip(rng.lognormal(4.0, 0.5, n), 8, 400).astype(np.int64)
+        data = _text_bytes(rng, int(lens.sum()))
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        texts = pa.LargeStringArray.from_buffers(n, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes()))
+        n_img = rng.integers(1, 3, n)
+        photos = [[_photo(rng, size) for _ in range(k)] for k in n_img]
+        positions = [sorted(rng.integers(0, int(L), k).tolist()) for L, k in zip(lens, n_img)]
+        table = pa.table({"id": pa.array(idx, pa.int64()), "caption": texts,
+                          "images": pa.array(photos, pa.list_(pa.binary())), "image_positions": pa.array(positions, pa.list_(pa.int32()))})
+        pq.write_table(table, root / "photos" / f"part-{f:03d}.parquet", row_group_size=row_group, write_page_checksum=True)
+
+
 def generate_demo_corpus(root: str | os.PathLike, *, scale: float = 1.0, seed: int = 0) -> Path:
     """Write the demo corpus under ``root`` (idempotent: an existing complete corpus is kept)."""
     root = Path(root)
@@ -111,6 +149,7 @@ def generate_demo_corpus(root: str | os.PathLike, *, scale: float = 1.0, seed: i
     _write_chat(root, rng, max(8, int(20_000 * scale)))
     _write_books(root, rng, max(8, int(3_000 * scale)))
     _write_captions(root, rng, max(8, int(4_000 * scale)))
+    _write_photos(root, rng, max(8, int(3_000 * scale)))
     marker.write_text(json.dumps(meta))
     return root
 

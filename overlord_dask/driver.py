@@ -5,8 +5,8 @@ Dask client, and it keeps loaded blocks and built batches alive on the workers b
 futures. It is event-driven: one long poll (``overlord_work``) answers as soon as the planner has
 something for it, and each answer is acted on at once:
 
-1. submit a load task per wanted unit (the block stays on its worker; the task itself reports
-   the unit's lengths to the planner);
+1. submit a load task per wanted unit, pinned to its source's pool when the plan uses pools
+   (the block stays on its worker; the task itself reports the unit's lengths to the planner);
 2. submit one constructor task per chunk of steps and group of ranks, whose arguments are the
    block futures its pieces live in (the planner puts the chunk's descriptor into each rank's
    queue when the task finishes: the driver never touches a queue);
@@ -29,6 +29,7 @@ from .loaders import load_block
 from .plan.loading import plan_from_dict
 from .plan.models import Plan
 from .plan.timeline import PlanTimeline
+from .pools import pool_resource, uses_pools
 from .protocol import block_key, load_key
 from .sources import discover_units
 from .sources.units import LoadUnit
@@ -84,9 +85,11 @@ class Driver(threading.Thread):
         timeline = PlanTimeline(plans[0][1], plans[1:])
         self.src_index = {name: i for i, name in enumerate(timeline.source_names)}
         self.source_plan = {}  # source -> (cache key, plan dict) its load tasks use
+        self.resources = {}  # source -> the worker resource its loads need (its pool), or None
         for v, (_, p) in enumerate(plans):
             for src in p.sources:
                 self.source_plan[src.name] = (f"{self.run_id}-v{v}", versions[v][1])
+                self.resources[src.name] = {pool_resource(src.pool_name): 1} if uses_pools(p) else None
                 if src.name not in self.units:
                     self.units[src.name] = discover_units(src, p)
         self.plan_version = len(plans) - 1
@@ -120,6 +123,7 @@ class Driver(threading.Thread):
             self.blocks[block_key(self.src_index[source], epoch, unit)] = self.client.submit(
                 load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch,
                 key=f"{load_key(self.run_id, source, epoch, unit)}-n{self.loads}", retries=self.plan.loading.retries, pure=False,
+                resources=self.resources[source],
             )
 
     def _submit_builds(self, tasks: list) -> None:

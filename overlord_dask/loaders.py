@@ -12,6 +12,8 @@ for again (evicted, then needed) runs, and reports its lengths, again.
 
 from __future__ import annotations
 
+import time
+
 from .errors import SourceError
 from .plan.loading import plan_from_dict
 from .sources import load_unit
@@ -34,17 +36,19 @@ def load_block(plan_dict: dict, cache_key: str, unit: dict, run_id: str | None =
     lengths are reported to the planner of run ``run_id`` (``epoch`` is the planner's)."""
     plan = _plan(plan_dict, cache_key)
     u = LoadUnit.from_dict(unit)
+    t0 = time.thread_time()  # CPU, not wall: on a crowded machine wall time grows with the workers added
     try:
         block = load_unit(plan.source(u.source), plan, u)
     except Exception as err:  # name the unit and its file: the run's error must say where to look
         raise SourceError(f"loading {u.describe()}: {type(err).__name__}: {err}") from None
     if run_id is not None:
-        report_lengths(run_id, u.source, epoch, u.index, block)
+        report_lengths(run_id, u.source, epoch, u.index, block, time.thread_time() - t0)
     return block
 
 
-def report_lengths(run_id: str, source: str, epoch: int, unit: int, block: SampleBlock) -> None:
-    """Send a loaded unit's metadata to the planner through the worker's scheduler stream."""
+def report_lengths(run_id: str, source: str, epoch: int, unit: int, block: SampleBlock, seconds: float = 0.0) -> None:
+    """Send a loaded unit's metadata to the planner through the worker's scheduler stream, with
+    what loading it cost (CPU seconds, bytes): the autoscaler sizes the source's pool from it."""
     from distributed import get_worker
 
     try:
@@ -60,5 +64,7 @@ def report_lengths(run_id: str, source: str, epoch: int, unit: int, block: Sampl
         "unit": unit,
         "lengths": block.lengths().astype("<i8").tobytes(),
         "vision": None if vision is None else vision.astype("<i8").tobytes(),
+        "seconds": seconds,
+        "nbytes": block.nbytes,
     }
     worker.loop.add_callback(worker.batched_send, msg)  # tasks run in a thread; the stream lives on the loop

@@ -23,7 +23,10 @@ Routes on the scheduler (request/response unless noted):
 - ``overlord_where(key, timeout)``: the workers holding a built batch (waits until it is built).
 - ``overlord_work(timeout)``: the driver's long poll: loads to submit, constructor tasks to
   submit, batches to release, blocks no longer needed, failure.
-- ``overlord_lengths`` (one-way, worker stream): a load task reports its unit's lengths.
+- ``overlord_lengths`` (one-way, worker stream): a load task reports its unit's lengths, and the
+  seconds and bytes loading it took.
+- ``overlord_pools(lead_s)``: the pool autoscaler's inputs (weights over the schedule ahead, step
+  rate, measured seconds per token, pending loads, the source planning waits on).
 - ``overlord_status``, ``overlord_metrics``, ``overlord_ledger``, ``overlord_snapshots``,
   ``overlord_loop``, ``overlord_fail``, ``overlord_update``, ``overlord_plans``.
 
@@ -54,6 +57,7 @@ HANDLERS = (
     "overlord_loop",
     "overlord_update",
     "overlord_plans",
+    "overlord_pools",
 )
 STREAM_HANDLERS = ("overlord_lengths",)
 WORKER_FETCH = "overlord_fetch"

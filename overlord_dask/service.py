@@ -35,6 +35,7 @@ from .plan.models import Plan, Source
 from .plan.timeline import PlanTimeline
 from .planner.plugin import PlannerPlugin
 from .planner.state import decode_updates
+from .pools import plan_pools, pool_resource, set_sizes
 from .sources import discover_units
 from .sources.fs import resolve_url
 from .sources.units import LoadUnit
@@ -60,6 +61,22 @@ def index_timeline(timeline: PlanTimeline) -> dict[str, list[LoadUnit]]:
     return units
 
 
+def _start_pools(plan: Plan, cluster):
+    """Give each pool its starting workers (a fixed size, or the autoscaler's minimum) on
+    ``cluster``; returns the cluster when the service sizes pools on it, else None."""
+    pools = plan_pools(plan)
+    if not pools:
+        return None
+    if cluster is None or not hasattr(cluster, "worker_spec"):
+        if plan.loading.autoscale.enabled:
+            raise ServiceError("loading.autoscale needs a cluster object that can add workers (Service.start(plan, cluster=...), "
+                               "a LocalCluster or SLURMCluster); with only a scheduler address, start each pool's workers "
+                               f"yourself: dask worker ADDRESS --resources {pool_resource('<pool>')}=<threads> (pools: {sorted(pools)})")
+        return None  # fixed pools on someone else's workers: they carry the resources themselves
+    set_sizes(cluster, pools, {name: spec.clamp(0) for name, spec in pools.items()})
+    return cluster
+
+
 async def _detach_planner(dask_scheduler) -> None:
     """Stop the planner (last snapshot written) and remove it with its routes and queues, so the
     scheduler can host another run (or none)."""
@@ -69,13 +86,16 @@ async def _detach_planner(dask_scheduler) -> None:
 
 
 class Service:
-    def __init__(self, plan: Plan, client: Client, driver: Driver | None, run_id: str, units: dict[str, list[LoadUnit]], cluster=None):
+    def __init__(self, plan: Plan, client: Client, driver: Driver | None, run_id: str, units: dict[str, list[LoadUnit]], cluster=None,
+                 pooled=None, adaptive=None):
         self.plan = plan
         self.client = client
         self.driver = driver
         self.run_id = run_id
         self.units = units
-        self.cluster = cluster
+        self.cluster = cluster  # owned (created here): closed with the service
+        self.pooled = pooled  # the cluster object whose pools this service sizes (owned or not), if any
+        self.adaptive = adaptive
         self.started_at = time.time()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -120,17 +140,31 @@ class Service:
                     "base_every_steps": ck.base_every_steps, "base_every_seconds": ck.base_every_seconds}
             if loaded is not None:
                 snap["restore"], snap["restore_seq"] = loaded
+        adaptive, registered = None, False
         try:
+            pooled = _start_pools(plan, cluster if address is None else None)
             client.register_plugin(BatchServer())
             client.register_plugin(PlannerPlugin(plan_dict, first_ids, run_id, **snap))
+            registered = True
+            if pooled is not None and plan.loading.autoscale.enabled:
+                from .autoscale import PoolAdaptive
+
+                adaptive = PoolAdaptive(pooled, plan_pools(plan), plan.loading.autoscale, run_id)
             driver = Driver(client, plan, run_id, units)
             driver.start()
         except BaseException:
+            if adaptive is not None:
+                adaptive.stop()
+            if registered:  # the scheduler must not keep a planner nobody drives
+                try:
+                    client.run_on_scheduler(_detach_planner)
+                except Exception:
+                    pass
             client.close()
             if owned is not None:
                 owned.close()
             raise
-        return cls(plan, client, driver, run_id, units, cluster=owned)
+        return cls(plan, client, driver, run_id, units, cluster=owned, pooled=pooled, adaptive=adaptive)
 
     @classmethod
     def attach(cls, address: str) -> "Service":
@@ -153,6 +187,11 @@ class Service:
         if self.driver is None:  # attached: the service keeps running
             self.client.close()
             return
+        if self.adaptive is not None:
+            self.adaptive.stop()
+            deadline = time.monotonic() + 5
+            while self.adaptive._adapting and time.monotonic() < deadline:  # a decision in flight still talks to the planner
+                time.sleep(0.02)
         self.driver.stop()
         self.driver.join(timeout=10)
         try:
@@ -227,6 +266,37 @@ class Service:
                 "dropped": np.frombuffer(e["dropped"], dtype=np.int64).reshape(-1, 4),
             }
         return out
+
+    def pools(self) -> list[dict]:
+        """One row per loader pool: its sources, workers (requested and arrived), the autoscaler's
+        target and reason, demand in cores, measured seconds per token and pending loads of its
+        sources. Works from any client (the autoscaler reports its decisions to the planner)."""
+        sig = self._rpc("overlord_pools")
+        scaling = sig.get("scaling") or {}
+        decisions, arrived = scaling.get("decisions", {}), scaling.get("arrived", {})
+        workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
+        have: dict[str, int] = {}
+        for w in workers:
+            for res in w.get("resources", {}):
+                if res.startswith(pool_resource("")):
+                    have[res[len(pool_resource("")):]] = have.get(res[len(pool_resource("")):], 0) + 1
+        rows: dict[str, dict] = {}
+        for name, src in sig["sources"].items():
+            row = rows.setdefault(src["pool"], {"pool": src["pool"], "sources": [], "workers": have.get(src["pool"], 0),
+                                                "seconds_per_token": {}, "loads_pending": 0, "weight_ahead": 0.0})
+            row["sources"].append(name)
+            row["seconds_per_token"][name] = src["seconds_per_token"]
+            row["loads_pending"] += src["loads_pending"]
+            row["weight_ahead"] += src["weight_ahead"]
+        for name, row in rows.items():
+            d = decisions.get(name, {})
+            row.update(requested=d.get("workers"), target=d.get("target"), demand_cores=d.get("demand_cores"),
+                       reason=d.get("reason"), arrived=arrived.get(name))
+        return list(rows.values())
+
+    def scaling_history(self) -> list[dict]:
+        """The autoscaler's changes, oldest first: time, step, pool, from, to, reason."""
+        return list(((self._rpc("overlord_pools").get("scaling") or {}).get("history")) or [])
 
     def loop_stats(self, reset: bool = False) -> dict:
         """How late the scheduler's event loop woke up (``block_max_ms``, ``block_p99_ms``): a

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import zarr
 
-from overlord_dask import ServiceError, SourceError
+from overlord_dask import PlanError, ServiceError, SourceError
 from overlord_dask.errors import OverlordError
 from overlord_dask.loaders import load_block
 from overlord_dask.plan import plan_from_dict, plan_to_dict
@@ -320,6 +320,55 @@ def case_cli_validate_unreachable_store(tmp_path, cluster):
     return out.stderr.strip().splitlines()[-1]
 
 
+def _photo_source(tmp_path, images, positions, **src):
+    pq.write_table(pa.table({"text": ["a caption", "another one", "third"], "images": images, "image_positions": positions}),
+                   tmp_path / "p.parquet")
+    return _plan(tmp_path, format="parquet", url="p.parquet", text_field="text", images_field="images", image_size=8, patch_size=4, **src)
+
+
+def _png(size=8) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), (200, 10, 10)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def case_photo_not_an_image(tmp_path, cluster):
+    return _load_error(_photo_source(tmp_path, [[_png()], [_png(), b"not an image"], []], [[0], [1, 2], []]))
+
+
+def case_photo_positions_missing(tmp_path, cluster):
+    return _load_error(_photo_source(tmp_path, [[_png()], [_png(), _png()], []], [[0], [1], []]))
+
+
+def case_photo_column_of_strings(tmp_path, cluster):
+    pq.write_table(pa.table({"text": ["a"], "images": ["x"], "image_positions": [[0]]}), tmp_path / "p.parquet")
+    plan = _plan(tmp_path, format="parquet", url="p.parquet", text_field="text", images_field="images")
+    with pytest.raises(SourceError) as exc:
+        discover_units(plan.sources[0], plan)
+    return str(exc.value)
+
+
+def case_autoscale_without_a_cluster(tmp_path, cluster):
+    from overlord_dask import Service
+
+    plan = _text_source(tmp_path, texts=["hello world"] * 300, loading={"autoscale": {"enabled": True}})
+    with pytest.raises(ServiceError) as exc:
+        Service.start(plan, address=cluster.scheduler_address)
+    return str(exc.value)
+
+
+def case_pool_declared_twice(tmp_path, cluster):
+    with pytest.raises(PlanError) as exc:
+        plan_from_dict({"sources": [{"name": "a", "format": "zarr", "url": "a.zarr", "pool": {"name": "p", "cores": 2}},
+                                    {"name": "b", "format": "zarr", "url": "b.zarr", "pool": {"name": "p", "cores": 4}}],
+                        "topology": {"dp": 1, "tokens_per_micro_batch": 1024}})
+    return str(exc.value)
+
+
 CASES = {
     "token list column with a null row": (case_token_list_null_row, r"handled: null row loaded as an empty document, lengths \[2, 0, 1\]"),
     "tokenizer yields negative ids": (_loading_text_with(tokenizer=U + "negative_ids"), r"unit 0 \(.*t\.parquet.*source 's': token ids must lie in \[0, \d+\], got min -2"),
@@ -344,6 +393,11 @@ CASES = {
     "consumer with the wrong dp": (case_dp_mismatch, r"consumer asked for dp=8, but the service at .* runs dp=2"),
     "two consumers on one rank": (case_two_consumers_on_one_rank, r"another consumer attached as rank 0"),
     "service killed and not restarted": (case_service_killed_for_good, r"rank 0: lost the overlord service at tcp://.* did not come back within 3s"),
+    "parquet photo that is not an image": (case_photo_not_an_image, r"source 's' unit 0 .*p\.parquet.*image 1 of sample id 1: cannot decode image"),
+    "parquet photos without their positions": (case_photo_positions_missing, r"row 1 \(sample id 1\) has 2 images but 1 image positions"),
+    "parquet images column of strings": (case_photo_column_of_strings, r"images_field 'images' in .*p\.parquet has type string, expected list<binary>"),
+    "autoscaling with only a scheduler address": (case_autoscale_without_a_cluster, r"loading\.autoscale needs a cluster object .*--resources overlord-pool-<pool>"),
+    "one pool declared two ways": (case_pool_declared_twice, r"sources 'a' and 'b' share pool 'p' but declare it differently"),
     "overlord demo --workers 0": (case_cli_demo_zero_workers, r"argument --workers: must be at least 1, got 0"),
     "overlord validate with several plans": (case_cli_validate_many_plans, r"bad\.yaml"),
     "overlord validate on an unreachable store": (case_cli_validate_unreachable_store, r"overlord: error: source 'web': cannot read 's3://"),

@@ -69,3 +69,16 @@ def test_faults_benchmark_runs(capsys, corpus):
         assert row["identical"] and row["duplicates"] == 0 and row["missing"] == 0, (name, row)
     assert out["scenarios"]["worker_kill_shadows"]["batches_shadowed"] > 0
     assert '"faults"' in capsys.readouterr().out
+
+
+def test_autoscale_benchmark_runs(capsys, corpus):
+    import autoscale
+
+    out = autoscale.main(["--steps", "40", "--warmup", "5", "--compute-ms", "20", "--data", str(corpus), "--json"])
+    for mode in ("static", "autoscaled"):
+        assert {"wait_share", "wait_p99_ms", "worker_seconds", "tokens_per_s"} <= set(out[mode]), mode
+        assert out[mode]["workers_max"] <= out["budget"]
+    assert {"duplicates", "missing", "identical", "lead_steps"} <= set(out)
+    assert out["identical"] and out["duplicates"] == 0 and out["missing"] == 0
+    assert out["heavy_ratio"] >= 20  # the photo source's loading really is heavier per token
+    assert '"autoscale"' in capsys.readouterr().out

@@ -161,5 +161,5 @@ def test_multimodal_errors_name_the_culprit(corpus, tmp_path):
     broken = plan_from_dict(d)
     with pytest.raises(SourceError, match=r"source 'captions': 'image_offsets' must have n_docs \+ 1"):
         discover_units(broken.sources[1], broken)
-    with pytest.raises(Exception, match="images_field is supported for zarr sources"):
-        plan_from_dict({**d, "sources": [{**d["sources"][0], "images_field": "images"}]})
+    with pytest.raises(Exception, match="image_size=30 must be a multiple of patch_size=8"):
+        plan_from_dict({**d, "sources": [{**d["sources"][0], "images_field": "images", "image_size": 30}]})

@@ -51,6 +51,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+class Pool(_Strict):
+    """A source's loader pool: workers that run only load tasks of the sources naming it (and any
+    constructor task whose blocks they hold). Pinned by a Dask worker resource
+    (``overlord-pool-<name>``), never by worker address, so a replaced worker joins the pool."""
+
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    """Sources that name the same pool share it; default: the source's own name."""
+    workers: int | None = Field(default=None, ge=0, le=100_000)
+    """A fixed size; None: sized by the autoscaler between ``min_workers`` and ``max_workers``."""
+    min_workers: int = Field(default=1, ge=0, le=100_000)
+    max_workers: int | None = Field(default=None, ge=1, le=100_000)
+    cores: int = Field(default=1, ge=1, le=1024)
+    """Threads per worker (one load task per thread)."""
+    memory: str = "auto"
+    """Memory limit per worker (``"4GB"``; ``auto``: the machine's share)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Pool":
+        if self.max_workers is not None and self.max_workers < self.min_workers:
+            raise ValueError(f"pool max_workers={self.max_workers} is below min_workers={self.min_workers}")
+        return self
+
+
 class Source(_Strict):
     """One data source: a set of files in one format, read by its own loader tasks."""
 
@@ -83,16 +106,27 @@ class Source(_Strict):
     storage_options: dict = Field(default_factory=dict)
     """Passed to fsspec (e.g. `endpoint_url` and credentials for S3)."""
     images_field: str | None = None
-    """zarr, multimodal: an array ``[n_images, patches, patch_dim]`` of image patch tensors. Each
+    """Multimodal. zarr: an array ``[n_images, patches, patch_dim]`` of image patch tensors.
+    parquet: a ``list<binary>`` column of encoded images (PNG, JPEG, anything Pillow reads), decoded
+    on the loader workers, resized to ``image_size`` and cut into ``patch_size`` patches. Each
     image becomes ``patches`` placeholder tokens (``image_token_id``) in its document's token
     stream, so a sample's length counts its image tokens; the batch carries the patches and the
     position of each one's placeholder."""
     image_offsets_field: str = "image_offsets"
     """zarr, multimodal: int64 ``[n_docs + 1]``, document i owns images ``image_offsets[i]:image_offsets[i+1]``."""
     image_positions_field: str = "image_positions"
-    """zarr, multimodal: int64 ``[n_images]``, the text-token offset in its document where each image goes."""
+    """Multimodal: the text-token offset in its document where each image goes. zarr: int64
+    ``[n_images]``; parquet: a ``list<int>`` column, one entry per image of the row."""
     image_token_id: int = Field(default=259, ge=0)
     """Placeholder token id of an image patch (the byte tokenizer uses 0..258)."""
+    image_size: int = Field(default=32, ge=1, le=4096)
+    """parquet, multimodal: decoded images are resized to ``image_size`` × ``image_size`` RGB."""
+    patch_size: int = Field(default=8, ge=1, le=1024)
+    """parquet, multimodal: side of a square patch; an image is ``(image_size / patch_size)²``
+    patches of ``patch_size² · 3`` bytes."""
+    pool: Pool | None = None
+    """The worker pool this source's load tasks run on (``loading.autoscale`` sizes pools it does
+    not fix). None: the source's own pool while autoscaling, else any worker."""
 
     @field_validator("weight")
     @classmethod
@@ -111,8 +145,8 @@ class Source(_Strict):
                     f"parquet source {self.name!r} needs exactly one of text_field or tokens_field "
                     f"(got text_field={self.text_field!r}, tokens_field={self.tokens_field!r})"
                 )
-            if self.images_field is not None:
-                raise ValueError(f"source {self.name!r}: images_field is supported for zarr sources (got format 'parquet')")
+            if self.images_field is not None and self.image_size % self.patch_size:
+                raise ValueError(f"source {self.name!r}: image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
         else:
             if self.text_field is not None:
                 raise ValueError(f"zarr source {self.name!r} stores token ids; text_field is not allowed")
@@ -132,7 +166,13 @@ class Source(_Strict):
     def data_key(self) -> tuple:
         """What fixes the source's documents and their order; a plan update may not change it."""
         return (self.format, self.url, self.text_field, self.tokens_field, self.offsets_field, self.tokenizer, self.transform,
-                self.images_field, self.image_offsets_field, self.image_positions_field, self.image_token_id)
+                self.images_field, self.image_offsets_field, self.image_positions_field, self.image_token_id,
+                self.image_size, self.patch_size)
+
+    @property
+    def pool_name(self) -> str:
+        """The pool this source loads on (its own name unless the plan names a shared pool)."""
+        return (self.pool.name if self.pool is not None and self.pool.name else None) or self.name
 
 
 class Topology(_Strict):
@@ -208,6 +248,26 @@ class CostModel(_Strict):
         return self.linear if self.linear is not None else 6.0 * self.hidden
 
 
+class Autoscale(_Strict):
+    """Pool sizes from the planner's signals (``overlord_dask/autoscale.py``): each pool gets the
+    workers its sources' token demand needs (weights over the schedule ahead × the trainers' step
+    rate × measured transform seconds per token), grows at once when the planner waits on one of
+    its sources, and shrinks only after ``down_after`` checks in a row said so."""
+
+    enabled: bool = False
+    max_workers: int | None = Field(default=None, ge=1, le=100_000)
+    """Most pool workers in all (the worker budget); None: no overall cap beyond each pool's."""
+    interval_s: float = Field(default=1.0, gt=0, le=3600)
+    """Seconds between scaling decisions."""
+    headroom: float = Field(default=1.5, ge=1.0, le=100.0)
+    """Capacity over measured demand (demand is noisy and a new worker needs time to start)."""
+    lead_s: float = Field(default=10.0, ge=0, le=86_400)
+    """Look this far ahead on the schedule (at the measured step rate): a pool grows before a
+    curriculum stage raises its weight, and shrinks only after the stage that needed it."""
+    down_after: int = Field(default=5, ge=1, le=10_000)
+    """Consecutive decisions that must agree before a pool shrinks (no flapping)."""
+
+
 class Loading(_Strict):
     """How far loading and batch construction may run ahead of the trainers (bounded memory)."""
 
@@ -226,6 +286,8 @@ class Loading(_Strict):
     rank name this many consecutive steps, and trainers acknowledge once per such chunk (the
     control path's cost is per chunk, not per step). Default: a quarter of ``prefetch_steps``
     (at least 1), so that three quarters of the prefetch bound stay lead time."""
+    autoscale: Autoscale = Field(default_factory=Autoscale)
+    """Elastic per-source pools; off by default (every load task runs on any worker)."""
     shadows: int = Field(default=1, ge=0, le=4)
     """Extra copies of every built batch, each on another worker (hot standbys): a worker that
     dies takes its batches with it, and the trainers are served from a shadow instead of waiting
@@ -305,6 +367,18 @@ class Plan(_Strict):
                 raise ValueError(f"duplicate source name {s.name!r}")
             seen.add(s.name)
         return sources
+
+    @model_validator(mode="after")
+    def _consistent_pools(self) -> "Plan":
+        declared: dict[str, tuple] = {}
+        for s in self.sources:
+            if s.pool is None:
+                continue
+            spec = s.pool.model_dump(exclude={"name"})
+            other = declared.setdefault(s.pool_name, (s.name, spec))
+            if other[1] != spec:
+                raise ValueError(f"sources {other[0]!r} and {s.name!r} share pool {s.pool_name!r} but declare it differently")
+        return self
 
     @model_validator(mode="after")
     def _valid_curriculum(self) -> "Plan":

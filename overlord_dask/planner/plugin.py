@@ -44,6 +44,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from ..errors import PlanError
 from ..plan.loading import plan_from_dict, plan_to_dict
 from ..protocol import HANDLERS, STREAM_HANDLERS, batch_key, load_prefix, rank_queue_name
+from .signals import LoadSignals, pool_signals
 from .state import PlannerState
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class PlannerPlugin(SchedulerPlugin):
         self.shadows = plan.loading.shadows
         self._shadow_tasks: set = set()
         self._work = _Work()
+        self.signals = LoadSignals()  # measured load costs and step rate, for the pool autoscaler
+        self.scaling: dict | None = None  # the autoscaler's last decisions and history, as it reported them
         self._work_event = asyncio.Event()
         self._kick = asyncio.Event()  # something may let the planner make progress
         self._inbox: deque = deque()  # reported lengths, drained by the planner thread
@@ -266,12 +269,15 @@ class PlannerPlugin(SchedulerPlugin):
         del self.snapshot_stats[:-1000]
 
     # ---- worker stream ------------------------------------------------------------------------
-    def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None, **_) -> None:
+    def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None,
+                seconds: float = 0.0, nbytes: int = 0, **_) -> None:
         """A load task's unit metadata (one-way, from the worker's stream); repeats are ignored."""
         if run_id != self.run_id:
             return
         v = None if vision is None else np.frombuffer(vision, dtype="<i8")
-        self._inbox.append((source, epoch, unit, np.frombuffer(lengths, dtype="<i8"), v))
+        lens = np.frombuffer(lengths, dtype="<i8")
+        self.signals.loaded(source, seconds, int(lens.sum()), nbytes)
+        self._inbox.append((source, epoch, unit, lens, v))
         self._kick.set()
 
     # ---- task events (scheduler transitions, on the event loop) --------------------------------
@@ -531,6 +537,15 @@ class PlannerPlugin(SchedulerPlugin):
                 "batch_bytes": sum(ts.nbytes for ts in held),  # built batches in flight, and what their shadows add
                 "shadow_bytes": sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in held),
                 "channels": len(self._channels), "subscribed": len(self._subs), "snapshot_error": self.snapshot_error, **self.counters}
+
+    async def pools(self, lead_s: float = 10.0, report: dict | None = None) -> dict:
+        """The autoscaler's inputs: per-source demand over the schedule ahead and measured costs;
+        with ``report``, the autoscaler's latest decisions (kept for ``Service.pools()``)."""
+        if report is not None:
+            self.scaling = report
+            self.state.pool_workers = dict(report.get("arrived") or {})  # the planner records it with each step it plans
+            return {}
+        return {**await self._run(pool_signals, self.state, self.signals, lead_s), "scaling": self.scaling}
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
         return await self._run(lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)])

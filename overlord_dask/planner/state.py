@@ -91,6 +91,7 @@ class PlannerState:
         self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
         self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by pending/ready pieces
         self.windows: OrderedDict[int, dict] = OrderedDict()  # first step of a planned window -> state before it
+        self.pool_workers: dict[str, int] = {}  # workers per loader pool, as the autoscaler last reported (metrics only)
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
         if state is not None:
             self._restore(state)
@@ -220,10 +221,14 @@ class PlannerState:
         """Largest weight of each source over the next two windows (so a source that enters at a
         coming step is loaded before it is needed)."""
         t0 = self.planned_until
-        horizon = t0 + 2 * self._window_steps() + 1
-        steps = {t0, horizon - 1}
-        j = self.timeline.next_jump(t0)
-        while j is not None and j < horizon:
+        return self.weights_over(t0, t0 + 2 * self._window_steps() + 1)
+
+    def weights_over(self, start: int, stop: int) -> np.ndarray:
+        """Largest (normalised) weight of each source over steps ``[start, stop)``: the schedule's
+        ends and every jump between them (weights are piecewise linear between jumps)."""
+        steps = {start, max(start, stop - 1)}
+        j = self.timeline.next_jump(start)
+        while j is not None and j < stop:
             steps.add(j)
             j = self.timeline.next_jump(j)
         return np.max([self.weights_at(t) for t in sorted(steps)], axis=0)
@@ -509,6 +514,8 @@ class PlannerState:
             "dropped_docs": [int(x) for x in np.bincount(drops[:, 0], minlength=len(self.streams))],
             "dropped_tokens": [int(x) for x in np.bincount(drops[:, 0], weights=drops[:, 4], minlength=len(self.streams))],
         }
+        if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
+            self.metrics[step]["pool_workers"] = dict(self.pool_workers)
         while len(self.metrics) > self.history_steps:
             self.metrics.popitem(last=False)
         while len(self.ledger) > self.history_steps and next(iter(self.ledger)) < self.committed:

@@ -1,6 +1,10 @@
 """Parquet sources: a text column (tokenized on the worker) or a list<int> column of token ids.
 
 Units come from the footers: each row group, cut into ranges of at most ``loading.unit_rows`` rows.
+
+Multimodal rows (``images_field``) also carry a ``list<binary>`` of encoded images and a
+``list<int>`` of the text positions they go to; the worker decodes and patches them
+(``images.py``), which is the costly part of such a source's loading.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import pyarrow.parquet as pq
 
 from ..errors import SourceError
 from ..plan.models import Plan, Source
-from .blocks import SampleBlock
+from .blocks import SampleBlock, check_tokens
+from .images import decode_images, with_image_tokens
 from .fs import list_files, source_fs
 from .tokenizers import resolve_tokenizer
 from .units import LoadUnit
@@ -22,12 +27,22 @@ def _field(source: Source) -> str:
     return source.text_field or source.tokens_field  # the plan guarantees exactly one
 
 
+def _columns(source: Source) -> list[str]:
+    return [_field(source)] + ([source.images_field, source.image_positions_field] if source.images_field else [])
+
+
 def _check_schema(source: Source, path: str, schema: pa.Schema) -> None:
+    for col in _columns(source):
+        if col not in schema.names:
+            raise SourceError(f"source {source.name!r}: column {col!r} not found in {path}; available columns: {schema.names}")
+    if source.images_field:
+        typ = schema.field(source.images_field).type
+        if not ((pa.types.is_list(typ) or pa.types.is_large_list(typ)) and (pa.types.is_binary(typ.value_type) or pa.types.is_large_binary(typ.value_type))):
+            raise SourceError(f"source {source.name!r}: images_field {source.images_field!r} in {path} has type {typ}, expected list<binary> of encoded images")
+        typ = schema.field(source.image_positions_field).type
+        if not ((pa.types.is_list(typ) or pa.types.is_large_list(typ)) and pa.types.is_integer(typ.value_type)):
+            raise SourceError(f"source {source.name!r}: image_positions_field {source.image_positions_field!r} in {path} has type {typ}, expected list<int>")
     name = _field(source)
-    if name not in schema.names:
-        raise SourceError(
-            f"source {source.name!r}: column {name!r} not found in {path}; available columns: {schema.names}"
-        )
     typ = schema.field(name).type
     if source.text_field:
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
@@ -72,10 +87,11 @@ def load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
     pf = _open(fs, unit.path, source)
     _check_schema(source, unit.path, pf.schema_arrow)
     try:
-        table = pf.read_row_group(unit.part, columns=[_field(source)])
+        table = pf.read_row_group(unit.part, columns=_columns(source))
     except (pa.ArrowInvalid, OSError) as err:
         raise SourceError(f"corrupt data in {unit.describe()}: {err}") from None
-    col = table.column(0).slice(unit.start, unit.n_docs).combine_chunks()
+    table = table.slice(unit.start, unit.n_docs)
+    col = table.column(0).combine_chunks()
     if source.text_field:
         tokens, offsets = resolve_tokenizer(source.tokenizer)(col)
     else:
@@ -86,4 +102,28 @@ def load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
         tokens = values[offsets[0] : offsets[-1]]
         offsets = offsets - offsets[0]
     ids = np.arange(unit.first_id, unit.first_id + unit.n_docs, dtype=np.int64)
-    return SampleBlock(source.name, tokens, offsets, ids)  # checks the ids (integers in [0, 2^31))
+    if not source.images_field:
+        return SampleBlock(source.name, tokens, offsets, ids)  # checks the ids (integers in [0, 2^31))
+    return _with_images(source, unit, table, check_tokens(source.name, tokens), np.asarray(offsets, np.int64), ids)
+
+
+def _list_parts(col: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """Row offsets and flat values of a list column (a null row: no entries)."""
+    if col.null_count:
+        col = pc.fill_null(col, pa.scalar([], type=col.type))
+    offs = np.asarray(col.offsets, dtype=np.int64)
+    return offs - offs[0], col.values.slice(int(offs[0]), int(offs[-1] - offs[0]))
+
+
+def _with_images(source: Source, unit: LoadUnit, table: pa.Table, tokens, offsets, ids) -> SampleBlock:
+    img_off, encoded = _list_parts(table.column(1).combine_chunks())
+    pos_off, positions = _list_parts(table.column(2).combine_chunks())
+    if not np.array_equal(img_off, pos_off):
+        bad = int(np.flatnonzero(np.diff(img_off) != np.diff(pos_off))[0])
+        raise SourceError(f"{unit.describe()}: row {unit.start + bad} (sample id {ids[bad]}) has {img_off[bad + 1] - img_off[bad]} images "
+                          f"but {pos_off[bad + 1] - pos_off[bad]} image positions")
+    doc_of = np.repeat(np.arange(len(ids)), np.diff(img_off))
+    images = decode_images(encoded.to_pylist(), source.image_size, source.patch_size,
+                           lambda i: f"{unit.describe()}: image {int(i - img_off[doc_of[i]])} of sample id {ids[doc_of[i]]}")
+    return with_image_tokens(source, unit.describe(), tokens, offsets, ids, images, img_off,
+                             positions.to_numpy(zero_copy_only=False).astype(np.int64))

@@ -18,6 +18,7 @@ from ..errors import SourceError
 from ..plan.models import Plan, Source
 from .blocks import SampleBlock, check_tokens
 from .fs import source_fs, source_url
+from .images import with_image_tokens
 from .units import LoadUnit
 
 
@@ -102,26 +103,4 @@ def load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
     tokens = check_tokens(source.name, tokens)  # before the image placeholders are inserted
     if not source.images_field:
         return SampleBlock(source.name, tokens, offsets, ids)
-    return _with_image_tokens(source, unit, tokens, offsets, ids, images, img_off - img_off[0], positions)
-
-
-def _with_image_tokens(source, unit, tokens, offsets, ids, images, img_off, positions) -> SampleBlock:
-    """Insert ``patches`` placeholder tokens per image at its position in its document's text."""
-    P = images.shape[1]
-    n_img = np.diff(img_off)
-    doc_of = np.repeat(np.arange(len(n_img)), n_img)
-    text_len = np.diff(offsets)
-    if len(positions) and (np.any(positions < 0) or np.any(positions > text_len[doc_of])):
-        bad = int(np.flatnonzero((positions < 0) | (positions > text_len[doc_of]))[0])
-        raise SourceError(f"{unit.describe()}: image {bad} of the unit is at text position {positions[bad]}, outside its document "
-                          f"(sample id {ids[doc_of[bad]]}, {text_len[doc_of[bad]]} text tokens)")
-    if len(positions) > 1:
-        same_doc = doc_of[1:] == doc_of[:-1]
-        if np.any(same_doc & (np.diff(positions) < 0)):
-            raise SourceError(f"{unit.describe()}: image positions must not decrease within a document")
-    k_in_doc = np.arange(len(positions)) - img_off[doc_of]  # images before this one in its document
-    starts = positions + k_in_doc * P  # where its placeholders start in the document with images
-    flat_at = offsets[doc_of] + positions  # insertion point in the flat text array
-    tokens = np.insert(tokens, np.repeat(flat_at, P), np.int32(source.image_token_id))
-    new_offsets = offsets + np.concatenate([[0], np.cumsum(n_img * P)])
-    return SampleBlock(source.name, tokens, new_offsets, ids, images=images, image_offsets=img_off, image_starts=starts)
+    return with_image_tokens(source, unit.describe(), tokens, offsets, ids, images, img_off - img_off[0], positions)

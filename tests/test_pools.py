@@ -1,0 +1,182 @@
+"""Per-source pools and the autoscaler: the sizing policy on signals, the cluster specs (local and
+Slurm), and a real service whose photo source's pool grows before its curriculum stage."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from overlord_dask import Service, connect
+from overlord_dask.autoscale import PoolPolicy
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.plan.models import Autoscale
+from overlord_dask.pools import PoolSpec, plan_pools, pool_of, pool_resource, worker_spec
+from overlord_dask.report import delivered_identities, delivered_record
+
+from .harness import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _signals(rate=10.0, weights=None, cost=None, starved_on=None, steps_ready=8, pending=None):
+    weights = weights or {"text": (0.9, 0.9), "photos": (0.1, 0.1)}
+    cost = cost or {"text": 2e-8, "photos": 8e-6}
+    return {
+        "committed": 100, "next_step": 108, "steps_per_s": rate, "steps_per_s_peak": rate, "horizon_steps": 100,
+        "step_tokens": 16384, "starved_on": starved_on, "steps_ready": steps_ready, "prefetch_steps": 8,
+        "sources": {s: {"pool": s, "weight": w, "weight_ahead": wa, "seconds_per_token": cost.get(s), "block_bytes": 1e6,
+                        "loads": 3, "loads_pending": (pending or {}).get(s, 0), "tokens_ready": 0}
+                    for s, (w, wa) in weights.items()},
+    }
+
+
+def _policy(**cfg):
+    pools = {"text": PoolSpec("text", ("text",)), "photos": PoolSpec("photos", ("photos",))}
+    return PoolPolicy(pools, Autoscale(enabled=True, **{"down_after": 3, **cfg}))
+
+
+def test_a_pool_grows_before_its_stage_and_shrinks_only_after_it():
+    policy = _policy()
+    # photos at 10% now, 60% in the schedule ahead: 10 steps/s × 16384 × 0.6 × 8 µs = 0.79 cores, × 1.5 headroom
+    d = policy.decide(_signals(weights={"text": (0.9, 0.9), "photos": (0.1, 0.6)}), {"text": 1, "photos": 1}, {"text": 1, "photos": 1})
+    assert d["photos"].target == 2 and d["text"].target == 1
+    assert d["photos"].demand_cores == pytest.approx(10 * 16384 * 0.6 * 8e-6)
+    assert "demand 0.79 cores" in d["photos"].reason
+    # the stage is over: demand falls, but the pool shrinks only after `down_after` decisions in a row
+    low = _signals(weights={"text": (0.9, 0.9), "photos": (0.1, 0.1)})
+    targets = [policy.decide(low, {"text": 1, "photos": 2}, {"text": 1, "photos": 2})["photos"] for _ in range(3)]
+    assert [t.target for t in targets] == [2, 2, 1]
+    assert "shrink to 1 after 2 more" in targets[0].reason
+    # a decision that wants the pool again resets the count
+    policy.decide(low, {"text": 1, "photos": 2}, {"text": 1, "photos": 2})
+    policy.decide(_signals(weights={"text": (0.4, 0.4), "photos": (0.6, 0.6)}), {"text": 1, "photos": 2}, {"text": 1, "photos": 2})
+    assert policy.decide(low, {"text": 1, "photos": 2}, {"text": 1, "photos": 2})["photos"].target == 2
+
+
+def test_a_starving_pool_grows_one_worker_at_a_time_and_never_shrinks_meanwhile():
+    policy = _policy(down_after=1)
+    sig = _signals(rate=1.0, starved_on="photos", steps_ready=0)  # a low rate: demand alone says 1
+    assert policy.decide(sig, {"text": 1, "photos": 2}, {"text": 1, "photos": 2})["photos"].target == 3
+    # the worker asked for last time has not arrived: no second one on top
+    assert policy.decide(sig, {"text": 1, "photos": 3}, {"text": 1, "photos": 2})["photos"].target == 3
+    # at the start (no step consumed yet) waiting for the first loads is not starvation
+    assert policy.decide(_signals(rate=0.0, starved_on="photos", steps_ready=0), {"text": 1, "photos": 1},
+                         {"text": 1, "photos": 1})["photos"].target == 1
+
+
+def test_pools_without_weight_ahead_are_released_and_the_budget_caps_the_rest():
+    policy = _policy(down_after=1, max_workers=3)
+    d = policy.decide(_signals(rate=40.0, weights={"text": (0.0, 0.0), "photos": (1.0, 1.0)}), {"text": 1, "photos": 1},
+                      {"text": 1, "photos": 1})
+    assert d["text"].target == 1  # its minimum (min_workers=1) even without weight
+    assert d["photos"].target == 2 and "capped by max_workers=3" in d["photos"].reason
+    released = PoolPolicy({"text": PoolSpec("text", ("text",), min_workers=0)}, Autoscale(enabled=True, down_after=1))
+    d = released.decide(_signals(weights={"text": (0.0, 0.0)}), {"text": 2}, {"text": 2})
+    assert d["text"].target == 0 and d["text"].reason == "no weight over the schedule ahead"
+    # a source whose cost is not measured yet keeps what it has (and gets at least one worker)
+    d = _policy().decide(_signals(cost={"text": 2e-8}), {"text": 1, "photos": 0}, {"text": 1, "photos": 0})
+    assert d["photos"].target == 1 and "no load cost measured yet" in d["photos"].reason
+
+
+def test_pool_specs_pin_by_resource_on_local_and_slurm_clusters():
+    from overlord_dask.deploy import local_cluster, slurm_cluster
+
+    spec = PoolSpec("photos", ("photos",), cores=2, memory="3GB")
+    with local_cluster(n_workers=0) as lc:
+        opts = worker_spec(lc, spec)["options"]
+        assert opts["resources"] == {pool_resource("photos"): 2} and opts["nthreads"] == 2 and opts["memory_limit"] == "3GB"
+    sc = slurm_cluster(cores=8, memory="32GB")
+    try:
+        entry = worker_spec(sc, spec)
+        job = entry["cls"](scheduler=sc.scheduler_address, name="overlord-pool-photos-0", **entry["options"])
+        script = job.job_script()
+        assert "--resources overlord-pool-photos=2" in script and "--nthreads 2" in script
+        assert "--lifetime" in script  # the deployment's own arguments stay
+    finally:
+        sc.close()
+    assert pool_of("overlord-pool-photos-12") == "photos" and pool_of(3) is None and pool_of("overlord-pool-a-b-1") == "a-b"
+
+
+def test_plan_pools_merge_sources_that_share_one():
+    plan = plan_from_dict({"sources": [{"name": "a", "format": "zarr", "url": "a.zarr", "pool": {"name": "text", "cores": 2}},
+                                       {"name": "b", "format": "zarr", "url": "b.zarr", "pool": {"name": "text", "cores": 2}},
+                                       {"name": "c", "format": "zarr", "url": "c.zarr", "pool": {"workers": 3}}],
+                           "topology": {"dp": 1, "tokens_per_micro_batch": 1024}})
+    pools = plan_pools(plan)
+    assert pools["text"].sources == ("a", "b") and pools["text"].cores == 2 and pools["c"].fixed == 3
+    assert pools["c"].clamp(10) == 3 and pools["text"].clamp(0) == 1
+
+
+class _WhereLoadsRan(SchedulerPlugin):
+    """Records the worker name each load task finished on (scheduler side, processing → memory)."""
+
+    name = "test-where-loads-ran"
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.ran: dict[str, str] = {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if start == "processing" and finish == "memory" and str(key).startswith("overlord-load-") and "worker" in kwargs:
+            ws = self.scheduler.workers.get(kwargs["worker"])
+            self.ran[str(key)] = str(ws.name) if ws is not None else "?"
+
+
+def _photos_plan(corpus, autoscale: bool, steps: int = 40):
+    d = yaml.safe_load((ROOT / "pipelines" / "photos.yaml").read_text())
+    for s in d["sources"]:
+        s["url"] = s["url"].replace("../demo-data/", f"{Path(corpus).resolve()}/")
+        if not autoscale:
+            s.pop("pool", None)
+    d["topology"]["tokens_per_micro_batch"] = 2048
+    d["stages"][1]["start_step"] = steps // 2
+    d["loading"]["unit_rows"] = 50
+    # a big headroom: the test's small steps need a fraction of a core, and the pool must visibly grow
+    d["loading"]["autoscale"] = {"enabled": autoscale, "max_workers": 5, "interval_s": 0.2, "lead_s": 30.0, "headroom": 8.0}
+    return plan_from_dict(d, where="pipelines/photos.yaml")
+
+
+def _consume(service, dp: int, steps: int, compute_s: float = 0.0) -> dict:
+    got = {}
+
+    def rank(r):
+        with connect(service.address, r, timeout=120) as stream:
+            for _ in range(steps):
+                time.sleep(compute_s)
+                b = stream.next_batch()
+                got[(r, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
+            stream.commit()
+
+    run_ranks(rank, range(dp))
+    return got
+
+
+def test_autoscaled_pools_load_each_source_on_its_own_workers_and_keep_the_stream(corpus, cluster):
+    from overlord_dask.deploy import local_cluster
+
+    steps = 60
+    with Service.start(_photos_plan(corpus, autoscale=False, steps=steps), cluster=cluster) as plain:
+        reference = _consume(plain, 2, steps)
+    with local_cluster(n_workers=0) as lc:
+        recorder = _WhereLoadsRan(lc.scheduler)
+        lc.scheduler.add_plugin(recorder)
+        with Service.start(_photos_plan(corpus, autoscale=True, steps=steps), cluster=lc) as service:
+            got = _consume(service, 2, steps, compute_s=0.05)  # trainers that compute: a step rate to size pools by
+            rows = {r["pool"]: r for r in service.pools()}
+            history = service.scaling_history()
+            metrics = service.metrics()
+    assert got == reference  # pools and scaling change where loads run, never what is delivered
+    assert set(rows) == {"web", "chat", "photos"} and rows["photos"]["sources"] == ["photos"]
+    assert rows["photos"]["workers"] >= 2 and rows["photos"]["seconds_per_token"]["photos"] > 0
+    assert rows["photos"]["target"] >= 2 and rows["photos"]["reason"]
+    grew = [h for h in history if h["pool"] == "photos" and h["delta"] > 0]
+    assert grew and grew[0]["step"] < steps // 2, history  # before the stage that needs it
+    assert "demand" in grew[0]["reason"] or "waits on" in grew[0]["reason"]
+    ran = recorder.ran
+    assert ran and all(pool_of(w) == key.split("-")[4] for key, w in ran.items()), ran  # overlord-load-<run>-<source>-...
+    assert {pool_of(w) for w in ran.values()} == {"web", "chat", "photos"}
+    assert metrics and all("pool_workers" in m for m in metrics[-5:])
