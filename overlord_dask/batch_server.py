@@ -14,6 +14,7 @@ from __future__ import annotations
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
+from . import logs
 from .constructors import chunk_batch
 from .protocol import WORKER_FETCH
 
@@ -23,6 +24,8 @@ class BatchServer(WorkerPlugin):
     idempotent = True
 
     def setup(self, worker) -> None:
+        logs.install()  # the expected races of shadow copies are not errors
+
         async def overlord_fetch(key: str, rank: int, steps: list[int], cp_rank: int | None = None) -> dict:
             if key not in worker.data:
                 return {"status": "missing"}

@@ -123,6 +123,16 @@ def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> 
             for i in range(len(ranks))]
 
 
+def unit_block(entry) -> SampleBlock:
+    """A unit's block from what the driver passed for it (``driver._submit_loads``): the block,
+    ``("parts", [blocks])`` of a unit loaded in parts, or ``("group", i, blocks)``."""
+    if isinstance(entry, SampleBlock):
+        return entry
+    if entry[0] == "parts":
+        return SampleBlock.concat(list(entry[1]))
+    return entry[2][entry[1]]
+
+
 def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: int, blocks: dict[str, SampleBlock], capacity: int,
                 cp: int = 1, cp_split_tokens: int | None = None, multimodal: bool = False) -> dict:
     """One constructor task: consecutive ``steps`` (planner output, pieces of ranks
@@ -132,6 +142,7 @@ def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: in
     (``wire.encode``: narrow dtypes, derivable arrays left out); with it, whole, since every CP
     rank is sent its own slice."""
     ranks = range(rank_lo, rank_hi)
+    blocks = {k: unit_block(v) for k, v in blocks.items()}
     out: dict[int, dict[int, dict]] = {}
     for sp in steps:
         per_rank = split_step(sp["pieces"], sp["slot"], ranks, micro_batches)

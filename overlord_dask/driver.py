@@ -25,7 +25,8 @@ import traceback
 from distributed import Client, Future
 
 from .constructors import build_chunk
-from .loaders import load_block
+from .loaders import load_block, load_group
+from .partition import partition
 from .plan.loading import plan_from_dict
 from .plan.models import Plan
 from .plan.timeline import PlanTimeline
@@ -106,25 +107,40 @@ class Driver(threading.Thread):
             return
         if work["plan_version"] != self.plan_version:
             self._sync_plans()
-        self._submit_loads(work["loads"])
+        self._submit_loads(work["loads"], work.get("load_costs"))
         self._submit_builds(work["tasks"])
         for key in work["release"]:
             self.batches.pop(key, None)
         for source, epoch, unit in work["finished"]:
             self.blocks.pop(block_key(self.src_index[source], epoch, unit), None)
 
-    def _submit_loads(self, wanted: list) -> None:
-        for source, epoch, unit in wanted:
-            u = self.units[source][unit]
+    def _submit_loads(self, wanted: list, costs: dict | None = None) -> None:
+        """Submit the wanted units' loads, cut into tasks by measured cost (``partition.py``):
+        a block entry is a future, ``("parts", [futures])`` (one unit read in parts) or
+        ``("group", i, future)`` (the i-th of several units one task read)."""
+        target = self.plan.loading.task_seconds
+        for task in partition(wanted, lambda s, u: self.units[s][u].n_docs, costs or {}, target):
+            source = task.source
             cache_key, plan_dict = self.source_plan[source]
             # a unit asked for again (evicted between two cursors, say) may still be held under its
             # old key by a constructor that needs it: a new key makes the load run, and report, again
             self.loads += 1
-            self.blocks[block_key(self.src_index[source], epoch, unit)] = self.client.submit(
-                load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch,
-                key=f"{load_key(self.run_id, source, epoch, unit)}-n{self.loads}", retries=self.plan.loading.retries, pure=False,
-                resources=self.resources[source],
-            )
+            epoch, unit = task.units[0]
+            key = f"{load_key(self.run_id, source, epoch, unit)}-n{self.loads}"
+            opts = dict(retries=self.plan.loading.retries, pure=False, resources=self.resources[source])
+            u = self.units[source][unit]
+            if task.parts:
+                futs = [self.client.submit(load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch, part, key=f"{key}-p{part[0]}", **opts)
+                        for part in task.parts]
+                self.blocks[block_key(self.src_index[source], epoch, unit)] = ("parts", futs)
+            elif len(task.units) > 1:
+                fut = self.client.submit(load_group, plan_dict, cache_key, [self.units[source][un].to_dict() for _, un in task.units],
+                                         self.run_id, [e for e, _ in task.units], key=f"{key}-g{len(task.units)}", **opts)
+                for i, (e, un) in enumerate(task.units):
+                    self.blocks[block_key(self.src_index[source], e, un)] = ("group", i, fut)
+            else:
+                self.blocks[block_key(self.src_index[source], epoch, unit)] = self.client.submit(
+                    load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch, key=key, **opts)
 
     def _submit_builds(self, tasks: list) -> None:
         topo = self.plan.topology

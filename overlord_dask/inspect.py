@@ -73,6 +73,37 @@ def imbalance_table(metrics: list[dict]) -> pa.Table:
     return pa.table(out)
 
 
+def pools_table(pools: list[dict]) -> pa.Table:
+    """One row per (loader pool, source): the pool's workers, the autoscaler's target, demand in
+    cores and last reason, and the source's measured CPU seconds per token and pending loads."""
+    cols = ("pool", "source", "workers", "target", "demand_cores", "seconds_per_token", "loads_pending", "reason")
+    rows: dict[str, list] = {k: [] for k in cols}
+    for p in pools:
+        for src in p["sources"]:
+            for k in cols:
+                rows[k].append(src if k == "source" else p["seconds_per_token"].get(src) if k == "seconds_per_token" else p.get(k))
+    return pa.table({k: pa.array(v, type=pa.float64() if k in ("demand_cores", "seconds_per_token") else None) for k, v in rows.items()})
+
+
+def scaling_table(history: list[dict]) -> pa.Table:
+    """The autoscaler's changes: step, pool, workers from → to, and why."""
+    cols = ("step", "pool", "from", "to", "reason")
+    return pa.table({k: [h.get(k) for h in history] for k in cols} if history else {k: pa.array([], pa.string() if k in ("pool", "reason") else pa.int64())
+                                                                                    for k in cols})
+
+
+def pool_workers_table(metrics: list[dict]) -> pa.Table:
+    """Per planned step of an autoscaled run: workers of each pool when the step was planned."""
+    rows: dict[str, list] = {"step": [], "pool": [], "workers": []}
+    for m in metrics:
+        for pool, n in (m.get("pool_workers") or {}).items():
+            rows["step"].append(m["step"])
+            rows["pool"].append(pool)
+            rows["workers"].append(int(n))
+    return pa.table({"step": pa.array(rows["step"], pa.int64()), "pool": pa.array(rows["pool"], pa.string()),
+                     "workers": pa.array(rows["workers"], pa.int64())})
+
+
 DEFAULT_EDGES = np.array([0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 40])
 
 

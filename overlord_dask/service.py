@@ -330,6 +330,24 @@ class Service:
 
         return imbalance_table(self.metrics(start, stop))
 
+    def pools_table(self):
+        """Loader pools (``pools()``) as a table: one row per (pool, source)."""
+        from .inspect import pools_table
+
+        return pools_table(self.pools())
+
+    def scaling_table(self):
+        """The autoscaler's changes (``scaling_history()``): step, pool, from, to, reason."""
+        from .inspect import scaling_table
+
+        return scaling_table(self.scaling_history())
+
+    def pool_workers_table(self, start: int = 0, stop: int | None = None):
+        """Workers per pool at each planned step of an autoscaled run."""
+        from .inspect import pool_workers_table
+
+        return pool_workers_table(self.metrics(start, stop))
+
     def length_table(self, start: int = 0, stop: int | None = None, edges=None):
         """Histogram of delivered piece lengths per source over the planned steps."""
         from .inspect import DEFAULT_EDGES, length_table

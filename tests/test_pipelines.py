@@ -163,3 +163,46 @@ def test_multimodal_errors_name_the_culprit(corpus, tmp_path):
         discover_units(broken.sources[1], broken)
     with pytest.raises(Exception, match="image_size=30 must be a multiple of patch_size=8"):
         plan_from_dict({**d, "sources": [{**d["sources"][0], "images_field": "images", "image_size": 30}]})
+
+
+def test_parquet_photos_are_decoded_on_load_and_parts_concat_to_the_whole(corpus):
+    import io
+
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from overlord_dask.loaders import load_block
+    from overlord_dask.plan import plan_to_dict
+    from overlord_dask.sources.blocks import SampleBlock
+    from overlord_dask.sources.images import patchify
+
+    plan = pipeline("photos", corpus)
+    src = plan.source("photos")
+    unit = discover_units(src, plan)[0]
+    block = load_unit(src, plan, unit)
+    row = pq.ParquetFile(unit.path).read_row_group(unit.part).slice(unit.start, 1).to_pylist()[0]
+    want = np.asarray(Image.open(io.BytesIO(row["images"][0])).convert("RGB").resize((src.image_size,) * 2, Image.BILINEAR))
+    P = (src.image_size // src.patch_size) ** 2
+    assert block.images.shape[1:] == (P, src.patch_size ** 2 * 3)
+    assert np.array_equal(block.images[0], patchify(want, src.patch_size))
+    doc = block.doc(0)  # each image's placeholders sit at its position in the caption
+    starts = block.image_starts[block.image_offsets[0] : block.image_offsets[1]]
+    assert all(np.all(doc[s : s + P] == src.image_token_id) for s in starts)
+    assert int((doc == src.image_token_id).sum()) == P * len(row["images"])
+    # the same unit loaded in three parts (auto-partitioning) is the same block once concatenated
+    d, n = plan_to_dict(plan), unit.n_docs
+    parts = [load_block(d, "t", unit.to_dict(), part=(a, b)) for a, b in ((0, n // 3), (n // 3, n // 2), (n // 2, n))]
+    joined = SampleBlock.concat(parts)
+    for f in ("tokens", "offsets", "sample_ids", "images", "image_offsets", "image_starts"):
+        assert np.array_equal(getattr(joined, f), getattr(block, f)), f
+
+
+def test_photos_pipeline_runs(corpus, cluster):
+    plan = pipeline("photos", corpus, loading={"unit_rows": 50, "prefetch_steps": 8, "autoscale": {"enabled": False}})
+    got, _, _ = run(plan, cluster, 6)
+    for batches in got.values():
+        for b in batches:
+            for mb in b["micro_batches"]:
+                check_micro_batch(mb, plan.topology.tokens_per_micro_batch)
+                assert np.all(mb["input_ids"][mb["image_positions"]] == plan.sources[2].image_token_id)
+    assert any(len(mb["image_positions"]) for b in got[0] for mb in b["micro_batches"])

@@ -180,3 +180,50 @@ def test_autoscaled_pools_load_each_source_on_its_own_workers_and_keep_the_strea
     assert ran and all(pool_of(w) == key.split("-")[4] for key, w in ran.items()), ran  # overlord-load-<run>-<source>-...
     assert {pool_of(w) for w in ran.values()} == {"web", "chat", "photos"}
     assert metrics and all("pool_workers" in m for m in metrics[-5:])
+
+
+def test_the_stream_does_not_depend_on_how_loading_is_cut(corpus, cluster):
+    """Auto-partitioning: one task per unit, units read in many parts (a tiny task_seconds) and
+    several units per task (a large one) deliver the same stream."""
+    base = _photos_plan(corpus, autoscale=False, steps=40)
+    streams, keys = {}, {}
+    for name, task_seconds in {"unit": None, "parts": 0.002, "groups": 60.0}.items():
+        d = base.model_dump(mode="json")
+        d["loading"]["task_seconds"] = task_seconds
+        d["loading"]["unit_rows"] = 30  # many small units: groups have something to merge
+        recorder = _WhereLoadsRan(cluster.scheduler)
+        cluster.scheduler.add_plugin(recorder)
+        try:
+            with Service.start(plan_from_dict(d), cluster=cluster) as service:
+                streams[name] = _consume(service, 2, 40)
+        finally:
+            cluster.scheduler.remove_plugin(name=recorder.name)
+        keys[name] = list(recorder.ran)
+    assert streams["parts"] == streams["unit"] and streams["groups"] == streams["unit"]
+    assert not any("-p" in k.rsplit("-n", 1)[1] or "-g" in k.rsplit("-n", 1)[1] for k in keys["unit"])
+    assert sum("-p" in k.rsplit("-n", 1)[1] for k in keys["parts"]) > 10  # measured units were cut into parts
+    assert sum("-g" in k.rsplit("-n", 1)[1] for k in keys["groups"]) > 3  # and small ones read together
+    assert len(keys["groups"]) < len(keys["unit"]) < len(keys["parts"])
+
+
+def test_partition_cuts_by_measured_cost():
+    from overlord_dask.partition import partition
+
+    wanted = [["a", 0, u] for u in range(6)] + [["b", 0, 0]]
+    docs = lambda s, u: 100  # noqa: E731
+    tasks = partition(wanted, docs, {"a": 0.001}, target=1.0)  # 0.1 s per unit: six units in one task
+    assert [(t.source, t.units, t.parts) for t in tasks] == [("a", [(0, u) for u in range(6)], None), ("b", [(0, 0)], None)]
+    (t,) = partition([["a", 1, 3]], docs, {"a": 0.05}, target=1.0)  # 5 s: five parts of 20 documents
+    assert t.units == [(1, 3)] and t.parts == [(0, 20), (20, 40), (40, 60), (60, 80), (80, 100)]
+    assert all(t.parts is None and len(t.units) == 1 for t in partition(wanted, docs, {"a": 0.05}, target=None))
+
+
+def test_unit_parts_wait_for_a_chain_that_covers_the_unit():
+    import numpy as np
+
+    from overlord_dask.partition import UnitParts
+
+    parts = UnitParts()
+    assert parts.add(("a", 0, 1), (5, 10, 10), np.array([5, 6]), None) is None
+    assert parts.add(("a", 0, 1), (0, 5, 10), np.array([1, 2, 3]), None)[0].tolist() == [1, 2, 3, 5, 6]
+    assert parts.add(("a", 0, 1), (5, 10, 10), np.array([5, 6]), None) is None  # a recomputed part alone: not whole

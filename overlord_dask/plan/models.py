@@ -275,6 +275,12 @@ class Loading(_Strict):
     """parquet: at most this many rows per load unit (a unit is one row group or a part of one)."""
     unit_tokens: int = Field(default=1 << 20, ge=1)
     """zarr: about this many tokens per load unit (rounded to whole documents)."""
+    task_seconds: float | None = Field(default=0.5, gt=0, le=3600)
+    """Auto-partitioning: load tasks are cut to about this many seconds of measured CPU. A unit
+    that would take over twice as long is read as several parts in parallel; units that take
+    under half of it are read together by one task. None: one task per unit. The stream never
+    depends on it (units, not tasks, are the grain of the order). A ``transform`` must then be
+    per document (it runs on each part)."""
     prefetch_steps: int = Field(default=4, ge=1, le=1024)
     """Steps planned and built ahead of the slowest rank's acknowledged step."""
     units_ahead: int = Field(default=2, ge=1, le=1024)

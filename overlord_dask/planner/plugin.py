@@ -41,9 +41,11 @@ from distributed.batched import BatchedSend
 from distributed.comm import CommClosedError
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from .. import logs
 from ..errors import PlanError
 from ..plan.loading import plan_from_dict, plan_to_dict
 from ..protocol import HANDLERS, STREAM_HANDLERS, batch_key, load_prefix, rank_queue_name
+from ..partition import UnitParts
 from .signals import LoadSignals, pool_signals
 from .state import PlannerState
 
@@ -99,6 +101,7 @@ class PlannerPlugin(SchedulerPlugin):
         self._work = _Work()
         self.signals = LoadSignals()  # measured load costs and step rate, for the pool autoscaler
         self.scaling: dict | None = None  # the autoscaler's last decisions and history, as it reported them
+        self._parts = UnitParts()  # lengths of units loaded in parts, until every part arrived
         self._work_event = asyncio.Event()
         self._kick = asyncio.Event()  # something may let the planner make progress
         self._inbox: deque = deque()  # reported lengths, drained by the planner thread
@@ -124,6 +127,7 @@ class PlannerPlugin(SchedulerPlugin):
         for name in STREAM_HANDLERS:  # never removed: a message for a handler that is gone drops the worker
             scheduler.stream_handlers[name] = functools.partial(_dispatch_stream, scheduler, name[len("overlord_") :])
         self._kick.set()
+        logs.install()  # the scheduler's side of the shadow-copy races
         _freeze_heap()
 
     async def stop(self) -> None:
@@ -270,13 +274,18 @@ class PlannerPlugin(SchedulerPlugin):
 
     # ---- worker stream ------------------------------------------------------------------------
     def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None,
-                seconds: float = 0.0, nbytes: int = 0, **_) -> None:
+                seconds: float = 0.0, nbytes: int = 0, part: list | None = None, **_) -> None:
         """A load task's unit metadata (one-way, from the worker's stream); repeats are ignored."""
         if run_id != self.run_id:
             return
         v = None if vision is None else np.frombuffer(vision, dtype="<i8")
         lens = np.frombuffer(lengths, dtype="<i8")
-        self.signals.loaded(source, seconds, int(lens.sum()), nbytes)
+        self.signals.loaded(source, seconds, int(lens.sum()), nbytes, len(lens))
+        if part is not None:  # auto-partitioning: the unit counts once all its parts are in
+            whole = self._parts.add((source, epoch, unit), part, lens, v)
+            if whole is None:
+                return
+            lens, v = whole
         self._inbox.append((source, epoch, unit, lens, v))
         self._kick.set()
 
@@ -368,7 +377,8 @@ class PlannerPlugin(SchedulerPlugin):
                 pass
         self._work_event.clear()
         out, self._work = self._work.take(), _Work()
-        out.update(failure=self.state.failure, plan_version=self.state.plan_version)
+        out.update(failure=self.state.failure, plan_version=self.state.plan_version,
+                   load_costs={s: self.signals.seconds_per_doc(s) for s in self.signals.cost})  # for auto-partitioning
         return out
 
     # ---- consumer channels: descriptors pushed out, acks taken in, per process --------------------

@@ -23,23 +23,27 @@ PEAK_WINDOW_S = 120.0  # ... and its peak remembered this long (what the trainer
 
 class LoadSignals:
     def __init__(self) -> None:
-        self.cost: dict[str, list[float]] = {}  # source -> [decayed seconds, decayed tokens, decayed bytes, decayed units]
+        self.cost: dict[str, list[float]] = {}  # source -> decayed [seconds, tokens, bytes, units, documents]
         self.loads: dict[str, int] = {}
         self._progress: deque = deque()  # (time, committed step)
         self._rates: deque = deque()  # (time, measured rate)
 
-    def loaded(self, source: str, seconds: float, tokens: int, nbytes: int) -> None:
+    def loaded(self, source: str, seconds: float, tokens: int, nbytes: int, docs: int = 0) -> None:
         """A load task of ``source`` took ``seconds`` of CPU for ``tokens`` tokens (CPU, not wall
         time: on a crowded machine wall time grows with every worker added, and a demand measured
         in it would feed on itself; a source that waits on IO grows by the starvation rule)."""
-        c = self.cost.setdefault(source, [0.0, 0.0, 0.0, 0.0])
-        for i, v in enumerate((seconds, tokens, nbytes, 1.0)):
+        c = self.cost.setdefault(source, [0.0, 0.0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((seconds, tokens, nbytes, 1.0, docs)):
             c[i] = DECAY * c[i] + v
         self.loads[source] = self.loads.get(source, 0) + 1
 
     def seconds_per_token(self, source: str) -> float | None:
         c = self.cost.get(source)
         return None if c is None or c[1] <= 0 else c[0] / c[1]
+
+    def seconds_per_doc(self, source: str) -> float | None:
+        c = self.cost.get(source)
+        return None if c is None or c[4] <= 0 else c[0] / c[4]
 
     def block_bytes(self, source: str) -> float | None:
         c = self.cost.get(source)

@@ -65,6 +65,22 @@ class SampleBlock:
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    @classmethod
+    def concat(cls, parts: list["SampleBlock"]) -> "SampleBlock":
+        """One block of consecutive parts of a unit (a unit loaded in parts), in order."""
+        if len(parts) == 1:
+            return parts[0]
+        shift = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
+        offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shift)])
+        images = image_offsets = image_starts = None
+        if parts[0].images is not None:
+            ishift = np.cumsum([0] + [len(p.images) for p in parts[:-1]])
+            images = np.concatenate([p.images for p in parts])
+            image_offsets = np.concatenate([parts[0].image_offsets[:1]] + [p.image_offsets[1:] + s for p, s in zip(parts, ishift)])
+            image_starts = np.concatenate([p.image_starts for p in parts])
+        return cls(parts[0].source, np.concatenate([p.tokens for p in parts]), offsets, np.concatenate([p.sample_ids for p in parts]),
+                   images, image_offsets, image_starts)
+
     @property
     def nbytes(self) -> int:
         extra = 0 if self.images is None else self.images.nbytes + self.image_offsets.nbytes + self.image_starts.nbytes
