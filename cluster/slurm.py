@@ -4,7 +4,9 @@
     python cluster/slurm.py pipelines/demo.yaml --print-job-script      # inspect, no Slurm needed
 
 Run it as a long-lived job of its own (the scheduler and the planner live in this process), then
-start the trainers with the printed address.
+start the trainers with the printed address. ``--jobs`` counts the shared workers; pools the plan
+declares (``sources[].pool``, ``loading.autoscale``) get jobs of their own, one per pool worker,
+with ``--resources overlord-pool-<name>=<cores>`` on the worker command line.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ source's own load tasks (a tokenizer or image decoder is what it costs, not what
 The step rate is the peak of the last two minutes: while loading holds the trainers back, the
 rate now is what loading delivers, not what the trainers would take. Two corrections on top: a
 pool whose source the planner is waiting on while few steps are ready grows by one worker per
-decision (and never shrinks meanwhile), once its earlier workers have arrived; and a pool
-shrinks only after ``down_after`` decisions in a row asked for less, so noise does not make
-pools flap. When the pools together
+decision (and never shrinks meanwhile), once its earlier workers have arrived; a pool also gets
+enough workers to hold its sources' blocks in flight (loaded or on their way, at the measured
+bytes per block) in half their memory; and a pool shrinks only after ``down_after`` decisions
+in a row asked for less, so noise does not make pools flap. When the pools together
 want more than ``max_workers``, the ones with the most slack over their own demand give way.
 
 :class:`PoolPolicy` is the pure decision (unit-tested on signals); :class:`PoolAdaptive` is the
@@ -38,6 +39,8 @@ from .pools import PoolSpec, apply, grow, pool_of, pool_sizes
 
 logger = logging.getLogger(__name__)
 
+MEMORY_SHARE = 0.5  # of a worker's memory limit that its pool's loaded blocks may fill
+
 
 @dataclass
 class Decision:
@@ -59,7 +62,9 @@ class PoolPolicy:
         self.config = config
         self.down_votes: dict[str, int] = {}
 
-    def decide(self, signals: dict, current: dict[str, int], arrived: dict[str, int]) -> dict[str, Decision]:
+    def decide(self, signals: dict, current: dict[str, int], arrived: dict[str, int],
+               memory: dict[str, float] | None = None) -> dict[str, Decision]:
+        """``memory``: bytes a worker of each pool may use (its memory limit), where known."""
         cfg = self.config
         # the peak of the recent rate: while loading holds trainers back, the rate now is what
         # loading delivers, and sizing to it would shrink the pool that is short
@@ -77,6 +82,11 @@ class PoolPolicy:
             why = f"demand {demand:.2f} cores at {rate:.1f} steps/s"
             if unknown:
                 target, why = max(target, cur, 1), f"no load cost measured yet for {unknown}"
+            held = sum(v.get("blocks_held", 0) * (v.get("block_bytes") or 0) for v in srcs.values())
+            limit = (memory or {}).get(name)
+            if limit and held > target * MEMORY_SHARE * limit:
+                target = math.ceil(held / (MEMORY_SHARE * limit))
+                why = f"blocks in flight ({held / 2**20:.0f} MiB) need {target} workers of {limit / 2**30:.1f} GiB"
             if starving in srcs and signals["steps_per_s"] > 0 and arrived.get(name, 0) >= cur:  # (not the start's first loads)
                 if target <= cur:
                     target, why = cur + 1, f"planner waits on {starving!r} with {signals['steps_ready']} steps ready"
@@ -141,11 +151,20 @@ class PoolAdaptive(Adaptive):
         names = self._arrived_names()
         return {p: sum(n in names for n in ws) for p, ws in pool_sizes(self.cluster).items()}
 
+    def _memory(self) -> dict[str, float]:
+        """The smallest memory limit among each pool's arrived workers."""
+        out: dict[str, float] = {}
+        for w in self.cluster.scheduler_info.get("workers", {}).values():
+            p, limit = pool_of(w.get("name")), w.get("memory_limit")
+            if p is not None and limit:
+                out[p] = min(out.get(p, limit), limit)
+        return out
+
     async def target(self) -> int:
         signals = await self.scheduler.overlord_pools(lead_s=self.config.lead_s)
         self.last_signals = signals
         current = {p: len(ws) for p, ws in pool_sizes(self.cluster).items()}
-        self.decisions = self.policy.decide(signals, current, self._arrived())
+        self.decisions = self.policy.decide(signals, current, self._arrived(), self._memory())
         return sum(d.target for d in self.decisions.values())
 
     async def recommendations(self, target: int) -> dict:

@@ -68,6 +68,14 @@ def test_a_starving_pool_grows_one_worker_at_a_time_and_never_shrinks_meanwhile(
                          {"text": 1, "photos": 1})["photos"].target == 1
 
 
+def test_a_pool_holds_its_blocks_in_flight_in_half_its_memory():
+    sig = _signals()
+    sig["sources"]["photos"].update(blocks_held=12, block_bytes=512 * 2**20)  # 6 GiB of blocks loaded or on their way
+    d = _policy().decide(sig, {"text": 1, "photos": 1}, {"text": 1, "photos": 1}, memory={"photos": 4 * 2**30})
+    assert d["photos"].target == 3 and d["photos"].reason == "blocks in flight (6144 MiB) need 3 workers of 4.0 GiB"
+    assert _policy().decide(sig, {"text": 1, "photos": 1}, {"text": 1, "photos": 1})["photos"].target == 1  # limit unknown
+
+
 def test_pools_without_weight_ahead_are_released_and_the_budget_caps_the_rest():
     policy = _policy(down_after=1, max_workers=3)
     d = policy.decide(_signals(rate=40.0, weights={"text": (0.0, 0.0), "photos": (1.0, 1.0)}), {"text": 1, "photos": 1},

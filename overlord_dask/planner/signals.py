@@ -95,6 +95,7 @@ def pool_signals(state, signals: LoadSignals, lead_s: float) -> dict:
             "block_bytes": signals.block_bytes(s.name),
             "loads": signals.loads.get(s.name, 0),
             "loads_pending": len(s.requested),
+            "blocks_held": len(s.lengths) + len(s.requested),  # loaded and not yet planned through, or on their way
             "tokens_ready": s.unplanned_tokens(),
         }
     return {
