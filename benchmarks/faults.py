@@ -19,17 +19,23 @@ Scenarios:
 - ``worker_hung_shadows``: SIGSTOP a worker mid-run (it neither answers nor dies): a fetch
   unanswered for 2 s goes to the batch's shadow, and the scheduler removes the worker after the
   worker TTL (20 s in ``deploy.py``), rebuilding what it was building. SIGCONT at the end.
-- ``slow_trainer``: rank 1 computes 10× longer per step than the others for the whole run
-  (``--steps`` × 10 × ``--compute-ms``), while the memory (RSS) of the service process and of
+- ``slow_trainer``: rank 1 computes 10× longer per step than the others for ``--slow-seconds``
+  (60 s by default; the scenario runs that many steps, with a reference run of its own), while the memory (RSS) of the service process and of
   every worker is sampled: ``rss_growth_mb`` is the largest growth of any of them from the first
   to the last third of the samples (a bounded pipeline shows none). The fast ranks wait for the
   slow one by design (the prefetch bound): their stall is not a fault's.
+- ``trainer_restart``: rank 1 saves its ``state_dict``, takes the next step's batch and dies
+  with it (its stream goes away without acknowledging that step); a new stream for rank 1
+  loads the saved state and goes on: it gets the lost step again, then its normal stream, while
+  rank 0 never stops. ``stall_max_s`` is the restarted rank's time from its new stream to its
+  first batch.
 - ``service_restart``: SIGKILL the whole service (``overlord serve --port``: scheduler, planner,
   workers) mid-run and start it again at the same address from its snapshot; the trainers' streams
   (the same objects) reconnect and go on.
 
 ``batch_bytes_max`` / ``shadow_bytes_max``: the most bytes of built batches held on the workers
-during the run, and what their shadow copies added (the shadows' memory cost).
+during the run, and what their shadow copies added; ``block_bytes_max`` / ``block_shadow_bytes_max``
+the same for loaded blocks (``loading.shadow_blocks``): together, the shadows' memory cost.
 
 Top level: ``bad_inputs`` (cases in the catalogue ``tests/test_bad_inputs.py``) and
 ``bad_inputs_clear`` (those that get their clear error or handling: the catalogue run here).
@@ -114,7 +120,7 @@ def _service_run(plan, cluster, steps, compute_s, fault_at=None, fault_on=None, 
         def sample():
             while not done.wait(0.2):
                 st = service.status()
-                memory.append((st["batch_bytes"], st["shadow_bytes"]))
+                memory.append((st["batch_bytes"], st["shadow_bytes"], st["block_bytes"], st["block_shadow_bytes"]))
                 row = {}
                 for p in procs:
                     try:
@@ -127,7 +133,8 @@ def _service_run(plan, cluster, steps, compute_s, fault_at=None, fault_on=None, 
         out = _train(streams, steps, compute_s, fault_at, fault, slow)
         done.set()
         shadowed = {"batches_shadowed": service.status()["shadowed"], "batch_bytes_max": max((m[0] for m in memory), default=0),
-                    "shadow_bytes_max": max((m[1] for m in memory), default=0), "rss_growth_mb": _growth(rss)}
+                    "shadow_bytes_max": max((m[1] for m in memory), default=0), "block_bytes_max": max((m[2] for m in memory), default=0),
+                    "block_shadow_bytes_max": max((m[3] for m in memory), default=0), "rss_growth_mb": _growth(rss)}
         for s in streams.values():
             s.close()
     return (*out, shadowed)
@@ -199,6 +206,45 @@ def _service_restart(plan, steps, compute_s, fault_at, tmp) -> tuple[dict, list]
     return got, after
 
 
+def _trainer_restart(plan, cluster, steps: int, compute_s: float, fault_at: int) -> tuple[dict, float]:
+    """Rank 1 dies holding step ``fault_at`` (unacknowledged) and restarts from the state it saved
+    just before; returns (pieces per (rank, step), the restarted rank's wait for its first batch)."""
+    from overlord_dask import Service, connect
+    from overlord_dask.report import delivered_identities, delivered_record
+
+    got, stall = {}, []
+
+    def ids(b):
+        return sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
+
+    with Service.start(plan, cluster=cluster) as service:
+        def run(r):
+            stream = connect(service.address, r, timeout=120, prefetch_steps=1)
+            for _ in range(steps):
+                if r == 1 and stream.next_step == fault_at:
+                    saved = stream.state_dict()  # the trainer's checkpoint
+                    lost = stream.next_batch()  # ... it takes the next step and dies in it
+                    stream.close()
+                    t0 = time.perf_counter()
+                    stream = connect(service.address, r, timeout=120, prefetch_steps=1)
+                    stream.load_state_dict(saved)
+                    b = stream.next_batch()
+                    stall.append(time.perf_counter() - t0)
+                    assert b["step"] == lost["step"] and ids(b) == ids(lost), "the lost step comes again, the same"
+                else:
+                    b = stream.next_batch()
+                got[(r, b["step"])] = ids(b)
+                time.sleep(compute_s)
+            stream.close()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(plan.topology.dp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return got, max(stall, default=0.0)
+
+
 def _bad_inputs() -> tuple[int, int]:
     """(cases in the catalogue, cases that pass): the catalogue test, run as CI runs it."""
     from tests.test_bad_inputs import CASES
@@ -219,6 +265,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--fault-at", type=int, default=15)
     ap.add_argument("--compute-ms", type=float, default=50.0)
+    ap.add_argument("--slow-seconds", type=float, default=60.0, help="how long the slow trainer runs (10x --compute-ms per step)")
     ap.add_argument("--data", default="demo-data")
     ap.add_argument("--no-catalogue", action="store_true", help="skip running the bad-input catalogue")
     args = ap.parse_args(argv)
@@ -249,9 +296,14 @@ def main(argv=None) -> dict:
             deadline = time.monotonic() + 60  # the nanny starts a new worker
             while len(cluster.scheduler_info["workers"]) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
-        got, after, _, mem = _service_run(_plan(args.data, args.dp, 1), cluster, args.steps, compute_s, slow={1: 10})
+        got, stall = _trainer_restart(_plan(args.data, args.dp, 1), cluster, args.steps, compute_s, args.fault_at)
+        rows.append({"scenario": "trainer_restart", "stall_max_s": round(stall, 3), "baseline_wait_max_s": round(base_wait, 3),
+                     "batches_shadowed": "", **_compare(reference, got)})
+        slow_steps = max(args.steps, round(args.slow_seconds / (10 * compute_s)))
+        slow_ref = reference if slow_steps == args.steps else _service_run(_plan(args.data, args.dp, 1), cluster, slow_steps, compute_s)[0]
+        got, after, _, mem = _service_run(_plan(args.data, args.dp, 1), cluster, slow_steps, compute_s, slow={1: 10})
         rows.append({"scenario": "slow_trainer", "stall_max_s": round(max(after, default=0.0), 3), "baseline_wait_max_s": round(base_wait, 3),
-                     **mem, **_compare(reference, got)})
+                     "seconds": round(slow_steps * 10 * compute_s, 1), **mem, **_compare(slow_ref, got)})
     with tempfile.TemporaryDirectory() as tmp:
         plan = _plan(args.data, args.dp, 1, checkpoint=os.path.join(tmp, "ck"))
         got, after = _service_restart(plan, args.steps, compute_s, args.fault_at, tmp)
@@ -265,7 +317,7 @@ def main(argv=None) -> dict:
         print(json.dumps(out))
     else:
         print_rows(rows, ["scenario", "stall_max_s", "baseline_wait_max_s", "batches_shadowed", "batch_bytes_max", "shadow_bytes_max",
-                          "rss_growth_mb", "identical", "duplicates", "missing"])
+                          "block_bytes_max", "block_shadow_bytes_max", "rss_growth_mb", "identical", "duplicates", "missing"])
         print(f"bad inputs: {clear} of {cases} get their clear error or handling (tests/test_bad_inputs.py)")
     return out
 

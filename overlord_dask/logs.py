@@ -1,11 +1,11 @@
 """Quiet the expected races of shadow copies in Dask's logs.
 
-A built batch is copied to another worker as soon as it exists (``loading.shadows``) and
-released as soon as every rank acknowledged it. With fast trainers the release can overtake the
+A built batch (and a loaded block) is copied to another worker as soon as it exists
+(``loading.shadows``) and released as soon as it is no longer needed. With fast trainers the release can overtake the
 copy; Dask then logs "Key lost during replication" (scheduler), "Could not find data" (worker,
-at ERROR) and "failed to acquire keys", for a batch nobody needs any more. Those lines about
-``overlord-batch-`` keys are dropped; every other message, and these messages about any other
-key, pass.
+at ERROR) and "failed to acquire keys", for data nobody needs any more. Those lines about
+``overlord-batch-`` and ``overlord-load-`` keys are dropped; every other message, and these
+messages about any other key, pass.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ class ShadowRaceFilter(logging.Filter):
             text = record.getMessage()
         except Exception:  # a malformed record is not ours to judge
             return True
-        return not (text.startswith(RACES) or "failed to acquire keys" in text) or "overlord-batch-" not in text
+        if not (text.startswith(RACES) or "failed to acquire keys" in text):
+            return True
+        return "overlord-batch-" not in text and "overlord-load-" not in text
 
 
 def install() -> None:

@@ -352,6 +352,30 @@ def case_photo_column_of_strings(tmp_path, cluster):
     return str(exc.value)
 
 
+def case_float_patches_through_torch(tmp_path, cluster):
+    """A multimodal zarr source with float32 image patches, taken as torch tensors (as_torch): the
+    patches stay float32 with their values (once, every field not listed became int32)."""
+    from overlord_dask import Service, connect
+
+    g = zarr.open_group(str(tmp_path / "m.zarr"), mode="w")
+    n = 200
+    lens = np.full(n, 40, dtype=np.int64)
+    g.create_array("tokens", shape=(int(lens.sum()),), dtype="int32")[:] = 7
+    g.create_array("offsets", shape=(n + 1,), dtype="int64")[:] = np.concatenate([[0], np.cumsum(lens)])
+    images = np.random.default_rng(0).random((n, 4, 6), dtype=np.float32) - 0.5
+    g.create_array("images", shape=images.shape, dtype="float32")[:] = images
+    g.create_array("image_offsets", shape=(n + 1,), dtype="int64")[:] = np.arange(n + 1)
+    g.create_array("image_positions", shape=(n,), dtype="int64")[:] = 5
+    plan = _plan(tmp_path, topology={"tokens_per_micro_batch": 512}, format="zarr", url="m.zarr", images_field="images")
+    with Service.start(plan, cluster=cluster) as service, connect(service.address, 0, as_torch=True, timeout=60) as stream:
+        mb = stream.next_batch()["micro_batches"][0]
+    patches = mb["image_patches"]
+    ids = mb["sample_ids"].numpy()
+    assert patches.dtype == __import__("torch").float32 and patches.min() < 0
+    assert np.allclose(patches.numpy()[:4], images[ids[0]]), "the first sample's patches, values kept"
+    return f"handled: image_patches {patches.dtype}, min {float(patches.min()):.2f}"
+
+
 def case_autoscale_without_a_cluster(tmp_path, cluster):
     from overlord_dask import Service
 
@@ -396,6 +420,7 @@ CASES = {
     "parquet photo that is not an image": (case_photo_not_an_image, r"source 's' unit 0 .*p\.parquet.*image 1 of sample id 1: cannot decode image"),
     "parquet photos without their positions": (case_photo_positions_missing, r"row 1 \(sample id 1\) has 2 images but 1 image positions"),
     "parquet images column of strings": (case_photo_column_of_strings, r"images_field 'images' in .*p\.parquet has type string, expected list<binary>"),
+    "float image patches through torch": (case_float_patches_through_torch, r"handled: image_patches torch\.float32, min -0\.\d+"),
     "autoscaling with only a scheduler address": (case_autoscale_without_a_cluster, r"loading\.autoscale needs a cluster object .*--resources overlord-pool-<pool>"),
     "one pool declared two ways": (case_pool_declared_twice, r"sources 'a' and 'b' share pool 'p' but declare it differently"),
     "overlord demo --workers 0": (case_cli_demo_zero_workers, r"argument --workers: must be at least 1, got 0"),

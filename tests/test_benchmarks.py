@@ -61,8 +61,10 @@ def test_control_plane_benchmark_runs(capsys, corpus):
 def test_faults_benchmark_runs(capsys, corpus):
     import faults
 
-    out = faults.main(["--steps", "12", "--fault-at", "5", "--compute-ms", "20", "--no-catalogue", "--data", str(corpus), "--json"])
-    assert set(out["scenarios"]) == {"worker_kill_shadows", "worker_kill_no_shadows", "worker_hung_shadows", "slow_trainer", "service_restart"}
+    out = faults.main(["--steps", "12", "--fault-at", "5", "--compute-ms", "20", "--slow-seconds", "1", "--no-catalogue", "--data", str(corpus),
+                       "--json"])
+    assert set(out["scenarios"]) == {"worker_kill_shadows", "worker_kill_no_shadows", "worker_hung_shadows", "trainer_restart", "slow_trainer",
+                                     "service_restart"}
     assert out["scenarios"]["slow_trainer"]["rss_growth_mb"] < 200
     for name, row in out["scenarios"].items():
         assert {"stall_max_s", "duplicates", "missing", "identical"} <= set(row), name

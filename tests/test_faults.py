@@ -67,6 +67,40 @@ def test_worker_killed_mid_run_loses_and_repeats_nothing(cluster, small_plan, sh
     # nobody waited out a connect timeout (30 s) or the consumer's own timeout
     print(f"shadows={shadows}: longest wait {max(waits):.3f}s, shadowed {st['shadowed']}")
     assert max(waits) < 10, max(waits)
-    deadline = time.monotonic() + 60  # the nanny brings the worker back for the next tests
-    while len(cluster.scheduler_info["workers"]) < 2 and time.monotonic() < deadline:
+    if shadows:
+        assert st["blocks_shadowed"] > 0  # loaded blocks were copied too
+    _wait_for_workers(cluster, 2)
+
+
+def _wait_for_workers(cluster, n: int) -> None:
+    deadline = time.monotonic() + 60  # the nannies bring the workers back for the next tests
+    while len(cluster.scheduler_info["workers"]) < n and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def test_every_worker_killed_at_once_loses_and_repeats_nothing(cluster, small_plan):
+    """Both workers SIGKILLed together (shadows cannot help: every copy is gone): their nannies
+    restart them, everything is rebuilt, and trainers wait seconds, not a connect timeout."""
+    plan = small_plan(topology={"dp": 2}, loading={"prefetch_steps": 8, "batch_steps": 2})
+    steps = 20
+    with Service.start(plan, cluster=cluster) as ref:
+        streams = {r: connect(ref.address, r, timeout=120) for r in range(2)}
+        reference = _consume(streams, steps)
+        for s in streams.values():
+            s.close()
+    with Service.start(plan, cluster=cluster) as service:
+        streams = {r: connect(service.address, r, timeout=120, prefetch_steps=1) for r in range(2)}
+        pids = service.client.run(os.getpid)
+
+        def kill_all():
+            for pid in pids.values():
+                os.kill(pid, signal.SIGKILL)
+
+        waits = []
+        got = _consume(streams, steps, waits, at_step=6, action=kill_all)
+        for s in streams.values():
+            s.close()
+    assert got == reference  # the same stream, rank by rank, step by step
+    print(f"all workers killed: longest wait {max(waits):.3f}s")
+    assert max(waits) < 20, max(waits)  # was 60 s: every rank waited out connect timeouts
+    _wait_for_workers(cluster, 2)

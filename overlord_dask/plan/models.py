@@ -300,6 +300,10 @@ class Loading(_Strict):
     for the batch to be rebuilt. Costs ``shadows`` × the bytes of the batches in flight (a
     few steps' worth). Needs Dask's active memory manager off (``deploy.py`` turns it off), which
     would otherwise drop the copies as redundant."""
+    shadow_blocks: bool = True
+    """Loaded blocks get the same number of shadows as built batches: a worker that dies takes
+    its blocks too, and the next constructor tasks read them from a shadow instead of waiting for
+    a reload. Costs ``shadows`` × the bytes of the blocks in flight (``status()["block_shadow_bytes"]``)."""
 
 
 class Balance(_Strict):

@@ -95,8 +95,9 @@ class PlannerPlugin(SchedulerPlugin):
         self._built: dict[str, asyncio.Event] = {}  # keys someone waits on (overlord_where)
         self._channels: dict[str, BatchedSend] = {}  # consumer process channel id -> its stream
         self._subs: dict[tuple[int, int], str] = {}  # (rank, cp rank) -> channel id its descriptors go to
-        self.counters = {"descriptors_put": 0, "acks": 0, "shadowed": 0}  # control-path traffic (tests and benchmarks read it)
+        self.counters = {"descriptors_put": 0, "acks": 0, "shadowed": 0, "blocks_shadowed": 0}  # control-path traffic (tests and benchmarks read it)
         self.shadows = plan.loading.shadows
+        self.shadow_blocks = self.shadows if plan.loading.shadow_blocks else 0
         self._shadow_tasks: set = set()
         self._work = _Work()
         self.signals = LoadSignals()  # measured load costs and step rate, for the pool autoscaler
@@ -293,8 +294,11 @@ class PlannerPlugin(SchedulerPlugin):
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         t = self.tasks.get(key)
         if t is None:
-            if finish == "erred" and isinstance(key, str) and key.startswith(self._load_prefix):
-                self._set_failure(self._error_text(key))
+            if isinstance(key, str) and key.startswith(self._load_prefix):
+                if finish == "erred":
+                    self._set_failure(self._error_text(key))
+                elif finish == "memory" and self.shadow_blocks and len(self.scheduler.workers) > 1:
+                    self._shadow(key)  # a lost worker's blocks are then read from their shadows, not reloaded
             return
         if finish == "memory":
             ts = self.scheduler.tasks.get(key)
@@ -319,7 +323,7 @@ class PlannerPlugin(SchedulerPlugin):
         async def copy():
             try:
                 await self.scheduler.replicate(keys=[key], n=1 + self.shadows, delete=False)
-                self.counters["shadowed"] += 1
+                self.counters["shadowed" if key in self.tasks else "blocks_shadowed"] += 1
                 t = self.tasks.get(key)
                 if t is not None:
                     t["workers"] = _holders(self.scheduler.tasks.get(key))
@@ -546,6 +550,7 @@ class PlannerPlugin(SchedulerPlugin):
         return {**st, "loop": self.loop(), "chunk_steps": self.chunk_steps, "tasks_held": len(self.tasks),
                 "batch_bytes": sum(ts.nbytes for ts in held),  # built batches in flight, and what their shadows add
                 "shadow_bytes": sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in held),
+                **self._block_bytes(),
                 "channels": len(self._channels), "subscribed": len(self._subs), "snapshot_error": self.snapshot_error, **self.counters}
 
     async def pools(self, lead_s: float = 10.0, report: dict | None = None) -> dict:
@@ -556,6 +561,13 @@ class PlannerPlugin(SchedulerPlugin):
             self.state.pool_workers = dict(report.get("arrived") or {})  # the planner records it with each step it plans
             return {}
         return {**await self._run(pool_signals, self.state, self.signals, lead_s), "scaling": self.scaling}
+
+    def _block_bytes(self) -> dict:
+        """Loaded blocks held on workers (this run's load tasks in memory), and their shadows' bytes."""
+        blocks = [ts for ts in self.scheduler.tasks.values()
+                  if ts.state == "memory" and isinstance(ts.key, str) and ts.key.startswith(self._load_prefix)]
+        return {"block_bytes": sum(ts.nbytes for ts in blocks),
+                "block_shadow_bytes": sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in blocks)}
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
         return await self._run(lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)])
