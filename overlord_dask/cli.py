@@ -1,7 +1,11 @@
 """The ``overlord`` command.
 
     overlord demo [--dp 4 --steps 100 --data demo-data]   service + trainer processes, JSON summary
-    overlord serve PLAN.yaml [--workers 2]                  run a service, print its address
+    overlord serve PLAN.yaml [--workers 2 --dp N --scheduler-file F --host H --port P]
+                                                            run a service, print its address
+    overlord status ADDRESS|FILE [--json]                   progress, lag, balance, mix, pools, snapshots
+    overlord update ADDRESS|FILE PLAN.yaml [--at-step N]    change the plan of a running service
+    overlord stop ADDRESS|FILE                              stop it cleanly (last snapshot, workers retired)
     overlord validate PLAN.yaml [PLAN.yaml ...]             check plans and index their sources
 """
 
@@ -17,7 +21,7 @@ import time
 
 import numpy as np
 
-from .errors import OverlordError
+from .errors import OverlordError, ServiceError
 
 
 def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> None:
@@ -132,17 +136,107 @@ def _load(path: str):
 
 
 def cmd_serve(args) -> int:
+    from .plan import plan_from_dict, plan_to_dict
+    from .protocol import write_scheduler_file
     from .service import Service
 
+    _event_logging()
     plan = _load(args.plan)
-    with Service.start(plan, n_workers=args.workers, scheduler_port=args.port) as service:
-        print(json.dumps({"run_id": service.run_id, "address": service.address, "dp": plan.topology.dp}), flush=True)
+    if args.dp is not None and args.dp != plan.topology.dp:  # the trainers' world size decides, not the file
+        d = plan_to_dict(plan)
+        d["topology"]["dp"] = args.dp
+        plan = plan_from_dict(d, where=f"{args.plan} (--dp {args.dp})")
+    with Service.start(plan, n_workers=args.workers, scheduler_port=args.port, host=args.host) as service:
+        if args.scheduler_file:
+            write_scheduler_file(args.scheduler_file, service.address, service.run_id, plan.topology.dp)
+        print(json.dumps({"run_id": service.run_id, "address": service.address, "dp": plan.topology.dp,
+                          "scheduler_file": args.scheduler_file}), flush=True)
         try:
             while True:
-                service.check()
-                time.sleep(1)
+                st = service.status()
+                if st.get("failure"):
+                    raise ServiceError(st["failure"])
+                if st.get("stop_requested"):
+                    print(json.dumps({"stopped": True, "committed": st["committed"]}), flush=True)
+                    return 0  # leaving the with-block writes the last snapshot and retires the workers
+                time.sleep(0.5)
         except KeyboardInterrupt:
             return 0
+        finally:
+            if args.scheduler_file and os.path.exists(args.scheduler_file):
+                os.remove(args.scheduler_file)  # a file naming a stopped service would send trainers to a dead address
+
+
+def _event_logging() -> None:
+    """The service's event lines (``logs.event``) on stderr, one per event."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s overlord %(message)s"))
+    events = logging.getLogger("overlord_dask.events")
+    events.addHandler(handler)
+    events.setLevel(logging.INFO)
+
+
+def _attach(where: str):
+    from .service import Service
+
+    return Service.attach(where)
+
+
+def cmd_status(args) -> int:
+    service = _attach(args.where)
+    try:
+        summary = service.summary()
+    finally:
+        service.close()
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        width = max(len(k) for k in summary) + 2
+        for k, v in summary.items():
+            print(f"{k:<{width}}{v if not isinstance(v, dict) else json.dumps(v)}")
+    return 1 if summary["failure"] else 0
+
+
+def cmd_update(args) -> int:
+    from .plan import plan_from_dict, plan_to_dict
+
+    service = _attach(args.where)
+    try:
+        plan = _load(args.plan)
+        dp = service.plan.topology.dp
+        if plan.topology.dp != dp:  # served with --dp: the running world size stays
+            d = plan_to_dict(plan)
+            d["topology"]["dp"] = dp
+            plan = plan_from_dict(d, where=f"{args.plan} (dp {dp} of the running service)")
+        at = service.update_plan(plan, at_step=args.at_step)
+    finally:
+        service.close()
+    print(json.dumps({"updated": True, "at_step": at}), flush=True)
+    return 0
+
+
+def cmd_stop(args) -> int:
+    """Ask the serving process to stop, then wait until its scheduler is gone."""
+    from .protocol import resolve_address
+
+    address = resolve_address(args.where)
+    service = _attach(address)
+    try:
+        committed = service.status()["committed"]
+        service.request_stop()
+    finally:
+        service.close()
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            _attach(address).close()
+        except (ServiceError, OSError):
+            print(json.dumps({"stopped": True, "address": address, "committed": committed}), flush=True)
+            return 0
+        time.sleep(0.5)
+    raise ServiceError(f"the service at {address} was asked to stop but still answers after {args.timeout:.0f}s")
 
 
 def cmd_validate(args) -> int:
@@ -189,6 +283,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("plan")
     s.add_argument("--workers", type=_positive, default=2)
     s.add_argument("--port", type=int, default=0, help="scheduler port (fixed, so that trainers reconnect to a restarted service)")
+    s.add_argument("--host", default=None, help="interface the scheduler listens on (default: loopback only)")
+    s.add_argument("--dp", type=_positive, default=None, help="data-parallel ranks (overrides the plan's topology.dp)")
+    s.add_argument("--scheduler-file", default=None, help="write the address here (trainers and tools can be given the file)")
+    st = sub.add_parser("status", help="a running service's progress, lag, balance, mix, pools and snapshots")
+    st.add_argument("where", help="scheduler address or scheduler file")
+    st.add_argument("--json", action="store_true")
+    u = sub.add_parser("update", help="change a running service's plan from a step on")
+    u.add_argument("where", help="scheduler address or scheduler file")
+    u.add_argument("plan")
+    u.add_argument("--at-step", type=int, default=None, help="first step of the new plan (default: the first not planned yet)")
+    sp = sub.add_parser("stop", help="stop a running service cleanly (last snapshot written, workers retired)")
+    sp.add_argument("where", help="scheduler address or scheduler file")
+    sp.add_argument("--timeout", type=float, default=60.0)
     v = sub.add_parser("validate", help="validate a plan and index its sources")
     v.add_argument("plan", nargs="+")
     args = ap.parse_args(argv)
@@ -198,9 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                                plan_path=args.plan, quiet=args.quiet)
             print(json.dumps(summary), flush=True)
             return 0
-        if args.cmd == "serve":
-            return cmd_serve(args)
-        return cmd_validate(args)
+        commands = {"serve": cmd_serve, "status": cmd_status, "update": cmd_update, "stop": cmd_stop, "validate": cmd_validate}
+        return commands[args.cmd](args)
     except OverlordError as err:
         print(f"overlord: error: {err}", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ import numpy as np
 from distributed.comm import CommClosedError
 
 from .errors import RankError, ServiceError
-from .protocol import WORKER_FETCH
+from .protocol import WORKER_FETCH, resolve_address
 from .wire import DTYPES, decode_batch, nbytes
 
 TENSOR_FIELDS = {
@@ -249,7 +249,8 @@ class RankStream:
     def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, timeout: float = 600.0,
                  as_torch: bool = False, prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False,
                  reconnect_timeout: float = 120.0):
-        self.address = address
+        self.where = address  # an address, or a scheduler file read again on every reconnect
+        self.address = address = resolve_address(address)
         self.reconnect_timeout = reconnect_timeout
         self.rank = int(rank)
         self.cp_rank = cp_rank
@@ -492,12 +493,16 @@ class RankStream:
             self._reconnecting = asyncio.ensure_future(self._reconnect(why))
 
     async def _reconnect(self, why: str) -> None:
-        """Find the service again at the same address (restarted from its snapshot), attach,
+        """Find the service again at the same address or the one its scheduler file names now
+        (restarted from its snapshot), attach,
         subscribe on a new channel and go on from this trainer's position."""
         deadline = time.monotonic() + self.reconnect_timeout
         delay = 0.2
         while not self._closed:
             try:  # each try bounded: connecting to a dead address otherwise retries for Dask's 30 s
+                address = resolve_address(self.where)
+                if address != self.address:  # restarted elsewhere: its scheduler file says where
+                    self.address, self.scheduler = address, self.io.pool(address)
                 info = await asyncio.wait_for(self.scheduler.overlord_info(), max(0.5, min(5.0, deadline - time.monotonic())))
                 if isinstance(info, dict):
                     att = await self.scheduler.overlord_attach(rank=self.rank, cp_rank=self.cp_rank or 0)
@@ -507,7 +512,7 @@ class RankStream:
                     channel = self.io.channel(self.address, info["run_id"], wait=False)
                     await channel.opened()
                     break
-            except (OSError, CommClosedError, ServiceError, asyncio.TimeoutError):
+            except (OSError, CommClosedError, ServiceError, asyncio.TimeoutError, ValueError):  # ValueError: no scheduler file (yet)
                 pass
             if time.monotonic() > deadline:
                 self._fail(f"rank {self.rank}: lost the overlord service at {self.address} ({why}) and it did not come back "

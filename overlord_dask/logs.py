@@ -1,4 +1,11 @@
-"""Quiet the expected races of shadow copies in Dask's logs.
+"""The service's logs: one structured line per notable event, and quiet for expected races.
+
+Events (logger ``overlord_dask.events``, INFO) are one line each, ``event=<name> run=<id>
+step=<n> key=value ...``, so that ``grep event=`` over a week of logs answers "when did the
+stage change, who rewound, which worker was lost": ``stage``, ``plan_update``,
+``snapshot_base``, ``worker_lost``, ``rank_rewind``, ``stop_requested``.
+
+Shadow-copy races:
 
 A built batch (and a loaded block) is copied to another worker as soon as it exists
 (``loading.shadows``) and released as soon as it is no longer needed. With fast trainers the release can overtake the
@@ -11,6 +18,8 @@ messages about any other key, pass.
 from __future__ import annotations
 
 import logging
+
+EVENTS = logging.getLogger("overlord_dask.events")
 
 RACES = ("Key lost during replication", "Could not find data", "failed to acquire keys")
 LOGGERS = ("distributed.scheduler", "distributed.worker")
@@ -33,3 +42,12 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, ShadowRaceFilter) for f in logger.filters):
             logger.addFilter(ShadowRaceFilter())
+
+
+def event(name: str, run: str, step: int | None = None, **fields) -> None:
+    """Log one event line (values with spaces are quoted)."""
+    parts = [f"event={name}", f"run={run}"] + ([f"step={step}"] if step is not None else [])
+    for k, v in fields.items():
+        v = str(v)
+        parts.append(f"{k}={v!r}" if (" " in v or not v) else f"{k}={v}")
+    EVENTS.info(" ".join(parts))

@@ -27,6 +27,7 @@ Routes on the scheduler (request/response unless noted):
   seconds and bytes loading it took.
 - ``overlord_pools(lead_s)``: the pool autoscaler's inputs (weights over the schedule ahead, step
   rate, measured seconds per token, pending loads, the source planning waits on).
+- ``overlord_request_stop()``: ask the serving process to stop cleanly (``status()["stop_requested"]``).
 - ``overlord_status``, ``overlord_metrics``, ``overlord_ledger``, ``overlord_snapshots``,
   ``overlord_loop``, ``overlord_fail``, ``overlord_update``, ``overlord_plans``.
 
@@ -41,6 +42,10 @@ or ``{"error": "..."}`` when the run failed. The batch itself is fetched from th
 """
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 HANDLERS = (
     "overlord_info",
@@ -58,6 +63,7 @@ HANDLERS = (
     "overlord_update",
     "overlord_plans",
     "overlord_pools",
+    "overlord_request_stop",
 )
 STREAM_HANDLERS = ("overlord_lengths",)
 WORKER_FETCH = "overlord_fetch"
@@ -87,3 +93,28 @@ def batch_key(run_id: str, first_step: int, rank_lo: int, rank_hi: int) -> str:
 def block_key(source: int, epoch: int, unit: int) -> str:
     """Name of a sample block among a constructor task's inputs (source index, epoch, unit)."""
     return f"s{source}-e{epoch}-u{unit}"
+
+
+def write_scheduler_file(path: str | os.PathLike, address: str, run_id: str, dp: int) -> None:
+    """Where a service is, for trainers and tools that start elsewhere (``overlord serve
+    --scheduler-file``): Dask's scheduler-file shape (``address``) plus the run. Written whole
+    (temporary file, then rename), so a reader never sees half of it."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"type": "Scheduler", "address": address, "run_id": run_id, "dp": dp}))
+    os.replace(tmp, path)
+
+
+def resolve_address(where: str) -> str:
+    """A scheduler address (``tcp://host:port``), or the path of a scheduler file (ours or Dask's):
+    the address. Read again on every reconnect, so a service restarted elsewhere is found."""
+    if "://" in where:
+        return where
+    if os.path.isfile(where):
+        try:
+            return json.loads(Path(where).read_text())["address"]
+        except (ValueError, KeyError, OSError) as err:
+            raise ValueError(f"{where} is not a scheduler file (JSON with an 'address'): {err}") from None
+    if "/" in where or where.endswith(".json"):
+        raise ValueError(f"no scheduler file at {where} (is the service started with --scheduler-file {where}?)")
+    return where  # host:port

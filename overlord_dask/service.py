@@ -35,7 +35,8 @@ from .plan.models import Plan, Source
 from .plan.timeline import PlanTimeline
 from .planner.plugin import PlannerPlugin
 from .planner.state import decode_updates
-from .pools import plan_pools, pool_resource, set_sizes
+from .pools import plan_pools, pool_resource, set_sizes, uses_pools
+from .protocol import resolve_address
 from .sources import discover_units
 from .sources.fs import resolve_url
 from .sources.units import LoadUnit
@@ -59,6 +60,44 @@ def index_timeline(timeline: PlanTimeline) -> dict[str, list[LoadUnit]]:
     for _, plan in timeline.versions:
         units.update(index_sources(plan, [s for s in plan.sources if s.name not in units]))
     return units
+
+
+def _check_main_guard() -> None:
+    """Worker processes start by importing the main script again (Dask spawns them): a script
+    that starts a service at module level, outside ``if __name__ == "__main__":``, would start
+    one in every worker too, and Dask then only says "Nanny failed to start". Say what to do."""
+    import __main__
+    import ast
+    import inspect
+
+    import dask
+
+    path = getattr(__main__, "__file__", None)
+    if dask.config.get("distributed.worker.multiprocessing-method", "spawn") == "fork" or not path:
+        return  # forked workers, or an interactive session / notebook: nothing is imported again
+    line = next((f.lineno for f in inspect.stack(context=0)
+                 if f.function == "<module>" and f.frame.f_globals.get("__name__") == "__main__"), None)
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    for stmt in tree.body:
+        if line is not None and stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno):
+            if _is_main_guard(stmt):
+                return
+            raise ServiceError(f"{path}:{line} starts a service at module level: Dask starts its worker processes by importing "
+                               "this script again, so put the code that starts the service under `if __name__ == \"__main__\":` "
+                               "(as in the README's examples)")
+
+
+def _is_main_guard(stmt) -> bool:
+    import ast
+
+    if not isinstance(stmt, ast.If) or not isinstance(stmt.test, ast.Compare):
+        return False
+    names = [stmt.test.left, *stmt.test.comparators]
+    return any(isinstance(n, ast.Name) and n.id == "__name__" for n in names) and \
+        any(isinstance(n, ast.Constant) and n.value == "__main__" for n in names)
 
 
 def _start_pools(plan: Plan, cluster):
@@ -110,10 +149,14 @@ class Service:
         threads_per_worker: int = 1,
         run_id: str | None = None,
         scheduler_port: int = 0,
+        host: str | None = None,
     ) -> "Service":
         """Start a run on ``cluster`` (any Dask cluster object), on a running scheduler at
         ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes (its
-        scheduler on ``scheduler_port``: fixed, a restarted service is found again by trainers)."""
+        scheduler on ``host`` (default: loopback only) and ``scheduler_port``: fixed, a restarted
+        service is found again by trainers)."""
+        if cluster is None and address is None:
+            _check_main_guard()  # before anything else: the worker processes would run this script again
         loaded = None
         ck = plan.checkpoint
         if ck.url:  # an unreachable or read-only location fails here, naming it, not later in a log
@@ -129,7 +172,8 @@ class Service:
         if cluster is None and address is None:
             from .deploy import local_cluster  # the embedded default deployment
 
-            cluster = owned = local_cluster(n_workers=n_workers, threads_per_worker=threads_per_worker, scheduler_port=scheduler_port)
+            extra = {"host": host} if host else {}
+            cluster = owned = local_cluster(n_workers=n_workers, threads_per_worker=threads_per_worker, scheduler_port=scheduler_port, **extra)
         client = Client(cluster if address is None else address, set_as_default=False)
         run_id = run_id or f"{plan.name}-{uuid.uuid4().hex[:8]}"
         plan_dict = plan_to_dict(plan)
@@ -168,8 +212,12 @@ class Service:
 
     @classmethod
     def attach(cls, address: str) -> "Service":
-        """A handle on a service running elsewhere (another process or machine): inspect it and
-        update its plan; ``close()`` only disconnects."""
+        """A handle on a service running elsewhere (another process or machine), by address or
+        scheduler file: inspect it, update its plan, ask it to stop; ``close()`` only disconnects."""
+        try:
+            address = resolve_address(address)
+        except ValueError as err:
+            raise ServiceError(str(err)) from None
         client = Client(address, set_as_default=False)
         try:
             info = client.sync(client.scheduler.overlord_info)
@@ -242,6 +290,34 @@ class Service:
         if self.driver is not None and self.driver.error and not st.get("failure"):
             st["failure"] = self.driver.error
         return st
+
+    def request_stop(self) -> None:
+        """Ask the process serving this run to stop cleanly (final snapshot, workers retired):
+        ``overlord stop``. The serving process sees it in ``status()["stop_requested"]``."""
+        self._rpc("overlord_request_stop")
+
+    def summary(self, window: int = 20) -> dict:
+        """What an operator looks at (``overlord status``): steps planned and committed, each
+        rank's lag behind the most advanced one, imbalance and mix error over the last ``window``
+        committed steps, the source planning waits on, pools, the last snapshot, the event loop."""
+        st, info = self.status(), self._rpc("overlord_info")
+        acked = st["acked"]
+        recent = self.metrics(max(0, st["committed"] - window + 1), st["committed"] + 1)
+        tokens = np.sum([m["source_tokens"] for m in recent], axis=0) if recent else np.zeros(0)
+        declared = np.sum([np.asarray(m["weights"]) * m["tokens"] for m in recent], axis=0) if recent else np.zeros(0)
+        mix = float(np.abs(tokens / max(tokens.sum(), 1) - declared / max(declared.sum(), 1)).max()) if len(tokens) else None
+        snaps = self.snapshots()
+        return {
+            "run_id": info["run_id"], "name": info["name"], "dp": info["dp"], "sources": info["sources"],
+            "planned": st["next_step"], "committed": st["committed"], "durable": st["durable"],
+            "rank_lag": {r: max(acked) - a for r, a in enumerate(acked)},
+            "imbalance": round(float(np.mean([m["imbalance"] for m in recent])), 4) if recent else None,
+            "mb_imbalance": round(float(np.mean([m["mb_imbalance"] for m in recent])), 4) if recent else None,
+            "mix_error": None if mix is None else round(mix, 4), "starved_on": st["starved_on"],
+            "pools": {p["pool"]: {"workers": p["workers"], "target": p["target"]} for p in self.pools()} if uses_pools(self.plan) else {},
+            "last_snapshot": snaps[-1] if snaps else None, "snapshot_error": st["snapshot_error"],
+            "loop_block_max_ms": st["loop"]["block_max_ms"], "failure": st["failure"], "stop_requested": st["stop_requested"],
+        }
 
     def check(self) -> None:
         """Raise ServiceError if the run has failed."""

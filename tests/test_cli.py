@@ -45,3 +45,81 @@ def test_validate_and_bad_plan_exit_codes(tmp_path, corpus):
     out = subprocess.run([*OVERLORD, "validate", str(bad)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2
     assert "bad.yaml: topology.dp" in out.stderr and "valid integer" in out.stderr
+
+
+def _serve(plan_file: Path, *args) -> subprocess.Popen:
+    return subprocess.Popen([*OVERLORD, "serve", str(plan_file), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True)
+
+
+def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([*OVERLORD, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, corpus):
+    """A service's life from the command line: serve (for the trainers' world size, announcing
+    itself in a scheduler file), trainers that find it by the file, status, a plan update, a
+    clean stop (last snapshot written), and a restart that resumes exactly where it stopped."""
+    from overlord_dask import connect
+    from overlord_dask.report import delivered_identities, delivered_record
+
+    plan = yaml.safe_load((ROOT / "overlord_dask" / "demo_plan.yaml").read_text())
+    for s in plan["sources"]:
+        s["url"] = str(Path(corpus) / s["url"])
+    plan["topology"].update(micro_batches=1, tokens_per_micro_batch=4096)
+    plan["checkpoint"] = {"url": str(tmp_path / "ck"), "base_every_steps": 1}
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump(plan))
+    sf = tmp_path / "scheduler.json"
+
+    proc = _serve(plan_file, "--dp", "2", "--scheduler-file", str(sf))
+    try:
+        hello = json.loads(proc.stdout.readline())
+        assert hello["dp"] == 2 and json.loads(sf.read_text())["address"] == hello["address"]
+        streams = [connect(str(sf), r, timeout=60) for r in range(2)]  # found through the file
+        got = {}
+        for _ in range(6):
+            for r, s in enumerate(streams):
+                b = s.next_batch()
+                got[(r, b["step"])] = delivered_identities(delivered_record(b)).tolist()
+        for s in streams:
+            s.commit()
+            s.close()
+        status = json.loads(_cli("status", str(sf), "--json").stdout)
+        assert status["committed"] >= 5 and status["dp"] == 2 and set(status["rank_lag"]) == {"0", "1"}
+        assert status["imbalance"] >= 1.0 and status["mix_error"] is not None and status["failure"] is None
+        update = dict(plan, sources=[{**s, "weight": 1.0 if s["name"] == "books" else 0.1} for s in plan["sources"]])
+        (tmp_path / "update.yaml").write_text(yaml.safe_dump(update))
+        out = _cli("update", str(sf), str(tmp_path / "update.yaml"))
+        assert out.returncode == 0, out.stderr
+        at = json.loads(out.stdout)["at_step"]
+        out = _cli("stop", str(sf))
+        assert out.returncode == 0, out.stderr
+        assert proc.wait(timeout=60) == 0
+        assert "event=plan_update" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the same plan again: the snapshot brings back the committed position and the update
+    proc = _serve(plan_file, "--dp", "2", "--scheduler-file", str(sf))
+    try:
+        json.loads(proc.stdout.readline())
+        status = json.loads(_cli("status", str(sf), "--json").stdout)
+        assert status["committed"] == 6 and status["last_snapshot"]["committed"] == 6  # resumed, and a first base written
+        with connect(str(sf), 0, timeout=60) as s:
+            assert s.next_batch()["step"] == 6  # exactly after the last step every rank consumed
+        assert at >= 6
+    finally:
+        _cli("stop", str(sf))
+        if proc.wait(timeout=60) is None:
+            proc.kill()
+
+
+def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("from overlord_dask import Service\nfrom overlord_dask.demo import demo_plan\n"
+                      f"service = Service.start(demo_plan({str(tmp_path)!r}))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode != 0
+    assert f"{script}:3 starts a service at module level" in out.stderr and 'if __name__ == "__main__":' in out.stderr
+    assert "Nanny failed to start" not in out.stderr

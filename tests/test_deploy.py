@@ -1,10 +1,12 @@
 """Deployments: the embedded LocalCluster uses worker processes; the Slurm job script renders
-without Slurm (dask-jobqueue builds it locally)."""
+without Slurm (dask-jobqueue builds it locally); loader pools scale as Slurm jobs through the real
+SLURMCluster with stand-in Slurm commands."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,48 @@ def test_slurm_launcher_prints_job_script(corpus, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "#SBATCH -p gpu" in out.stdout
+
+
+def test_pools_scale_as_slurm_jobs_through_the_real_slurmcluster(corpus, tmp_path, monkeypatch):
+    """dask-jobqueue's own SLURMCluster, with sbatch/scancel/squeue stand-ins on PATH that run
+    each job script as a local process group (tests/fake_slurm): every pool worker is a job of
+    its own with its pool's resource on the worker command line, the photo pool grows by jobs,
+    and a pool whose stage ended is shrunk by cancelling a job."""
+    import os
+
+    pytest.importorskip("dask_jobqueue")
+    from overlord_dask import Service
+    from overlord_dask.deploy import slurm_cluster
+    from overlord_dask.plan import plan_from_dict
+
+    from .test_pools import _consume, _photos_plan
+
+    slurm = tmp_path / "slurm"
+    monkeypatch.setenv("PATH", f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_DIR", str(slurm))
+    d = _photos_plan(corpus, autoscale=True, steps=40).model_dump(mode="json")
+    d["stages"].append({"name": "text-again", "start_step": 45, "weights": {"web": 0.7, "chat": 0.3, "photos": 0.0}})
+    d["loading"]["autoscale"].update(down_after=2)
+    plan = plan_from_dict(d)
+    cluster = slurm_cluster(cores=1, memory="2GB", walltime="00:30:00", scheduler_options={"host": "127.0.0.1"})
+    try:
+        with Service.start(plan, cluster=cluster) as service:
+            _consume(service, 2, 80, compute_s=0.05)
+            deadline = time.monotonic() + 30  # the photo stage is over: its pool shrinks after `down_after` decisions
+            while time.monotonic() < deadline and not any(h["pool"] == "photos" and h["delta"] < 0 for h in service.scaling_history()):
+                time.sleep(0.2)
+            history = service.scaling_history()
+            names = {w["name"] for w in service.client.scheduler_info(n_workers=-1)["workers"].values()}
+    finally:
+        cluster.close()
+    scripts = {p.stem: p.read_text() for p in slurm.glob("*.sh")}
+    by_pool = {pool: [s for s in scripts.values() if f"--resources overlord-pool-{pool}=1" in s] for pool in ("web", "chat", "photos")}
+    assert all(by_pool.values()), by_pool  # one job per pool worker, pinned by resource
+    assert all("#SBATCH" in s and "--name overlord-pool-" in s for s in scripts.values())
+    grew = [h for h in history if h["pool"] == "photos" and h["delta"] > 0]
+    shrank = [h for h in history if h["pool"] == "photos" and h["delta"] < 0]
+    assert grew and len(by_pool["photos"]) >= 2, history  # (lead time: test_pools; jobs here take seconds to start)
+    assert shrank and shrank[0]["step"] >= 45 - 1, history
+    assert {n.rsplit("-", 1)[0] for n in names} <= {"overlord-pool-web", "overlord-pool-chat", "overlord-pool-photos"}
+    cancelled = (slurm / "cancelled").read_text().split()
+    assert len(cancelled) == len(scripts)  # every job ended by scancel: the shrink, then the close

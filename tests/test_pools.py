@@ -180,7 +180,7 @@ def test_autoscaled_pools_load_each_source_on_its_own_workers_and_keep_the_strea
     assert got == reference  # pools and scaling change where loads run, never what is delivered
     assert set(rows) == {"web", "chat", "photos"} and rows["photos"]["sources"] == ["photos"]
     assert rows["photos"]["workers"] >= 2 and rows["photos"]["seconds_per_token"]["photos"] > 0
-    assert rows["photos"]["target"] >= 2 and rows["photos"]["reason"]
+    assert rows["photos"]["target"] >= 1 and rows["photos"]["reason"]  # (its last decision, after the run: may already shrink)
     grew = [h for h in history if h["pool"] == "photos" and h["delta"] > 0]
     assert grew and grew[0]["step"] < steps // 2, history  # before the stage that needs it
     assert "demand" in grew[0]["reason"] or "waits on" in grew[0]["reason"]

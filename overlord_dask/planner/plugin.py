@@ -103,6 +103,8 @@ class PlannerPlugin(SchedulerPlugin):
         self.signals = LoadSignals()  # measured load costs and step rate, for the pool autoscaler
         self.scaling: dict | None = None  # the autoscaler's last decisions and history, as it reported them
         self._parts = UnitParts()  # lengths of units loaded in parts, until every part arrived
+        self._stage = None  # the curriculum stage of the last step handed out (for the stage event)
+        self.stop_requested = False
         self._work_event = asyncio.Event()
         self._kick = asyncio.Event()  # something may let the planner make progress
         self._inbox: deque = deque()  # reported lengths, drained by the planner thread
@@ -192,6 +194,11 @@ class PlannerPlugin(SchedulerPlugin):
             out["finished"] += finished
             if not steps:
                 break
+            for sp in steps:
+                stage = st.metrics.get(sp["step"], {}).get("stage")
+                if stage != self._stage:
+                    logs.event("stage", self.run_id, sp["step"], stage=stage, previous=self._stage)
+                    self._stage = stage
             out["tasks"] += self._chunk_tasks(steps)
         st.plan_ahead(self.chunk_steps)  # the next chunk is balanced before anyone asks for it
         out["loads"] = st.wanted()
@@ -272,6 +279,8 @@ class PlannerPlugin(SchedulerPlugin):
         self._written_committed = st["committed"]
         self.snapshot_stats.append({"kind": kind, "bytes": n, "seconds": time.perf_counter() - t0, "committed": st["committed"]})
         del self.snapshot_stats[:-1000]
+        if kind == "base":
+            logs.event("snapshot_base", self.run_id, st["committed"], bytes=n)
 
     # ---- worker stream ------------------------------------------------------------------------
     def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None,
@@ -337,6 +346,7 @@ class PlannerPlugin(SchedulerPlugin):
         """A worker left (or died): every trainer process hears it at once, so no fetch waits on
         a dead address (a refused connection is retried for Dask's whole connect timeout)."""
         self._broadcast({"op": "worker_lost", "rank": None, "address": worker})
+        logs.event("worker_lost", self.run_id, self.state.committed, worker=worker)
 
     def _broadcast(self, msg: dict) -> None:
         """``msg`` to every consumer process's channel."""
@@ -468,6 +478,8 @@ class PlannerPlugin(SchedulerPlugin):
         for key, t in self.tasks.items():
             if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first:
                 self._put(rank, cp_rank, self._descriptor(key, t, rank, cp_rank))
+        if gen > 1:  # a consumer came back (or another replaced it): its rank goes on from `first`
+            logs.event("rank_rewind", self.run_id, first, rank=rank, cp_rank=cp_rank, generation=gen)
         return {"error": None, "first_step": first, "generation": gen}
 
     def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> dict:
@@ -516,10 +528,18 @@ class PlannerPlugin(SchedulerPlugin):
         except (PlanError, ValueError) as err:
             return {"error": str(err), "at_step": None, "version": self.state.plan_version}
         self._kick.set()
+        logs.event("plan_update", self.run_id, at, version=self.state.plan_version)
         if self.store is not None:
             async with self._write_lock:
                 await self._write_snapshot(force=True)
         return {"error": None, "at_step": at, "version": self.state.plan_version}
+
+    def request_stop(self) -> dict:
+        """Ask the process that runs this service (``overlord serve``) to stop cleanly: it sees
+        ``stop_requested`` in the status, writes the last snapshot and retires its workers."""
+        self.stop_requested = True
+        logs.event("stop_requested", self.run_id, self.state.committed)
+        return {"stop_requested": True}
 
     async def plans(self) -> list:
         return await self._run(lambda: [[at, plan_to_dict(p)] for at, p in self.state.timeline.versions])
@@ -551,7 +571,8 @@ class PlannerPlugin(SchedulerPlugin):
                 "batch_bytes": sum(ts.nbytes for ts in held),  # built batches in flight, and what their shadows add
                 "shadow_bytes": sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in held),
                 **self._block_bytes(),
-                "channels": len(self._channels), "subscribed": len(self._subs), "snapshot_error": self.snapshot_error, **self.counters}
+                "channels": len(self._channels), "subscribed": len(self._subs), "snapshot_error": self.snapshot_error,
+                "stop_requested": self.stop_requested, **self.counters}
 
     async def pools(self, lead_s: float = 10.0, report: dict | None = None) -> dict:
         """The autoscaler's inputs: per-source demand over the schedule ahead and measured costs;
