@@ -149,8 +149,9 @@ def cmd_serve(args) -> int:
     with Service.start(plan, n_workers=args.workers, scheduler_port=args.port, host=args.host) as service:
         if args.scheduler_file:
             write_scheduler_file(args.scheduler_file, service.address, service.run_id, plan.topology.dp)
+        link = service.client.dashboard_link or ""
         print(json.dumps({"run_id": service.run_id, "address": service.address, "dp": plan.topology.dp,
-                          "scheduler_file": args.scheduler_file}), flush=True)
+                          "scheduler_file": args.scheduler_file, "dashboard": link.rsplit("/", 1)[0] + "/overlord" if link else None}), flush=True)
         try:
             while True:
                 st = service.status()

@@ -112,8 +112,10 @@ class _IO:
     @staticmethod
     async def _make_pool():
         from distributed.core import ConnectionPool
+        from distributed.security import Security
 
-        pool = ConnectionPool(limit=4096)
+        # TLS when Dask's config holds certificates (as the service's own processes do)
+        pool = ConnectionPool(limit=4096, connection_args=Security().get_connection_args("client"))
         await pool.start()
         return pool
 

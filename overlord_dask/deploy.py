@@ -19,8 +19,20 @@ SERVICE_CONFIG = {
 }
 
 
+def tls_configured() -> bool:
+    """Whether Dask's config (``distributed.comm.tls.*``, e.g. from ``DASK_DISTRIBUTED__COMM__TLS__*``
+    environment variables) holds certificates: then every connection of the service is TLS."""
+    return bool(dask.config.get("distributed.comm.tls.ca-file", None) or dask.config.get("distributed.comm.require-encryption", None))
+
+
 def local_cluster(n_workers: int = 2, threads_per_worker: int = 1, memory_limit: str | int = "auto", **kwargs) -> LocalCluster:
-    """A LocalCluster of worker processes with the service's settings."""
+    """A LocalCluster of worker processes with the service's settings; TLS for every connection
+    when Dask's config holds certificates (the scheduler listens on loopback unless ``host`` is
+    given)."""
+    if tls_configured() and "security" not in kwargs:
+        from distributed.security import Security
+
+        kwargs.update(security=Security(), protocol="tls://")
     with dask.config.set(SERVICE_CONFIG):
         return LocalCluster(
             n_workers=n_workers,

@@ -35,7 +35,7 @@ from .plan.models import Plan, Source
 from .plan.timeline import PlanTimeline
 from .planner.plugin import PlannerPlugin
 from .planner.state import decode_updates
-from .pools import plan_pools, pool_resource, set_sizes, uses_pools
+from .pools import plan_pools, pool_resource, pool_sizes, set_sizes, uses_pools
 from .protocol import resolve_address
 from .sources import discover_units
 from .sources.fs import resolve_url
@@ -246,6 +246,11 @@ class Service:
             self.client.run_on_scheduler(_detach_planner)
         except Exception:  # the scheduler may already be gone
             pass
+        if self.pooled is not None and self.cluster is None:  # a cluster we were lent: give back the pool workers we added
+            try:
+                set_sizes(self.pooled, {}, {name: 0 for name in pool_sizes(self.pooled)})
+            except Exception:  # the cluster is closing itself
+                pass
         self.client.close()
         if self.cluster is not None:
             self.cluster.close()

@@ -206,3 +206,6 @@ def test_photos_pipeline_runs(corpus, cluster):
                 check_micro_batch(mb, plan.topology.tokens_per_micro_batch)
                 assert np.all(mb["input_ids"][mb["image_positions"]] == plan.sources[2].image_token_id)
     assert any(len(mb["image_positions"]) for b in got[0] for mb in b["micro_batches"])
+    # the plan's pools ran on workers added to the lent cluster; closing the service took them away
+    assert not any(str(name).startswith("overlord-pool-") for name in cluster.worker_spec)
+    assert sorted(map(str, cluster.worker_spec)) == ["0", "1"]

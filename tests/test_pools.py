@@ -144,7 +144,7 @@ def _photos_plan(corpus, autoscale: bool, steps: int = 40):
     d["stages"][1]["start_step"] = steps // 2
     d["loading"]["unit_rows"] = 50
     # a big headroom: the test's small steps need a fraction of a core, and the pool must visibly grow
-    d["loading"]["autoscale"] = {"enabled": autoscale, "max_workers": 5, "interval_s": 0.2, "lead_s": 30.0, "headroom": 8.0}
+    d["loading"]["autoscale"] = {"enabled": autoscale, "max_workers": 5, "interval_s": 0.2, "lead_s": 30.0, "headroom": 16.0}
     return plan_from_dict(d, where="pipelines/photos.yaml")
 
 

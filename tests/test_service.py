@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -186,3 +187,37 @@ def test_corrupt_shard_fails_the_run_with_the_file_named(cluster, tmp_path):
                 for _ in range(1000):  # the bad file's units come up within the first epoch
                     stream.next_batch()
         assert "b-bad.parquet" in service.status()["failure"]
+
+
+def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
+    """/overlord (HTML with SVG charts, and .json) and overlord_* gauges on Dask's /metrics, fetched
+    over loopback HTTP from the scheduler's dashboard server while trainers stream."""
+    import urllib.request
+
+    from overlord_dask import connect
+
+    plan = small_plan(topology={"dp": 2})
+    with Service.start(plan, cluster=cluster) as service:
+        streams = [connect(service.address, r, timeout=60) for r in range(2)]
+        for _ in range(8):
+            for s in streams:
+                s.next_batch()
+        for s in streams:
+            s.commit()
+        base = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the view refreshes every half second
+            snap = json.loads(urllib.request.urlopen(f"{base}/overlord.json", timeout=10).read())
+            if snap["committed"] >= 7:
+                break
+            time.sleep(0.2)
+        page = urllib.request.urlopen(f"{base}/overlord", timeout=10).read().decode()
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        for s in streams:
+            s.close()
+    assert snap["run_id"] == service.run_id and snap["committed"] >= 7 and len(snap["rank_lag"]) == 2
+    assert {s["source"] for s in snap["sources"]} == {"web", "chat", "books"} and snap["imbalance"] >= 1.0
+    assert "<svg" in page and "polyline" in page and "Loader pools" in page and service.run_id in page
+    assert f'overlord_steps_committed{{run="{service.run_id}"}}' in metrics
+    assert 'overlord_source_weight{run="%s",source="books"}' % service.run_id in metrics
+    assert "overlord_rank_lag_steps" in metrics and "overlord_imbalance" in metrics

@@ -46,12 +46,14 @@ from ..errors import PlanError
 from ..plan.loading import plan_from_dict, plan_to_dict
 from ..protocol import HANDLERS, STREAM_HANDLERS, batch_key, load_prefix, rank_queue_name
 from ..partition import UnitParts
+from . import observe
 from .signals import LoadSignals, pool_signals
 from .state import PlannerState
 
 logger = logging.getLogger(__name__)
 TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
 LOOP_TICK_S = 0.01  # the event-loop watchdog's sleep
+OBSERVE_EVERY_S = 0.5  # the dashboard page's view of the run is at most this old
 CHANNEL_INTERVAL = "2ms"  # batching interval of the consumer channels (both directions)
 
 
@@ -105,6 +107,8 @@ class PlannerPlugin(SchedulerPlugin):
         self._parts = UnitParts()  # lengths of units loaded in parts, until every part arrived
         self._stage = None  # the curriculum stage of the last step handed out (for the stage event)
         self.stop_requested = False
+        self.observed: dict | None = None  # what /overlord and the Prometheus gauges show (observe.py)
+        self._observed_at = -1e9
         self._work_event = asyncio.Event()
         self._kick = asyncio.Event()  # something may let the planner make progress
         self._inbox: deque = deque()  # reported lengths, drained by the planner thread
@@ -131,6 +135,8 @@ class PlannerPlugin(SchedulerPlugin):
             scheduler.stream_handlers[name] = functools.partial(_dispatch_stream, scheduler, name[len("overlord_") :])
         self._kick.set()
         logs.install()  # the scheduler's side of the shadow-copy races
+        observe.install_page(scheduler)  # /overlord on the dashboard's HTTP server
+        observe.install_gauges(scheduler)  # overlord_* on Dask's /metrics
         _freeze_heap()
 
     async def stop(self) -> None:
@@ -202,6 +208,11 @@ class PlannerPlugin(SchedulerPlugin):
             out["tasks"] += self._chunk_tasks(steps)
         st.plan_ahead(self.chunk_steps)  # the next chunk is balanced before anyone asks for it
         out["loads"] = st.wanted()
+        now = time.monotonic()
+        if now - self._observed_at > OBSERVE_EVERY_S:  # the dashboard page's and the gauges' view, refreshed
+            self._observed_at = now
+            self.observed = observe.snapshot(st, self.signals, run_id=self.run_id, scaling=self.scaling, snapshots=self.snapshot_stats,
+                                             loop={"block_max_ms": round(self.loop_block_max * 1e3, 3)}, extra={"counters": dict(self.counters)})
         return out
 
     def _chunk_tasks(self, steps: list[dict]) -> list[dict]:
@@ -245,6 +256,8 @@ class PlannerPlugin(SchedulerPlugin):
             lag = time.perf_counter() - t0 - LOOP_TICK_S
             self.loop_lags.append(lag)
             self.loop_block_max = max(self.loop_block_max, lag)
+            if time.monotonic() - self._observed_at > 2 * OBSERVE_EVERY_S:  # idle: the page's view still refreshes
+                self._kick.set()
 
     def loop(self, reset: bool = False) -> dict:
         """How late the scheduler's event loop woke up (a block of the loop shows as lag)."""
