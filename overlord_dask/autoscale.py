@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from distributed.deploy import Adaptive
 
 from .plan.models import Autoscale
-from .pools import PoolSpec, apply, grow, pool_of, pool_sizes
+from .pools import PoolSpec, grow, pool_of, pool_sizes, start_workers
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,9 @@ class PoolAdaptive(Adaptive):
         for p, k in n.items():
             grow(self.cluster, self.policy.pools[p], k)
             self._record(p, +k)
-        await apply(self.cluster)
+        # started in the background (as SpecCluster.scale does): a job or process can take many
+        # seconds to come up, and decisions (and their reports) go on meanwhile
+        start_workers(self.cluster)
 
     async def scale_down(self, workers: list) -> None:
         for w in workers:

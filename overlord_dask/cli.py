@@ -269,6 +269,11 @@ def _positive(text: str) -> int:
     return n
 
 
+def _non_negative(text: str) -> int:
+    n = _positive(text) if text.strip() != "0" else 0
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="overlord", description="overlord-dask: a Dask data-loading service for LLM training")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     s = sub.add_parser("serve", help="run a service for a plan and print its address")
     s.add_argument("plan")
-    s.add_argument("--workers", type=_positive, default=2)
+    s.add_argument("--workers", type=_non_negative, default=2, help="embedded worker processes (0: workers join from other hosts)")
     s.add_argument("--port", type=int, default=0, help="scheduler port (fixed, so that trainers reconnect to a restarted service)")
     s.add_argument("--host", default=None, help="interface the scheduler listens on (default: loopback only)")
     s.add_argument("--dp", type=_positive, default=None, help="data-parallel ranks (overrides the plan's topology.dp)")

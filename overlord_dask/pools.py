@@ -122,8 +122,13 @@ def grow(cluster, pool: PoolSpec, n: int) -> list[str]:
 
 async def apply(cluster) -> None:
     """Start and stop workers until the cluster matches its ``worker_spec`` (what
-    ``SpecCluster.scale`` does after changing it)."""
+    ``SpecCluster.scale`` does after changing it), and wait for it."""
     await cluster._correct_state()
+
+
+def start_workers(cluster) -> None:
+    """The same without waiting (from the cluster's event loop)."""
+    cluster._correct_state()
 
 
 def set_sizes(cluster, pools: dict[str, PoolSpec], sizes: dict[str, int]) -> None:

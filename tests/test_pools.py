@@ -182,7 +182,7 @@ def test_autoscaled_pools_load_each_source_on_its_own_workers_and_keep_the_strea
     assert rows["photos"]["workers"] >= 2 and rows["photos"]["seconds_per_token"]["photos"] > 0
     assert rows["photos"]["target"] >= 1 and rows["photos"]["reason"]  # (its last decision, after the run: may already shrink)
     grew = [h for h in history if h["pool"] == "photos" and h["delta"] > 0]
-    assert grew and grew[0]["step"] < steps // 2, history  # before the stage that needs it
+    assert grew and grew[0]["step"] < steps // 2, (history, rows)  # before the stage that needs it
     assert "demand" in grew[0]["reason"] or "waits on" in grew[0]["reason"]
     ran = recorder.ran
     assert ran and all(pool_of(w) == key.split("-")[4] for key, w in ran.items()), ran  # overlord-load-<run>-<source>-...
