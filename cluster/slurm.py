@@ -17,6 +17,7 @@ import time
 
 from overlord_dask import Service, load_plan
 from overlord_dask.deploy import slurm_cluster
+from overlord_dask.protocol import write_scheduler_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--account", default=None)
     ap.add_argument("--walltime", default="04:00:00")
     ap.add_argument("--host", default=None, help="interface/address the scheduler listens on (default: dask's choice)")
+    ap.add_argument("--scheduler-file", default=None, help="write the service's address here (trainers take the file as address)")
     ap.add_argument("--print-job-script", action="store_true", help="print the sbatch script and exit")
     args = ap.parse_args(argv)
     plan = load_plan(args.plan)
@@ -41,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     cluster.scale(jobs=args.jobs)
     with Service.start(plan, cluster=cluster) as service:
         print(f"overlord service {service.run_id} at {service.address}", flush=True)
+        if args.scheduler_file:
+            write_scheduler_file(args.scheduler_file, service.address, service.run_id, plan.topology.dp)
         try:
-            while True:
+            while not service.status().get("stop_requested"):  # `overlord stop FILE` ends it cleanly
                 service.check()
                 time.sleep(5)
         except KeyboardInterrupt:

@@ -67,6 +67,7 @@ TENSOR_FIELDS = {
 }
 TORCH_DTYPES = {**DTYPES, **{k: np.int64 if kind == "long" else np.int32 for k, kind in TENSOR_FIELDS.items()}}
 STATE_VERSION = 1
+CONNECT_TIMEOUT_S = 5.0  # a refused connection (a worker that just died) is retried this long, not Dask's 30 s
 HEDGE_S = 2.0  # a worker that has not answered a fetch in this long may be hung: try the batch's other holders (doubles per retry)
 
 
@@ -115,7 +116,7 @@ class _IO:
         from distributed.security import Security
 
         # TLS when Dask's config holds certificates (as the service's own processes do)
-        pool = ConnectionPool(limit=4096, connection_args=Security().get_connection_args("client"))
+        pool = ConnectionPool(limit=4096, connection_args=Security().get_connection_args("client"), timeout=CONNECT_TIMEOUT_S)
         await pool.start()
         return pool
 
@@ -291,6 +292,7 @@ class RankStream:
         self._attached_at = self.next_step
         self._unacked: int | None = None  # last step handed over, not yet finished by the trainer
         self.wait_s: list[float] = []  # seconds next_batch waited for each step
+        self._wait_total, self._t_created = 0.0, time.perf_counter()  # reported with acks: the service shows each rank's wait share
         # shared between the trainer thread and the IO loop
         self._cond = threading.Condition()
         self._ready: dict[int, dict] = {}  # step -> batch, fetched and decoded
@@ -469,7 +471,8 @@ class RankStream:
                 durable = self.info.get("commit", "ack") == "ack"
             if step <= self._acked_sent and not (durable and step > self._durable_sent):
                 return
-            msg = {"rank": self.rank, "step": step, "cp_rank": self.cp_rank or 0, "durable": durable}
+            msg = {"rank": self.rank, "step": step, "cp_rank": self.cp_rank or 0, "durable": durable, "wait_s": round(self._wait_total, 4),
+                   "since_s": round(time.perf_counter() - self._t_created, 4)}
             if wait:
                 if not self._connected.is_set():  # commit() or state_dict() while the service restarts
                     await asyncio.wait_for(self._connected.wait(), self.reconnect_timeout + 10)
@@ -591,7 +594,9 @@ class RankStream:
                 self._wake_io(ack=chunk_done)
         if batch is None:
             raise ServiceError(error or self._why_stalled())
-        self.wait_s.append(time.perf_counter() - t0)
+        waited = time.perf_counter() - t0
+        self.wait_s.append(waited)
+        self._wait_total += waited
         self._unacked = self.next_step
         self.next_step += 1
         return batch

@@ -10,6 +10,10 @@ from __future__ import annotations
 import dask
 from distributed import LocalCluster
 
+WORKER_CONFIG = {"distributed": {"comm": {"timeouts": {"connect": "10s"}}}}
+"""Set on every worker (``Nanny(config=...)``, pool workers too): a worker fetching a block from a
+peer that just died retries the refused connection this long, not Dask's 30 s."""
+
 SERVICE_CONFIG = {
     # a hung worker (SIGSTOP, a stuck NFS read) is removed after this long and its work rebuilt
     # elsewhere; trainers meanwhile fetch from shadows (consumer.HEDGE_S)
@@ -29,6 +33,7 @@ def local_cluster(n_workers: int = 2, threads_per_worker: int = 1, memory_limit:
     """A LocalCluster of worker processes with the service's settings; TLS for every connection
     when Dask's config holds certificates (the scheduler listens on loopback unless ``host`` is
     given)."""
+    kwargs.setdefault("config", dask.config.merge(dask.config.config, WORKER_CONFIG))  # a Nanny's config replaces the whole
     if tls_configured() and "security" not in kwargs:
         from distributed.security import Security
 

@@ -14,7 +14,7 @@ Routes on the scheduler (request/response unless noted):
 - ``overlord_channel(channel_id, run_id)`` (a stream, one per consumer process and run): the
   consumer sends ``{"op": "subscribe", rank, cp_rank, generation}`` (after attaching),
   ``{"op": "unsubscribe", rank, cp_rank, generation}`` and one-way ``{"op": "ack", rank, step,
-  cp_rank, durable}``; the scheduler pushes ``{"op": "descriptors", rank, cp_rank, generation,
+  cp_rank, durable, wait_s, since_s}`` (the trainer's time in ``next()``, and its time, since it attached); the scheduler pushes ``{"op": "descriptors", rank, cp_rank, generation,
   items: [queue items]}`` as batches are built and ``{"op": "error", rank, cp_rank, generation,
   message}`` (``rank`` None: every rank of the channel, e.g. the run stopped; an attachment that
   a newer consumer of its rank replaced is told so). Both ways batched every few ms.

@@ -303,7 +303,7 @@ class Service:
 
     def summary(self, window: int = 20) -> dict:
         """What an operator looks at (``overlord status``): steps planned and committed, each
-        rank's lag behind the most advanced one, imbalance and mix error over the last ``window``
+        rank's lag behind the most advanced one and share of its time spent waiting for data, imbalance and mix error over the last ``window``
         committed steps, the source planning waits on, pools, the last snapshot, the event loop."""
         st, info = self.status(), self._rpc("overlord_info")
         acked = st["acked"]
@@ -316,6 +316,7 @@ class Service:
             "run_id": info["run_id"], "name": info["name"], "dp": info["dp"], "sources": info["sources"],
             "planned": st["next_step"], "committed": st["committed"], "durable": st["durable"],
             "rank_lag": {r: max(acked) - a for r, a in enumerate(acked)},
+            "rank_wait_share": st.get("rank_wait_share", {}),
             "imbalance": round(float(np.mean([m["imbalance"] for m in recent])), 4) if recent else None,
             "mb_imbalance": round(float(np.mean([m["mb_imbalance"] for m in recent])), 4) if recent else None,
             "mix_error": None if mix is None else round(mix, 4), "starved_on": st["starved_on"],

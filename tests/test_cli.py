@@ -87,6 +87,7 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
             s.close()
         status = json.loads(_cli("status", str(sf), "--json").stdout)
         assert status["committed"] >= 5 and status["dp"] == 2 and set(status["rank_lag"]) == {"0", "1"}
+        assert set(status["rank_wait_share"]) == {"0", "1"}  # each trainer's own count, sent with its acks
         assert status["imbalance"] >= 1.0 and status["mix_error"] is not None and status["failure"] is None
         update = dict(plan, sources=[{**s, "weight": 1.0 if s["name"] == "books" else 0.1} for s in plan["sources"]])
         (tmp_path / "update.yaml").write_text(yaml.safe_dump(update))

@@ -221,3 +221,5 @@ def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
     assert f'overlord_steps_committed{{run="{service.run_id}"}}' in metrics
     assert 'overlord_source_weight{run="%s",source="books"}' % service.run_id in metrics
     assert "overlord_rank_lag_steps" in metrics and "overlord_imbalance" in metrics
+    assert set(snap["rank_wait_share"]) == {"0", "1"} and all(0 <= v <= 1 for v in snap["rank_wait_share"].values())
+    assert 'overlord_rank_wait_share{rank="0",run=' in metrics or f'overlord_rank_wait_share{{run="{service.run_id}",rank="0"}}' in metrics

@@ -124,7 +124,8 @@ def render(snap: dict) -> str:
     imb = [("step (DDP)", s["imbalance"], COLORS[0], False), ("micro-batch (FSDP)", s["mb_imbalance"], COLORS[1], False)]
     head = {k: snap[k] for k in ("run_id", "name", "dp", "planned", "committed", "durable", "starved_on", "mix_error", "imbalance",
                                  "mb_imbalance", "failure")}
-    lag = [{"rank": r, "steps behind the most advanced rank": v} for r, v in enumerate(snap["rank_lag"])]
+    waits = snap.get("rank_wait_share", {})
+    lag = [{"rank": r, "steps behind the most advanced rank": v, "wait share": waits.get(str(r))} for r, v in enumerate(snap["rank_lag"])]
     pools = [{"pool": p, "workers": snap["arrived"].get(p), **{k: d.get(k) for k in ("target", "demand_cores", "reason")}}
              for p, d in snap["pools"].items()]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>overlord: {html.escape(str(snap['run_id']))}</title>
@@ -210,6 +211,11 @@ class _Collector:
         for r, v in enumerate(snap["rank_lag"]):
             lag.add_metric(run + [str(r)], v)
         yield lag
+        wait = GaugeMetricFamily("overlord_rank_wait_share", "Share of a rank's time spent waiting for data (its own count)",
+                                 labels=["run", "rank"])
+        for r, v in snap.get("rank_wait_share", {}).items():
+            wait.add_metric(run + [r], v)
+        yield wait
         per_source = {"source_weight": ("weight", "Declared weight now"),
                       "source_delivered_share": ("delivered_share", f"Delivered token share over the last {MIX_WINDOW} steps"),
                       "source_loads_pending": ("loads_pending", "Load tasks asked for and not reported yet (backlog)"),

@@ -108,6 +108,7 @@ class PlannerPlugin(SchedulerPlugin):
         self._stage = None  # the curriculum stage of the last step handed out (for the stage event)
         self.stop_requested = False
         self.observed: dict | None = None  # what /overlord and the Prometheus gauges show (observe.py)
+        self.rank_wait: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, cp rank) -> (seconds waiting, seconds since first batch)
         self._observed_at = -1e9
         self._work_event = asyncio.Event()
         self._kick = asyncio.Event()  # something may let the planner make progress
@@ -212,7 +213,7 @@ class PlannerPlugin(SchedulerPlugin):
         if now - self._observed_at > OBSERVE_EVERY_S:  # the dashboard page's and the gauges' view, refreshed
             self._observed_at = now
             self.observed = observe.snapshot(st, self.signals, run_id=self.run_id, scaling=self.scaling, snapshots=self.snapshot_stats,
-                                             loop={"block_max_ms": round(self.loop_block_max * 1e3, 3)}, extra={"counters": dict(self.counters)})
+                                             loop={"block_max_ms": round(self.loop_block_max * 1e3, 3)}, extra={"counters": dict(self.counters), "rank_wait_share": self._wait_shares()})
         return out
 
     def _chunk_tasks(self, steps: list[dict]) -> list[dict]:
@@ -441,8 +442,9 @@ class PlannerPlugin(SchedulerPlugin):
                 del self._subs[key]
             bs.abort()
 
-    def _channel_ack(self, bs, rank: int, step: int, cp_rank: int = 0, durable: bool = False, **_) -> None:
-        resp = self.ack(rank, step, cp_rank, durable)
+    def _channel_ack(self, bs, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
+                     since_s: float | None = None, **_) -> None:
+        resp = self.ack(rank, step, cp_rank, durable, wait_s, since_s)
         if resp["error"]:
             _send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "message": resp["error"]})
 
@@ -495,9 +497,12 @@ class PlannerPlugin(SchedulerPlugin):
             logs.event("rank_rewind", self.run_id, first, rank=rank, cp_rank=cp_rank, generation=gen)
         return {"error": None, "first_step": first, "generation": gen}
 
-    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> dict:
+    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
+            since_s: float | None = None) -> dict:
         st = self.state
         self.counters["acks"] += 1
+        if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
+            self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
         before, before_durable = st.committed, st.durable_step
         try:
             committed = st.ack(rank, step, cp_rank, durable)
@@ -585,7 +590,7 @@ class PlannerPlugin(SchedulerPlugin):
                 "shadow_bytes": sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in held),
                 **self._block_bytes(),
                 "channels": len(self._channels), "subscribed": len(self._subs), "snapshot_error": self.snapshot_error,
-                "stop_requested": self.stop_requested, **self.counters}
+                "stop_requested": self.stop_requested, "rank_wait_share": self._wait_shares(), **self.counters}
 
     async def pools(self, lead_s: float = 10.0, report: dict | None = None) -> dict:
         """The autoscaler's inputs: per-source demand over the schedule ahead and measured costs;
@@ -595,6 +600,10 @@ class PlannerPlugin(SchedulerPlugin):
             self.state.pool_workers = dict(report.get("arrived") or {})  # the planner records it with each step it plans
             return {}
         return {**await self._run(pool_signals, self.state, self.signals, lead_s), "scaling": self.scaling}
+
+    def _wait_shares(self) -> dict:
+        """Each rank's share of its wall time spent waiting in ``next()`` (as its acks report it)."""
+        return {f"{r}" + (f".{c}" if c else ""): round(w / s, 4) for (r, c), (w, s) in sorted(self.rank_wait.items()) if s > 0}
 
     def _block_bytes(self) -> dict:
         """Loaded blocks held on workers (this run's load tasks in memory), and their shadows' bytes."""
