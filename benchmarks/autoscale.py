@@ -7,7 +7,10 @@ Three sources: ``web`` (text, byte-tokenized), ``chat`` (token ids) and ``photos
 with encoded JPEGs, decoded, resized and patched on the workers: hundreds of times more CPU per
 token than the others, measured and printed). A curriculum moves weight onto ``photos`` halfway
 (5% → 60%). dp trainer *processes* compute ``--compute-ms`` per step (sleep) and record how long
-each ``next()`` waits.
+each ``next()`` waits. By default the compute time is derived from the photo source's cost
+measured at the start, so that from the stage on its loading needs ``--photos-cores`` (1.1) of
+CPU: more than one static worker's core, less than what two workers get on this 2-core machine
+(the same pressure on a faster or slower machine).
 
 - ``static``: each source has a fixed pool of one worker, plus one shared worker (the budget,
   ``--budget``, split equally: what one would configure without measurements).
@@ -160,7 +163,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--compute-ms", type=float, default=70.0)
+    ap.add_argument("--compute-ms", type=float, default=None,
+                    help="trainer compute per step (default: so that photos need --photos-cores after the stage, at the measured cost)")
+    ap.add_argument("--photos-cores", type=float, default=1.1,
+                    help="CPU the photo source's loading needs after the stage: over one worker's core, under what two get here")
     ap.add_argument("--budget", type=int, default=4, help="workers in all (static: one per source plus one shared)")
     ap.add_argument("--data", default="demo-data")
     args = ap.parse_args(argv)
@@ -170,6 +176,10 @@ def main(argv=None) -> dict:
     generate_demo_corpus(args.data)
     costs = _costs(args.data)
     n_sources = len(costs)
+    if args.compute_ms is None:  # the same pressure on any machine: photos need --photos-cores from the stage on
+        plan = _plan(args.data, args.steps, "static", args.budget)
+        photos_share = plan.stages[1].weights["photos"] / sum(plan.stages[1].weights.values())
+        args.compute_ms = round(plan.topology.step_tokens * photos_share * costs["photos"] / args.photos_cores * 1e3, 1)
     static = _run(_plan(args.data, args.steps, "static", args.budget), max(0, args.budget - n_sources), args.steps,
                   args.compute_ms / 1e3, args.warmup)
     auto = _run(_plan(args.data, args.steps, "autoscaled", args.budget), 0, args.steps, args.compute_ms / 1e3, args.warmup)

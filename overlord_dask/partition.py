@@ -5,7 +5,7 @@ planner shuffles units and the documents inside each, so the stream is fixed by 
 ``unit_rows`` / ``unit_tokens`` and the seed. A *load task* is how a unit's documents get read,
 and that is free to change at every request: a unit whose loading would take much longer than
 ``loading.task_seconds`` (a row group of photos to decode) is read as several parts, in
-parallel on the pool's workers; units that take a small fraction of it (tiny row groups of
+parallel on the pool's workers; units that take under a quarter of it (tiny row groups of
 text) are read together by one task, so the per-task overhead does not dominate. The cost
 estimate is the source's measured CPU seconds per document (``LoadSignals``) times the unit's
 documents; a source not measured yet is read a unit per task.
@@ -52,7 +52,7 @@ def partition(wanted: list, n_docs, seconds_per_doc: dict, target: float | None)
             cuts = [round(i * n / k) for i in range(k + 1)]
             out.append(LoadTask(source, [(epoch, unit)], [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]))
             continue
-        if est * 2 < target:
+        if est * 4 < target:
             group = open_group.get(source)
             if group is not None and group[1] + est <= target and len(group[0].units) < MAX_GROUP:
                 group[0].units.append((epoch, unit))

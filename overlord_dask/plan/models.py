@@ -278,7 +278,7 @@ class Loading(_Strict):
     task_seconds: float | None = Field(default=0.5, gt=0, le=3600)
     """Auto-partitioning: load tasks are cut to about this many seconds of measured CPU. A unit
     that would take over twice as long is read as several parts in parallel; units that take
-    under half of it are read together by one task. None: one task per unit. The stream never
+    under a quarter of it are read together by one task. None: one task per unit. The stream never
     depends on it (units, not tasks, are the grain of the order). A ``transform`` must then be
     per document (it runs on each part)."""
     prefetch_steps: int = Field(default=4, ge=1, le=1024)
