@@ -8,9 +8,9 @@ with encoded JPEGs, decoded, resized and patched on the workers: hundreds of tim
 token than the others, measured and printed). A curriculum moves weight onto ``photos`` halfway
 (5% → 60%). dp trainer *processes* compute ``--compute-ms`` per step (sleep) and record how long
 each ``next()`` waits. By default the compute time is derived from the photo source's cost
-measured at the start, so that from the stage on its loading needs ``--photos-cores`` (1.1) of
-CPU: more than one static worker's core, less than what two workers get on this 2-core machine
-(the same pressure on a faster or slower machine).
+measured at the start, so that from the stage on its loading needs ``--photos-cores`` (1.0) of
+CPU: a whole core, which one static worker could give only if nothing else ran, and two
+autoscaled workers can on this 2-core machine (the same pressure on a faster or slower machine).
 
 - ``static``: each source has a fixed pool of one worker, plus one shared worker (the budget,
   ``--budget``, split equally: what one would configure without measurements).
@@ -165,8 +165,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--compute-ms", type=float, default=None,
                     help="trainer compute per step (default: so that photos need --photos-cores after the stage, at the measured cost)")
-    ap.add_argument("--photos-cores", type=float, default=1.1,
-                    help="CPU the photo source's loading needs after the stage: over one worker's core, under what two get here")
+    ap.add_argument("--photos-cores", type=float, default=1.0,
+                    help="CPU the photo source's loading needs after the stage (a whole core by default)")
     ap.add_argument("--budget", type=int, default=4, help="workers in all (static: one per source plus one shared)")
     ap.add_argument("--data", default="demo-data")
     args = ap.parse_args(argv)
