@@ -211,7 +211,7 @@ def test_the_stream_does_not_depend_on_how_loading_is_cut(corpus, cluster):
     assert not any("-p" in k.rsplit("-n", 1)[1] or "-g" in k.rsplit("-n", 1)[1] for k in keys["unit"])
     assert sum("-p" in k.rsplit("-n", 1)[1] for k in keys["parts"]) > 10  # measured units were cut into parts
     assert sum("-g" in k.rsplit("-n", 1)[1] for k in keys["groups"]) > 3  # and small ones read together
-    assert len(keys["groups"]) < len(keys["unit"]) < len(keys["parts"])
+    assert len(keys["unit"]) < len(keys["parts"])  # (how many groups form depends on how many units a round asks for)
 
 
 def test_partition_cuts_by_measured_cost():
