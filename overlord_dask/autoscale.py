@@ -108,10 +108,10 @@ class PoolPolicy:
             else:
                 self.down_votes[name] = 0
             out[name] = Decision(name, cur, target, None if unknown else demand, why)
-        self._fit_budget(out, current)
+        self._fit_budget(out)
         return out
 
-    def _fit_budget(self, out: dict[str, Decision], current: dict[str, int]) -> None:
+    def _fit_budget(self, out: dict[str, Decision]) -> None:
         budget = self.config.max_workers
         if budget is None:
             return

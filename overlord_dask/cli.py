@@ -136,16 +136,13 @@ def _load(path: str):
 
 
 def cmd_serve(args) -> int:
-    from .plan import plan_from_dict, plan_to_dict
     from .protocol import write_scheduler_file
     from .service import Service
 
     _event_logging()
     plan = _load(args.plan)
-    if args.dp is not None and args.dp != plan.topology.dp:  # the trainers' world size decides, not the file
-        d = plan_to_dict(plan)
-        d["topology"]["dp"] = args.dp
-        plan = plan_from_dict(d, where=f"{args.plan} (--dp {args.dp})")
+    if args.dp is not None:  # the trainers' world size decides, not the file
+        plan = _with_dp(plan, args.dp, f"{args.plan} (--dp {args.dp})")
     with Service.start(plan, n_workers=args.workers, scheduler_port=args.port, host=args.host) as service:
         if args.scheduler_file:
             write_scheduler_file(args.scheduler_file, service.address, service.run_id, plan.topology.dp)
@@ -166,6 +163,17 @@ def cmd_serve(args) -> int:
         finally:
             if args.scheduler_file and os.path.exists(args.scheduler_file):
                 os.remove(args.scheduler_file)  # a file naming a stopped service would send trainers to a dead address
+
+
+def _with_dp(plan, dp: int, where: str):
+    """``plan`` with ``topology.dp`` set to ``dp`` (validated again, errors naming ``where``)."""
+    from .plan import plan_from_dict, plan_to_dict
+
+    if plan.topology.dp == dp:
+        return plan
+    d = plan_to_dict(plan)
+    d["topology"]["dp"] = dp
+    return plan_from_dict(d, where=where)
 
 
 def _event_logging() -> None:
@@ -201,17 +209,10 @@ def cmd_status(args) -> int:
 
 
 def cmd_update(args) -> int:
-    from .plan import plan_from_dict, plan_to_dict
-
     service = _attach(args.where)
     try:
-        plan = _load(args.plan)
-        dp = service.plan.topology.dp
-        if plan.topology.dp != dp:  # served with --dp: the running world size stays
-            d = plan_to_dict(plan)
-            d["topology"]["dp"] = dp
-            plan = plan_from_dict(d, where=f"{args.plan} (dp {dp} of the running service)")
-        at = service.update_plan(plan, at_step=args.at_step)
+        dp = service.plan.topology.dp  # served with --dp: the running world size stays
+        at = service.update_plan(_with_dp(_load(args.plan), dp, f"{args.plan} (dp {dp} of the running service)"), at_step=args.at_step)
     finally:
         service.close()
     print(json.dumps({"updated": True, "at_step": at}), flush=True)

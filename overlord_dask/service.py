@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -33,6 +34,7 @@ from .errors import PlanError, ServiceError
 from .plan.loading import plan_from_dict, plan_to_dict
 from .plan.models import Plan, Source
 from .plan.timeline import PlanTimeline
+from .planner.observe import window_figures
 from .planner.plugin import PlannerPlugin
 from .planner.state import decode_updates
 from .pools import plan_pools, pool_resource, pool_sizes, set_sizes, uses_pools
@@ -308,18 +310,15 @@ class Service:
         st, info = self.status(), self._rpc("overlord_info")
         acked = st["acked"]
         recent = self.metrics(max(0, st["committed"] - window + 1), st["committed"] + 1)
-        tokens = np.sum([m["source_tokens"] for m in recent], axis=0) if recent else np.zeros(0)
-        declared = np.sum([np.asarray(m["weights"]) * m["tokens"] for m in recent], axis=0) if recent else np.zeros(0)
-        mix = float(np.abs(tokens / max(tokens.sum(), 1) - declared / max(declared.sum(), 1)).max()) if len(tokens) else None
+        figures = window_figures(recent, len(info["sources"]))  # (steps from before a live update that added sources too)
         snaps = self.snapshots()
         return {
             "run_id": info["run_id"], "name": info["name"], "dp": info["dp"], "sources": info["sources"],
             "planned": st["next_step"], "committed": st["committed"], "durable": st["durable"],
             "rank_lag": {r: max(acked) - a for r, a in enumerate(acked)},
             "rank_wait_share": st.get("rank_wait_share", {}),
-            "imbalance": round(float(np.mean([m["imbalance"] for m in recent])), 4) if recent else None,
-            "mb_imbalance": round(float(np.mean([m["mb_imbalance"] for m in recent])), 4) if recent else None,
-            "mix_error": None if mix is None else round(mix, 4), "starved_on": st["starved_on"],
+            **{k: None if figures[k] is None else round(figures[k], 4) for k in ("imbalance", "mb_imbalance", "mix_error")},
+            "starved_on": st["starved_on"],
             "pools": {p["pool"]: {"workers": p["workers"], "target": p["target"]} for p in self.pools()} if uses_pools(self.plan) else {},
             "last_snapshot": snaps[-1] if snaps else None, "snapshot_error": st["snapshot_error"],
             "loop_block_max_ms": st["loop"]["block_max_ms"], "failure": st["failure"], "stop_requested": st["stop_requested"],
@@ -357,11 +356,8 @@ class Service:
         scaling = sig.get("scaling") or {}
         decisions, arrived = scaling.get("decisions", {}), scaling.get("arrived", {})
         workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
-        have: dict[str, int] = {}
-        for w in workers:
-            for res in w.get("resources", {}):
-                if res.startswith(pool_resource("")):
-                    have[res[len(pool_resource("")):]] = have.get(res[len(pool_resource("")):], 0) + 1
+        prefix = pool_resource("")
+        have = Counter(res[len(prefix):] for w in workers for res in w.get("resources", {}) if res.startswith(prefix))
         rows: dict[str, dict] = {}
         for name, src in sig["sources"].items():
             row = rows.setdefault(src["pool"], {"pool": src["pool"], "sources": [], "workers": have.get(src["pool"], 0),

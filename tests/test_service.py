@@ -223,3 +223,16 @@ def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
     assert "overlord_rank_lag_steps" in metrics and "overlord_imbalance" in metrics
     assert set(snap["rank_wait_share"]) == {"0", "1"} and all(0 <= v <= 1 for v in snap["rank_wait_share"].values())
     assert 'overlord_rank_wait_share{rank="0",run=' in metrics or f'overlord_rank_wait_share{{run="{service.run_id}",rank="0"}}' in metrics
+
+
+def test_window_figures_span_a_live_update_that_added_a_source():
+    """``overlord status`` and the dashboard page read the last steps' mix; steps planned before
+    an update that added a source carry one entry fewer per source (once, the status crashed)."""
+    from overlord_dask.planner.observe import window_figures
+
+    before = {"source_tokens": [300, 100], "weights": [0.75, 0.25], "tokens": 400, "imbalance": 1.0, "mb_imbalance": 1.1}
+    after = {"source_tokens": [200, 100, 100], "weights": [0.5, 0.25, 0.25], "tokens": 400, "imbalance": 1.2, "mb_imbalance": 1.3}
+    w = window_figures([before, after], 3)
+    assert w["delivered_share"].tolist() == [500 / 800, 200 / 800, 100 / 800] and w["mix_error"] == 0.0
+    assert w["imbalance"] == pytest.approx(1.1) and w["mb_imbalance"] == pytest.approx(1.2)
+    assert window_figures([], 3)["mix_error"] is None

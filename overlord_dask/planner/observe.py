@@ -21,6 +21,30 @@ MIX_WINDOW = 20  # steps the mix error is measured over
 _COLLECTOR = None  # the process's one Prometheus collector (finds the live planner at scrape time)
 
 
+def _per_source(values, n: int) -> np.ndarray:
+    """A step's per-source list as ``n`` entries (a step planned before a live update added
+    sources has fewer)."""
+    out = np.zeros(n)
+    out[: len(values)] = values
+    return out
+
+
+def window_figures(metrics: list[dict], n_sources: int) -> dict:
+    """Over the planned-step ``metrics`` of a window: delivered and declared token share per
+    source, the largest gap between them (mix error), and the mean step and micro-batch
+    imbalance (None each for an empty window)."""
+    delivered = np.sum([_per_source(m["source_tokens"], n_sources) for m in metrics], axis=0) if metrics else np.zeros(n_sources)
+    declared = np.sum([_per_source(m["weights"], n_sources) * m["tokens"] for m in metrics], axis=0) if metrics else np.zeros(n_sources)
+    d_share = delivered / max(float(np.sum(delivered)), 1.0)
+    w_share = declared / max(float(np.sum(declared)), 1.0)
+    return {
+        "delivered_share": d_share, "declared_share": w_share,
+        "mix_error": float(np.abs(d_share - w_share).max()) if metrics else None,
+        "imbalance": float(np.mean([m["imbalance"] for m in metrics])) if metrics else None,
+        "mb_imbalance": float(np.mean([m["mb_imbalance"] for m in metrics])) if metrics else None,
+    }
+
+
 def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: list, loop: dict, extra: dict) -> dict:
     """(planner thread) What the page and the gauges show, as plain data."""
     committed = state.committed
@@ -32,18 +56,9 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
     steps.reverse()
     series = [state.metrics[s] for s in steps]
     names = list(state.source_names)
-    n = len(names)
-
-    def per_source(values) -> np.ndarray:  # a step planned before a live update added sources has fewer entries
-        out = np.zeros(n)
-        out[: len(values)] = values
-        return out
-
     recent = [m for m in series if committed - MIX_WINDOW < m["step"] <= committed]
-    delivered = np.sum([per_source(m["source_tokens"]) for m in recent], axis=0) if recent else np.zeros(n)
-    declared = np.sum([per_source(m["weights"]) * m["tokens"] for m in recent], axis=0) if recent else np.zeros(n)
-    d_share = delivered / max(float(np.sum(delivered)), 1.0)
-    w_share = declared / max(float(np.sum(declared)), 1.0)
+    window = window_figures(recent, len(names))
+    d_share, w_share = window["delivered_share"], window["declared_share"]
     acked = list(state.acked)
     sources = []
     for i, s in enumerate(state.streams):
@@ -59,12 +74,11 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
         "run_id": run_id, "name": state.final_plan.name, "dp": state.topology.dp, "planned": state.next_step, "committed": committed,
         "durable": state.durable_step, "starved_on": state.starved_on, "failure": state.failure,
         "rank_lag": [max(acked) - a for a in acked] if acked else [],
-        "mix_error": float(np.abs(d_share - w_share).max()) if recent else None,
-        "imbalance": float(np.mean([m["imbalance"] for m in recent])) if recent else None,
-        "mb_imbalance": float(np.mean([m["mb_imbalance"] for m in recent])) if recent else None,
+        "mix_error": window["mix_error"], "imbalance": window["imbalance"], "mb_imbalance": window["mb_imbalance"],
         "series": {"step": steps, "imbalance": [m["imbalance"] for m in series], "mb_imbalance": [m["mb_imbalance"] for m in series],
-                   "share": {name: [float(per_source(m["source_tokens"])[i]) / max(m["tokens"], 1) for m in series] for i, name in enumerate(names)},
-                   "weight": {name: [float(per_source(m["weights"])[i]) for m in series] for i, name in enumerate(names)}},
+                   "share": {name: [float(_per_source(m["source_tokens"], len(names))[i]) / max(m["tokens"], 1) for m in series]
+                             for i, name in enumerate(names)},
+                   "weight": {name: [float(_per_source(m["weights"], len(names))[i]) for m in series] for i, name in enumerate(names)}},
         "sources": sources, "pools": (scaling or {}).get("decisions", {}), "arrived": (scaling or {}).get("arrived", {}),
         "last_snapshot": snapshots[-1] if snapshots else None, "loop": loop, **extra,
     }

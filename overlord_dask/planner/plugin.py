@@ -108,7 +108,7 @@ class PlannerPlugin(SchedulerPlugin):
         self._stage = None  # the curriculum stage of the last step handed out (for the stage event)
         self.stop_requested = False
         self.observed: dict | None = None  # what /overlord and the Prometheus gauges show (observe.py)
-        self.rank_wait: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, cp rank) -> (seconds waiting, seconds since first batch)
+        self.rank_wait: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, cp rank) -> (seconds waiting, seconds since it attached)
         self._observed_at = -1e9
         self._work_event = asyncio.Event()
         self._kick = asyncio.Event()  # something may let the planner make progress
@@ -340,9 +340,9 @@ class PlannerPlugin(SchedulerPlugin):
             self._set_failure(self._error_text(key, t))
 
     def _shadow(self, key: str) -> None:
-        """Copy a built batch to ``shadows`` more workers, in the background (the descriptors
-        go out at once; a trainer that finds the first holder gone asks ``where`` and gets a
-        shadow)."""
+        """Copy a built batch or a loaded block to ``shadows`` more workers, in the background
+        (a batch's descriptors go out at once; a trainer that finds the first holder gone asks
+        ``where`` and gets a shadow; a constructor reads a lost worker's block from its shadow)."""
         async def copy():
             try:
                 await self.scheduler.replicate(keys=[key], n=1 + self.shadows, delete=False)
@@ -586,9 +586,9 @@ class PlannerPlugin(SchedulerPlugin):
         st = await self._run(self.state.status)
         held = [ts for ts in map(self.scheduler.tasks.get, self.tasks) if ts is not None and ts.state == "memory"]
         return {**st, "loop": self.loop(), "chunk_steps": self.chunk_steps, "tasks_held": len(self.tasks),
-                "batch_bytes": sum(ts.nbytes for ts in held),  # built batches in flight, and what their shadows add
-                "shadow_bytes": sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in held),
-                **self._block_bytes(),
+                **_held_bytes(held, "batch_bytes", "shadow_bytes"),  # built batches in flight, and what their shadows add
+                **_held_bytes([ts for ts in self.scheduler.tasks.values() if ts.state == "memory" and isinstance(ts.key, str)
+                               and ts.key.startswith(self._load_prefix)], "block_bytes", "block_shadow_bytes"),  # loaded blocks
                 "channels": len(self._channels), "subscribed": len(self._subs), "snapshot_error": self.snapshot_error,
                 "stop_requested": self.stop_requested, "rank_wait_share": self._wait_shares(), **self.counters}
 
@@ -604,13 +604,6 @@ class PlannerPlugin(SchedulerPlugin):
     def _wait_shares(self) -> dict:
         """Each rank's share of its wall time spent waiting in ``next()`` (as its acks report it)."""
         return {f"{r}" + (f".{c}" if c else ""): round(w / s, 4) for (r, c), (w, s) in sorted(self.rank_wait.items()) if s > 0}
-
-    def _block_bytes(self) -> dict:
-        """Loaded blocks held on workers (this run's load tasks in memory), and their shadows' bytes."""
-        blocks = [ts for ts in self.scheduler.tasks.values()
-                  if ts.state == "memory" and isinstance(ts.key, str) and ts.key.startswith(self._load_prefix)]
-        return {"block_bytes": sum(ts.nbytes for ts in blocks),
-                "block_shadow_bytes": sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in blocks)}
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
         return await self._run(lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)])
@@ -640,6 +633,11 @@ def _freeze_heap() -> None:
     objects are merely never collected, and they are the process's long-lived ones."""
     gc.collect()
     gc.freeze()
+
+
+def _held_bytes(tasks: list, name: str, shadow_name: str) -> dict:
+    """Bytes of ``tasks`` (in memory) on their first holders, and what their other copies add."""
+    return {name: sum(ts.nbytes for ts in tasks), shadow_name: sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in tasks)}
 
 
 def _send(bs: BatchedSend, msg: dict) -> bool:
