@@ -7,6 +7,12 @@ single plain pyarrow/zarr read-and-tokenize loop over the same files, measured i
 The raw loop is the floor every loader pays (read + tokenize, no mixing, packing or transfer);
 ``ratio_to_raw`` says how much of it the whole service (plan, load, pack, ship to 4 processes)
 delivers. On a 2-core machine the scheduler, 2 workers and 4 trainers share the same two cores.
+
+The same run then repeats both with a real tokenizer (``--tokenizer both``, the default): a
+byte-level BPE (Hugging Face ``tokenizers``, ``--bpe-vocab`` ids) trained in this process on the
+demo's web text at the start (no download), saved next to the corpus and named in a copy of the
+demo plan as ``tokenizer: hf:PATH`` for the ``web`` source; the raw loop tokenizes with it too.
+Its figures are under ``"bpe"``.
 """
 
 from __future__ import annotations
@@ -26,13 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from overlord_dask.cli import run_demo  # noqa: E402
 from overlord_dask.demo import demo_plan, generate_demo_corpus  # noqa: E402
-from overlord_dask.sources.tokenizers import byte_tokenize  # noqa: E402
+from overlord_dask.sources.tokenizers import resolve_tokenizer  # noqa: E402
 
 
-def raw_read_and_tokenize(data_dir: str, max_tokens: int) -> tuple[int, float]:
-    """A plain single-process loop: read every source's files in order and tokenize; stop after
-    ``max_tokens`` tokens. Returns (tokens, seconds)."""
-    plan = demo_plan(data_dir)
+def raw_read_and_tokenize(plan, max_tokens: int) -> tuple[int, float]:
+    """A plain single-process loop: read every source's files in order and tokenize (with the
+    plan's tokenizer); stop after ``max_tokens`` tokens. Returns (tokens, seconds)."""
     tokens, t0 = 0, time.perf_counter()
     per_source = max_tokens * np.array(list(plan.weights().values()))
     for src, budget in zip(plan.sources, per_source):
@@ -52,7 +57,7 @@ def raw_read_and_tokenize(data_dir: str, max_tokens: int) -> tuple[int, float]:
                 for rg in range(pf.num_row_groups):
                     col = pf.read_row_group(rg, columns=[src.text_field or src.tokens_field]).column(0).combine_chunks()
                     if src.text_field:
-                        got += len(byte_tokenize(col)[0])
+                        got += len(resolve_tokenizer(src.tokenizer, plan.base_dir)(col)[0])
                     else:
                         got += len(col.values)
                     if got >= budget:
@@ -63,6 +68,39 @@ def raw_read_and_tokenize(data_dir: str, max_tokens: int) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
+def bpe_plan(data_dir: str, vocab: int, docs: int) -> tuple[str, float]:
+    """Train the BPE on the demo's web text (timed) and write the demo plan with ``web`` tokenized
+    by it; returns the plan's path and the training seconds."""
+    import yaml
+
+    from overlord_dask.demo import PLAN_FILE, demo_texts, train_bpe
+
+    t0 = time.perf_counter()
+    tok = train_bpe(demo_texts(data_dir, docs), os.path.join(data_dir, f"bpe-{vocab}.json"), vocab_size=vocab)
+    trained = time.perf_counter() - t0
+    data = yaml.safe_load(PLAN_FILE.read_text())
+    for src in data["sources"]:
+        if src.get("text_field"):
+            src["tokenizer"] = f"hf:{tok.name}"
+    path = os.path.join(data_dir, "demo-bpe.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    return path, trained
+
+
+def measure(args, plan_path: str | None) -> dict:
+    from overlord_dask.plan import load_plan
+
+    svc = run_demo(steps=args.steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale, plan_path=plan_path, quiet=True)
+    plan = demo_plan(args.data) if plan_path is None else load_plan(plan_path)
+    raw_tokens, raw_s = raw_read_and_tokenize(plan, svc["tokens"])
+    raw_rate = raw_tokens / raw_s
+    return {"tokens": svc["tokens"], "tokens_per_s": svc["tokens_per_s"], "wait_p50_ms": svc["wait_p50_ms"], "wait_p99_ms": svc["wait_p99_ms"],
+            "time_to_first_batch_s": svc["time_to_first_batch_s"], "raw_tokens_per_s": round(raw_rate, 1),
+            "ratio_to_raw": round(svc["tokens_per_s"] / raw_rate, 3), "imbalance_p50": svc["imbalance_p50"],
+            "imbalance_p99": svc["imbalance_p99"], "duplicates": svc["duplicates"], "missing": svc["missing"], "steps": svc["steps"], "dp": svc["dp"]}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
@@ -71,35 +109,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--data", default="demo-data")
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--tokenizer", choices=["byte", "bpe", "both"], default="both")
+    ap.add_argument("--bpe-vocab", type=int, default=8192)
+    ap.add_argument("--bpe-docs", type=int, default=5000, help="web documents the BPE is trained on")
     args = ap.parse_args(argv)
     generate_demo_corpus(args.data, scale=args.scale)
-    svc = run_demo(steps=args.steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale, quiet=True)
-    raw_tokens, raw_s = raw_read_and_tokenize(args.data, svc["tokens"])
-    raw_rate = raw_tokens / raw_s
-    out = {
-        "benchmark": "throughput",
-        "dp": svc["dp"],
-        "steps": svc["steps"],
-        "workers": args.workers,
-        "cores": os.cpu_count(),
-        "tokens": svc["tokens"],
-        "tokens_per_s": svc["tokens_per_s"],
-        "wait_p50_ms": svc["wait_p50_ms"],
-        "wait_p99_ms": svc["wait_p99_ms"],
-        "time_to_first_batch_s": svc["time_to_first_batch_s"],
-        "raw_tokens_per_s": round(raw_rate, 1),
-        "ratio_to_raw": round(svc["tokens_per_s"] / raw_rate, 3),
-        "imbalance_p50": svc["imbalance_p50"],
-        "imbalance_p99": svc["imbalance_p99"],
-        "duplicates": svc["duplicates"],
-        "missing": svc["missing"],
-    }
+    out = {"benchmark": "throughput", "workers": args.workers, "cores": os.cpu_count()}
+    if args.tokenizer in ("byte", "both"):
+        out.update(measure(args, None))
+    if args.tokenizer in ("bpe", "both"):
+        path, trained = bpe_plan(args.data, args.bpe_vocab, args.bpe_docs)
+        out["bpe"] = {"vocab": args.bpe_vocab, "train_s": round(trained, 2), **measure(args, path)}
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{'metric':<24}{'value':>16}")
-        for k, v in out.items():
-            print(f"{k:<24}{v!s:>16}")
+        byte, bpe = ({k: v for k, v in out.items() if k != "bpe"}, out.get("bpe", {}))
+        print(f"{'metric':<24}{'byte':>16}{'bpe':>16}")
+        for k in dict.fromkeys([*byte, *bpe]):
+            print(f"{k:<24}{byte.get(k, '')!s:>16}{bpe.get(k, '')!s:>16}")
     return out
 
 

@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.output import print_rows  # noqa: E402
+from benchmarks.per_rank import as_batch  # noqa: E402
 
 
 def _train(batches, micro_batches: int, steps: int, compute_s: float) -> dict:
@@ -98,23 +99,11 @@ class PackedWeb(torch.utils.data.IterableDataset):
                 for a, b in zip(offsets[:-1], offsets[1:]):
                     L = min(int(b - a), cap)
                     if pos + L > cap:
-                        yield _as_batch(ids, cu, cap)
+                        yield as_batch(ids, cu, cap)
                         ids, pos, cu = np.zeros(cap, np.int64), 0, [0]
                     ids[pos : pos + L] = tokens[a : a + L]
                     pos += L
                     cu.append(pos)
-
-
-def _as_batch(ids: np.ndarray, cu: list[int], capacity: int) -> dict:
-    cu = np.asarray(cu, dtype=np.int64)
-    n = int(cu[-1])
-    labels = np.full(capacity, -100, np.int64)
-    labels[: n - 1] = ids[1:n]
-    labels[cu[1:] - 1] = -100
-    pos = np.arange(capacity, dtype=np.int64)
-    pos[:n] -= np.repeat(cu[:-1], np.diff(cu))
-    return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels), "position_ids": torch.from_numpy(pos),
-            "cu_seqlens": torch.from_numpy(cu.astype(np.int32))}
 
 
 def _baseline_trainer(files: list[str], rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, capacity: int,

@@ -30,7 +30,7 @@ import numpy as np
 
 from .protocol import block_key
 from .sources.blocks import SampleBlock
-from .sources.tokenizers import PAD_ID
+from .vocab import PAD_ID
 from .wire import IGNORE_INDEX, encode_batch
 
 

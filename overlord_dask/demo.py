@@ -154,6 +154,75 @@ def generate_demo_corpus(root: str | os.PathLike, *, scale: float = 1.0, seed: i
     return root
 
 
+def generate_text_sources(root: str | os.PathLike, sources: int, *, files: int = 2, docs_per_file: int = 2_000,
+                          row_group: int = 1_000, seed: int = 0) -> list[str]:
+    """``sources`` web-like text parquet sources ``src-000``, ``src-001``, ... under ``root``, each
+    ``files`` files of ``docs_per_file`` documents: the many-source corpora of the memory and
+    indexing benchmarks. Idempotent like :func:`generate_demo_corpus`; returns the source names."""
+    root = Path(root)
+    names = [f"src-{i:03d}" for i in range(sources)]
+    marker = root / "SOURCES.json"
+    meta = {"version": CORPUS_VERSION, "sources": sources, "files": files, "docs_per_file": docs_per_file, "row_group": row_group, "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == meta:
+        return names
+    for i, name in enumerate(names):
+        rng = np.random.default_rng([seed, i])
+        sub = root / name
+        sub.mkdir(parents=True, exist_ok=True)
+        for f in range(files):
+            lens = _lengths(rng, "web", docs_per_file)
+            data = _text_bytes(rng, int(lens.sum()))
+            offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            texts = pa.LargeStringArray.from_buffers(len(lens), pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes()))
+            ids = pa.array(np.arange(f * docs_per_file, (f + 1) * docs_per_file), pa.int64())
+            pq.write_table(pa.table({"id": ids, "text": texts}), sub / f"part-{f:03d}.parquet", row_group_size=row_group)
+    marker.write_text(json.dumps(meta))
+    return names
+
+
+def text_sources_plan(names: list[str], weights: list[float] | None = None, **sections) -> dict:
+    """Plan data (a dict, as a YAML plan file holds it) over :func:`generate_text_sources`'
+    sources, URLs relative to their folder: equal weights unless given; ``sections`` set the
+    plan's top-level sections (``topology``, ``loading``, ...) over the demo plan's. Load it with
+    ``plan_from_dict(data, base_dir=root)`` or write it as YAML into ``root``."""
+    import yaml
+
+    data = yaml.safe_load(PLAN_FILE.read_text())
+    weights = weights or [1.0] * len(names)
+    data["name"] = f"text-{len(names)}"
+    data["sources"] = [{"name": n, "format": "parquet", "url": f"{n}/*.parquet", "text_field": "text", "weight": w} for n, w in zip(names, weights)]
+    for k, v in sections.items():
+        data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
+    return data
+
+
+def train_bpe(texts, path: str | os.PathLike, vocab_size: int = 8_192) -> Path:
+    """Train a byte-level BPE (Hugging Face ``tokenizers``) on ``texts`` in this process and save
+    it as ``path`` (a ``tokenizer.json`` a plan names as ``tokenizer: hf:PATH``). Special tokens
+    take the ids the byte tokenizer uses: ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2 (end of text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    path = Path(path)
+    tok.save(str(path))
+    return path
+
+
+def demo_texts(data_dir: str | os.PathLike, max_docs: int = 5_000) -> list[str]:
+    """Up to ``max_docs`` documents of the demo corpus's ``web`` text (what :func:`train_bpe` learns from)."""
+    out: list[str] = []
+    for f in sorted((Path(data_dir) / "web").glob("*.parquet")):
+        out += pq.read_table(f, columns=["text"]).column(0).to_pylist()[: max_docs - len(out)]
+        if len(out) >= max_docs:
+            break
+    return out
+
+
 def demo_plan(data_dir: str | os.PathLike, **overrides) -> Plan:
     """The demo plan (``pipelines/demo.yaml`` holds the same) pointed at ``data_dir``.
 
@@ -167,4 +236,4 @@ def demo_plan(data_dir: str | os.PathLike, **overrides) -> Plan:
     return plan_from_dict(data, where=str(PLAN_FILE), base_dir=Path(data_dir).resolve())
 
 
-__all__ = ["demo_plan", "generate_demo_corpus", "load_plan"]
+__all__ = ["demo_plan", "demo_texts", "generate_demo_corpus", "generate_text_sources", "load_plan", "text_sources_plan", "train_bpe"]

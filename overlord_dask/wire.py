@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sources.tokenizers import PAD_ID
+from .vocab import PAD_ID
 
 IGNORE_INDEX = -100
 DTYPES = {

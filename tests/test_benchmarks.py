@@ -84,3 +84,50 @@ def test_autoscale_benchmark_runs(capsys, corpus):
     assert out["identical"] and out["duplicates"] == 0 and out["missing"] == 0
     assert out["heavy_ratio"] >= 20  # the photo source's loading really is heavier per token
     assert '"autoscale"' in capsys.readouterr().out
+
+
+def test_memory_benchmark_runs(capsys, tmp_path):
+    import memory
+
+    out = memory.main(["--ranks", "1", "2", "--sources", "1", "--at", "1", "1", "--seconds", "1.5", "--compute-ms", "20",
+                       "--tokens", "2048", "--baseline-workers", "1", "--data", str(tmp_path), "--json"])
+    assert {(r["ranks"], r["sources"]) for r in out["rows"]} == {(1, 1), (2, 1)}
+    assert {"memory_ratio", "projected_ratio", "ours_fixed_mb", "ours_per_rank_mb", "baseline_per_rank_source_mb"} <= set(out)
+    for row in out["rows"]:
+        assert row["baseline_mb"] > 0 and row["ours_mb"] > 0, row  # both loaders really add memory over bare trainers
+        assert row["baseline_tokens_per_s"] > 0 and row["ours_tokens_per_s"] > 0, row
+    assert '"memory"' in capsys.readouterr().out
+
+
+def test_peers_benchmark_runs(capsys, tmp_path):
+    import peers
+
+    out = peers.main(["--dp", "2", "--sources", "2", "--tokens", "4096", "--steps", "16", "--kill-at", "6", "--warmup", "3", "--window", "5",
+                      "--compute-ms", "20", "--data", str(tmp_path), "--json"])
+    rows = {r["system"]: r for r in out["rows"]}
+    assert set(rows) == {"torchdata", "ours"}
+    for name, row in rows.items():
+        assert {"tokens_per_s", "wait_share", "wait_p99_ms", "memory_mb", "mix_error_window_max"} <= set(row), name
+        assert row["resume_identical"], (name, row)  # both resume exactly from their state_dict()
+    assert '"peers"' in capsys.readouterr().out
+
+
+def test_corpus_scale_benchmark_runs(capsys, tmp_path):
+    import corpus_scale
+
+    out = corpus_scale.main(["--sources", "3", "--files", "2", "--row-groups", "4", "--rows", "5", "--data", str(tmp_path), "--json"])
+    assert out["units"] == 3 * 2 * 4 and out["files"] == 6
+    assert out["first_batch_cold_s"] > 0 and out["first_batch_warm_s"] > 0
+    assert {r["units"] for r in out["rows"] if r["what"].startswith("index")} == {24}
+    assert '"corpus_scale"' in capsys.readouterr().out
+
+
+def test_throughput_benchmark_with_a_trained_bpe(capsys, corpus):
+    import throughput
+
+    out = throughput.main(["--steps", "6", "--dp", "2", "--tokenizer", "both", "--bpe-vocab", "400", "--bpe-docs", "200", "--data", str(corpus),
+                           "--json"])
+    for res in (out, out["bpe"]):
+        assert res["tokens"] > 0 and res["ratio_to_raw"] > 0 and res["duplicates"] == 0 and res["missing"] == 0
+    assert out["bpe"]["vocab"] == 400
+    assert '"throughput"' in capsys.readouterr().out

@@ -158,7 +158,10 @@ def test_clean_restart_resumes_from_the_committed_step(tmp_path, corpus, cluster
     assert len(ids) == len(set(ids))
     assert stats and all(s["bytes"] < 65_536 for s in stats)
     deltas = sorted(s["bytes"] for s in stats if s["kind"] == "delta")
-    assert deltas and deltas[0] < 200  # a delta that only moves the committed step is tiny (one that carries a new window is larger)
+    bases = sorted(s["bytes"] for s in stats if s["kind"] == "base")
+    # differential: a delta is a fraction of a base (one that only moves the committed step is ~50
+    # bytes, one that carries a new window ~1 KB; which ones a short run writes depends on timing)
+    assert deltas and bases and deltas[0] < bases[0] / 4
 
 
 def test_one_trainer_restarted_alone(tmp_path, corpus, cluster):

@@ -170,3 +170,32 @@ def test_custom_tokenizer_and_transform(tmp_path):
     plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", transform="tests.test_sources:drop_short")
     blocks = [load_unit(plan.sources[0], plan, u) for u in discover_units(plan.sources[0], plan)]
     assert [len(b.doc(i)) for b in blocks for i in range(len(b))] == [3, 7, 0]
+
+
+def test_hf_bpe_tokenizer_file(tmp_path):
+    """``tokenizer: hf:PATH``: a BPE trained here, named relative to the plan's folder, tokenizes
+    on load exactly as the tokenizers library does, each document ended by its ``</s>``."""
+    from tokenizers import Tokenizer
+
+    from overlord_dask.demo import train_bpe
+
+    texts = [f"the {w} sat on the mat number {i}" for i, w in enumerate(["cat", "dog", "ému", "日本"] * 20)] + [None, ""]
+    train_bpe([t for t in texts if t], tmp_path / "tok.json", vocab_size=300)
+    _write_text(tmp_path / "a.parquet", texts)
+    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", tokenizer="hf:tok.json")
+    blocks = [load_unit(plan.sources[0], plan, u) for u in discover_units(plan.sources[0], plan)]
+    got = [list(b.doc(i)) for b in blocks for i in range(len(b))]
+    tok = Tokenizer.from_file(str(tmp_path / "tok.json"))
+    eos = tok.token_to_id("</s>")
+    assert eos == EOS_ID
+    assert got == [tok.encode(t or "", add_special_tokens=False).ids + [eos] for t in texts]
+    assert tok.decode(got[3][:-1]) == texts[3]
+    assert max(max(d) for d in got) < 300
+
+    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", tokenizer="hf:missing.json")
+    with pytest.raises(SourceError, match="source 's': tokenizer file not found: .*missing.json"):
+        discover_units(plan.sources[0], plan)
+    (tmp_path / "bad.json").write_text("{not a tokenizer")
+    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", tokenizer="hf:bad.json")
+    with pytest.raises(SourceError, match="source 's': cannot load tokenizer file .*bad.json"):
+        discover_units(plan.sources[0], plan)

@@ -99,8 +99,9 @@ class Source(_Strict):
     offsets_field: str = "offsets"
     """zarr: the int64 array of document start offsets, length n_docs + 1."""
     tokenizer: str = "byte"
-    """For `text_field`: `byte` (UTF-8 bytes, built in) or `module:callable` mapping a list of
-    strings to a list of token-id sequences."""
+    """For `text_field`: `byte` (UTF-8 bytes, built in), `hf:PATH` (a Hugging Face `tokenizers`
+    file such as a trained BPE's `tokenizer.json`; relative to the plan's folder or an fsspec URL)
+    or `module:callable` mapping a list of strings to a list of token-id sequences."""
     transform: str | None = None
     """Optional `module:callable` applied to each loaded sample block (filter, truncate, remap)."""
     storage_options: dict = Field(default_factory=dict)

@@ -20,7 +20,7 @@ def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
     """All load units of a source in canonical order; raises SourceError naming the culprit."""
     try:
         if source.text_field:
-            resolve_tokenizer(source.tokenizer)
+            resolve_tokenizer(source.tokenizer, plan.base_dir)
         if source.transform:
             import_callable(source.transform)
     except ValueError as err:

@@ -64,17 +64,33 @@ def _open(fs, path: str, source: Source) -> pq.ParquetFile:
         raise SourceError(f"source {source.name!r}: corrupt or unreadable parquet file {path}: {err}") from None
 
 
+FOOTER_THREADS = 16  # footers read at once per source: on object storage each is a round trip
+
+
+def _row_groups(fs, path: str, source: Source) -> list[int]:
+    """Rows per row group of one file, from its footer (and its schema checked)."""
+    pf = _open(fs, path, source)
+    _check_schema(source, path, pf.schema_arrow)
+    md = pf.metadata
+    return [md.row_group(rg).num_rows for rg in range(md.num_row_groups)]
+
+
 def discover(source: Source, plan: Plan) -> list[LoadUnit]:
+    """Units from the files' footers only (no data pages), read in parallel; the order is the
+    sorted file order whatever the timing."""
     fs, files = list_files(source, plan.base_dir)
+    if len(files) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(FOOTER_THREADS, len(files)), thread_name_prefix="overlord-footers") as pool:
+            groups = list(pool.map(lambda p: _row_groups(fs, p, source), files))
+    else:
+        groups = [_row_groups(fs, p, source) for p in files]
     units: list[LoadUnit] = []
     first_id = 0
     step = plan.loading.unit_rows
-    for path in files:
-        pf = _open(fs, path, source)
-        _check_schema(source, path, pf.schema_arrow)
-        md = pf.metadata
-        for rg in range(md.num_row_groups):
-            rows = md.row_group(rg).num_rows
+    for path, rows_per_group in zip(files, groups):
+        for rg, rows in enumerate(rows_per_group):
             for start in range(0, rows, step):
                 stop = min(rows, start + step)
                 units.append(LoadUnit(source.name, len(units), path, rg, start, stop, first_id + start))
@@ -93,7 +109,7 @@ def load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
     table = table.slice(unit.start, unit.n_docs)
     col = table.column(0).combine_chunks()
     if source.text_field:
-        tokens, offsets = resolve_tokenizer(source.tokenizer)(col)
+        tokens, offsets = resolve_tokenizer(source.tokenizer, plan.base_dir)(col)
     else:
         if col.null_count:
             col = pc.fill_null(col, pa.scalar([], type=col.type))  # a null row is an empty document

@@ -2,22 +2,26 @@
 
 The built-in ``byte`` tokenizer maps UTF-8 bytes to ids 3..258 and ends every document with EOS, so
 the demo and tests need no model files. It runs on whole Arrow string arrays with numpy (no Python
-loop per document). Anything else is named as ``module:callable``.
+loop per document).
+
+``hf:PATH`` is a Hugging Face ``tokenizers`` file (``tokenizer.json``: BPE, WordPiece, Unigram; a
+local path relative to the plan's folder, or any fsspec URL), loaded once per worker process and run
+with its Rust batch encoder; each document ends with the file's end-of-text token if it has one
+(``</s>``, ``<|endoftext|>``, ``<eos>`` or ``[SEP]``). Anything else is named as ``module:callable``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
-PAD_ID = 0
-BOS_ID = 1
-EOS_ID = 2
+from ..vocab import EOS_ID, PAD_ID  # noqa: F401  (re-exported: tokenizers' ids)
+
 BYTE_OFFSET = 3
-BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
 
 
 def byte_tokenize(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -84,6 +88,49 @@ def _wrap_python_tokenizer(fn: Callable) -> Callable[[pa.Array], tuple[np.ndarra
     return tokenize
 
 
+EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "[SEP]")
+
+
+@functools.lru_cache(maxsize=16)
+def _hf_tokenizer(url: str):
+    """A ``tokenizers.Tokenizer`` from ``url`` (cached: a worker loads each file once)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("hf: tokenizers need the 'tokenizers' package (pip install tokenizers)") from None
+    import fsspec
+
+    try:
+        with fsspec.open(url, "r", encoding="utf-8") as f:
+            return Tokenizer.from_str(f.read())
+    except FileNotFoundError:
+        raise ValueError(f"tokenizer file not found: {url!r}") from None
+    except Exception as err:  # a file that is not a tokenizer: say which
+        raise ValueError(f"cannot load tokenizer file {url!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+
+
+def hf_tokenize(url: str) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]:
+    """The ``hf:`` tokenizer for the file at ``url``: Arrow strings -> (tokens int32, offsets)."""
+    tok = _hf_tokenizer(url)
+    eos = next((i for i in map(tok.token_to_id, EOS_NAMES) if i is not None), None)
+    extra = 0 if eos is None else 1
+
+    def tokenize(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        encodings = tok.encode_batch([t if t is not None else "" for t in texts.to_pylist()], add_special_tokens=False)
+        docs = [np.asarray(e.ids, np.int32) for e in encodings]
+        lens = np.fromiter((len(d) + extra for d in docs), np.int64, len(docs))
+        offsets = np.zeros(len(docs) + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        out = np.empty(int(offsets[-1]), np.int32)
+        for d, a in zip(docs, offsets[:-1]):
+            out[a : a + len(d)] = d
+        if extra:
+            out[offsets[1:] - 1] = eos
+        return out, offsets
+
+    return tokenize
+
+
 TOKENIZERS: dict[str, Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]] = {"byte": byte_tokenize}
 
 
@@ -105,9 +152,15 @@ def import_callable(spec: str) -> Callable:
     return obj
 
 
-def resolve_tokenizer(name: str) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]:
+def resolve_tokenizer(name: str, base_dir: str | None = None) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]:
+    """A tokenizer by name: built-in, ``hf:PATH`` (relative to ``base_dir``, the plan's folder) or
+    ``module:callable``."""
     if name in TOKENIZERS:
         return TOKENIZERS[name]
+    if name.startswith("hf:"):
+        from .fs import resolve_url
+
+        return hf_tokenize(resolve_url(name[3:], base_dir))
     try:
         return _wrap_python_tokenizer(import_callable(name))
     except ValueError as err:
