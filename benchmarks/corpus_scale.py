@@ -8,14 +8,18 @@ groups (one load unit each). Then, for ``cold`` (every file evicted from the pag
 ``posix_fadvise(DONTNEED)``, as after a reboot or on a node that never read them) and ``warm``
 (again right after):
 
-- **index**, in a fresh process: the service's ``index_sources`` (footers only, sources and each
-  source's files read in parallel): seconds, units found, bytes the process read per file
-  (``rchar``: metadata-only means the footer's speculative read, 64 KB per file in pyarrow,
+- **index**, in a fresh process: the service's ``index_sources`` (footers only; on remote storage
+  sources and each source's files are read in parallel, on a local disk in turn): seconds, units
+  found, bytes the process read per file (``rchar``: metadata-only means the footer's speculative read, 64 KB per file in pyarrow,
   whatever the file's size; the share of the corpus is reported too), the index's Python heap
   (``tracemalloc`` peak) and the process's RSS growth. Baseline in the same run: the same
-  discovery one source and one file at a time.
+  discovery one source and one file at a time (``index (in turn)``).
 - **time to first batch**: ``overlord serve`` started (scheduler, planner, 2 workers) until a
   trainer holds its first micro-batch, and the service's PSS then.
+
+With ``--s3`` the same corpus is also uploaded to an S3-compatible server on loopback (moto, as
+the tests use) and indexed there, by the service and one file at a time: where every footer read is a request,
+which is where reading them in parallel pays (on a local disk the footers are a few ms of CPU).
 """
 
 from __future__ import annotations
@@ -100,6 +104,53 @@ def _first_batch(plan: dict, root: str) -> dict:
     return {"service_up_s": up, "first_batch_s": first, "service_pss_mb": pss}
 
 
+def _s3_server():
+    """moto's S3 server on a free loopback port; returns (process, endpoint)."""
+    import shutil
+    import socket
+
+    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if time.time() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.1)
+
+
+def _s3_rows(plan: dict, root: str, names: list[str]) -> list[dict]:
+    """Upload the corpus to a loopback S3 server and index it there, by the service and in turn."""
+    import s3fs
+
+    proc, endpoint = _s3_server()
+    try:
+        opts = {"endpoint_url": endpoint, "key": "test", "secret": "test", "client_kwargs": {"region_name": "us-east-1"}}
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test").create_bucket(Bucket="overlord")
+        fs = s3fs.S3FileSystem(**opts)
+        for n in names:
+            fs.put(os.path.join(root, n), f"overlord/corpus/{n}", recursive=True)
+        remote = {**plan, "sources": [{**s, "url": f"s3://overlord/corpus/{s['name']}/*.parquet", "storage_options": opts} for s in plan["sources"]]}
+        rows = []
+        for how in ("service", "in turn"):
+            r = _index(remote, root, how == "in turn")
+            rows.append({"phase": "s3", "what": f"index ({how})", "seconds": round(r["seconds"], 3), "units": r["units"],
+                         "heap_mb": round(r["heap_mb"], 1), "rss_growth_mb": round(r["rss_growth_mb"], 1)})
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
@@ -108,6 +159,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--row-groups", type=int, default=10, help="row groups (load units) per file")
     ap.add_argument("--rows", type=int, default=20, help="documents per row group")
     ap.add_argument("--data", default=None, help="folder for the generated corpus (default: a temporary one)")
+    ap.add_argument("--s3", action="store_true", help="also index the corpus on a loopback S3 server (moto)")
     args = ap.parse_args(argv)
 
     from overlord_dask.demo import generate_text_sources, text_sources_plan
@@ -123,10 +175,10 @@ def main(argv=None) -> dict:
                                  loading={"unit_rows": args.rows})
         rows = []
         for phase in ("cold", "warm"):
-            for how in ("parallel", "sequential"):
+            for how in ("service", "in turn"):
                 if phase == "cold":
                     _evict(files)
-                r = _index(plan, root, how == "sequential")
+                r = _index(plan, root, how == "in turn")
                 rows.append({"phase": phase, "what": f"index ({how})", "seconds": round(r["seconds"], 3), "units": r["units"],
                              "read_kb_per_file": round(r["read_bytes"] / len(files) / 1024, 1),
                              "read_share": round(r["read_bytes"] / corpus_bytes, 4), "heap_mb": round(r["heap_mb"], 1),
@@ -136,17 +188,21 @@ def main(argv=None) -> dict:
             fb = _first_batch(plan, root)
             rows.append({"phase": phase, "what": "time to first batch", "seconds": round(fb["first_batch_s"], 2),
                          "service_up_s": round(fb["service_up_s"], 2), "service_pss_mb": round(fb["service_pss_mb"], 1)})
+        if args.s3:
+            rows += _s3_rows(plan, root, names)
 
     def pick(phase: str, what: str) -> dict:
         return next(r for r in rows if r["phase"] == phase and r["what"] == what)
 
     out = {"benchmark": "corpus_scale", "cores": os.cpu_count(), "sources": args.sources, "files": len(files),
-           "units": pick("cold", "index (parallel)")["units"], "corpus_mb": round(corpus_bytes / 2**20, 1), "generate_s": round(generated, 1),
-           "index_cold_s": pick("cold", "index (parallel)")["seconds"], "index_warm_s": pick("warm", "index (parallel)")["seconds"],
-           "index_sequential_cold_s": pick("cold", "index (sequential)")["seconds"],
-           "index_heap_mb": pick("cold", "index (parallel)")["heap_mb"], "index_read_kb_per_file": pick("cold", "index (parallel)")["read_kb_per_file"],
-           "index_read_share": pick("cold", "index (parallel)")["read_share"],
+           "units": pick("cold", "index (service)")["units"], "corpus_mb": round(corpus_bytes / 2**20, 1), "generate_s": round(generated, 1),
+           "index_cold_s": pick("cold", "index (service)")["seconds"], "index_warm_s": pick("warm", "index (service)")["seconds"],
+           "index_sequential_cold_s": pick("cold", "index (in turn)")["seconds"],
+           "index_heap_mb": pick("cold", "index (service)")["heap_mb"], "index_read_kb_per_file": pick("cold", "index (service)")["read_kb_per_file"],
+           "index_read_share": pick("cold", "index (service)")["read_share"],
            "first_batch_cold_s": pick("cold", "time to first batch")["seconds"], "first_batch_warm_s": pick("warm", "time to first batch")["seconds"],
+           **({"index_s3_s": pick("s3", "index (service)")["seconds"], "index_s3_sequential_s": pick("s3", "index (in turn)")["seconds"]}
+              if args.s3 else {}),
            "rows": rows}
     if args.json:
         print(json.dumps(out))

@@ -40,16 +40,19 @@ from .planner.state import decode_updates
 from .pools import plan_pools, pool_resource, pool_sizes, set_sizes, uses_pools
 from .protocol import resolve_address
 from .sources import discover_units
-from .sources.fs import resolve_url
+from .sources.fs import is_local, resolve_url
 from .sources.units import LoadUnit
 
 
 def index_sources(plan: Plan, sources: list[Source] | None = None) -> dict[str, list[LoadUnit]]:
     """Discover the load units (metadata only) of ``sources`` (default: all of the plan's), in
-    parallel; errors name the source."""
+    parallel where any is remote (local ones are indexed in turn: see ``sources/fs.is_local``);
+    errors name the source."""
     sources = plan.sources if sources is None else sources
     if not sources:
         return {}
+    if all(is_local(s, plan.base_dir) for s in sources):
+        return {s.name: discover_units(s, plan) for s in sources}
     with ThreadPoolExecutor(max_workers=min(8, len(sources))) as pool:
         futs = {s.name: pool.submit(discover_units, s, plan) for s in sources}
         return {name: f.result() for name, f in futs.items()}

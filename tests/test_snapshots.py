@@ -3,13 +3,6 @@ and the planner's resume harness: N steps + restore + M steps == N + M steps."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -53,34 +46,6 @@ def test_store_on_a_local_folder(tmp_path):
     store.write_delta(8, 6, 12)
     with pytest.raises(SnapshotError, match="has a gap: delta 7 is missing before 8"):
         store.load()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def s3_server():
-    """A real S3-compatible server (moto) on loopback, as s3fs's own tests use."""
-    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test").create_bucket(Bucket="overlord")
-    yield endpoint
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def test_store_on_s3(s3_server):

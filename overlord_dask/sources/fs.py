@@ -25,6 +25,14 @@ def source_url(source: Source, base_dir: str | None) -> str:
     return resolve_url(source.url, base_dir)
 
 
+def is_local(source: Source, base_dir: str | None) -> bool:
+    """Whether a source lives on a local disk, where reading its metadata is CPU, not waiting:
+    indexing it in threads only contends for the GIL."""
+    from fsspec.utils import get_protocol
+
+    return get_protocol(source_url(source, base_dir)) in ("file", "local")
+
+
 def source_fs(source: Source, base_dir: str | None) -> tuple[fsspec.AbstractFileSystem, str]:
     url = source_url(source, base_dir)
     try:

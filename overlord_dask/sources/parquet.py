@@ -18,7 +18,7 @@ from ..errors import SourceError
 from ..plan.models import Plan, Source
 from .blocks import SampleBlock, check_tokens
 from .images import decode_images, with_image_tokens
-from .fs import list_files, source_fs
+from .fs import is_local, list_files, source_fs
 from .tokenizers import resolve_tokenizer
 from .units import LoadUnit
 
@@ -64,7 +64,7 @@ def _open(fs, path: str, source: Source) -> pq.ParquetFile:
         raise SourceError(f"source {source.name!r}: corrupt or unreadable parquet file {path}: {err}") from None
 
 
-FOOTER_THREADS = 16  # footers read at once per source: on object storage each is a round trip
+FOOTER_THREADS = 8  # footers read at once per source on remote storage, where each is a round trip
 
 
 def _row_groups(fs, path: str, source: Source) -> list[int]:
@@ -76,10 +76,12 @@ def _row_groups(fs, path: str, source: Source) -> list[int]:
 
 
 def discover(source: Source, plan: Plan) -> list[LoadUnit]:
-    """Units from the files' footers only (no data pages), read in parallel; the order is the
-    sorted file order whatever the timing."""
+    """Units from the files' footers only (no data pages); the order is the sorted file order
+    whatever the timing. On remote storage the footers are read in parallel (each is a request);
+    on a local disk one after the other: a footer there is ~1 ms of CPU, and threads only contended
+    for the GIL (``benchmarks/corpus_scale.py``: 1,000 local files took 1.9 s in threads, 1.1 s in turn)."""
     fs, files = list_files(source, plan.base_dir)
-    if len(files) > 1:
+    if len(files) > 1 and not is_local(source, plan.base_dir):
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(min(FOOTER_THREADS, len(files)), thread_name_prefix="overlord-footers") as pool:
