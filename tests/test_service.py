@@ -145,6 +145,16 @@ def test_rank_that_does_not_exist(cluster, small_plan):
             connect(service.address, 0, dp=4)
 
 
+def test_a_run_lowers_the_gil_switch_interval_of_the_scheduler_process_and_restores_it(cluster, small_plan):
+    """The planner thread must not hold the event loop off the GIL for Python's default 5 ms."""
+    import sys
+
+    before = sys.getswitchinterval()
+    with Service.start(small_plan(), cluster=cluster):  # this LocalCluster's scheduler runs in this process
+        assert sys.getswitchinterval() == pytest.approx(min(0.001, before))
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
 def test_no_service_at_address(cluster):
     with pytest.raises(ServiceError, match="no overlord service at"):
         connect(cluster.scheduler_address, 0, timeout=5)
