@@ -35,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.output import print_rows  # noqa: E402
+from benchmarks.output import emit_rows  # noqa: E402
 
 _INDEX = r"""
 import json, os, sys, time, tracemalloc
@@ -104,38 +104,16 @@ def _first_batch(plan: dict, root: str) -> dict:
     return {"service_up_s": up, "first_batch_s": first, "service_pss_mb": pss}
 
 
-def _s3_server():
-    """moto's S3 server on a free loopback port; returns (process, endpoint)."""
-    import shutil
-    import socket
-
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            if time.time() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.1)
-
-
 def _s3_rows(plan: dict, root: str, names: list[str]) -> list[dict]:
     """Upload the corpus to a loopback S3 server and index it there, by the service and in turn."""
     import s3fs
 
-    proc, endpoint = _s3_server()
-    try:
-        opts = {"endpoint_url": endpoint, "key": "test", "secret": "test", "client_kwargs": {"region_name": "us-east-1"}}
-        import boto3
+    from benchmarks.s3 import create_bucket, start_moto, storage_options
 
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test").create_bucket(Bucket="overlord")
+    proc, endpoint = start_moto()
+    try:
+        opts = storage_options(endpoint)
+        create_bucket(endpoint, "overlord")
         fs = s3fs.S3FileSystem(**opts)
         for n in names:
             fs.put(os.path.join(root, n), f"overlord/corpus/{n}", recursive=True)
@@ -204,13 +182,7 @@ def main(argv=None) -> dict:
            **({"index_s3_s": pick("s3", "index (service)")["seconds"], "index_s3_sequential_s": pick("s3", "index (in turn)")["seconds"]}
               if args.s3 else {}),
            "rows": rows}
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print_rows(rows, ["phase", "what", "seconds", "units", "read_kb_per_file", "read_share", "heap_mb", "rss_growth_mb", "service_up_s", "service_pss_mb"])
-        for k, v in out.items():
-            if k != "rows":
-                print(f"{k:<28}{v}")
+    emit_rows(out, args.json, ["phase", "what", "seconds", "units", "read_kb_per_file", "read_share", "heap_mb", "rss_growth_mb", "service_up_s", "service_pss_mb"])
     return out
 
 

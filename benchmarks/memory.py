@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.output import print_rows  # noqa: E402
+from benchmarks.output import emit_rows  # noqa: E402
 
 
 # ---- trainer processes (spawned: this module's top level stays light) ------------------------
@@ -228,14 +228,8 @@ def main(argv=None) -> dict:
     out = {"benchmark": "memory", "cores": os.cpu_count(), "workers": args.workers, "baseline_workers": args.baseline_workers,
            "tokens_per_rank_step": args.tokens, "compute_ms": args.compute_ms, "at": {"ranks": R0, "sources": S0},
            "memory_ratio": at["memory_ratio"], **fit(rows, tuple(args.project)), "rows": rows}
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print_rows(rows, ["ranks", "sources", "baseline_mb", "baseline_peak_mb", "ours_mb", "ours_peak_mb", "memory_ratio",
+    emit_rows(out, args.json, ["ranks", "sources", "baseline_mb", "baseline_peak_mb", "ours_mb", "ours_peak_mb", "memory_ratio",
                           "baseline_tokens_per_s", "ours_tokens_per_s"])
-        for k, v in out.items():
-            if k != "rows":
-                print(f"{k:<32}{v}")
     return out
 
 

@@ -19,3 +19,15 @@ def print_rows(rows: list[dict], columns: list[str]) -> None:
     print("".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
     for r in rows:
         print("".join(f"{r.get(c, '')!s:>{w}}" for c, w in zip(columns, widths)))
+
+
+def emit_rows(out: dict, as_json: bool, columns: list[str], width: int = 32) -> None:
+    """A result with per-row figures (``out["rows"]``): one JSON object, or the rows as a table
+    followed by the other keys, one per line."""
+    if as_json:
+        print(json.dumps(out))
+        return
+    print_rows(out["rows"], columns)
+    for k, v in out.items():
+        if k != "rows":
+            print(f"{k:<{width}}{v}")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import multiprocessing as mp
 import os
 import pickle
@@ -43,7 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.memory import _pss, _serve, _stop  # noqa: E402
-from benchmarks.output import print_rows  # noqa: E402
+from benchmarks.output import emit_rows  # noqa: E402
 
 
 # ---- torchdata: the peer pipeline ----------------------------------------------------------
@@ -289,10 +288,7 @@ def main(argv=None) -> dict:
                 measure_system("ours", args.dp, cfg, args, bare_mb, weights, serve=serve)]
     out = {"benchmark": "peers", "cores": os.cpu_count(), "dp": args.dp, "sources": args.sources, "tokens_per_rank_step": args.tokens,
            "compute_ms": args.compute_ms, "steps": args.steps, "kill_at": args.kill_at, "rows": rows}
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print_rows(rows, ["system", "tokens_per_s", "wait_share", "wait_p99_ms", "time_to_first_batch_s", "memory_mb", "mix_error_window_max", "resume_identical"])
+    emit_rows(out, args.json, ["system", "tokens_per_s", "wait_share", "wait_p99_ms", "time_to_first_batch_s", "memory_mb", "mix_error_window_max", "resume_identical"])
     return out
 
 

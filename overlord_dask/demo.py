@@ -191,9 +191,7 @@ def text_sources_plan(names: list[str], weights: list[float] | None = None, **se
     weights = weights or [1.0] * len(names)
     data["name"] = f"text-{len(names)}"
     data["sources"] = [{"name": n, "format": "parquet", "url": f"{n}/*.parquet", "text_field": "text", "weight": w} for n, w in zip(names, weights)]
-    for k, v in sections.items():
-        data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
-    return data
+    return _with_sections(data, sections)
 
 
 def train_bpe(texts, path: str | os.PathLike, vocab_size: int = 8_192) -> Path:
@@ -230,10 +228,16 @@ def demo_plan(data_dir: str | os.PathLike, **overrides) -> Plan:
     """
     import yaml
 
-    data = yaml.safe_load(PLAN_FILE.read_text())
-    for k, v in overrides.items():
-        data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
+    data = _with_sections(yaml.safe_load(PLAN_FILE.read_text()), overrides)
     return plan_from_dict(data, where=str(PLAN_FILE), base_dir=Path(data_dir).resolve())
+
+
+def _with_sections(data: dict, sections: dict) -> dict:
+    """Plan data with top-level ``sections`` set: a dict merges into the section it names
+    (``topology={"dp": 2}`` keeps the other topology fields), anything else replaces it."""
+    for k, v in sections.items():
+        data[k] = {**data[k], **v} if isinstance(v, dict) and isinstance(data.get(k), dict) else v
+    return data
 
 
 __all__ = ["demo_plan", "demo_texts", "generate_demo_corpus", "generate_text_sources", "load_plan", "text_sources_plan", "train_bpe"]

@@ -4,12 +4,6 @@ LocalCluster of worker *processes* for the integration tests."""
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -54,29 +48,13 @@ def pytest_configure(config):
     os.environ.setdefault("DASK_DISTRIBUTED__LOGGING__DISTRIBUTED", "warning")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_server():
-    """A real S3-compatible server (moto) on loopback, as s3fs's own tests use."""
-    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    import boto3
+    """A real S3-compatible server (moto) on loopback, with the bucket ``overlord``."""
+    from benchmarks.s3 import create_bucket, start_moto
 
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test").create_bucket(Bucket="overlord")
+    proc, endpoint = start_moto()
+    create_bucket(endpoint, "overlord")
     yield endpoint
     proc.terminate()
     proc.wait(timeout=10)

@@ -49,8 +49,9 @@ def test_store_on_a_local_folder(tmp_path):
 
 
 def test_store_on_s3(s3_server):
-    opts = {"endpoint_url": s3_server, "key": "test", "secret": "test", "client_kwargs": {"region_name": "us-east-1"}}
-    _exercise_store("s3://overlord/run-1", **opts)
+    from benchmarks.s3 import storage_options
+
+    _exercise_store("s3://overlord/run-1", **storage_options(s3_server))
 
 
 # ---- the planner resume harness -----------------------------------------------------------------

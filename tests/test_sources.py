@@ -204,16 +204,15 @@ def test_hf_bpe_tokenizer_file(tmp_path):
 def test_parquet_source_on_s3_indexes_in_parallel_like_a_local_one(tmp_path, s3_server):
     """A parquet source on an S3-compatible server (moto, loopback): its footers are read in
     parallel, and the units (in the sorted file order) and tokens equal the same files' on disk."""
-    import boto3
     import s3fs
 
+    from benchmarks.s3 import create_bucket, storage_options
     from overlord_dask.service import index_sources
 
     for f in range(5):
         _write_text(tmp_path / f"part-{f}.parquet", [f"file {f} doc {i} " * (i % 4 + 1) for i in range(7 + f)], row_group=3)
-    opts = {"endpoint_url": s3_server, "key": "test", "secret": "test", "client_kwargs": {"region_name": "us-east-1"}}
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="test",
-                 aws_secret_access_key="test").create_bucket(Bucket="corpus-idx")
+    opts = storage_options(s3_server)
+    create_bucket(s3_server, "corpus-idx")
     fs = s3fs.S3FileSystem(**opts)
     for f in range(5):
         fs.put(str(tmp_path / f"part-{f}.parquet"), f"corpus-idx/web/part-{f}.parquet")

@@ -92,8 +92,9 @@ EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "[SEP]")
 
 
 @functools.lru_cache(maxsize=16)
-def _hf_tokenizer(url: str):
-    """A ``tokenizers.Tokenizer`` from ``url`` (cached: a worker loads each file once)."""
+def hf_tokenize(url: str) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]:
+    """The ``hf:`` tokenizer for the file at ``url``: Arrow strings -> (tokens, offsets); each
+    document ends with the file's end-of-text id. Cached: a worker loads each file once."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -102,33 +103,18 @@ def _hf_tokenizer(url: str):
 
     try:
         with fsspec.open(url, "r", encoding="utf-8") as f:
-            return Tokenizer.from_str(f.read())
+            tok = Tokenizer.from_str(f.read())
     except FileNotFoundError:
         raise ValueError(f"tokenizer file not found: {url!r}") from None
     except Exception as err:  # a file that is not a tokenizer: say which
         raise ValueError(f"cannot load tokenizer file {url!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+    eos = [i for i in map(tok.token_to_id, EOS_NAMES) if i is not None][:1]
 
+    def encode(texts: list[str]) -> list[list[int]]:  # the Rust batch encoder, then the one list-of-ids path
+        return [e.ids + eos for e in tok.encode_batch(texts, add_special_tokens=False)]
 
-def hf_tokenize(url: str) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]:
-    """The ``hf:`` tokenizer for the file at ``url``: Arrow strings -> (tokens int32, offsets)."""
-    tok = _hf_tokenizer(url)
-    eos = next((i for i in map(tok.token_to_id, EOS_NAMES) if i is not None), None)
-    extra = 0 if eos is None else 1
-
-    def tokenize(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-        encodings = tok.encode_batch([t if t is not None else "" for t in texts.to_pylist()], add_special_tokens=False)
-        docs = [np.asarray(e.ids, np.int32) for e in encodings]
-        lens = np.fromiter((len(d) + extra for d in docs), np.int64, len(docs))
-        offsets = np.zeros(len(docs) + 1, np.int64)
-        np.cumsum(lens, out=offsets[1:])
-        out = np.empty(int(offsets[-1]), np.int32)
-        for d, a in zip(docs, offsets[:-1]):
-            out[a : a + len(d)] = d
-        if extra:
-            out[offsets[1:] - 1] = eos
-        return out, offsets
-
-    return tokenize
+    encode.__module__, encode.__qualname__ = "hf", url  # how errors name it: hf:URL
+    return _wrap_python_tokenizer(encode)
 
 
 TOKENIZERS: dict[str, Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]] = {"byte": byte_tokenize}
