@@ -210,7 +210,10 @@ def test_the_stream_does_not_depend_on_how_loading_is_cut(corpus, cluster):
     assert streams["parts"] == streams["unit"] and streams["groups"] == streams["unit"]
     assert not any("-p" in k.rsplit("-n", 1)[1] or "-g" in k.rsplit("-n", 1)[1] for k in keys["unit"])
     assert sum("-p" in k.rsplit("-n", 1)[1] for k in keys["parts"]) > 10  # measured units were cut into parts
-    assert sum("-g" in k.rsplit("-n", 1)[1] for k in keys["groups"]) > 3  # and small ones read together
+    # and small ones read together: how many groups form depends on how many units of one source a
+    # round asks for once costs are measured, which is timing (CI saw 3 where this machine sees more);
+    # the grouping rule itself is pinned by test_partition_cuts_by_measured_cost
+    assert sum("-g" in k.rsplit("-n", 1)[1] for k in keys["groups"]) >= 1
     assert len(keys["unit"]) < len(keys["parts"])  # (how many groups form depends on how many units a round asks for)
 
 
