@@ -1,6 +1,6 @@
 """overlord-dask: a disaggregated, Dask-based data-loading service for foundation-model training.
 
-Roles (DESIGN.md): ``plan`` (declarative data plane) → ``sources`` + ``loaders`` (load units on
+Roles (the design card's, see README): ``plan`` (declarative data plane) → ``sources`` + ``loaders`` (load units on
 workers) → ``planner`` (scheduler plugin: mix, pack, balance, ledger) → ``constructors`` (packed
 micro-batches on workers) → ``consumer`` (trainer-side iterator / IterableDataset). ``service``
 wires them together; ``cli`` is the ``overlord`` command.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .planner import pieces as P
 from .protocol import block_key
 from .sources.blocks import SampleBlock
 from .vocab import PAD_ID
@@ -47,7 +48,7 @@ def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
     epochs = np.empty(n, dtype=np.int32)
     pos = 0
     patches, patch_pos, patch_idx = [], [], []
-    for k, (src, epoch, unit, doc, start, stop) in enumerate(np.asarray(pieces, dtype=np.int64).reshape(-1, 6).tolist()):
+    for k, (src, epoch, unit, doc, start, stop) in enumerate(np.asarray(pieces, dtype=np.int64).reshape(-1, P.WIDTH).tolist()):
         block = blocks[block_key(src, epoch, unit)]
         if block.images is not None:
             _image_patches(block, doc, start, stop, pos, patches, patch_pos, patch_idx)
@@ -114,7 +115,7 @@ def build_rank_batch(step: int, rank: int, micro_batches: list, blocks: dict[str
 def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> list[list[np.ndarray]]:
     """Decode a task's step (pieces: int32 rows ``[source, epoch, unit, doc, start, stop]``, slot:
     int32 ``[rank, micro_batch]``) into ``[rank][micro_batch] -> int64 rows [n, 6]`` for ``ranks``."""
-    rows = np.frombuffer(pieces, dtype="<i4").reshape(-1, 6).astype(np.int64)
+    rows = P.from_bytes(pieces, P.WIDTH, "<i4")
     sl = np.frombuffer(slot, dtype="<i4").reshape(-1, 2)
     flat = sl[:, 0].astype(np.int64) * micro_batches + sl[:, 1]
     order = np.argsort(flat, kind="stable")

@@ -2,7 +2,7 @@
 
 Workers are separate processes (not threads) so that tokenization and packing run in parallel
 outside the scheduler's GIL, exactly as they would on remote nodes. ``worker-ttl`` is lowered
-because a hung worker is otherwise only removed after 5 minutes (research/dask.md §6).
+because with Dask's default a hung worker is only removed after 5 minutes.
 """
 
 from __future__ import annotations

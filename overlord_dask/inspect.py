@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from .plan.display import html_table as _table
 from .plan.timeline import PlanTimeline
+from .planner import pieces as P
 
 
 def mix_table(metrics: list[dict], sources: list[str], committed: int | None = None) -> pa.Table:
@@ -110,12 +111,12 @@ DEFAULT_EDGES = np.array([0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 40]
 def length_table(ledger: dict[int, dict], sources: list[str], edges=DEFAULT_EDGES) -> pa.Table:
     """Histogram of delivered piece lengths per source over the given ledger steps: pieces and
     tokens per length bin (a split document counts once per piece)."""
-    pieces = np.concatenate([e["pieces"] for e in ledger.values()]) if ledger else np.zeros((0, 6), np.int64)
-    lens = pieces[:, 5] - pieces[:, 4]
+    pieces = np.concatenate([e["pieces"] for e in ledger.values()]) if ledger else P.empty()
+    lens = P.lengths(pieces)
     edges = np.asarray(edges)
     rows = {k: [] for k in ("source", "min_tokens", "max_tokens", "pieces", "tokens")}
     for i, name in enumerate(sources):
-        mine = lens[pieces[:, 0] == i]
+        mine = lens[pieces[:, P.SOURCE] == i]
         b = np.searchsorted(edges, mine, side="right") - 1
         for k in range(len(edges) - 1):
             sel = b == k

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .planner import pieces as P
+
 
 def delivered_record(batch: dict) -> dict[str, np.ndarray]:
     """Per piece of a rank's step batch: identity and length (for exactly-once accounting)."""
@@ -47,7 +49,7 @@ def exactly_once(planned: list[np.ndarray], delivered: list[np.ndarray]) -> tupl
 
 def planned_identities(ledger_entry: dict) -> np.ndarray:
     p = ledger_entry["pieces"]
-    return _identity(p[:, 0], p[:, 1], ledger_entry["sample_ids"], p[:, 4])
+    return _identity(p[:, P.SOURCE], p[:, P.EPOCH], ledger_entry["sample_ids"], p[:, P.START])
 
 
 def delivered_identities(rec: dict) -> np.ndarray:

@@ -15,7 +15,7 @@ cluster only when it created it. The scheduler lives in the service's process: r
 long-lived job, not inside a trainer rank. A notebook or script elsewhere attaches to the running
 service with ``Service.attach(address)`` to inspect it or change its plan::
 
-    service.update_plan(load_plan("pipelines/anneal.yaml"), at_step=5000)
+    service.update_plan(load_plan("pipelines/curriculum.yaml"), at_step=5000)
 """
 
 from __future__ import annotations
@@ -31,16 +31,18 @@ from distributed import Client
 from .batch_server import BatchServer
 from .driver import Driver
 from .errors import PlanError, ServiceError
+from .plan.base import resolve_url
 from .plan.loading import plan_from_dict, plan_to_dict
 from .plan.models import Plan, Source
 from .plan.timeline import PlanTimeline
+from .planner import pieces as P
 from .planner.observe import window_figures
 from .planner.plugin import PlannerPlugin
 from .planner.state import decode_updates
 from .pools import plan_pools, pool_resource, pool_sizes, set_sizes, uses_pools
 from .protocol import resolve_address
 from .sources import discover_units
-from .sources.fs import is_local, resolve_url
+from .sources.fs import is_local
 from .sources.units import LoadUnit
 
 
@@ -344,7 +346,7 @@ class Service:
         out = {}
         for e in self._rpc("overlord_ledger", start=start, stop=stop):
             out[e["step"]] = {
-                "pieces": np.frombuffer(e["pieces"], dtype=np.int64).reshape(-1, 6),
+                "pieces": P.from_bytes(e["pieces"]),
                 "slot": np.frombuffer(e["slot"], dtype=np.int32).reshape(-1, 2),
                 "sample_ids": np.frombuffer(e["sample_ids"], dtype=np.int64),
                 "dropped": np.frombuffer(e["dropped"], dtype=np.int64).reshape(-1, 4),

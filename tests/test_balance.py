@@ -98,7 +98,7 @@ def _tiles_every_selected_piece(state, steps):
     planned = sum(int((state.ledger[s]["pieces"][:, 5] - state.ledger[s]["pieces"][:, 4]).sum()) for s in steps)
     waiting = int((state.pending[:, 5] - state.pending[:, 4]).sum())
     waiting += sum(int((rows[:, 5] - rows[:, 4]).sum()) for ranks, *_ in state.ready for mbs in ranks for rows in mbs)
-    return planned + waiting == int(state.selected.sum())
+    return planned + waiting == int(state.policy.selected.sum())
 
 
 def test_no_piece_is_lost_or_invented_and_mix_holds_per_window():

@@ -145,14 +145,14 @@ def test_cost_policy_cuts_windows_at_jumps_and_tracks_the_mix():
     d = plan_dict(balance={"policy": "cost", "window": 8})
     state = PlannerState(plan_from_dict(d), FIRST_IDS)
     starts = []
-    orig = state._plan_window
+    orig = state.policy.plan
 
-    def spy(start):
-        if not starts or starts[-1] != start:  # a starved attempt is retried at the same step
-            starts.append(start)
-        orig(start)
+    def spy(window):
+        if not starts or starts[-1] != window.start:  # a starved attempt is retried at the same step
+            starts.append(window.start)
+        return orig(window)
 
-    state._plan_window = spy
+    state.policy.plan = spy
     ledger = drive(state, 60)
     assert starts[:6] == [0, 8, 15, 23, 30, 38]  # cut at the jumps of c (15 and 30)
     tokens = source_tokens(state, ledger)
@@ -367,8 +367,8 @@ def test_long_share_stage_reads_each_class_once_and_meets_the_share():
     # loaded unit is within the trailing cursor's look-ahead or at/after the leading cursor
     for s in state.streams:
         s.finished_units()
-        te, tp = s._trailing()[:2]
-        lead = s._leading()[:2]
+        te, tp = s.trailing()[:2]
+        lead = s.leading()[:2]
         for e, u in s.lengths:
             p = s.position(e, u)
             assert (e, p) >= lead or e * s.n_units + p <= te * s.n_units + tp + max(s.evict_after, s.keep_units), (s.name, e, p)

@@ -69,7 +69,7 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
         err = np.abs(sel.source_tokens - w * sel.total_tokens)
         assert err.max() <= 2 * sel.longest_piece + 1e-9  # per-step mix bound
         order = sorted((p for b in sel.bins for p in b),
-                       key=lambda p: (p.epoch, streams[p.source].position(p.epoch, p.unit), streams[p.source]._shuffled_doc((p.epoch, p.unit), p.doc), p.start))
+                       key=lambda p: (p.epoch, streams[p.source].position(p.epoch, p.unit), streams[p.source].shuffled_doc((p.epoch, p.unit), p.doc), p.start))
         for p in order:
             per_source[p.source].append(p)
     # each source's pieces tile its documents in (shuffled) order, exactly once, each piece <= piece size
@@ -79,7 +79,7 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
         for p in pieces:
             assert p.length <= piece and p.length > 0
             L = s.lengths[(p.epoch, p.unit)]  # in shuffled order
-            doc = s._shuffled_doc((p.epoch, p.unit), p.doc)
+            doc = s.shuffled_doc((p.epoch, p.unit), p.doc)
             # skip empty documents and finished units between consecutive pieces
             while (expect_e, expect_pos) != (p.epoch, s.position(p.epoch, p.unit)) or expect_doc != doc:
                 assert expect_tok == 0, "a document was left half-delivered"

@@ -151,7 +151,7 @@ def test_unknown_tokenizer_and_transform(tmp_path):
     with pytest.raises(SourceError, match="source 's': unknown tokenizer: 'sentencepiece' is neither a built-in name"):
         discover_units(plan.sources[0], plan)
     plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", transform="no_such_module:fn")
-    with pytest.raises(SourceError, match="cannot import module 'no_such_module'"):
+    with pytest.raises(SourceError, match="cannot import 'no_such_module:fn': module 'no_such_module'"):
         discover_units(plan.sources[0], plan)
 
 

@@ -14,7 +14,7 @@ that names the key instead of a silently ignored setting. Build it in Python::
     )
 
 or load it from YAML with :func:`overlord_dask.plan.load_plan`. The plan depends on nothing else in
-the package (DESIGN.md: dependencies point one way).
+the package: dependencies point one way.
 """
 
 from __future__ import annotations
@@ -22,36 +22,15 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from .base import Strict, import_callable
 from .schedule import Context, Schedule, Stage, weight_at
 
 SourceFormat = Literal["parquet", "zarr"]
 
 
-def _import_callable(spec: str):
-    """Resolve `module:callable` at plan load, so a typo fails here and not on the scheduler."""
-    import importlib
-
-    mod, _, attr = spec.partition(":")
-    if not mod or not attr:
-        raise ValueError(f"{spec!r} is not of the form 'module:callable'")
-    try:
-        obj = importlib.import_module(mod)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot import {spec!r}: {err}") from None
-    if not callable(obj):
-        raise ValueError(f"{spec!r} is not callable")
-    return obj
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-class Pool(_Strict):
+class Pool(Strict):
     """A source's loader pool: workers that run only load tasks of the sources naming it (and any
     constructor task whose blocks they hold). Pinned by a Dask worker resource
     (``overlord-pool-<name>``), never by worker address, so a replaced worker joins the pool."""
@@ -74,7 +53,7 @@ class Pool(_Strict):
         return self
 
 
-class Source(_Strict):
+class Source(Strict):
     """One data source: a set of files in one format, read by its own loader tasks."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
@@ -176,7 +155,7 @@ class Source(_Strict):
         return (self.pool.name if self.pool is not None and self.pool.name else None) or self.name
 
 
-class Topology(_Strict):
+class Topology(Strict):
     """The trainer's data-parallel layout; each step delivers `micro_batches` packed micro-batches to
     each of `dp` ranks."""
 
@@ -219,7 +198,7 @@ class Topology(_Strict):
         return self.dp * self.micro_batches * self.tokens_per_micro_batch
 
 
-class CostModel(_Strict):
+class CostModel(Strict):
     """Cost of one document of L tokens, V of them image tokens: `attention·L² + linear·L +
     constant + encoder·V` (documents in a packed micro-batch do not attend to each other, so a
     micro-batch costs the sum over its documents; the backbone sees all L tokens, the vision
@@ -241,7 +220,7 @@ class CostModel(_Strict):
     @classmethod
     def _importable(cls, spec: str | None) -> str | None:
         if spec is not None:
-            _import_callable(spec)
+            import_callable(spec)
         return spec
 
     @property
@@ -249,7 +228,7 @@ class CostModel(_Strict):
         return self.linear if self.linear is not None else 6.0 * self.hidden
 
 
-class Autoscale(_Strict):
+class Autoscale(Strict):
     """Pool sizes from the planner's signals (``overlord_dask/autoscale.py``): each pool gets the
     workers its sources' token demand needs (weights over the schedule ahead × the trainers' step
     rate × measured transform seconds per token), grows at once when the planner waits on one of
@@ -269,7 +248,7 @@ class Autoscale(_Strict):
     """Consecutive decisions that must agree before a pool shrinks (no flapping)."""
 
 
-class Loading(_Strict):
+class Loading(Strict):
     """How far loading and batch construction may run ahead of the trainers (bounded memory)."""
 
     unit_rows: int = Field(default=4096, ge=1)
@@ -307,7 +286,7 @@ class Loading(_Strict):
     a reload. Costs ``shadows`` × the bytes of the blocks in flight (``status()["block_shadow_bytes"]``)."""
 
 
-class Balance(_Strict):
+class Balance(Strict):
     """How the planner spreads attention cost over ranks (issue: stragglers from long documents)."""
 
     policy: Literal["cost", "none"] = "cost"
@@ -327,7 +306,7 @@ class Balance(_Strict):
     """Windows a long piece may wait for similar ones before it is placed alone."""
 
 
-class Checkpoint(_Strict):
+class Checkpoint(Strict):
     """Where the planner's snapshots go, so that a restarted service resumes exactly."""
 
     url: str | None = None
@@ -348,7 +327,7 @@ class Checkpoint(_Strict):
     so a whole-system restart resumes exactly where the trainers' checkpoints are."""
 
 
-class Plan(_Strict):
+class Plan(Strict):
     """A whole run: sources and their mix, topology, cost model and loading bounds."""
 
     name: str = Field(default="overlord", pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)

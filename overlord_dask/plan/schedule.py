@@ -21,11 +21,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+from .base import Strict, import_callable
 
 
 def _points(points: list[tuple[int, float]], what: str) -> list[tuple[int, float]]:
@@ -42,7 +40,7 @@ def _points(points: list[tuple[int, float]], what: str) -> list[tuple[int, float
     return points
 
 
-class Schedule(_Strict):
+class Schedule(Strict):
     """A weight that changes with the step: exactly one of ``stages``, ``ramp`` or ``function``."""
 
     stages: list[tuple[int, float]] | None = None
@@ -64,9 +62,8 @@ class Schedule(_Strict):
         if self.ramp is not None:
             _points(self.ramp, "ramp")
         if self.function is not None:
-            from .models import _import_callable
 
-            _import_callable(self.function)
+            import_callable(self.function)
         return self
 
     def at(self, step: int) -> float:
@@ -110,9 +107,8 @@ _CALLABLES: dict[str, object] = {}
 def _callable(spec: str):
     fn = _CALLABLES.get(spec)
     if fn is None:
-        from .models import _import_callable
 
-        fn = _CALLABLES[spec] = _import_callable(spec)
+        fn = _CALLABLES[spec] = import_callable(spec)
     return fn
 
 
@@ -123,7 +119,7 @@ def weight_at(weight: Weight, step: int) -> float:
     return float(weight) if not isinstance(weight, Schedule) else weight.at(step)
 
 
-class Stage(_Strict):
+class Stage(Strict):
     """One phase of the run, from ``start_step`` until the next stage starts.
 
     Example: a long-context extension as the last 10% of a run::
@@ -182,7 +178,7 @@ class Stage(_Strict):
         return self
 
 
-class Context(_Strict):
+class Context(Strict):
     """The context strategy in force at one step (resolved from the stages and the topology)."""
 
     stage: str | None

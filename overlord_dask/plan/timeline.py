@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from ..errors import PlanError
+from .base import resolve_url
 from .models import Plan, Source
 from .schedule import Context
 
@@ -28,9 +29,9 @@ MUTABLE = ("sources", "stages", "steps", "name", "base_dir")
 
 def _data_key(source: Source, base_dir: str | None) -> tuple:
     """A source's data identity with a relative URL resolved against its plan's folder."""
-    url = source.url
-    if "://" not in url and not os.path.isabs(url):
-        url = os.path.normpath(os.path.join(base_dir or os.getcwd(), url))
+    url = resolve_url(source.url, base_dir)
+    if "://" not in url:
+        url = os.path.normpath(url)
     return (source.format, url) + source.data_key[2:]
 
 
@@ -129,3 +130,33 @@ class PlanTimeline:
         cands = [at for at, _ in self.versions[1:] if at > step]
         cands += [j for j in self.plan_at(step).jumps() if j > step]
         return min(cands) if cands else None
+
+    def class_weights_at(self, step: int) -> np.ndarray | None:
+        """``[source, (short, long)]`` shares of step ``step`` in a stage with a long share, else None."""
+        ctx = self.context_at(step)
+        if ctx.long_share is None:
+            return None
+        w = self.weights_at(step)
+        if ctx.long_sources:
+            lw = np.array([ctx.long_sources.get(n, 0.0) for n in self.source_names])
+            lw = lw * (w > 0) if (lw * (w > 0)).sum() > 0 else lw
+            lw = lw / lw.sum()
+        else:
+            lw = w
+        return np.stack([w * (1 - ctx.long_share), lw * ctx.long_share], axis=1)
+
+    def mix_at(self, step: int) -> np.ndarray:
+        """Each source's share of step ``step``'s tokens: its weight, or in a stage with a long
+        share, ``(1 - share)·weight + share·long weight``."""
+        cw = self.class_weights_at(step)
+        return self.weights_at(step) if cw is None else cw.sum(axis=1)
+
+    def max_mix_over(self, start: int, stop: int) -> np.ndarray:
+        """Largest share of each source over steps ``[start, stop)``: the ends and every jump
+        between them (shares are piecewise linear between jumps)."""
+        steps = {start, max(start, stop - 1)}
+        j = self.next_jump(start)
+        while j is not None and j < stop:
+            steps.add(j)
+            j = self.next_jump(j)
+        return np.max([self.mix_at(t) for t in sorted(steps)], axis=0)

@@ -1,14 +1,24 @@
-"""The planner: mixing, packing, assignment, ledger and metrics, run inside a scheduler plugin.
+"""The planner: metadata in, planned steps out, run inside a scheduler plugin.
 
-Data flow: lengths of loaded units (reported by the load tasks) --> streams (per-source order and
-cursor) --> windows planned ahead (``balance``: weighted fair selection, cost balancing; or
-``mixing`` + ``assign`` with policy ``none``) --> steps handed out in chunks within the prefetch
-bound --> ledger and metrics --> constructor tasks for the driver to submit; built chunks'
-descriptors go to the ranks' queues (``plugin``).
+Data flow: lengths of loaded units (reported by the load tasks) --> ``streams``/``streamset``
+(each source's order and cursor) --> a planning policy (``policies``: ``cost`` selects a window by
+weighted fair queuing and balances it over ranks by attention cost, ``balance``; ``none`` plans
+each step's exact mix, ``mixing`` + ``assign``) --> steps handed out in chunks within the prefetch
+bound --> ``ledger`` (pieces and metrics) and ``progress`` (acknowledgements) --> constructor
+tasks for the driver to submit; built chunks' descriptors go to the ranks' queues (``plugin``).
+``state.PlannerState`` composes the parts; ``pieces`` is the row schema they share.
+
+Names are imported on first use, so that ``from overlord_dask.planner.pieces import ...`` (a
+trainer-side helper, say) does not load the scheduler plugin.
 """
 
-from ..protocol import HANDLERS, rank_queue_name
-from .plugin import PlannerPlugin
-from .state import PlannerState
+_LAZY = {"PlannerPlugin": ".plugin", "PlannerState": ".state"}
+__all__ = ["PlannerPlugin", "PlannerState"]
 
-__all__ = ["HANDLERS", "PlannerPlugin", "PlannerState", "rank_queue_name"]
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

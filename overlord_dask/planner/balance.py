@@ -36,10 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .mixing import Starved
+from .pieces import AGE, SOURCE, WIDTH, lengths, stream_lengths
 from .streams import SourceStream
-
-# columns of a piece row in this module
-SRC, EPOCH, UNIT, DOC, START, STOP, AGE = range(7)
 
 
 def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, surplus: np.ndarray) -> np.ndarray:
@@ -54,7 +52,7 @@ def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, su
     while True:
         for i in active:
             i = int(i)
-            if i not in cand or len(cand[i]) == 0 or _tokens(cand[i]) < need[i]:
+            if i not in cand or len(cand[i]) == 0 or int(stream_lengths(cand[i]).sum()) < need[i]:
                 rows, enough = streams[i].pieces_ahead(need[i])
                 if not enough:
                     raise Starved(streams[i].name)
@@ -62,7 +60,7 @@ def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, su
         tags, src, idx, lens_parts = [], [], [], []
         for i in active:
             i = int(i)
-            lens = cand[i][:, 4] - cand[i][:, 3]
+            lens = stream_lengths(cand[i])
             before = np.cumsum(lens) - lens
             tags.append((surplus[i] + before) / weights[i])
             src.append(np.full(len(lens), i))
@@ -79,8 +77,8 @@ def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, su
             break
         for i in short:
             need[i] *= 2
-    out = np.empty((n_take, 6), dtype=np.int64)
-    out[:, 0] = src_a[taken]
+    out = np.empty((n_take, WIDTH), dtype=np.int64)
+    out[:, SOURCE] = src_a[taken]
     for i in active:
         i = int(i)
         sel = src_a[taken] == i
@@ -91,16 +89,11 @@ def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, su
     return out
 
 
-def _tokens(rows: np.ndarray) -> int:
-    return int((rows[:, 4] - rows[:, 3]).sum())
-
-
 @dataclass(slots=True)
 class WindowPlan:
     steps: list[list[list[np.ndarray]]]  # [step][rank][micro_batch] -> piece rows [n, 6]
     pending: np.ndarray  # rows [n, 7] (with age) carried into the next window
     bin_costs: list[np.ndarray]  # per step: cost[rank, micro_batch]
-    bin_tokens: list[np.ndarray]  # per step: tokens[rank, micro_batch]
 
 
 def balance_window(
@@ -118,7 +111,7 @@ def balance_window(
 ) -> WindowPlan:
     """Assign a window's pieces (rows ``[source, epoch, unit, doc, start, stop, age]``, oldest
     first) to ``steps × dp × micro_batches`` bins of ``capacity`` tokens."""
-    lens = pieces[:, STOP] - pieces[:, START]
+    lens = lengths(pieces)
     n_bins = dp * micro_batches
     bin_cost = np.zeros((steps, n_bins))
     bin_tok = np.zeros((steps, n_bins), dtype=np.int64)
@@ -171,20 +164,19 @@ def balance_window(
             _water_fill(mine, lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, dp, micro_batches, sync)
 
     # --- outputs
-    out_steps, out_costs, out_tok = [], [], []
+    out_steps, out_costs = [], []
     order = np.argsort(where, kind="stable")
     bounds = np.searchsorted(where[order], np.arange(steps * n_bins + 1))
     for s in range(steps):
         ranks = []
         for r in range(dp):
             b0 = s * n_bins + r * micro_batches
-            ranks.append([pieces[order[bounds[b0 + m] : bounds[b0 + m + 1]], :6] for m in range(micro_batches)])
+            ranks.append([pieces[order[bounds[b0 + m] : bounds[b0 + m + 1]], :WIDTH] for m in range(micro_batches)])
         out_steps.append(ranks)
         out_costs.append(bin_cost[s].reshape(dp, micro_batches).copy())
-        out_tok.append(bin_tok[s].reshape(dp, micro_batches).copy())
     pending = pieces[where < 0].copy()
     pending[:, AGE] += 1
-    return WindowPlan(out_steps, pending, out_costs, out_tok)
+    return WindowPlan(out_steps, pending, out_costs)
 
 
 def _groups_to_steps(groups, heavy, pieces, lens, intended, steps: int) -> np.ndarray:
@@ -194,8 +186,8 @@ def _groups_to_steps(groups, heavy, pieces, lens, intended, steps: int) -> np.nd
     cumulative tokens selected for it up to that step. Without this, similar-cost grouping
     would put all of a long-document source into a few steps, and the mix over any stretch of
     steps shorter than a window would be off by many points."""
-    n_src = int(pieces[:, SRC].max()) + 1
-    member_src = [pieces[heavy[g], SRC] for g in groups]
+    n_src = int(pieces[:, SOURCE].max()) + 1
+    member_src = [pieces[heavy[g], SOURCE] for g in groups]
     vec = np.zeros((len(groups), n_src))
     for k, g in enumerate(groups):
         np.add.at(vec[k], member_src[k], lens[heavy[g]])
@@ -224,8 +216,8 @@ def _light_to_steps(light, heavy, where, pieces, lens, intended, step_room, n_bi
     steps = len(step_room)
     if len(light) == 0:
         return np.zeros(0, dtype=np.int64)
-    n_src = int(pieces[:, SRC].max()) + 1
-    src = pieces[:, SRC]
+    n_src = int(pieces[:, SOURCE].max()) + 1
+    src = pieces[:, SOURCE]
     placed_heavy = heavy[where[heavy] >= 0]
     heavy_at = np.zeros((steps, n_src))
     np.add.at(heavy_at, (where[placed_heavy] // n_bins, src[placed_heavy]), lens[placed_heavy])

@@ -15,9 +15,9 @@ from ..plan.models import CostModel
 def doc_costs(lengths: np.ndarray, model: CostModel) -> np.ndarray:
     """Vectorised cost of documents (float64); a plan's `cost.function` replaces the formula."""
     if model.function:
-        from ..plan.models import _import_callable
+        from ..plan.base import import_callable
 
-        out = np.asarray(_import_callable(model.function)(np.asarray(lengths, dtype=np.int64)), dtype=np.float64)
+        out = np.asarray(import_callable(model.function)(np.asarray(lengths, dtype=np.int64)), dtype=np.float64)
         if out.shape != np.shape(lengths):
             raise ValueError(f"cost function {model.function!r} returned shape {out.shape} for {np.shape(lengths)} lengths")
         return out

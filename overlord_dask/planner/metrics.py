@@ -1,4 +1,4 @@
-"""Balance metrics (DESIGN.md): max over ranks ÷ mean over ranks, per step and per micro-batch."""
+"""Balance metrics: max over ranks ÷ mean over ranks, per step and per micro-batch."""
 
 from __future__ import annotations
 

@@ -48,7 +48,6 @@ class Starved(Exception):
 @dataclass(slots=True)
 class StepSelection:
     bins: list[list[Piece]]  # dp*micro_batches bins of pieces
-    bin_tokens: np.ndarray  # int64 [n_bins]
     source_tokens: np.ndarray  # int64 [n_sources]
     total_tokens: int
     longest_piece: int  # over placed and blocked pieces: the unit of the per-step mix bound
@@ -111,4 +110,4 @@ def _select(streams, weights, n_bins, capacity, carry) -> StepSelection:
         T += L
     if T == 0:
         raise RuntimeError("step selected no tokens: every active source is blocked on an empty step")
-    return StepSelection(bins, capacity - free, D, T, longest)
+    return StepSelection(bins, D, T, longest)

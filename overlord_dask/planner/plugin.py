@@ -48,6 +48,7 @@ from ..plan.loading import plan_from_dict, plan_to_dict
 from ..protocol import HANDLERS, STREAM_HANDLERS, batch_key, load_prefix, rank_queue_name
 from ..partition import UnitParts
 from . import observe
+from . import pieces as P
 from .signals import LoadSignals, pool_signals
 from .state import PlannerState
 
@@ -243,9 +244,9 @@ class PlannerPlugin(SchedulerPlugin):
                 pieces, slot = entry["pieces"], entry["slot"]
                 mine = (slot[:, 0] >= lo) & (slot[:, 0] < hi)
                 # int32 on the way to the worker: metadata is half the bytes (every field fits)
-                parts.append({"step": sp["step"], "pieces": pieces[mine].astype("<i4").tobytes(), "slot": slot[mine].astype("<i4").tobytes(),
+                parts.append({"step": sp["step"], "pieces": P.to_bytes(pieces[mine], "<i4"), "slot": P.to_bytes(slot[mine], "<i4"),
                               "piece_tokens": sp["piece_tokens"]})
-                units.append(pieces[mine][:, :3])
+                units.append(P.units(pieces[mine]))
             used = np.unique(np.concatenate(units), axis=0) if units else np.zeros((0, 3), np.int64)
             tasks.append({"key": batch_key(self.run_id, steps[0]["step"], lo, hi), "steps": parts, "ranks": [lo, hi],
                           "micro_batches": mb, "units": used.tolist()})
@@ -585,7 +586,7 @@ class PlannerPlugin(SchedulerPlugin):
             "chunk_steps": self.chunk_steps,
             "sources": list(self.state.source_names),
             "plan_version": self.state.plan_version,
-            "commit": self.state.commit_mode,
+            "commit": self.state.progress.commit_mode,
         }
 
     def snapshots(self) -> list[dict]:
@@ -625,7 +626,7 @@ class PlannerPlugin(SchedulerPlugin):
         for s, entry in self.state.ledger.items():
             if s >= start and (stop is None or s < stop):
                 p = entry["pieces"]
-                out.append({"step": s, "pieces": p.tobytes(), "slot": entry["slot"].tobytes(),
+                out.append({"step": s, "pieces": P.to_bytes(p), "slot": entry["slot"].tobytes(),
                             "sample_ids": self.state.sample_ids(p).tobytes(),
                             "dropped": self.state.dropped_ids(entry["dropped"]).tobytes()})
         return out

@@ -81,8 +81,6 @@ class SourceStream:
     first_ids: np.ndarray  # int64 [n_units]
     seed: int
     piece_tokens: int
-    shuffle_units: bool = True
-    shuffle_docs: bool = True
     drop_over: int | None = None  # context policy 'drop': documents longer than this are skipped
     # cursor of the next piece to plan
     epoch: int = 0
@@ -119,11 +117,7 @@ class SourceStream:
     def _order_and_rank(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         o = self._orders.get(epoch)
         if o is None:
-            if self.shuffle_units:
-                rng = np.random.default_rng(stable_seed(self.seed, "units", self.name, epoch))
-                order = rng.permutation(self.n_units)
-            else:
-                order = np.arange(self.n_units)
+            order = np.random.default_rng(stable_seed(self.seed, "units", self.name, epoch)).permutation(self.n_units)
             o = (order, np.argsort(order))
             self._orders = {e: v for e, v in self._orders.items() if e >= epoch - 1}
             self._orders[epoch] = o
@@ -142,6 +136,10 @@ class SourceStream:
             self.split, self.long_cur, self.split_wanted = int(cur[5]), [int(x) for x in cur[6:10]], bool(cur[10])
         else:
             self.split, self.long_cur, self.split_wanted = 0, None, False
+
+    def next_unit(self, epoch: int, pos: int) -> tuple[int, int]:
+        """The position after ``pos`` in ``epoch``'s order (the next epoch's first at the end)."""
+        return (epoch, pos + 1) if pos + 1 < self.n_units else (epoch + 1, 0)
 
     def _unit_here(self) -> tuple[int, int]:
         return self.epoch, int(self.order(self.epoch)[self.pos])
@@ -218,11 +216,13 @@ class SourceStream:
             return None
         return L > self.split if cls == "long" else L <= self.split
 
-    def _trailing(self) -> tuple:
+    def trailing(self) -> tuple:
+        """The cursor behind: of the two length classes while split, else the one cursor."""
         main = tuple(self._cur("short"))
         return min(main, tuple(self.long_cur)) if self.split else main
 
-    def _leading(self) -> tuple:
+    def leading(self) -> tuple:
+        """The cursor ahead (see ``trailing``)."""
         main = tuple(self._cur("short"))
         return max(main, tuple(self.long_cur)) if self.split else main
 
@@ -244,9 +244,7 @@ class SourceStream:
             if first < stop:
                 return  # a document of the trailing class is still unconsumed before the leading cursor
             doc, tok = 0, 0
-            pos += 1
-            if pos >= self.n_units:
-                e, pos = e + 1, 0
+            e, pos = self.next_unit(e, pos)
             if (e, pos) > lead[:2]:
                 break
         self.epoch, self.pos, self.doc, self.tok = lead
@@ -324,9 +322,7 @@ class SourceStream:
                                       "in a whole pass over its files; leave it out of the stage's long_sources")
                 raise SourceError(f"source {self.name!r} is empty: a whole pass over its files found no tokens")
             doc, tok = 0, 0
-            pos += 1
-            if pos >= self.n_units:
-                e, pos = e + 1, 0
+            e, pos = self.next_unit(e, pos)
         out = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
         kout = np.concatenate(keys) if keys else np.zeros((0, 4), dtype=np.int64)
         return out, kout, total, (total >= min_tokens) if until is None else True
@@ -338,7 +334,7 @@ class SourceStream:
         if not self.split or cls is not None:
             self.advance_past(rows[-1], cls if self.split else None)
             return
-        lens = np.array([self.lengths[(int(e), int(u))][self._shuffled_doc((int(e), int(u)), int(d))] for e, u, d in rows[:, :3].tolist()])
+        lens = np.array([self.lengths[(int(e), int(u))][self.shuffled_doc((int(e), int(u)), int(d))] for e, u, d in rows[:, :3].tolist()])
         is_long = lens > self.split
         for c, sel in (("short", ~is_long), ("long", is_long)):
             if sel.any():
@@ -349,7 +345,7 @@ class SourceStream:
         """Move the cursor (of class ``cls``) just past piece ``row`` = [epoch, unit, doc, start,
         stop], recording the documents the drop policy skipped on the way."""
         e, unit, file_doc, _, stop = (int(x) for x in row)
-        doc = self._shuffled_doc((e, unit), file_doc)
+        doc = self.shuffled_doc((e, unit), file_doc)
         if self.drop_over is not None:
             self._record_drops(e, self.position(e, unit), doc, cls)
         L = int(self.lengths[(e, unit)][doc])
@@ -372,16 +368,15 @@ class SourceStream:
                 mask = self._class_mask(lens[idx], cls)
                 for k in idx[over if mask is None else over & mask].tolist():
                     self.drops[(e, unit, self._file_doc((e, unit), k))] = int(lens[k])
-            d, tok, p = 0, 0, p + 1
-            if p >= self.n_units:
-                e, p = e + 1, 0
+            d, tok = 0, 0
+            e, p = self.next_unit(e, p)
 
     def _file_doc(self, key: tuple[int, int], shuffled):
         """Document index in the unit's file order from its position in the shuffled order."""
         perm = self.perms.get(key)
         return shuffled if perm is None else perm[0][shuffled]
 
-    def _shuffled_doc(self, key: tuple[int, int], file_doc: int) -> int:
+    def shuffled_doc(self, key: tuple[int, int], file_doc: int) -> int:
         perm = self.perms.get(key)
         return file_doc if perm is None else int(perm[1][file_doc])
 
@@ -403,8 +398,8 @@ class SourceStream:
         (evicted: loaded again when the trailing cursor gets near)."""
         done = [key for key in self.lengths if self._behind(*key)]
         if self.split:
-            te, tp = self._trailing()[:2]
-            le, lp = self._leading()[:2]
+            te, tp = self.trailing()[:2]
+            le, lp = self.leading()[:2]
             far = (te * self.n_units + tp) + max(self.evict_after, self.keep_units)
             for e, u in self.lengths:
                 p = self.position(e, u)
@@ -416,7 +411,7 @@ class SourceStream:
         return done
 
     def _behind(self, epoch: int, unit: int) -> bool:
-        te, tp = self._trailing()[:2]
+        te, tp = self.trailing()[:2]
         return epoch < te or (epoch == te and self.position(epoch, unit) < tp)
 
     # ---- loading look-ahead -------------------------------------------------------------------
@@ -442,10 +437,7 @@ class SourceStream:
         max_inflight = self.inflight_for(target_tokens - have, max_inflight)
         while len(self.requested) < max_inflight and (have < target_tokens or not self.lengths and not self.requested):
             key = (self.req_epoch, int(self.order(self.req_epoch)[self.req_pos]))
-            self.req_pos += 1
-            if self.req_pos >= self.n_units:
-                self.req_epoch += 1
-                self.req_pos = 0
+            self.req_epoch, self.req_pos = self.next_unit(self.req_epoch, self.req_pos)
             if key in self.lengths or key in self.requested:
                 continue
             self.requested.add(key)
@@ -490,10 +482,8 @@ class SourceStream:
                 else:
                     have += int(lens[self._class_mask(lens, cls)].sum())
                 n += 1
-                p += 1
-                if p >= self.n_units:
-                    e, p = e + 1, 0
-            if tuple(self._cur(cls)) == self._trailing():
+                e, p = self.next_unit(e, p)
+            if tuple(self._cur(cls)) == self.trailing():
                 self.keep_units = max(self.evict_after, n)
         return out
 
@@ -511,7 +501,7 @@ class SourceStream:
             self.first_pass[unit] = int(lengths.sum())
         if vision is not None and np.any(vision):
             self.vision[key] = (np.asarray(vision, dtype=np.int64), lengths)
-        if self.shuffle_docs and len(lengths) > 1:
+        if len(lengths) > 1:
             rng = np.random.default_rng(stable_seed(self.seed, "docs", self.name, epoch, unit))
             perm = rng.permutation(len(lengths))
             self.perms[key] = (perm, np.argsort(perm))

@@ -10,7 +10,8 @@ from ..errors import SourceError
 from ..plan.models import Plan, Source
 from . import parquet, zarr_source
 from .blocks import SampleBlock
-from .tokenizers import import_callable, resolve_tokenizer
+from ..plan.base import import_callable
+from .tokenizers import resolve_tokenizer
 from .units import LoadUnit
 
 FORMATS = {"parquet": parquet, "zarr": zarr_source}

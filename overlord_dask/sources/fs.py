@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import fsspec
 from fsspec.core import url_to_fs
 
 from ..errors import SourceError
+from ..plan.base import resolve_url
 from ..plan.models import Source
 
 _GLOB_CHARS = "*?["
-
-
-def resolve_url(url: str, base_dir: str | None) -> str:
-    """An fsspec URL as given, or a relative local path joined to the plan's folder."""
-    if "://" not in url and not os.path.isabs(url):
-        url = os.path.join(base_dir or os.getcwd(), url)
-    return url
 
 
 def source_url(source: Source, base_dir: str | None) -> str:

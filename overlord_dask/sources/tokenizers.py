@@ -13,12 +13,12 @@ with its Rust batch encoder; each document ends with the file's end-of-text toke
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
+from ..plan.base import import_callable, resolve_url
 from ..vocab import EOS_ID, PAD_ID  # noqa: F401  (re-exported: tokenizers' ids)
 
 BYTE_OFFSET = 3
@@ -120,33 +120,16 @@ def hf_tokenize(url: str) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]
 TOKENIZERS: dict[str, Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]] = {"byte": byte_tokenize}
 
 
-def import_callable(spec: str) -> Callable:
-    """Resolve ``package.module:callable``; the error names the spec and what went wrong."""
-    if ":" not in spec:
-        raise ValueError(f"{spec!r} is neither a built-in name nor of the form 'module:callable'")
-    mod_name, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(mod_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import module {mod_name!r} for {spec!r}: {err}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"module {mod_name!r} has no attribute {attr!r} (from {spec!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{spec!r} is not callable")
-    return obj
-
-
 def resolve_tokenizer(name: str, base_dir: str | None = None) -> Callable[[pa.Array], tuple[np.ndarray, np.ndarray]]:
     """A tokenizer by name: built-in, ``hf:PATH`` (relative to ``base_dir``, the plan's folder) or
     ``module:callable``."""
     if name in TOKENIZERS:
         return TOKENIZERS[name]
     if name.startswith("hf:"):
-        from .fs import resolve_url
-
         return hf_tokenize(resolve_url(name[3:], base_dir))
+    if ":" not in name:
+        raise ValueError(f"unknown tokenizer: {name!r} is neither a built-in name nor of the form 'module:callable'; "
+                         f"built-in tokenizers: {sorted(TOKENIZERS)}")
     try:
         return _wrap_python_tokenizer(import_callable(name))
     except ValueError as err:

@@ -30,10 +30,6 @@ class LoadUnit:
     def n_docs(self) -> int:
         return self.stop - self.start
 
-    @property
-    def key(self) -> str:
-        return f"{self.source}/{self.index}"
-
     def describe(self) -> str:
         where = f"row group {self.part} rows {self.start}:{self.stop}" if self.part >= 0 else f"documents {self.start}:{self.stop}"
         return f"source {self.source!r} unit {self.index} ({self.path}, {where})"

@@ -1,0 +1,72 @@
+"""The ledger: every planned step's pieces and where they went, and its metrics.
+
+A step's entry is ``{"pieces": int64 rows (pieces.py), "slot": int32 [rank, micro_batch] per
+row, "dropped": rows [source, epoch, unit, doc, tokens] a drop policy skipped}``. Entries stay
+until every rank has acknowledged the step, then a bounded history (``history_steps``) is kept
+for inspection (``overlord status``, the notebooks, exactly-once checks); metrics are kept for
+the same history. Read it as a mapping ``step -> entry``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import pieces as P
+from .metrics import step_imbalance
+
+
+class Ledger(Mapping):
+    def __init__(self, history_steps: int = 100_000):
+        self.history_steps = history_steps
+        self.entries: OrderedDict[int, dict] = OrderedDict()
+        self.metrics: OrderedDict[int, dict] = OrderedDict()
+
+    def __getitem__(self, step: int) -> dict:
+        return self.entries[step]
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def record(self, step: int, pieces: np.ndarray, slot: np.ndarray, drops: np.ndarray, metrics: dict, committed: int) -> dict:
+        """Enter step ``step`` (``pieces.flatten`` of its ``[rank][micro_batch] -> rows``) with
+        its ``metrics``; forget what the history no longer holds (never an uncommitted step)."""
+        entry = self.entries[step] = {"pieces": pieces, "slot": slot, "dropped": drops}
+        self.metrics[step] = metrics
+        while len(self.metrics) > self.history_steps:
+            self.metrics.popitem(last=False)
+        while len(self.entries) > self.history_steps and next(iter(self.entries)) < committed:
+            self.entries.popitem(last=False)
+        return entry
+
+
+def step_metrics(step: int, pieces: np.ndarray, drops: np.ndarray, mb_costs: np.ndarray, piece_costs: np.ndarray, *,
+                 n_sources: int, step_tokens: int, dp: int, context: dict) -> dict:
+    """A planned step's figures: tokens and fill, cost imbalance across ranks and micro-batches,
+    tokens per source, the cost lower bound, drops; ``context`` (pending, weights, version,
+    stage, piece size) is passed through in order."""
+    lens = P.lengths(pieces)
+    tokens = int(lens.sum())
+    imb, mb_imb = step_imbalance(mb_costs)
+    rank_costs = mb_costs.sum(axis=1)
+    out = {
+        "step": step,
+        "tokens": tokens,
+        "fill": float(tokens / step_tokens),
+        "imbalance": imb,
+        "mb_imbalance": mb_imb,
+        "source_tokens": [int(x) for x in np.bincount(pieces[:, P.SOURCE], weights=lens, minlength=n_sources)],
+        "longest_piece": int(lens.max()) if len(lens) else 0,
+        "cost_max": float(rank_costs.max()),
+        "cost_mean": float(rank_costs.mean()),
+        "lower_bound": float(max(piece_costs.max(initial=0.0), rank_costs.sum() / dp)),
+    }
+    out.update(context)
+    out["dropped_docs"] = [int(x) for x in np.bincount(drops[:, 0], minlength=n_sources)]
+    out["dropped_tokens"] = [int(x) for x in np.bincount(drops[:, 0], weights=drops[:, 4], minlength=n_sources)]
+    return out
