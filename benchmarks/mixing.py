@@ -44,7 +44,7 @@ from output import emit  # noqa: E402  (benchmarks/output.py)
 
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
-from overlord_dask.planner.streams import stable_seed  # noqa: E402
+from overlord_dask.planner.order import stable_seed  # noqa: E402
 from overlord_dask.report import window_mix_errors  # noqa: E402
 
 SOURCES = {  # name: (lognormal mu, sigma) of document lengths
@@ -140,7 +140,7 @@ def coverage(state: PlannerState, ledger: dict[int, dict]) -> tuple[int, int]:
         # walk the source's order up to its cursor, re-deriving the shuffles from their seeds
         e, pos = 0, 0
         while (e, pos) <= (s.epoch, s.pos):
-            unit = int(s.order(e)[pos])
+            unit = int(s.ordering.units(e)[pos])
             L = lengths(s.name, e, unit)
             perm = np.random.default_rng(stable_seed(s.seed, "docs", s.name, e, unit)).permutation(len(L))
             stop_doc = s.doc if (e, pos) == (s.epoch, s.pos) else len(L)

@@ -35,7 +35,7 @@ from output import emit  # noqa: E402  (benchmarks/output.py)
 
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
-from overlord_dask.planner.streams import stable_seed  # noqa: E402
+from overlord_dask.planner.order import stable_seed  # noqa: E402
 from overlord_dask.report import exactly_once  # noqa: E402
 from overlord_dask.snapshots import SnapshotStore, SnapshotWriter  # noqa: E402
 
@@ -73,7 +73,7 @@ def feed(state: PlannerState) -> None:
 def step_ids(state: PlannerState, step: int) -> np.ndarray:
     e = state.ledger[step]
     p = e["pieces"]
-    return np.stack([p[:, 0], p[:, 1], state.sample_ids(p), p[:, 4], e["slot"][:, 0], e["slot"][:, 1]], axis=1)
+    return np.stack([p[:, 0], p[:, 1], state.streams.sample_ids(p), p[:, 4], e["slot"][:, 0], e["slot"][:, 1]], axis=1)
 
 
 def run(state: PlannerState, until: int, on_commit=None) -> dict[int, np.ndarray]:

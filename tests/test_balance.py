@@ -47,7 +47,7 @@ def drive(state, gens, steps, seed=0):
 def piece_ids(state, step):
     e = state.ledger[step]
     p = e["pieces"]
-    return set(zip(p[:, 0].tolist(), p[:, 1].tolist(), state.sample_ids(p).tolist(), p[:, 4].tolist()))
+    return set(zip(p[:, 0].tolist(), p[:, 1].tolist(), state.streams.sample_ids(p).tolist(), p[:, 4].tolist()))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,7 +11,7 @@ import pytest
 from overlord_dask import PlanError, Service, connect
 from overlord_dask.plan import plan_from_dict, plan_to_dict
 from overlord_dask.planner.state import PlannerState
-from overlord_dask.planner.streams import stable_seed
+from overlord_dask.planner.order import stable_seed
 from overlord_dask.report import delivered_identities, delivered_record, exactly_once, planned_identities, window_mix_errors
 
 from .harness import run_ranks
@@ -209,7 +209,7 @@ def test_a_paused_source_continues_where_it_stopped():
     def order_key(r):
         _, e, unit, doc, start, _ = r
         perm = np.random.default_rng(stable_seed(rs.seed, "docs", "c", e, unit)).permutation(DOCS)
-        return (e, rs.position(e, unit), int(np.argsort(perm)[doc]), start)
+        return (e, rs.ordering.position(e, unit), int(np.argsort(perm)[doc]), start)
 
     ref_seq = sorted(((c,) + tuple(r[1:]) for s in range(30) for r in ref_ledger[s]["pieces"].tolist()), key=order_key)
     assert sorted(before + after, key=order_key) == ref_seq[: len(before) + len(after)]
@@ -233,7 +233,7 @@ def test_stage_context_splits_or_drops_long_documents_and_records_drops():
         seen = {tuple(r[1:4]) for r in pieces[pieces[:, 0] == i][:, :4].tolist()} | {tuple(r[1:4]) for r in drops[drops[:, 0] == i].tolist()}
         e, pos = 0, 0
         while (e, pos) < (s.epoch, s.pos):  # every document of every unit the cursor passed
-            unit = int(s.order(e)[pos])
+            unit = int(s.ordering.units(e)[pos])
             L = lengths(s.name, e, unit)
             assert {(e, unit, k) for k in range(len(L))} <= seen, (s.name, e, unit)
             pos += 1
@@ -320,7 +320,7 @@ def _check_classes_exactly_once(state, ledger, threshold=2000):
         trail = min(cur.values())
         e, pos = 0, 0
         while (e, pos) <= max(cur.values())[:2]:
-            unit = int(s.order(e)[pos])
+            unit = int(s.ordering.units(e)[pos])
             L = lengths(s.name, e, unit)
             perm = np.random.default_rng(stable_seed(s.seed, "docs", s.name, e, unit)).permutation(len(L))
             for k in range(len(L)):
@@ -370,9 +370,9 @@ def test_long_share_stage_reads_each_class_once_and_meets_the_share():
         te, tp = s.trailing()[:2]
         lead = s.leading()[:2]
         for e, u in s.lengths:
-            p = s.position(e, u)
-            assert (e, p) >= lead or e * s.n_units + p <= te * s.n_units + tp + max(s.evict_after, s.keep_units), (s.name, e, p)
-        assert s.keep_units < 20
+            p = s.ordering.position(e, u)
+            assert (e, p) >= lead or e * s.n_units + p <= te * s.n_units + tp + max(s.evict_after, s.loads.keep_units), (s.name, e, p)
+        assert s.loads.keep_units < 20
 
 
 def test_after_a_long_share_stage_the_classes_merge_back():

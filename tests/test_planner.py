@@ -69,7 +69,7 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
         err = np.abs(sel.source_tokens - w * sel.total_tokens)
         assert err.max() <= 2 * sel.longest_piece + 1e-9  # per-step mix bound
         order = sorted((p for b in sel.bins for p in b),
-                       key=lambda p: (p.epoch, streams[p.source].position(p.epoch, p.unit), streams[p.source].shuffled_doc((p.epoch, p.unit), p.doc), p.start))
+                       key=lambda p: (p.epoch, streams[p.source].ordering.position(p.epoch, p.unit), streams[p.source].ordering.shuffled_doc((p.epoch, p.unit), p.doc), p.start))
         for p in order:
             per_source[p.source].append(p)
     # each source's pieces tile its documents in (shuffled) order, exactly once, each piece <= piece size
@@ -79,11 +79,11 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
         for p in pieces:
             assert p.length <= piece and p.length > 0
             L = s.lengths[(p.epoch, p.unit)]  # in shuffled order
-            doc = s.shuffled_doc((p.epoch, p.unit), p.doc)
+            doc = s.ordering.shuffled_doc((p.epoch, p.unit), p.doc)
             # skip empty documents and finished units between consecutive pieces
-            while (expect_e, expect_pos) != (p.epoch, s.position(p.epoch, p.unit)) or expect_doc != doc:
+            while (expect_e, expect_pos) != (p.epoch, s.ordering.position(p.epoch, p.unit)) or expect_doc != doc:
                 assert expect_tok == 0, "a document was left half-delivered"
-                Lcur = s.lengths[(expect_e, int(s.order(expect_e)[expect_pos]))]
+                Lcur = s.lengths[(expect_e, int(s.ordering.units(expect_e)[expect_pos]))]
                 if expect_doc < len(Lcur):
                     assert Lcur[expect_doc] == 0, "a non-empty document was skipped"
                     expect_doc += 1

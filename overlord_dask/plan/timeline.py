@@ -131,6 +131,12 @@ class PlanTimeline:
         cands += [j for j in self.plan_at(step).jumps() if j > step]
         return min(cands) if cands else None
 
+    def window_len(self, start: int, steps: int) -> int:
+        """Steps in a planning window from ``start``: ``steps``, cut at the next jump of the mix or
+        context (a stage start, a source entering or leaving, a live update)."""
+        j = self.next_jump(start)
+        return steps if j is None else max(1, min(steps, j - start))
+
     def class_weights_at(self, step: int) -> np.ndarray | None:
         """``[source, (short, long)]`` shares of step ``step`` in a stage with a long share, else None."""
         ctx = self.context_at(step)

@@ -59,7 +59,7 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
     recent = [m for m in series if committed - MIX_WINDOW < m["step"] <= committed]
     window = window_figures(recent, len(names))
     d_share, w_share = window["delivered_share"], window["declared_share"]
-    acked = list(state.acked)
+    acked = list(state.progress.acked)
     sources = []
     for i, s in enumerate(state.streams):
         sources.append({
@@ -67,12 +67,12 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
             "weight": float(state.weights_at(max(committed + 1, 0))[i]),
             "delivered_share": float(d_share[i]) if i < len(d_share) else 0.0,
             "declared_share": float(w_share[i]) if i < len(w_share) else 0.0,
-            "epoch": int(s.epoch), "loads_pending": len(s.requested), "units_loaded": len(s.lengths),
+            "epoch": int(s.epoch), "loads_pending": len(s.loads.requested), "units_loaded": len(s.lengths),
             "seconds_per_token": signals.seconds_per_token(s.name),
         })
     return {
         "run_id": run_id, "name": state.final_plan.name, "dp": state.topology.dp, "planned": state.next_step, "committed": committed,
-        "durable": state.durable_step, "starved_on": state.starved_on, "failure": state.failure,
+        "durable": state.progress.durable_step, "starved_on": state.starved_on, "failure": state.failure,
         "rank_lag": [max(acked) - a for a in acked] if acked else [],
         "mix_error": window["mix_error"], "imbalance": window["imbalance"], "mb_imbalance": window["mb_imbalance"],
         "series": {"step": steps, "imbalance": [m["imbalance"] for m in series], "mb_imbalance": [m["mb_imbalance"] for m in series],

@@ -492,7 +492,7 @@ class PlannerPlugin(SchedulerPlugin):
             return {"error": f"rank {rank} cp rank {cp_rank} does not exist: the plan has dp={topo.dp}, cp={topo.cp}"}
         st = self.state
         i = rank * st.topology.cp + cp_rank
-        first = max(st.replay_until, st.acked[i] + 1 if i < len(st.acked) else 0)
+        first = max(st.replay_until, st.progress.acked[i] + 1 if i < len(st.progress.acked) else 0)
         gen = self.generation.get((rank, cp_rank), 0) + 1
         self.generation[(rank, cp_rank)] = gen
         old = self._channels.get(self._subs.pop((rank, cp_rank), ""))  # the previous consumer's subscription ends here
@@ -513,12 +513,12 @@ class PlannerPlugin(SchedulerPlugin):
         self.counters["acks"] += 1
         if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
             self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
-        before, before_durable = st.committed, st.durable_step
+        before, before_durable = st.committed, st.progress.durable_step
         try:
             committed = st.ack(rank, step, cp_rank, durable)
         except ValueError as err:
             return {"committed": st.committed, "error": str(err)}
-        if st.durable_step > before_durable and self.store is not None:
+        if st.progress.durable_step > before_durable and self.store is not None:
             self._wake.set()
         if committed > before:
             done = [k for k, t in self.tasks.items() if t["steps"][-1] < committed]
@@ -627,8 +627,8 @@ class PlannerPlugin(SchedulerPlugin):
             if s >= start and (stop is None or s < stop):
                 p = entry["pieces"]
                 out.append({"step": s, "pieces": P.to_bytes(p), "slot": entry["slot"].tobytes(),
-                            "sample_ids": self.state.sample_ids(p).tobytes(),
-                            "dropped": self.state.dropped_ids(entry["dropped"]).tobytes()})
+                            "sample_ids": self.state.streams.sample_ids(p).tobytes(),
+                            "dropped": self.state.streams.dropped_ids(entry["dropped"]).tobytes()})
         return out
 
     def fail(self, message: str) -> None:

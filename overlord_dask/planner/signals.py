@@ -79,11 +79,11 @@ def pool_signals(state, signals: LoadSignals, lead_s: float) -> dict:
     committed = state.committed
     rate = signals.steps_per_s(committed)
     peak = signals.peak_steps_per_s(rate)
-    window = plan.balance.window if plan.balance.policy == "cost" else 1
+    window = state.policy.window_steps(plan.balance)
     start = committed + 1
     horizon = max(2 * window + plan.loading.prefetch_steps, int(np.ceil(lead_s * max(rate, peak))))
     now = state.weights_at(max(start, 0))
-    ahead = state.weights_over(max(start, 0), start + horizon + 1)
+    ahead = state.timeline.max_mix_over(max(start, 0), start + horizon + 1)
     sources = {}
     for i, s in enumerate(state.streams):
         src = state.timeline.source(s.name)
@@ -94,8 +94,8 @@ def pool_signals(state, signals: LoadSignals, lead_s: float) -> dict:
             "seconds_per_token": signals.seconds_per_token(s.name),
             "block_bytes": signals.block_bytes(s.name),
             "loads": signals.loads.get(s.name, 0),
-            "loads_pending": len(s.requested),
-            "blocks_held": len(s.lengths) + len(s.requested),  # loaded and not yet planned through, or on their way
+            "loads_pending": len(s.loads.requested),
+            "blocks_held": len(s.lengths) + len(s.loads.requested),  # loaded and not yet planned through, or on their way
             "tokens_ready": s.unplanned_tokens(),
         }
     return {

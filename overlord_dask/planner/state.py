@@ -35,6 +35,7 @@ from .policies import POLICIES, Window
 from .progress import Progress
 from .streams import SourceStream
 from .streamset import StreamSet
+from .windows import WindowStarts
 
 STATE_VERSION = 3  # 2: every policy's counters in every snapshot (still read)
 
@@ -47,8 +48,6 @@ def decode_updates(state: dict | None) -> list[tuple[int, Plan]]:
 
 
 class PlannerState:
-    MAX_PASSES_PER_WINDOW = 4
-
     def __init__(self, plan: Plan, unit_first_ids: dict[str, list[int]], *, history_steps: int = 100_000, state: dict | None = None,
                  updates: list[tuple[int, Plan]] = ()):
         self.final_plan = plan
@@ -68,7 +67,7 @@ class PlannerState:
         self.starved_on: str | None = None
         self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs, drops or None)
         self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
-        self.windows: OrderedDict[int, dict] = OrderedDict()  # first step of a planned window -> state before it
+        self.windows = WindowStarts(lambda: {**self.streams.get_state(), **self.policy.get_state()})
         self.pool_workers: dict[str, int] = {}  # workers per loader pool, as the autoscaler last reported (metrics only)
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
         if state is not None:
@@ -98,16 +97,8 @@ class PlannerState:
         return self.policy.pending
 
     @property
-    def acked(self) -> list[int]:
-        return self.progress.acked
-
-    @property
     def committed(self) -> int:
         return self.progress.committed
-
-    @property
-    def durable_step(self) -> int:
-        return self.progress.durable_step
 
     @property
     def planned_until(self) -> int:
@@ -146,17 +137,8 @@ class PlannerState:
     # ---- loading ------------------------------------------------------------------------------
     def wanted(self) -> list[list]:
         """Units whose metadata the planner needs next: [source, epoch, unit] each."""
-        out = []
-        step_tokens = self.topology.step_tokens
-        for s, w in zip(self.streams, self._weights_ahead()):
-            if w <= 0:
-                continue
-            target = max(1, int(w * step_tokens * (self._window_steps() + 1) * 1.3))
-            if s.name == self.starved_on:  # planning needs more of this source than the look-ahead holds
-                target = s.unplanned_tokens() + 1 if not s.split else 2 * target
-            for epoch, unit in s.want(target, self.plan.loading.units_ahead):
-                out.append([s.name, epoch, unit])
-        return out
+        return self.streams.wanted(self._weights_ahead(), self.topology.step_tokens, self._window_steps(), self.plan.loading.units_ahead,
+                                   self.starved_on)
 
     def _window_steps(self) -> int:
         return self.policy.window_steps(self.balance)
@@ -167,36 +149,17 @@ class PlannerState:
         t0 = self.planned_until
         return self.timeline.max_mix_over(t0, t0 + 2 * self._window_steps() + 1)
 
-    def _window_len(self, start: int) -> int:
-        """Steps in the planning window from ``start``: ``balance.window``, cut at the next jump
-        of the mix or context (a stage start, a source entering or leaving, a live update)."""
-        j = self.timeline.next_jump(start)
-        n = self._window_steps()
-        return n if j is None else max(1, min(n, j - start))
-
     def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
+        """A loaded unit's document lengths (and image tokens per document); False if not needed
+        (a duplicate, or a unit planning has passed). Checks, once a whole pass of the source has
+        arrived, that it is not far smaller than what a window takes from it."""
         s = self.streams.by_name(source)
-        before = s.tokens_per_pass()
+        before = s.loads.tokens_per_pass()
         added = s.add_lengths(epoch, unit, lengths, vision)
-        if before is None and s.tokens_per_pass() is not None:
-            self._check_source_size(s)
+        if before is None and s.loads.tokens_per_pass() is not None:
+            self.streams.check_pass(s, float(self._weights_ahead()[s.index]), self.step_budget, self._window_steps(),
+                                    self.topology.tokens_per_micro_batch)
         return added
-
-    def _check_source_size(self, s: SourceStream) -> None:
-        """A source whose whole pass over its files is a small part of what one planning window
-        takes from it would repeat every document many times per step (all-empty documents, a
-        handful of tiny ones, micro-batches far larger than the corpus): fail, saying so, instead
-        of loading the same units over and over with no batch in sight."""
-        per_pass = s.tokens_per_pass()
-        w = float(self._weights_ahead()[s.index])
-        need = w * self.step_budget * self._window_steps()
-        if w > 0 and need > self.MAX_PASSES_PER_WINDOW * per_pass:
-            raise PlanError(
-                f"source {s.name!r} holds only {per_pass:,} tokens in a whole pass over its files ({s.n_units} units), but a "
-                f"planning window of {self._window_steps()} steps takes about {int(need):,} tokens from it (weight {w:.3g}), "
-                f"{need / max(per_pass, 1):.0f} passes: every document would repeat within a few steps. Lower its weight, use "
-                f"smaller micro-batches (tokens_per_micro_batch={self.topology.tokens_per_micro_batch:,}), or add data"
-            )
 
     def costs(self, rows: np.ndarray) -> np.ndarray:
         """Cost of planned piece rows (backbone tokens and, with an encoder cost, image tokens)."""
@@ -249,23 +212,23 @@ class PlannerState:
         """Plan the window that starts at ``planned_until`` into ``ready``; its state beforehand
         is kept for snapshots (``windows``)."""
         start = self.planned_until
-        self.windows[start] = self._capture()
+        self.windows.begin(start)
         ctx = self.timeline.context_at(start)
         self.streams.apply_context(ctx)
         self.policy.pending = P.recut(self.policy.pending, ctx.piece_tokens)  # waiting pieces take this stage's piece size
-        window = Window(start=start, steps=self._window_len(start), streams=self.streams.streams, topology=self.topology,
+        window = Window(start=start, steps=self.timeline.window_len(start, self._window_steps()), streams=self.streams.streams, topology=self.topology,
                         balance=self.balance, step_budget=self.step_budget, heavy_tokens=self.heavy_tokens,
                         weights_at=self.weights_at, class_weights_at=self.timeline.class_weights_at, costs=self.costs)
         try:
             planned = self.policy.plan(window)
         except Starved:
-            del self.windows[start]
+            self.windows.abandon(start)
             self.streams.forget_drops()
             raise
         drops = self.streams.drain_drops()
         for k, (ranks, mb_costs) in enumerate(planned):
             self.ready.append((ranks, mb_costs, drops if k == 0 else None))
-        self._prune_windows()
+        self.windows.prune(self.progress.durable_step)
 
     def plan_ahead(self, steps: int) -> int:
         """Plan whole windows ahead of hand-out until at least ``steps`` planned steps wait in
@@ -299,30 +262,13 @@ class PlannerState:
             metrics["pool_workers"] = dict(self.pool_workers)
         return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)
 
-    # ---- state (snapshots) ---------------------------------------------------------------------
-    # The planner is a pure function of its state at the start of a window and of the (reloaded)
-    # unit lengths, so a snapshot holds only that small state (the parts' get_state), the step the
-    # window starts at and the committed step; a restore re-plans from there and hands out steps
-    # from `committed` on.
-
-    def _capture(self) -> dict:
-        return {**self.streams.get_state(), **self.policy.get_state()}
-
-    def _prune_windows(self) -> None:
-        """Keep the window holding the oldest non-durable step and every later one."""
-        keys = list(self.windows)
-        for k, nxt in zip(keys, keys[1:]):
-            if nxt <= self.durable_step:
-                del self.windows[k]
-
+    # ---- state (snapshots: windows.py) -----------------------------------------------------------
     def get_state(self) -> dict:
-        """A msgpack-friendly snapshot: topology-free positions, the window start, committed."""
-        durable = self.durable_step
-        starts = [k for k in self.windows if k <= durable]
-        if starts:
-            window_step, window = starts[-1], self.windows[starts[-1]]
-        else:
-            window_step, window = self.planned_until, self._capture()
+        """A msgpack-friendly snapshot: the parts' state at the start of the window holding the
+        durable step, that window's first step, the durable step (a restore re-plans from the
+        window and hands out steps from there), and the topology it was planned on."""
+        durable = self.progress.durable_step
+        window_step, window = self.windows.at(durable, self.planned_until)
         t = self.topology
         return {
             "version": STATE_VERSION,
@@ -358,32 +304,13 @@ class PlannerState:
         self._use_plan(self.final_plan, acked_through=self.replay_until - 1)
         self.windows.clear()
 
-    # ---- acknowledgements and inspection ---------------------------------------------------------
+    # ---- acknowledgements and status ------------------------------------------------------------
     def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> int:
         """(``rank``, ``cp_rank``) consumed every step up to ``step`` (and, if ``durable``, saved
         them in its trainer checkpoint); idempotent. Returns ``committed``."""
         return self.progress.ack(rank, step, cp_rank, durable, planned=self.next_step)
 
-    def sample_ids(self, pieces: np.ndarray) -> np.ndarray:
-        """Source-wide sample ids of ledger pieces."""
-        return self.streams.sample_ids(pieces)
-
-    def dropped_ids(self, drops: np.ndarray) -> np.ndarray:
-        """Ledger drop rows ``[source, epoch, unit, doc, tokens]`` as ``[source, epoch, sample id, tokens]``."""
-        return self.streams.dropped_ids(drops)
-
     def status(self) -> dict:
-        st = self.streams.status()
-        return {
-            "next_step": self.next_step,
-            "committed": self.committed,
-            "durable": self.durable_step,
-            "acked": list(self.acked),
-            "failure": self.failure,
-            "starved_on": self.starved_on,
-            "cursors": st["cursors"],
-            "loaded_units": st["loaded_units"],
-            "plan_version": self.plan_version,
-            "frontier": self.frontier,
-            "dropped": st["dropped"],
-        }
+        return {"next_step": self.next_step, "committed": self.committed, "durable": self.progress.durable_step, "acked": list(self.progress.acked),
+                "failure": self.failure, "starved_on": self.starved_on, "plan_version": self.plan_version, "frontier": self.frontier,
+                **self.streams.status()}

@@ -16,22 +16,13 @@ that is what keeps the stream independent of load timing.
 
 from __future__ import annotations
 
-import hashlib
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import SourceError
-
-MAX_INFLIGHT = 256  # most loads of one source in flight at once (see SourceStream.inflight_for)
-
-
-def stable_seed(*parts: object) -> int:
-    """A 64-bit seed from stable names and numbers (never from list positions or ranks)."""
-    h = hashlib.blake2b("\x1f".join(str(p) for p in parts).encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little")
-
+from .lookahead import LoadRequests
+from .order import SourceOrder
 
 @dataclass(slots=True)
 class Piece:
@@ -87,41 +78,20 @@ class SourceStream:
     pos: int = 0
     doc: int = 0
     tok: int = 0
-    # cursor of the next unit to request for loading
-    req_epoch: int = 0
-    req_pos: int = 0
     lengths: dict = field(default_factory=dict)  # (epoch, unit) -> int64 lengths, loaded and not yet fully planned
-    requested: set = field(default_factory=set)  # (epoch, unit) requested, lengths not yet arrived
     epoch_tokens: int = 0  # tokens planned in the current epoch (to detect an all-empty source)
-    perms: dict = field(default_factory=dict)  # (epoch, unit) -> document order inside the unit
     vision: dict = field(default_factory=dict)  # (epoch, unit) -> (image tokens, length) per document in file order
     drops: dict = field(default_factory=dict)  # (epoch, unit, doc) -> tokens of a dropped document, until drained
     split: int = 0  # > 0: read by length class, documents over this many tokens are "long"
     long_cur: list | None = None  # [epoch, pos, doc, tok] of the long class while split
     split_wanted: bool = False
     evict_after: int = 4  # units between the class cursors further than this past the trailing one are evicted
-    keep_units: int = 0  # ... or further than the trailing cursor's look-ahead, if that is longer
-    loaded_units: int = 0  # units whose lengths arrived so far, and their tokens: the load look-ahead's yardstick
-    loaded_tokens: int = 0
-    first_pass: dict = field(default_factory=dict)  # unit -> tokens, for the first epoch's units as they arrive
-    _orders: dict = field(default_factory=dict)
+    ordering: SourceOrder = field(init=False)  # unit and document order (order.py)
+    loads: LoadRequests = field(init=False)  # the loading look-ahead (lookahead.py)
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The units of ``epoch`` in the order they are planned."""
-        return self._order_and_rank(epoch)[0]
-
-    def position(self, epoch: int, unit: int) -> int:
-        """Where ``unit`` stands in ``epoch``'s order."""
-        return int(self._order_and_rank(epoch)[1][unit])
-
-    def _order_and_rank(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        o = self._orders.get(epoch)
-        if o is None:
-            order = np.random.default_rng(stable_seed(self.seed, "units", self.name, epoch)).permutation(self.n_units)
-            o = (order, np.argsort(order))
-            self._orders = {e: v for e, v in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = o
-        return o
+    def __post_init__(self) -> None:
+        self.ordering = SourceOrder(self.name, self.seed, self.n_units)
+        self.loads = LoadRequests(self.n_units, self.evict_after)
 
     # ---- cursor -------------------------------------------------------------------------------
     def cursor(self) -> tuple:
@@ -137,12 +107,8 @@ class SourceStream:
         else:
             self.split, self.long_cur, self.split_wanted = 0, None, False
 
-    def next_unit(self, epoch: int, pos: int) -> tuple[int, int]:
-        """The position after ``pos`` in ``epoch``'s order (the next epoch's first at the end)."""
-        return (epoch, pos + 1) if pos + 1 < self.n_units else (epoch + 1, 0)
-
     def _unit_here(self) -> tuple[int, int]:
-        return self.epoch, int(self.order(self.epoch)[self.pos])
+        return self.epoch, int(self.ordering.units(self.epoch)[self.pos])
 
     def peek(self) -> Piece | None:
         """The next piece, or None if its unit's lengths have not arrived yet."""
@@ -159,7 +125,7 @@ class SourceStream:
                 self.doc += 1
                 self.tok = 0
                 continue
-            doc = self._file_doc(key, self.doc)
+            doc = self.ordering.file_doc(key, self.doc)
             if self.tok == 0 and self.drop_over is not None and L > self.drop_over:
                 self.drops[(key[0], key[1], doc)] = L
                 self.doc += 1
@@ -202,7 +168,7 @@ class SourceStream:
         elif threshold is None:
             self._try_unsplit()
 
-    def _cur(self, cls: str | None) -> list[int]:
+    def class_cursor(self, cls: str | None) -> list[int]:
         return self.long_cur if cls == "long" else [self.epoch, self.pos, self.doc, self.tok]
 
     def _set_cur(self, cls: str | None, e: int, pos: int, doc: int, tok: int) -> None:
@@ -211,40 +177,40 @@ class SourceStream:
         else:
             self.epoch, self.pos, self.doc, self.tok = e, pos, doc, tok
 
-    def _class_mask(self, L: np.ndarray, cls: str | None) -> np.ndarray | None:
+    def class_mask(self, L: np.ndarray, cls: str | None) -> np.ndarray | None:
         if cls is None or not self.split:
             return None
         return L > self.split if cls == "long" else L <= self.split
 
     def trailing(self) -> tuple:
         """The cursor behind: of the two length classes while split, else the one cursor."""
-        main = tuple(self._cur("short"))
+        main = tuple(self.class_cursor("short"))
         return min(main, tuple(self.long_cur)) if self.split else main
 
     def leading(self) -> tuple:
         """The cursor ahead (see ``trailing``)."""
-        main = tuple(self._cur("short"))
+        main = tuple(self.class_cursor("short"))
         return max(main, tuple(self.long_cur)) if self.split else main
 
     def _try_unsplit(self) -> None:
         """Back to one cursor once the trailing class has nothing left before the leading cursor."""
         if not self.split or self.split_wanted:
             return
-        main = tuple(self._cur("short"))
+        main = tuple(self.class_cursor("short"))
         lead, trail_cls = (tuple(self.long_cur), "short") if tuple(self.long_cur) >= main else (main, "long")
-        e, pos, doc, tok = self._cur(trail_cls)
+        e, pos, doc, tok = self.class_cursor(trail_cls)
         while (e, pos, doc) < lead[:3]:
-            unit = int(self.order(e)[pos])
+            unit = int(self.ordering.units(e)[pos])
             lens = self.lengths.get((e, unit))
             if lens is None:
                 return  # not loaded: cannot tell yet
             stop = lead[2] if (e, pos) == lead[:2] else len(lens)
-            mine = self._class_mask(lens[doc:stop], trail_cls)
+            mine = self.class_mask(lens[doc:stop], trail_cls)
             first = doc + (int(np.argmax(mine)) if mine.any() else stop - doc)
             if first < stop:
                 return  # a document of the trailing class is still unconsumed before the leading cursor
             doc, tok = 0, 0
-            e, pos = self.next_unit(e, pos)
+            e, pos = self.ordering.next_unit(e, pos)
             if (e, pos) > lead[:2]:
                 break
         self.epoch, self.pos, self.doc, self.tok = lead
@@ -259,7 +225,7 @@ class SourceStream:
             rows, _, total, enough = self._scan(cls if self.split else None, min_tokens)
             return rows, enough
         # merged order: the trailing class for min_tokens, the other one up to where that ends
-        trail = "short" if tuple(self._cur("short")) <= tuple(self.long_cur) else "long"
+        trail = "short" if tuple(self.class_cursor("short")) <= tuple(self.long_cur) else "long"
         other = "long" if trail == "short" else "short"
         rt, kt, _, enough = self._scan(trail, min_tokens)
         if not enough:
@@ -278,10 +244,10 @@ class SourceStream:
         rows: list[np.ndarray] = []
         keys: list[np.ndarray] = []
         total = 0
-        e, pos, doc, tok = self._cur(cls)
+        e, pos, doc, tok = self.class_cursor(cls)
         empty_units = 0
         while (total < min_tokens) if until is None else ((e, pos) <= tuple(until[:2])):
-            unit = int(self.order(e)[pos])
+            unit = int(self.ordering.units(e)[pos])
             lens = self.lengths.get((e, unit))
             if lens is None:
                 return (np.concatenate(rows) if rows else np.zeros((0, 5), np.int64),
@@ -290,7 +256,7 @@ class SourceStream:
             if len(L):
                 rem = L.copy()
                 rem[0] -= tok
-                mask = self._class_mask(L, cls)
+                mask = self.class_mask(L, cls)
                 if mask is not None:
                     rem[~mask] = 0
                 if self.drop_over is not None:  # dropped documents yield no pieces (a started one finishes)
@@ -305,7 +271,7 @@ class SourceStream:
                     start = k * self.piece_tokens + np.where(d == 0, tok, 0)
                     stop = np.minimum(start + self.piece_tokens, L[d])
                     block = np.empty((k_total, 5), dtype=np.int64)
-                    block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = e, unit, self._file_doc((e, unit), d + doc), start, stop
+                    block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = e, unit, self.ordering.file_doc((e, unit), d + doc), start, stop
                     rows.append(block)
                     key = np.empty((k_total, 4), dtype=np.int64)
                     key[:, 0], key[:, 1], key[:, 2], key[:, 3] = e, pos, d + doc, start
@@ -322,7 +288,7 @@ class SourceStream:
                                       "in a whole pass over its files; leave it out of the stage's long_sources")
                 raise SourceError(f"source {self.name!r} is empty: a whole pass over its files found no tokens")
             doc, tok = 0, 0
-            e, pos = self.next_unit(e, pos)
+            e, pos = self.ordering.next_unit(e, pos)
         out = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
         kout = np.concatenate(keys) if keys else np.zeros((0, 4), dtype=np.int64)
         return out, kout, total, (total >= min_tokens) if until is None else True
@@ -334,7 +300,7 @@ class SourceStream:
         if not self.split or cls is not None:
             self.advance_past(rows[-1], cls if self.split else None)
             return
-        lens = np.array([self.lengths[(int(e), int(u))][self.shuffled_doc((int(e), int(u)), int(d))] for e, u, d in rows[:, :3].tolist()])
+        lens = np.array([self.lengths[(int(e), int(u))][self.ordering.shuffled_doc((int(e), int(u)), int(d))] for e, u, d in rows[:, :3].tolist()])
         is_long = lens > self.split
         for c, sel in (("short", ~is_long), ("long", is_long)):
             if sel.any():
@@ -345,19 +311,19 @@ class SourceStream:
         """Move the cursor (of class ``cls``) just past piece ``row`` = [epoch, unit, doc, start,
         stop], recording the documents the drop policy skipped on the way."""
         e, unit, file_doc, _, stop = (int(x) for x in row)
-        doc = self.shuffled_doc((e, unit), file_doc)
+        doc = self.ordering.shuffled_doc((e, unit), file_doc)
         if self.drop_over is not None:
-            self._record_drops(e, self.position(e, unit), doc, cls)
+            self._record_drops(e, self.ordering.position(e, unit), doc, cls)
         L = int(self.lengths[(e, unit)][doc])
-        self._set_cur(cls, e, self.position(e, unit), *((doc + 1, 0) if stop >= L else (doc, stop)))
+        self._set_cur(cls, e, self.ordering.position(e, unit), *((doc + 1, 0) if stop >= L else (doc, stop)))
         self.epoch_tokens = 1  # this epoch has tokens: the empty-source check is satisfied
 
     def _record_drops(self, epoch: int, pos: int, doc: int, cls: str | None = None) -> None:
         """Record the documents over ``drop_over`` (of class ``cls``) between that class's cursor
         and (epoch, pos, doc)."""
-        e, p, d, tok = self._cur(cls)
+        e, p, d, tok = self.class_cursor(cls)
         while (e, p) <= (epoch, pos):
-            unit = int(self.order(e)[p])
+            unit = int(self.ordering.units(e)[p])
             lens = self.lengths.get((e, unit))
             if lens is not None:
                 hi = doc if (e, p) == (epoch, pos) else len(lens)
@@ -365,20 +331,11 @@ class SourceStream:
                 if tok and len(idx):
                     idx = idx[1:]  # a started document is finished, never dropped
                 over = lens[idx] > self.drop_over
-                mask = self._class_mask(lens[idx], cls)
+                mask = self.class_mask(lens[idx], cls)
                 for k in idx[over if mask is None else over & mask].tolist():
-                    self.drops[(e, unit, self._file_doc((e, unit), k))] = int(lens[k])
+                    self.drops[(e, unit, self.ordering.file_doc((e, unit), k))] = int(lens[k])
             d, tok = 0, 0
-            e, p = self.next_unit(e, p)
-
-    def _file_doc(self, key: tuple[int, int], shuffled):
-        """Document index in the unit's file order from its position in the shuffled order."""
-        perm = self.perms.get(key)
-        return shuffled if perm is None else perm[0][shuffled]
-
-    def shuffled_doc(self, key: tuple[int, int], file_doc: int) -> int:
-        perm = self.perms.get(key)
-        return file_doc if perm is None else int(perm[1][file_doc])
+            e, p = self.ordering.next_unit(e, p)
 
     def piece_vision(self, rows: np.ndarray) -> np.ndarray:
         """Image tokens in pieces ``[.., epoch, unit, doc, start, stop]`` (last five columns) of
@@ -400,23 +357,23 @@ class SourceStream:
         if self.split:
             te, tp = self.trailing()[:2]
             le, lp = self.leading()[:2]
-            far = (te * self.n_units + tp) + max(self.evict_after, self.keep_units)
+            far = (te * self.n_units + tp) + max(self.evict_after, self.loads.keep_units)
             for e, u in self.lengths:
-                p = self.position(e, u)
+                p = self.ordering.position(e, u)
                 if (e, p) < (le, lp) and e * self.n_units + p > far:
                     done.append((e, u))
         for key in done:
             del self.lengths[key]
-            self.perms.pop(key, None)
+            self.ordering.forget(key)
         return done
 
     def _behind(self, epoch: int, unit: int) -> bool:
         te, tp = self.trailing()[:2]
-        return epoch < te or (epoch == te and self.position(epoch, unit) < tp)
+        return epoch < te or (epoch == te and self.ordering.position(epoch, unit) < tp)
 
-    # ---- loading look-ahead -------------------------------------------------------------------
+    # ---- loading -------------------------------------------------------------------------------
     def unplanned_tokens(self) -> int:
-        """Loaded tokens not planned yet (one cursor; while split, ``_want_split`` counts per class)."""
+        """Loaded tokens not planned yet (one cursor; while split, the look-ahead counts per class)."""
         total = 0
         for (e, u), lens in self.lengths.items():
             if (e, u) == self._unit_here():
@@ -425,86 +382,16 @@ class SourceStream:
                 total += int(lens.sum())
         return total
 
-    def want(self, target_tokens: int, max_inflight: int) -> list[tuple[int, int]]:
-        """Next units to load so that about ``target_tokens`` unplanned tokens are at hand."""
-        out = []
-        if self.split:
-            return self._want_split(target_tokens, max_inflight)
-        # never request units behind the planning cursor (after a restore, say)
-        if (self.req_epoch, self.req_pos) < (self.epoch, self.pos):
-            self.req_epoch, self.req_pos = self.epoch, self.pos
-        have = self.unplanned_tokens()
-        max_inflight = self.inflight_for(target_tokens - have, max_inflight)
-        while len(self.requested) < max_inflight and (have < target_tokens or not self.lengths and not self.requested):
-            key = (self.req_epoch, int(self.order(self.req_epoch)[self.req_pos]))
-            self.req_epoch, self.req_pos = self.next_unit(self.req_epoch, self.req_pos)
-            if key in self.lengths or key in self.requested:
-                continue
-            self.requested.add(key)
-            out.append(key)
-            if have >= target_tokens:
-                break
-        return out
-
-    def tokens_per_pass(self) -> int | None:
-        """Tokens in one pass over the source's files, once every unit was loaded once."""
-        return sum(self.first_pass.values()) if len(self.first_pass) >= self.n_units else None
-
-    def inflight_for(self, missing_tokens: int, max_inflight: int) -> int:
-        """Loads to keep in flight: ``max_inflight`` (the plan's ``units_ahead``), or as many units
-        as the missing tokens need at the tokens per unit seen so far, up to ``MAX_INFLIGHT``. A
-        source of tiny documents, or a step larger than a unit holds, otherwise took one load
-        round trip per ``units_ahead`` units (one per epoch for a one-unit source): no progress
-        for minutes."""
-        if missing_tokens <= 0 or not self.loaded_units:
-            return max_inflight
-        per_unit = max(1.0, self.loaded_tokens / self.loaded_units)
-        return max(max_inflight, min(MAX_INFLIGHT, math.ceil(missing_tokens / per_unit)))
-
-    def _want_split(self, target_tokens: int, max_inflight: int) -> list[tuple[int, int]]:
-        """While reading by length class: the units after each class cursor until about
-        ``target_tokens`` of that class are at hand (the trailing cursor's may have been evicted
-        and come back here). Remembers how far the trailing cursor looks, so eviction spares it."""
-        out = []
-        max_inflight = self.inflight_for(target_tokens, max_inflight)
-        for cls in ("short", "long"):
-            e, p = self._cur(cls)[:2]
-            have, n = 0, 0
-            while have < target_tokens and n < max(64, 4 * self.n_units):
-                key = (e, int(self.order(e)[p]))
-                lens = self.lengths.get(key)
-                if lens is None:
-                    if key not in self.requested:
-                        if len(self.requested) >= max_inflight:
-                            break
-                        self.requested.add(key)
-                        out.append(key)
-                else:
-                    have += int(lens[self._class_mask(lens, cls)].sum())
-                n += 1
-                e, p = self.next_unit(e, p)
-            if tuple(self._cur(cls)) == self.trailing():
-                self.keep_units = max(self.evict_after, n)
-        return out
-
     def add_lengths(self, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
         """Register a loaded unit's document lengths (and image tokens per document, for the
         encoder cost); idempotent (a recomputed load is ignored)."""
         key = (epoch, unit)
-        self.requested.discard(key)
+        self.loads.requested.discard(key)
         if key in self.lengths or self._behind(epoch, unit):
             return False  # a duplicate, or a unit the cursor has already passed
         lengths = np.asarray(lengths, dtype=np.int64)
-        self.loaded_units += 1
-        self.loaded_tokens += int(lengths.sum())
-        if epoch == 0:
-            self.first_pass[unit] = int(lengths.sum())
+        self.loads.arrived(epoch, unit, int(lengths.sum()))
         if vision is not None and np.any(vision):
             self.vision[key] = (np.asarray(vision, dtype=np.int64), lengths)
-        if len(lengths) > 1:
-            rng = np.random.default_rng(stable_seed(self.seed, "docs", self.name, epoch, unit))
-            perm = rng.permutation(len(lengths))
-            self.perms[key] = (perm, np.argsort(perm))
-            lengths = lengths[perm]
-        self.lengths[key] = lengths
+        self.lengths[key] = self.ordering.shuffle_docs(key, lengths)
         return True

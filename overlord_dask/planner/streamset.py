@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import PlanError
 from ..plan.models import CostModel
 from ..plan.schedule import Context
 from . import pieces as P
@@ -48,6 +49,39 @@ class StreamSet:
             return self.streams[self.names.index(name)]
         except ValueError:
             raise KeyError(f"unknown source {name!r}; sources: {self.names}") from None
+
+    # ---- loading look-ahead -------------------------------------------------------------------
+    def wanted(self, weights: np.ndarray, step_tokens: int, window_steps: int, units_ahead: int, starved_on: str | None) -> list[list]:
+        """Units to load next, ``[source, epoch, unit]`` each: for every source with a weight over
+        the coming windows, enough to plan the next window and then some; more for a source that
+        planning found short (``starved_on``)."""
+        out = []
+        for s, w in zip(self.streams, weights):
+            if w <= 0:
+                continue
+            target = max(1, int(w * step_tokens * (window_steps + 1) * 1.3))
+            if s.name == starved_on:  # planning needs more of this source than the look-ahead holds
+                target = s.unplanned_tokens() + 1 if not s.split else 2 * target
+            for epoch, unit in s.loads.want(s, target, units_ahead):
+                out.append([s.name, epoch, unit])
+        return out
+
+    MAX_PASSES_PER_WINDOW = 4
+
+    def check_pass(self, s: SourceStream, weight: float, step_budget: int, window_steps: int, tokens_per_micro_batch: int) -> None:
+        """A source whose whole pass over its files is a small part of what one planning window
+        takes from it would repeat every document many times per step (all-empty documents, a
+        handful of tiny ones, micro-batches far larger than the corpus): fail, saying so, instead
+        of loading the same units over and over with no batch in sight."""
+        per_pass = s.loads.tokens_per_pass()
+        need = weight * step_budget * window_steps
+        if weight > 0 and need > self.MAX_PASSES_PER_WINDOW * per_pass:
+            raise PlanError(
+                f"source {s.name!r} holds only {per_pass:,} tokens in a whole pass over its files ({s.n_units} units), but a "
+                f"planning window of {window_steps} steps takes about {int(need):,} tokens from it (weight {weight:.3g}), "
+                f"{need / max(per_pass, 1):.0f} passes: every document would repeat within a few steps. Lower its weight, use "
+                f"smaller micro-batches (tokens_per_micro_batch={tokens_per_micro_batch:,}), or add data"
+            )
 
     # ---- per window ---------------------------------------------------------------------------
     def apply_context(self, ctx: Context) -> None:
@@ -126,7 +160,7 @@ class StreamSet:
         """Cursors and drop counters of a snapshot (whose run may have had fewer sources then)."""
         for s, cur in zip(self.streams, state["cursors"]):
             s.restore(tuple(cur))
-            s.req_epoch, s.req_pos = s.epoch, s.pos
+            s.loads.restart(s.epoch, s.pos)
         d = np.frombuffer(state["dropped"], dtype="<i8").reshape(-1, 2)
         self.dropped = np.concatenate([d, np.zeros((len(self.streams) - len(d), 2), np.int64)])
 
