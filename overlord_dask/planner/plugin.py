@@ -38,25 +38,25 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from distributed.batched import BatchedSend
 from distributed.comm import CommClosedError
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import logs
 from ..errors import PlanError
 from ..plan.loading import plan_from_dict, plan_to_dict
-from ..protocol import HANDLERS, STREAM_HANDLERS, batch_key, load_prefix, rank_queue_name
+from ..protocol import HANDLERS, STREAM_HANDLERS, batch_key, load_prefix
 from ..partition import UnitParts
 from . import observe
 from . import pieces as P
+from .channels import RankChannels, send
 from .signals import LoadSignals, pool_signals
+from .snapshot_loop import SnapshotLoop
 from .state import PlannerState
+from .watchdog import LoopWatch
 
 logger = logging.getLogger(__name__)
 TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
-LOOP_TICK_S = 0.01  # the event-loop watchdog's sleep
 OBSERVE_EVERY_S = 0.5  # the dashboard page's view of the run is at most this old
-CHANNEL_INTERVAL = "2ms"  # batching interval of the consumer channels (both directions)
 GIL_SWITCH_S = 0.001  # how long the planner thread may hold the GIL while the event loop waits for it
 
 
@@ -91,16 +91,10 @@ class PlannerPlugin(SchedulerPlugin):
         self.chunk_steps = min(loading.batch_steps or max(1, loading.prefetch_steps // 4), loading.prefetch_steps)
         self.retries = loading.retries
         self._load_prefix = load_prefix(self.run_id)
-        self._queues = scheduler.extensions["queues"]
-        self.queue_names = {(r, j): rank_queue_name(self.run_id, r, j) for r in range(topo.dp) for j in range(topo.cp)}
-        for name in self.queue_names.values():
-            self._queues.create(name=name, client=self.name)
-        self.generation: dict[tuple[int, int], int] = {}  # (rank, cp rank) -> generation of its queue
+        self.channels = RankChannels(scheduler.extensions["queues"], self.name, self.run_id, topo.dp, topo.cp)
         self.tasks: dict[str, dict] = {}  # constructor task key -> {"steps", "lo", "hi", "workers"}; until released
         self._built: dict[str, asyncio.Event] = {}  # keys someone waits on (overlord_where)
-        self._channels: dict[str, BatchedSend] = {}  # consumer process channel id -> its stream
-        self._subs: dict[tuple[int, int], str] = {}  # (rank, cp rank) -> channel id its descriptors go to
-        self.counters = {"descriptors_put": 0, "acks": 0, "shadowed": 0, "blocks_shadowed": 0}  # control-path traffic (tests and benchmarks read it)
+        self.counters = {"acks": 0, "shadowed": 0, "blocks_shadowed": 0}  # control-path traffic (tests and benchmarks read it)
         self.shadows = plan.loading.shadows
         self.shadow_blocks = self.shadows if plan.loading.shadow_blocks else 0
         self._shadow_tasks: set = set()
@@ -116,23 +110,14 @@ class PlannerPlugin(SchedulerPlugin):
         self._work_event = asyncio.Event()
         self._kick = asyncio.Event()  # something may let the planner make progress
         self._inbox: deque = deque()  # reported lengths, drained by the planner thread
-        self.loop_lags: deque = deque(maxlen=20_000)
-        self.loop_block_max = 0.0
-        self.store = None
-        self.snapshot_error: str | None = None  # the last snapshot write failed (status shows it until one succeeds)
-        self.snapshot_stats: list[dict] = []
-        self._written_committed = -1
-        self._wake = asyncio.Event()
-        self._write_lock = asyncio.Lock()  # the loop and a plan update both write; sequence numbers must not race
-        self._background = [asyncio.create_task(self._plan_loop()), asyncio.create_task(self._watch_loop())]
+        self.watch = LoopWatch(on_tick=self._idle_tick)
+        self.snapshots_loop = None
+        self._background = [asyncio.create_task(self._plan_loop()), asyncio.create_task(self.watch.run())]
         if self.checkpoint_url:
-            from ..snapshots import SnapshotStore, SnapshotWriter
-
-            self.store = SnapshotStore(self.checkpoint_url, self.storage_options)
-            self.writer = SnapshotWriter(self.store, keep_bases=self.keep_bases, base_every_steps=self.base_every[0],
-                                         base_every_seconds=self.base_every[1], seq=self.seq)
-            self._background.append(asyncio.create_task(self._snapshot_loop()))
-            self._wake.set()  # a first base right away
+            self.snapshots_loop = SnapshotLoop(self.checkpoint_url, self.storage_options, lambda: self._run(self.state.get_state), self.run_id,
+                                               keep_bases=self.keep_bases, base_every_steps=self.base_every[0],
+                                               base_every_seconds=self.base_every[1], seq=self.seq)
+            self._background.append(asyncio.create_task(self.snapshots_loop.run()))
         for name in HANDLERS:
             scheduler.handlers[name] = getattr(self, name[len("overlord_") :])
         for name in STREAM_HANDLERS:  # never removed: a message for a handler that is gone drops the worker
@@ -156,22 +141,14 @@ class PlannerPlugin(SchedulerPlugin):
             return
         for t in self._background:
             t.cancel()
-        if self.store is not None:
+        if self.snapshots_loop is not None:
             try:
-                async with self._write_lock:
-                    await self._write_snapshot()  # the last committed step, before the run goes
+                await self.snapshots_loop.write()  # the last committed step, before the run goes
             except Exception:
                 logger.exception("writing the final planner snapshot to %s failed", self.checkpoint_url)
         for name in HANDLERS:
             self.scheduler.handlers.pop(name, None)
-        self._broadcast({"op": "error", "rank": None, "message": f"the overlord run {self.run_id} stopped"})
-        for bs in list(self._channels.values()):  # consumers learned that the run is gone; then the stream closes
-            try:
-                await bs.close(timeout=2)
-            except Exception:
-                pass
-        for name in self.queue_names.values():
-            self._queues.release(name=name, client=self.name)
+        await self.channels.close(f"the overlord run {self.run_id} stopped")  # consumers learn that the run is gone
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._executor = None
         sys.setswitchinterval(self._switch_interval)
@@ -222,8 +199,8 @@ class PlannerPlugin(SchedulerPlugin):
         now = time.monotonic()
         if now - self._observed_at > OBSERVE_EVERY_S:  # the dashboard page's and the gauges' view, refreshed
             self._observed_at = now
-            self.observed = observe.snapshot(st, self.signals, run_id=self.run_id, scaling=self.scaling, snapshots=self.snapshot_stats,
-                                             loop={"block_max_ms": round(self.loop_block_max * 1e3, 3)}, extra={"counters": dict(self.counters), "rank_wait_share": self._wait_shares()})
+            self.observed = observe.snapshot(st, self.signals, run_id=self.run_id, scaling=self.scaling, snapshots=self.snapshots(),
+                                             loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)}, extra={"counters": self._counters(), "rank_wait_share": self._wait_shares()})
         return out
 
     def _chunk_tasks(self, steps: list[dict]) -> list[dict]:
@@ -259,52 +236,13 @@ class PlannerPlugin(SchedulerPlugin):
         if self._work:
             self._work_event.set()
 
-    # ---- event-loop watchdog ------------------------------------------------------------------
-    async def _watch_loop(self) -> None:
-        while True:
-            t0 = time.perf_counter()
-            await asyncio.sleep(LOOP_TICK_S)
-            lag = time.perf_counter() - t0 - LOOP_TICK_S
-            self.loop_lags.append(lag)
-            self.loop_block_max = max(self.loop_block_max, lag)
-            if time.monotonic() - self._observed_at > 2 * OBSERVE_EVERY_S:  # idle: the page's view still refreshes
-                self._kick.set()
+    def _idle_tick(self) -> None:
+        if time.monotonic() - self._observed_at > 2 * OBSERVE_EVERY_S:  # idle: the page's view still refreshes
+            self._kick.set()
 
     def loop(self, reset: bool = False) -> dict:
-        """How late the scheduler's event loop woke up (a block of the loop shows as lag)."""
-        lags = np.asarray(self.loop_lags) * 1e3
-        out = {"block_max_ms": round(self.loop_block_max * 1e3, 3), "samples": len(lags),
-               "block_p99_ms": round(float(np.percentile(lags, 99)), 3) if len(lags) else 0.0}
-        if reset:
-            self.loop_lags.clear()
-            self.loop_block_max = 0.0
-        return out
-
-    # ---- snapshots: state captured in the planner thread, written in another thread ------------
-    async def _snapshot_loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            try:
-                async with self._write_lock:
-                    await self._write_snapshot()
-            except Exception as err:  # storage hiccups must not kill the planner; the next commit retries
-                logger.exception("writing a planner snapshot to %s failed", self.checkpoint_url)
-                self.snapshot_error = f"writing a snapshot to {self.checkpoint_url} failed: {type(err).__name__}: {err}"
-            else:
-                self.snapshot_error = None
-
-    async def _write_snapshot(self, force: bool = False) -> None:
-        st = await self._run(self.state.get_state)
-        if st["committed"] == self._written_committed and not force:
-            return
-        t0 = time.perf_counter()
-        kind, n = await asyncio.to_thread(self.writer.write, st)
-        self._written_committed = st["committed"]
-        self.snapshot_stats.append({"kind": kind, "bytes": n, "seconds": time.perf_counter() - t0, "committed": st["committed"]})
-        del self.snapshot_stats[:-1000]
-        if kind == "base":
-            logs.event("snapshot_base", self.run_id, st["committed"], bytes=n)
+        """How late the scheduler's event loop woke up (``watchdog.py``)."""
+        return self.watch.figures(reset)
 
     # ---- worker stream ------------------------------------------------------------------------
     def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None,
@@ -342,7 +280,7 @@ class PlannerPlugin(SchedulerPlugin):
             if first:
                 for r in range(t["lo"], t["hi"]):
                     for j in range(self.state.final_plan.topology.cp):
-                        self._put(r, j, self._descriptor(key, t, r, j))
+                        self.channels.put(r, j, self.channels.descriptor(key, t, r, j))
             ev = self._built.pop(key, None)
             if ev is not None:
                 ev.set()
@@ -369,13 +307,8 @@ class PlannerPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
         """A worker left (or died): every trainer process hears it at once, so no fetch waits on
         a dead address (a refused connection is retried for Dask's whole connect timeout)."""
-        self._broadcast({"op": "worker_lost", "rank": None, "address": worker})
+        self.channels.broadcast({"op": "worker_lost", "rank": None, "address": worker})
         logs.event("worker_lost", self.run_id, self.state.committed, worker=worker)
-
-    def _broadcast(self, msg: dict) -> None:
-        """``msg`` to every consumer process's channel."""
-        for bs in list(self._channels.values()):
-            _send(bs, msg)
 
     def _error_text(self, key: str, task: dict | None = None) -> str:
         ts = self.scheduler.tasks.get(key)
@@ -386,23 +319,13 @@ class PlannerPlugin(SchedulerPlugin):
         steps = task["steps"] if task else "?"
         return f"building steps {steps} failed: {text}"
 
-    def _descriptor(self, key: str, t: dict, rank: int, cp_rank: int) -> dict:
-        return {"key": key, "steps": t["steps"], "workers": t["workers"], "gen": self.generation.get((rank, cp_rank), 0), "run_id": self.run_id}
-
-    def _put(self, rank: int, cp_rank: int, item: dict) -> None:
-        q = self._queues.queues.get(self.queue_names[(rank, cp_rank)])
-        if q is not None:
-            q.put_nowait({"type": "msgpack", "value": item})
-            self.counters["descriptors_put"] += "error" not in item
-            self._drain((rank, cp_rank))
-
     def _set_failure(self, message: str) -> None:
         if self.state.failure:
             return
         self.state.failure = message
         logger.error("overlord run %s failed: %s", self.run_id, message)
-        for (r, j) in self.queue_names:
-            self._put(r, j, {"error": message})
+        for (r, j) in self.channels.names:
+            self.channels.put(r, j, {"error": message})
         self._work_event.set()
 
     # ---- routes -------------------------------------------------------------------------------
@@ -430,9 +353,7 @@ class PlannerPlugin(SchedulerPlugin):
         if run_id != self.run_id:
             await comm.write([{"op": "error", "rank": None, "message": f"this scheduler runs overlord run {self.run_id}, not {run_id}"}])
             return
-        bs = BatchedSend(interval=CHANNEL_INTERVAL)
-        bs.start(comm)
-        self._channels[channel_id] = bs
+        bs = self.channels.open(channel_id, comm)
         try:
             while not comm.closed():
                 msgs = await comm.read()
@@ -441,48 +362,19 @@ class PlannerPlugin(SchedulerPlugin):
                     if op == "ack":
                         self._channel_ack(bs, **msg)
                     elif op == "subscribe":
-                        self._subscribe(channel_id, **msg)
+                        self.channels.subscribe(channel_id, **msg)
                     elif op == "unsubscribe":
-                        self._unsubscribe(channel_id, **msg)
+                        self.channels.unsubscribe(channel_id, **msg)
         except (CommClosedError, OSError):
             pass
         finally:
-            self._channels.pop(channel_id, None)
-            for key in [k for k, cid in self._subs.items() if cid == channel_id]:
-                del self._subs[key]
-            bs.abort()
+            self.channels.closed(channel_id, bs)
 
     def _channel_ack(self, bs, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
                      since_s: float | None = None, **_) -> None:
         resp = self.ack(rank, step, cp_rank, durable, wait_s, since_s)
         if resp["error"]:
-            _send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "message": resp["error"]})
-
-    def _subscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, **_) -> None:
-        """Push (rank, cp rank)'s descriptors to this channel from now on. Only the newest
-        attachment subscribes (attaching ends the previous subscription): a consumer that died
-        or closed cannot take what its successor needs."""
-        key = (rank, cp_rank)
-        if key in self.queue_names and self.generation.get(key, 0) == generation:
-            self._subs[key] = channel_id
-            self._drain(key)
-
-    def _unsubscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, **_) -> None:
-        key = (rank, cp_rank)
-        if self._subs.get(key) == channel_id and self.generation.get(key, 0) == generation:
-            del self._subs[key]
-
-    def _drain(self, key: tuple[int, int]) -> None:
-        """Move everything waiting in the rank's queue to its subscriber, if it has one."""
-        bs = self._channels.get(self._subs.get(key, ""))
-        q = self._queues.queues.get(self.queue_names[key])
-        if bs is None or q is None or q.empty():
-            return
-        items = []
-        while not q.empty():
-            items.append(q.get_nowait()["value"])
-        if not _send(bs, {"op": "descriptors", "rank": key[0], "cp_rank": key[1], "generation": self.generation.get(key, 0), "items": items}):
-            self._subs.pop(key, None)  # the process went away; whoever attaches next gets them again
+            send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "message": resp["error"]})
 
     def attach(self, rank: int, cp_rank: int = 0) -> dict:
         """A consumer joins as (rank, cp rank): it starts after the rank's last acknowledged step;
@@ -493,16 +385,10 @@ class PlannerPlugin(SchedulerPlugin):
         st = self.state
         i = rank * st.topology.cp + cp_rank
         first = max(st.replay_until, st.progress.acked[i] + 1 if i < len(st.progress.acked) else 0)
-        gen = self.generation.get((rank, cp_rank), 0) + 1
-        self.generation[(rank, cp_rank)] = gen
-        old = self._channels.get(self._subs.pop((rank, cp_rank), ""))  # the previous consumer's subscription ends here
-        if old is not None:  # ... and it is told so, instead of waiting for batches that now go elsewhere
-            _send(old, {"op": "error", "rank": rank, "cp_rank": cp_rank, "generation": gen - 1,
-                        "message": f"another consumer attached as rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "")
-                        + "; this one no longer receives batches (one consumer per rank)"})
+        gen = self.channels.reattach(rank, cp_rank)
         for key, t in self.tasks.items():
             if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first:
-                self._put(rank, cp_rank, self._descriptor(key, t, rank, cp_rank))
+                self.channels.put(rank, cp_rank, self.channels.descriptor(key, t, rank, cp_rank))
         if gen > 1:  # a consumer came back (or another replaced it): its rank goes on from `first`
             logs.event("rank_rewind", self.run_id, first, rank=rank, cp_rank=cp_rank, generation=gen)
         return {"error": None, "first_step": first, "generation": gen}
@@ -518,8 +404,8 @@ class PlannerPlugin(SchedulerPlugin):
             committed = st.ack(rank, step, cp_rank, durable)
         except ValueError as err:
             return {"committed": st.committed, "error": str(err)}
-        if st.progress.durable_step > before_durable and self.store is not None:
-            self._wake.set()
+        if st.progress.durable_step > before_durable and self.snapshots_loop is not None:
+            self.snapshots_loop.wake()
         if committed > before:
             done = [k for k, t in self.tasks.items() if t["steps"][-1] < committed]
             for k in done:
@@ -557,9 +443,8 @@ class PlannerPlugin(SchedulerPlugin):
             return {"error": str(err), "at_step": None, "version": self.state.plan_version}
         self._kick.set()
         logs.event("plan_update", self.run_id, at, version=self.state.plan_version)
-        if self.store is not None:
-            async with self._write_lock:
-                await self._write_snapshot(force=True)
+        if self.snapshots_loop is not None:
+            await self.snapshots_loop.write(force=True)
         return {"error": None, "at_step": at, "version": self.state.plan_version}
 
     def request_stop(self) -> dict:
@@ -590,7 +475,11 @@ class PlannerPlugin(SchedulerPlugin):
         }
 
     def snapshots(self) -> list[dict]:
-        return list(self.snapshot_stats) if self.store is not None else []
+        return list(self.snapshots_loop.stats) if self.snapshots_loop is not None else []
+
+    def _counters(self) -> dict:
+        """Control-path traffic (tests and benchmarks read it)."""
+        return {"descriptors_put": self.channels.put_count, **self.counters}
 
     async def status(self) -> dict:
         st = await self._run(self.state.status)
@@ -599,8 +488,9 @@ class PlannerPlugin(SchedulerPlugin):
                 **_held_bytes(held, "batch_bytes", "shadow_bytes"),  # built batches in flight, and what their shadows add
                 **_held_bytes([ts for ts in self.scheduler.tasks.values() if ts.state == "memory" and isinstance(ts.key, str)
                                and ts.key.startswith(self._load_prefix)], "block_bytes", "block_shadow_bytes"),  # loaded blocks
-                "channels": len(self._channels), "subscribed": len(self._subs), "snapshot_error": self.snapshot_error,
-                "stop_requested": self.stop_requested, "rank_wait_share": self._wait_shares(), **self.counters}
+                "channels": len(self.channels.streams), "subscribed": len(self.channels.subs),
+                "snapshot_error": self.snapshots_loop.error if self.snapshots_loop is not None else None,
+                "stop_requested": self.stop_requested, "rank_wait_share": self._wait_shares(), **self._counters()}
 
     async def pools(self, lead_s: float = 10.0, report: dict | None = None) -> dict:
         """The autoscaler's inputs: per-source demand over the schedule ahead and measured costs;
@@ -648,15 +538,6 @@ def _freeze_heap() -> None:
 def _held_bytes(tasks: list, name: str, shadow_name: str) -> dict:
     """Bytes of ``tasks`` (in memory) on their first holders, and what their other copies add."""
     return {name: sum(ts.nbytes for ts in tasks), shadow_name: sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in tasks)}
-
-
-def _send(bs: BatchedSend, msg: dict) -> bool:
-    """Queue ``msg`` on a consumer channel; False if that process is gone (nothing to tell)."""
-    try:
-        bs.send(msg)
-        return True
-    except CommClosedError:
-        return False
 
 
 def _holders(ts) -> list[str]:

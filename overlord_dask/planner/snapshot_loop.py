@@ -1,0 +1,65 @@
+"""Writing planner snapshots in the background, on the scheduler's loop.
+
+Every newly durable step wakes the loop; it captures the planner's state in the planner thread
+and writes it in another thread (``snapshots.SnapshotWriter``: a base every ``base_every_steps``
+steps or ``base_every_seconds`` and when the topology or the plan versions change, else a
+delta), so neither the event loop nor planning waits on storage. A failed write is reported in
+the status and retried at the next commit; a live update waits for a base that holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+from .. import logs
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotLoop:
+    def __init__(self, url: str, storage_options: dict, capture: Callable[[], Awaitable[dict]], run_id: str, *,
+                 keep_bases: int, base_every_steps: int, base_every_seconds: float, seq: int):
+        from ..snapshots import SnapshotStore, SnapshotWriter
+
+        self.url, self.capture, self.run_id = url, capture, run_id
+        self.store = SnapshotStore(url, storage_options)
+        self.writer = SnapshotWriter(self.store, keep_bases=keep_bases, base_every_steps=base_every_steps,
+                                     base_every_seconds=base_every_seconds, seq=seq)
+        self.error: str | None = None  # the last write failed (status shows it until one succeeds)
+        self.stats: list[dict] = []
+        self._written = -1  # the committed step of the last snapshot written
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()  # the loop and a plan update both write; sequence numbers must not race
+        self._wake.set()  # a first base right away
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.write()
+            except Exception as err:  # storage hiccups must not kill the planner; the next commit retries
+                logger.exception("writing a planner snapshot to %s failed", self.url)
+                self.error = f"writing a snapshot to {self.url} failed: {type(err).__name__}: {err}"
+            else:
+                self.error = None
+
+    async def write(self, force: bool = False) -> None:
+        """A snapshot of the durable step now (unless it was written already and not ``force``)."""
+        async with self._lock:
+            st = await self.capture()
+            if st["committed"] == self._written and not force:
+                return
+            t0 = time.perf_counter()
+            kind, n = await asyncio.to_thread(self.writer.write, st)
+            self._written = st["committed"]
+            self.stats.append({"kind": kind, "bytes": n, "seconds": time.perf_counter() - t0, "committed": st["committed"]})
+            del self.stats[:-1000]
+            if kind == "base":
+                logs.event("snapshot_base", self.run_id, st["committed"], bytes=n)
