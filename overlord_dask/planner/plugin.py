@@ -20,9 +20,13 @@ every queue get, ack and heartbeat):
   (step, rank).
 - **Measured.** A watchdog coroutine measures how late the event loop wakes (``overlord_loop``).
 
-With a checkpoint URL, every newly durable step is snapshotted asynchronously (a base every
-``base_every_steps`` steps or ``base_every_seconds`` and when the topology or the plan versions
-change, else a delta: ``snapshots.SnapshotWriter``).
+With a checkpoint URL, every newly durable step is snapshotted asynchronously
+(``snapshot_loop.py``).
+
+The plugin keeps the routes, the planner thread and the scheduler's task events; its parts own
+their state: ``state.PlannerState`` (the planner), ``channels.RankChannels`` (descriptors to the
+ranks), ``held.HeldBatches`` (built batches until released, and their shadows),
+``snapshot_loop.SnapshotLoop`` and ``watchdog.LoopWatch``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from ..partition import UnitParts
 from . import observe
 from . import pieces as P
 from .channels import RankChannels, send
+from .held import HeldBatches, held_bytes
 from .signals import LoadSignals, pool_signals
 from .snapshot_loop import SnapshotLoop
 from .state import PlannerState
@@ -92,12 +97,9 @@ class PlannerPlugin(SchedulerPlugin):
         self.retries = loading.retries
         self._load_prefix = load_prefix(self.run_id)
         self.channels = RankChannels(scheduler.extensions["queues"], self.name, self.run_id, topo.dp, topo.cp)
-        self.tasks: dict[str, dict] = {}  # constructor task key -> {"steps", "lo", "hi", "workers"}; until released
-        self._built: dict[str, asyncio.Event] = {}  # keys someone waits on (overlord_where)
-        self.counters = {"acks": 0, "shadowed": 0, "blocks_shadowed": 0}  # control-path traffic (tests and benchmarks read it)
-        self.shadows = plan.loading.shadows
-        self.shadow_blocks = self.shadows if plan.loading.shadow_blocks else 0
-        self._shadow_tasks: set = set()
+        self.held = HeldBatches(scheduler, plan.loading.shadows, plan.loading.shadow_blocks)
+        self.tasks = self.held.tasks  # constructor task key -> {"steps", "lo", "hi", "workers"}; until released
+        self.acks = 0
         self._work = _Work()
         self.signals = LoadSignals()  # measured load costs and step rate, for the pool autoscaler
         self.scaling: dict | None = None  # the autoscaler's last decisions and history, as it reported them
@@ -231,7 +233,7 @@ class PlannerPlugin(SchedulerPlugin):
 
     def _publish(self, out: dict) -> None:
         for t in out["tasks"]:
-            self.tasks[t["key"]] = {"steps": [p["step"] for p in t["steps"]], "lo": t["ranks"][0], "hi": t["ranks"][1], "workers": None}
+            self.held.add(t["key"], [p["step"] for p in t["steps"]], t["ranks"][0], t["ranks"][1])
         self._work.add(out)
         if self._work:
             self._work_event.set()
@@ -268,41 +270,16 @@ class PlannerPlugin(SchedulerPlugin):
             if isinstance(key, str) and key.startswith(self._load_prefix):
                 if finish == "erred":
                     self._set_failure(self._error_text(key))
-                elif finish == "memory" and self.shadow_blocks and len(self.scheduler.workers) > 1:
-                    self._shadow(key)  # a lost worker's blocks are then read from their shadows, not reloaded
+                elif finish == "memory":
+                    self.held.block_stored(key)
             return
         if finish == "memory":
-            ts = self.scheduler.tasks.get(key)
-            first = t["workers"] is None
-            t["workers"] = _holders(ts)
-            if first and self.shadows and len(self.scheduler.workers) > 1:
-                self._shadow(key)
-            if first:
+            if self.held.stored(key):  # built: its ranks' descriptors go out
                 for r in range(t["lo"], t["hi"]):
                     for j in range(self.state.final_plan.topology.cp):
                         self.channels.put(r, j, self.channels.descriptor(key, t, r, j))
-            ev = self._built.pop(key, None)
-            if ev is not None:
-                ev.set()
         elif finish == "erred":
             self._set_failure(self._error_text(key, t))
-
-    def _shadow(self, key: str) -> None:
-        """Copy a built batch or a loaded block to ``shadows`` more workers, in the background
-        (a batch's descriptors go out at once; a trainer that finds the first holder gone asks
-        ``where`` and gets a shadow; a constructor reads a lost worker's block from its shadow)."""
-        async def copy():
-            try:
-                await self.scheduler.replicate(keys=[key], n=1 + self.shadows, delete=False)
-                self.counters["shadowed" if key in self.tasks else "blocks_shadowed"] += 1
-                t = self.tasks.get(key)
-                if t is not None:
-                    t["workers"] = _holders(self.scheduler.tasks.get(key))
-            except Exception:  # a worker left meanwhile: the batch is rebuilt if it is lost
-                logger.debug("shadowing %s failed", key, exc_info=True)
-
-        self._shadow_tasks.add(task := asyncio.ensure_future(copy()))
-        task.add_done_callback(self._shadow_tasks.discard)
 
     def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
         """A worker left (or died): every trainer process hears it at once, so no fetch waits on
@@ -396,7 +373,7 @@ class PlannerPlugin(SchedulerPlugin):
     def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
             since_s: float | None = None) -> dict:
         st = self.state
-        self.counters["acks"] += 1
+        self.acks += 1
         if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
             self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
         before, before_durable = st.committed, st.progress.durable_step
@@ -407,10 +384,7 @@ class PlannerPlugin(SchedulerPlugin):
         if st.progress.durable_step > before_durable and self.snapshots_loop is not None:
             self.snapshots_loop.wake()
         if committed > before:
-            done = [k for k, t in self.tasks.items() if t["steps"][-1] < committed]
-            for k in done:
-                del self.tasks[k]
-            self._work.release += done
+            self._work.release += self.held.release_before(committed)
             self._work_event.set()
             self._kick.set()
         return {"committed": committed, "error": None}
@@ -421,17 +395,7 @@ class PlannerPlugin(SchedulerPlugin):
         ``other_run``: it reconnects instead of failing."""
         if run_id is not None and run_id != self.run_id:
             return {"error": None, "workers": [], "other_run": True}
-        if key not in self.tasks:
-            return {"error": f"batch {key} is no longer held: every rank acknowledged its steps", "workers": []}
-        ts = self.scheduler.tasks.get(key)
-        if ts is None or ts.state != "memory":
-            ev = self._built.setdefault(key, asyncio.Event())
-            try:
-                await asyncio.wait_for(ev.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-            ts = self.scheduler.tasks.get(key)
-        return {"error": None, "workers": _holders(ts)}
+        return await self.held.where(key, timeout)
 
     async def update(self, plan: dict, at_step: int | None = None, unit_first_ids: dict | None = None) -> dict:
         """Apply a live plan update; with snapshots, answer only once a base holding it is written
@@ -479,14 +443,12 @@ class PlannerPlugin(SchedulerPlugin):
 
     def _counters(self) -> dict:
         """Control-path traffic (tests and benchmarks read it)."""
-        return {"descriptors_put": self.channels.put_count, **self.counters}
+        return {"descriptors_put": self.channels.put_count, "acks": self.acks, **self.held.counts}
 
     async def status(self) -> dict:
         st = await self._run(self.state.status)
-        held = [ts for ts in map(self.scheduler.tasks.get, self.tasks) if ts is not None and ts.state == "memory"]
-        return {**st, "loop": self.loop(), "chunk_steps": self.chunk_steps, "tasks_held": len(self.tasks),
-                **_held_bytes(held, "batch_bytes", "shadow_bytes"),  # built batches in flight, and what their shadows add
-                **_held_bytes([ts for ts in self.scheduler.tasks.values() if ts.state == "memory" and isinstance(ts.key, str)
+        return {**st, "loop": self.loop(), "chunk_steps": self.chunk_steps, **self.held.figures(),
+                **held_bytes([ts for ts in self.scheduler.tasks.values() if ts.state == "memory" and isinstance(ts.key, str)
                                and ts.key.startswith(self._load_prefix)], "block_bytes", "block_shadow_bytes"),  # loaded blocks
                 "channels": len(self.channels.streams), "subscribed": len(self.channels.subs),
                 "snapshot_error": self.snapshots_loop.error if self.snapshots_loop is not None else None,
@@ -533,16 +495,6 @@ def _freeze_heap() -> None:
     objects are merely never collected, and they are the process's long-lived ones."""
     gc.collect()
     gc.freeze()
-
-
-def _held_bytes(tasks: list, name: str, shadow_name: str) -> dict:
-    """Bytes of ``tasks`` (in memory) on their first holders, and what their other copies add."""
-    return {name: sum(ts.nbytes for ts in tasks), shadow_name: sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in tasks)}
-
-
-def _holders(ts) -> list[str]:
-    """Addresses of the workers holding a task's result (none unless it is in memory)."""
-    return [ws.address for ws in ts.who_has] if ts is not None and ts.state == "memory" else []
 
 
 def _dispatch_stream(scheduler, method: str, **msg) -> None:
