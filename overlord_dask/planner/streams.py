@@ -12,6 +12,11 @@ right (same sample id, increasing chunk index).
 The stream only knows lengths of units whose metadata arrived; ``peek()`` returns ``None`` when the
 next unit is not loaded yet, and the planner then waits instead of substituting another sample:
 that is what keeps the stream independent of load timing.
+
+Two readers share the cursor: ``peek()``/``advance()`` a piece at a time (policy ``none``'s exact
+per-step selection) and ``pieces_ahead()``/``take()`` as numpy rows (``rows.py``, the balancing
+planner). Parts: ``order.py`` (unit and document permutations), ``lookahead.py`` (which units
+to load next).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SourceError
+from . import rows
 from .lookahead import LoadRequests
 from .order import SourceOrder
 
@@ -166,12 +172,12 @@ class SourceStream:
             self.split = int(threshold)
             self.long_cur = [self.epoch, self.pos, self.doc, self.tok]
         elif threshold is None:
-            self._try_unsplit()
+            self.try_unsplit()
 
     def class_cursor(self, cls: str | None) -> list[int]:
         return self.long_cur if cls == "long" else [self.epoch, self.pos, self.doc, self.tok]
 
-    def _set_cur(self, cls: str | None, e: int, pos: int, doc: int, tok: int) -> None:
+    def set_class_cursor(self, cls: str | None, e: int, pos: int, doc: int, tok: int) -> None:
         if cls == "long":
             self.long_cur = [e, pos, doc, tok]
         else:
@@ -192,7 +198,7 @@ class SourceStream:
         main = tuple(self.class_cursor("short"))
         return max(main, tuple(self.long_cur)) if self.split else main
 
-    def _try_unsplit(self) -> None:
+    def try_unsplit(self) -> None:
         """Back to one cursor once the trailing class has nothing left before the leading cursor."""
         if not self.split or self.split_wanted:
             return
@@ -216,126 +222,12 @@ class SourceStream:
         self.epoch, self.pos, self.doc, self.tok = lead
         self.split, self.long_cur = 0, None
 
-    # ---- vectorised access (the balancing planner) --------------------------------------------
+    # ---- numpy rows (the balancing planner; rows.py) ----------------------------------------------
     def pieces_ahead(self, min_tokens: int, cls: str | None = None) -> tuple[np.ndarray, bool]:
-        """Upcoming pieces as int64 rows ``[epoch, unit, doc, start, stop]`` (of length class
-        ``cls``, or every class in the source's order), covering at least ``min_tokens`` tokens
-        if that much metadata is loaded. Returns (rows, enough); numpy per unit."""
-        if not self.split or cls is not None:
-            rows, _, total, enough = self._scan(cls if self.split else None, min_tokens)
-            return rows, enough
-        # merged order: the trailing class for min_tokens, the other one up to where that ends
-        trail = "short" if tuple(self.class_cursor("short")) <= tuple(self.long_cur) else "long"
-        other = "long" if trail == "short" else "short"
-        rt, kt, _, enough = self._scan(trail, min_tokens)
-        if not enough:
-            return rt, False
-        ro, ko, _, loaded = self._scan(other, 0, until=tuple(kt[-1]))
-        if not loaded:
-            return np.zeros((0, 5), np.int64), False
-        keep = np.array([tuple(k) <= tuple(kt[-1]) for k in ko.tolist()], dtype=bool)
-        rows, keys = np.concatenate([rt, ro[keep]]), np.concatenate([kt, ko[keep]])
-        return rows[np.lexsort(keys.T[::-1])], True
+        return rows.pieces_ahead(self, min_tokens, cls)
 
-    def _scan(self, cls: str | None, min_tokens: int, until: tuple | None = None) -> tuple[np.ndarray, np.ndarray, int, bool]:
-        """Rows of class ``cls`` from its cursor, their order keys ``[epoch, pos, doc position,
-        start]``, their tokens, and whether ``min_tokens`` were reached (with ``until``, a key:
-        every unit up to that key's unit instead, and whether they were all loaded)."""
-        rows: list[np.ndarray] = []
-        keys: list[np.ndarray] = []
-        total = 0
-        e, pos, doc, tok = self.class_cursor(cls)
-        empty_units = 0
-        while (total < min_tokens) if until is None else ((e, pos) <= tuple(until[:2])):
-            unit = int(self.ordering.units(e)[pos])
-            lens = self.lengths.get((e, unit))
-            if lens is None:
-                return (np.concatenate(rows) if rows else np.zeros((0, 5), np.int64),
-                        np.concatenate(keys) if keys else np.zeros((0, 4), np.int64), total, False)
-            L = lens[doc:]
-            if len(L):
-                rem = L.copy()
-                rem[0] -= tok
-                mask = self.class_mask(L, cls)
-                if mask is not None:
-                    rem[~mask] = 0
-                if self.drop_over is not None:  # dropped documents yield no pieces (a started one finishes)
-                    dropped = L > self.drop_over
-                    dropped[0] &= tok == 0
-                    rem[dropped] = 0
-                n = np.where(rem > 0, -(-rem // self.piece_tokens), 0)
-                k_total = int(n.sum())
-                if k_total:
-                    d = np.repeat(np.arange(len(L)), n)
-                    k = np.arange(k_total) - np.repeat(np.cumsum(n) - n, n)
-                    start = k * self.piece_tokens + np.where(d == 0, tok, 0)
-                    stop = np.minimum(start + self.piece_tokens, L[d])
-                    block = np.empty((k_total, 5), dtype=np.int64)
-                    block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = e, unit, self.ordering.file_doc((e, unit), d + doc), start, stop
-                    rows.append(block)
-                    key = np.empty((k_total, 4), dtype=np.int64)
-                    key[:, 0], key[:, 1], key[:, 2], key[:, 3] = e, pos, d + doc, start
-                    keys.append(key)
-                    total += int((stop - start).sum())
-                    empty_units = 0
-                else:
-                    empty_units += 1
-            else:
-                empty_units += 1
-            if empty_units > self.n_units and until is None:
-                if cls is not None and self.split:
-                    raise SourceError(f"source {self.name!r} has no {cls} documents (long: over long_tokens={self.split} tokens) "
-                                      "in a whole pass over its files; leave it out of the stage's long_sources")
-                raise SourceError(f"source {self.name!r} is empty: a whole pass over its files found no tokens")
-            doc, tok = 0, 0
-            e, pos = self.ordering.next_unit(e, pos)
-        out = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
-        kout = np.concatenate(keys) if keys else np.zeros((0, 4), dtype=np.int64)
-        return out, kout, total, (total >= min_tokens) if until is None else True
-
-    def take(self, rows: np.ndarray, cls: str | None = None) -> None:
-        """The planner took ``rows``, a prefix of ``pieces_ahead(.., cls)``: move the cursors past them."""
-        if not len(rows):
-            return
-        if not self.split or cls is not None:
-            self.advance_past(rows[-1], cls if self.split else None)
-            return
-        lens = np.array([self.lengths[(int(e), int(u))][self.ordering.shuffled_doc((int(e), int(u)), int(d))] for e, u, d in rows[:, :3].tolist()])
-        is_long = lens > self.split
-        for c, sel in (("short", ~is_long), ("long", is_long)):
-            if sel.any():
-                self.advance_past(rows[np.flatnonzero(sel)[-1]], c)
-        self._try_unsplit()
-
-    def advance_past(self, row: np.ndarray, cls: str | None = None) -> None:
-        """Move the cursor (of class ``cls``) just past piece ``row`` = [epoch, unit, doc, start,
-        stop], recording the documents the drop policy skipped on the way."""
-        e, unit, file_doc, _, stop = (int(x) for x in row)
-        doc = self.ordering.shuffled_doc((e, unit), file_doc)
-        if self.drop_over is not None:
-            self._record_drops(e, self.ordering.position(e, unit), doc, cls)
-        L = int(self.lengths[(e, unit)][doc])
-        self._set_cur(cls, e, self.ordering.position(e, unit), *((doc + 1, 0) if stop >= L else (doc, stop)))
-        self.epoch_tokens = 1  # this epoch has tokens: the empty-source check is satisfied
-
-    def _record_drops(self, epoch: int, pos: int, doc: int, cls: str | None = None) -> None:
-        """Record the documents over ``drop_over`` (of class ``cls``) between that class's cursor
-        and (epoch, pos, doc)."""
-        e, p, d, tok = self.class_cursor(cls)
-        while (e, p) <= (epoch, pos):
-            unit = int(self.ordering.units(e)[p])
-            lens = self.lengths.get((e, unit))
-            if lens is not None:
-                hi = doc if (e, p) == (epoch, pos) else len(lens)
-                idx = np.arange(d, hi)
-                if tok and len(idx):
-                    idx = idx[1:]  # a started document is finished, never dropped
-                over = lens[idx] > self.drop_over
-                mask = self.class_mask(lens[idx], cls)
-                for k in idx[over if mask is None else over & mask].tolist():
-                    self.drops[(e, unit, self.ordering.file_doc((e, unit), k))] = int(lens[k])
-            d, tok = 0, 0
-            e, p = self.ordering.next_unit(e, p)
+    def take(self, taken: np.ndarray, cls: str | None = None) -> None:
+        rows.take(self, taken, cls)
 
     def piece_vision(self, rows: np.ndarray) -> np.ndarray:
         """Image tokens in pieces ``[.., epoch, unit, doc, start, stop]`` (last five columns) of
