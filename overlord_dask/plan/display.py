@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import html
+from typing import TYPE_CHECKING
 
 from .schedule import Schedule
+
+if TYPE_CHECKING:
+    from .models import Plan
 
 
 def _weight_text(w) -> str:

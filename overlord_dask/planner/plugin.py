@@ -35,7 +35,6 @@ import asyncio
 import functools
 import gc
 import logging
-import math
 import sys
 import time
 from collections import deque
@@ -48,11 +47,12 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from .. import logs
 from ..errors import PlanError
 from ..plan.loading import plan_from_dict, plan_to_dict
-from ..protocol import HANDLERS, STREAM_HANDLERS, batch_key, load_prefix
+from ..protocol import HANDLERS, STREAM_HANDLERS, load_prefix
 from ..partition import UnitParts
 from . import observe
 from . import pieces as P
 from .channels import RankChannels, send
+from .chunks import chunk_tasks
 from .held import HeldBatches, held_bytes
 from .signals import LoadSignals, pool_signals
 from .snapshot_loop import SnapshotLoop
@@ -60,7 +60,6 @@ from .state import PlannerState
 from .watchdog import LoopWatch
 
 logger = logging.getLogger(__name__)
-TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
 OBSERVE_EVERY_S = 0.5  # the dashboard page's view of the run is at most this old
 GIL_SWITCH_S = 0.001  # how long the planner thread may hold the GIL while the event loop waits for it
 
@@ -195,7 +194,7 @@ class PlannerPlugin(SchedulerPlugin):
                 if stage != self._stage:
                     logs.event("stage", self.run_id, sp["step"], stage=stage, previous=self._stage)
                     self._stage = stage
-            out["tasks"] += self._chunk_tasks(steps)
+            out["tasks"] += chunk_tasks(steps, st.ledger, st.final_plan.topology, len(self.scheduler.workers), self.run_id)
         st.plan_ahead(self.chunk_steps)  # the next chunk is balanced before anyone asks for it
         out["loads"] = st.wanted()
         now = time.monotonic()
@@ -204,32 +203,6 @@ class PlannerPlugin(SchedulerPlugin):
             self.observed = observe.snapshot(st, self.signals, run_id=self.run_id, scaling=self.scaling, snapshots=self.snapshots(),
                                              loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)}, extra={"counters": self._counters(), "rank_wait_share": self._wait_shares()})
         return out
-
-    def _chunk_tasks(self, steps: list[dict]) -> list[dict]:
-        """(planner thread) Constructor tasks for consecutive ``steps``: one per group of ranks,
-        as many groups as workers (construction runs in parallel) and never more than
-        ``TASK_TOKENS`` tokens per task."""
-        topo = self.state.final_plan.topology
-        dp, mb = topo.dp, topo.micro_batches
-        tokens = len(steps) * topo.step_tokens
-        groups = max(math.ceil(tokens / TASK_TOKENS), min(dp, max(1, len(self.scheduler.workers))))
-        per = math.ceil(dp / min(groups, dp))
-        planned = [(sp, self.state.ledger[sp["step"]]) for sp in steps]  # the arrays plan_steps encoded
-        tasks = []
-        for lo in range(0, dp, per):
-            hi = min(dp, lo + per)
-            parts, units = [], []
-            for sp, entry in planned:
-                pieces, slot = entry["pieces"], entry["slot"]
-                mine = (slot[:, 0] >= lo) & (slot[:, 0] < hi)
-                # int32 on the way to the worker: metadata is half the bytes (every field fits)
-                parts.append({"step": sp["step"], "pieces": P.to_bytes(pieces[mine], "<i4"), "slot": P.to_bytes(slot[mine], "<i4"),
-                              "piece_tokens": sp["piece_tokens"]})
-                units.append(P.units(pieces[mine]))
-            used = np.unique(np.concatenate(units), axis=0) if units else np.zeros((0, 3), np.int64)
-            tasks.append({"key": batch_key(self.run_id, steps[0]["step"], lo, hi), "steps": parts, "ranks": [lo, hi],
-                          "micro_batches": mb, "units": used.tolist()})
-        return tasks
 
     def _publish(self, out: dict) -> None:
         for t in out["tasks"]:

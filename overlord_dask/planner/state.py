@@ -33,7 +33,6 @@ from .ledger import Ledger, step_metrics
 from .mixing import Starved
 from .policies import POLICIES, Window
 from .progress import Progress
-from .streams import SourceStream
 from .streamset import StreamSet
 from .windows import WindowStarts
 

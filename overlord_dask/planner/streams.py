@@ -204,7 +204,7 @@ class SourceStream:
             return
         main = tuple(self.class_cursor("short"))
         lead, trail_cls = (tuple(self.long_cur), "short") if tuple(self.long_cur) >= main else (main, "long")
-        e, pos, doc, tok = self.class_cursor(trail_cls)
+        e, pos, doc, _ = self.class_cursor(trail_cls)
         while (e, pos, doc) < lead[:3]:
             unit = int(self.ordering.units(e)[pos])
             lens = self.lengths.get((e, unit))
@@ -215,7 +215,7 @@ class SourceStream:
             first = doc + (int(np.argmax(mine)) if mine.any() else stop - doc)
             if first < stop:
                 return  # a document of the trailing class is still unconsumed before the leading cursor
-            doc, tok = 0, 0
+            doc = 0
             e, pos = self.ordering.next_unit(e, pos)
             if (e, pos) > lead[:2]:
                 break

@@ -1,0 +1,44 @@
+"""Chunks: how consecutive handed-out steps become constructor tasks.
+
+One constructor task builds a chunk of steps for a group of ranks: as many groups as workers,
+so construction runs in parallel, and never more than ``TASK_TOKENS`` tokens per task. One queue
+item per rank then names the whole chunk, so queue items, constructor tasks and acks are per
+chunk, not per (step, rank). A task carries only its ranks' pieces, as int32 bytes (every field
+fits: half the bytes of the ledger's int64), and the units whose blocks it needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..plan.models import Topology
+from ..protocol import batch_key
+from . import pieces as P
+
+TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
+
+
+def chunk_tasks(steps: list[dict], ledger, topology: Topology, workers: int, run_id: str) -> list[dict]:
+    """Constructor tasks for consecutive ``steps`` (``PlannerState.plan_steps`` output, their
+    pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "micro_batches", "units"}``."""
+    dp, mb = topology.dp, topology.micro_batches
+    tokens = len(steps) * topology.step_tokens
+    groups = max(math.ceil(tokens / TASK_TOKENS), min(dp, max(1, workers)))
+    per = math.ceil(dp / min(groups, dp))
+    planned = [(sp, ledger[sp["step"]]) for sp in steps]
+    tasks = []
+    for lo in range(0, dp, per):
+        hi = min(dp, lo + per)
+        parts, units = [], []
+        for sp, entry in planned:
+            pieces, slot = entry["pieces"], entry["slot"]
+            mine = (slot[:, 0] >= lo) & (slot[:, 0] < hi)
+            parts.append({"step": sp["step"], "pieces": P.to_bytes(pieces[mine], "<i4"), "slot": P.to_bytes(slot[mine], "<i4"),
+                          "piece_tokens": sp["piece_tokens"]})
+            units.append(P.units(pieces[mine]))
+        used = np.unique(np.concatenate(units), axis=0) if units else np.zeros((0, 3), np.int64)
+        tasks.append({"key": batch_key(run_id, steps[0]["step"], lo, hi), "steps": parts, "ranks": [lo, hi],
+                      "micro_batches": mb, "units": used.tolist()})
+    return tasks
