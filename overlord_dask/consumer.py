@@ -51,7 +51,7 @@ from distributed.comm import CommClosedError
 
 from .errors import RankError, ServiceError
 from .protocol import WORKER_FETCH, resolve_address
-from .wire import DTYPES, decode_batch, nbytes
+from .wire import DTYPES, decode_batch, nbytes, unpack
 
 TENSOR_FIELDS = {
     "input_ids": "long",
@@ -440,7 +440,7 @@ class RankStream:
                 except OSError:
                     continue  # the worker went away; ask where the batch lives now (a shadow, or rebuilt)
                 if resp.get("status") == "OK":
-                    return resp["batches"]
+                    return unpack(resp["payload"])
             if time.monotonic() > deadline:
                 raise ServiceError(f"batch {desc['key']} could not be fetched within {self.timeout}s (last known workers: {addresses})")
             resp = await self.scheduler.overlord_where(key=desc["key"], timeout=min(5.0, self.timeout), run_id=desc.get("run_id"))
