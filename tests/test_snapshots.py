@@ -121,6 +121,30 @@ def test_resume_equals_uninterrupted(policy, cut):
         np.testing.assert_array_equal(again[s][1], reference[s][1])
 
 
+@pytest.mark.parametrize("policy", ["cost", "none"])
+def test_a_version_2_snapshot_still_resumes_exactly(policy):
+    """Snapshots written before the planner was split into parts (version 2) held every policy's
+    counters; a restore reads the running policy's and resumes the same stream."""
+    reference = _run(PlannerState(_plan(policy=policy), FIRST_IDS), 16)
+    first = PlannerState(_plan(policy=policy), FIRST_IDS)
+    _run(first, 9)
+    state = first.get_state()
+    assert state["version"] == 3
+    window = state["window"]
+    assert ("carry" in window) == (policy == "none") and ("selected" in window) == (policy == "cost")  # the running policy's only
+    n = len(window["cursors"])
+    state["version"] = 2  # as the previous format wrote it: both policies' counters
+    window.setdefault("pending", b""), window.setdefault("selected", [0] * n), window.setdefault("declared", [0.0] * n)
+    window.setdefault("cls_selected", b"\0" * 16 * n), window.setdefault("cls_declared", [0.0] * 2 * n)
+    window.setdefault("cum_tokens", [0] * n), window.setdefault("cum_declared", [0.0] * n), window.setdefault("carry", [0.0] * n)
+    again = _run(PlannerState(_plan(policy=policy), FIRST_IDS, state=state), 16)
+    for s in range(9, 16):
+        np.testing.assert_array_equal(again[s][0], reference[s][0])
+    state["version"] = 1
+    with pytest.raises(ValueError, match="snapshot version 1 is not supported"):
+        PlannerState(_plan(policy=policy), FIRST_IDS, state=state)
+
+
 def _ids(pieces):
     return {tuple(r) for r in pieces[:, [0, 1, 2, 3, 4]].tolist()}
 
