@@ -1,0 +1,85 @@
+"""The planner's parts on their own: the piece-row schema, progress, the ledger's history, window
+starts, and the policies' state round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from overlord_dask.planner import pieces as P
+from overlord_dask.planner.ledger import Ledger
+from overlord_dask.planner.policies import POLICIES, CostBalanced, ExactStep
+from overlord_dask.planner.progress import Progress
+from overlord_dask.planner.windows import WindowStarts
+
+
+def test_piece_rows_recut_flatten_and_bytes():
+    rows = np.array([[0, 0, 3, 7, 0, 10, 1], [1, 2, 5, 1, 4, 6, 0]], dtype=np.int64)  # with AGE
+    cut = P.recut(rows, 4)
+    # 10 tokens -> 4 + 4 + 2 (same document, ages kept), 2 tokens stay whole
+    assert cut[:, P.START].tolist() == [0, 4, 8, 4] and cut[:, P.STOP].tolist() == [4, 8, 10, 6]
+    assert (cut[:3, [P.SOURCE, P.EPOCH, P.UNIT, P.DOC, P.AGE]] == rows[0, [0, 1, 2, 3, 6]]).all()
+    assert P.tokens(cut) == P.tokens(rows) == 12 and P.recut(rows, 100) is rows
+    assert P.source_tokens(rows, 3).tolist() == [10, 2, 0]
+    a, b = rows[:1, : P.WIDTH], rows[1:, : P.WIDTH]
+    pieces, slot = P.flatten([[a, P.empty()], [b, a]])  # [rank][micro_batch]
+    assert pieces.tolist() == [a[0].tolist(), b[0].tolist(), a[0].tolist()] and slot.tolist() == [[0, 0], [1, 0], [1, 1]]
+    assert np.array_equal(P.from_bytes(P.to_bytes(pieces, "<i4"), dtype="<i4"), pieces)
+    assert P.stream_lengths(pieces[:, 1:]).tolist() == P.lengths(pieces).tolist()
+
+
+def test_progress_commits_and_makes_durable_by_mode():
+    p = Progress("checkpoint", dp=2, cp=1)
+    assert p.ack(0, 3, planned=5) == 0  # rank 1 has not consumed anything yet
+    assert p.ack(1, 2, planned=5) == 3 and p.durable_step == 0  # consumed, not saved by any trainer
+    p.ack(0, 3, durable=True, planned=5)
+    p.ack(1, 1, durable=True, planned=5)
+    assert p.committed == 3 and p.durable_step == 2
+    assert p.ack(1, 0, planned=5) == 3  # idempotent: acks never move back
+    with pytest.raises(ValueError, match=r"rank 2 does not exist: the plan has dp=2 ranks \(0..1\)"):
+        p.ack(2, 0, planned=5)
+    with pytest.raises(ValueError, match="only steps < 5 were planned"):
+        p.ack(0, 5, planned=5)
+    assert Progress("ack", 2, 1).durable_step == Progress("ack", 2, 1).committed == 0
+    p.restart_at(7)
+    assert p.committed == p.durable_step == 7
+
+
+def test_ledger_keeps_a_bounded_history_but_never_an_uncommitted_step():
+    ledger = Ledger(history_steps=3)
+    rows = np.array([[0, 0, 0, 0, 0, 5]], dtype=np.int64)
+    for step in range(6):
+        ledger.record(step, rows, np.zeros((1, 2), np.int32), np.zeros((0, 5), np.int64), {"step": step}, committed=1)
+    assert list(ledger) == [1, 2, 3, 4, 5]  # step 0 was committed; 1.. were not, so they stay
+    assert list(ledger.metrics) == [3, 4, 5] and ledger[5]["pieces"] is rows and len(ledger) == 5
+
+
+def test_window_starts_keep_the_window_of_the_oldest_non_durable_step():
+    n = iter(range(100))
+    w = WindowStarts(lambda: {"at": next(n)})
+    for start in (0, 8, 16, 24):
+        w.begin(start)
+    w.prune(durable=17)  # steps 16.. are in the window starting at 16: 0 and 8 can go
+    assert list(w.starts) == [16, 24] and w.at(17, planned_until=32) == (16, {"at": 2})
+    w.begin(32)
+    w.abandon(32)  # starved: it is planned again from the same state
+    assert list(w.starts) == [16, 24]
+    w.clear()
+    assert w.at(40, planned_until=40) == (40, {"at": 5})  # nothing kept: the state now (captured afresh)
+
+
+def test_policies_are_named_in_one_registry_and_their_counters_round_trip():
+    assert POLICIES == {"none": ExactStep, "cost": CostBalanced}
+    cost = CostBalanced(2)
+    cost.selected[:] = [5, 7]
+    cost.cls_selected[:] = [[1, 2], [3, 4]]
+    cost.pending = P.with_age(np.array([[1, 0, 2, 3, 0, 9]], dtype=np.int64), 2)
+    again = CostBalanced(3)  # a plan update added a source after the snapshot
+    again.set_state(cost.get_state(), 3)
+    assert again.selected.tolist() == [5, 7, 0] and again.cls_selected.tolist() == [[1, 2], [3, 4], [0, 0]]
+    assert np.array_equal(again.pending, cost.pending)
+    exact = ExactStep(2)
+    exact.carry[:] = [0.5, -0.5]
+    exact.grow(3)
+    assert exact.carry.tolist() == [0.5, -0.5, 0.0] and exact.window_steps(None) == 1 and not exact.plans_ahead
+    assert set(exact.get_state()) == {"cum_tokens", "cum_declared", "carry"}
