@@ -180,3 +180,53 @@ def service_html(status: dict, timeline: PlanTimeline, metrics: list[dict]) -> s
     mix = _table(["source", "declared now", "delivered (last 20 steps)"],
                  [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in zip(timeline.source_names, w, share)])
     return head + versions + mix
+
+
+class ServiceViews:
+    """The notebook side of ``Service``: its metadata as tables and plots (the functions above,
+    fed by the service's own RPCs: ``metrics``, ``ledger``, ``timeline``, ``status``, ``pools``,
+    ``scaling_history``)."""
+
+    def mix_table(self, start: int = 0, stop: int | None = None):
+        """Tokens, share and declared share per (planned step, source), with plan version, stage
+        and whether the step is committed (pyarrow.Table)."""
+        return mix_table(self.metrics(start, stop), self.timeline().source_names, self.status()["committed"])
+
+    def schedule_table(self, start: int | None = None, stop: int | None = None):
+        """The declared mix of the steps not planned yet (default: up to the plan's ``steps``, or
+        100 steps ahead): what will be delivered."""
+        tl = self.timeline()
+        start = self.status()["frontier"] if start is None else start
+        stop = stop if stop is not None else max(tl.latest.steps or 0, start + 100)
+        return schedule_table(tl, start, stop)
+
+    def imbalance_table(self, start: int = 0, stop: int | None = None):
+        return imbalance_table(self.metrics(start, stop))
+
+    def pools_table(self):
+        """Loader pools (``pools()``) as a table: one row per (pool, source)."""
+        return pools_table(self.pools())
+
+    def scaling_table(self):
+        """The autoscaler's changes (``scaling_history()``): step, pool, from, to, reason."""
+        return scaling_table(self.scaling_history())
+
+    def pool_workers_table(self, start: int = 0, stop: int | None = None):
+        """Workers per pool at each planned step of an autoscaled run."""
+        return pool_workers_table(self.metrics(start, stop))
+
+    def length_table(self, start: int = 0, stop: int | None = None, edges=None):
+        """Histogram of delivered piece lengths per source over the planned steps."""
+        return length_table(self.ledger(start, stop), self.timeline().source_names, DEFAULT_EDGES if edges is None else edges)
+
+    def plot_mix(self, start: int = 0, stop: int | None = None, window: int = 20, ax=None, ahead: int = 0):
+        """Declared vs delivered mix over a sliding window of steps (matplotlib axes); ``ahead``
+        steps of the declared schedule beyond the planned ones are drawn dotted."""
+        schedule = self.schedule_table(stop=self.status()["frontier"] + ahead) if ahead else None
+        return plot_mix(self.mix_table(start, stop), window=window, ax=ax, schedule=schedule)
+
+    def _repr_html_(self) -> str:
+        try:
+            return service_html(self.status(), self.timeline(), self.metrics(max(0, self.status()["next_step"] - 20)))
+        except Exception as err:  # a notebook must still show something when the service is gone
+            return f"<b>overlord service</b> {self.run_id}: unreachable ({err})"

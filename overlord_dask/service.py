@@ -31,6 +31,7 @@ from distributed import Client
 from .batch_server import BatchServer
 from .driver import Driver
 from .errors import PlanError, ServiceError
+from .inspect import ServiceViews
 from .plan.base import resolve_url
 from .plan.loading import plan_from_dict, plan_to_dict
 from .plan.models import Plan, Source
@@ -131,7 +132,29 @@ async def _detach_planner(dask_scheduler) -> None:
         await plugin.stop()
 
 
-class Service:
+def _snapshots(plan: Plan) -> tuple[tuple | None, dict]:
+    """The snapshot to resume from (``(state, seq)``, if the plan resumes and one exists) and the
+    planner's snapshot settings. An unreachable or read-only location fails here, naming it, not
+    later in a log."""
+    ck = plan.checkpoint
+    if not ck.url:
+        return None, {}
+    from .snapshots import SnapshotStore
+
+    url = resolve_url(ck.url, plan.base_dir)
+    store = SnapshotStore(url, ck.storage_options)
+    store.check_writable()
+    loaded = store.load() if ck.resume else None
+    snap = {"checkpoint_url": url, "storage_options": ck.storage_options, "keep_bases": ck.keep_bases,
+            "base_every_steps": ck.base_every_steps, "base_every_seconds": ck.base_every_seconds}
+    if loaded is not None:
+        snap["restore"], snap["restore_seq"] = loaded
+    return loaded, snap
+
+
+class Service(ServiceViews):
+    """A running overlord service: start, attach, update, inspect (tables and plots: ``inspect.ServiceViews``), stop."""
+
     def __init__(self, plan: Plan, client: Client, driver: Driver | None, run_id: str, units: dict[str, list[LoadUnit]], cluster=None,
                  pooled=None, adaptive=None):
         self.plan = plan
@@ -164,15 +187,7 @@ class Service:
         service is found again by trainers)."""
         if cluster is None and address is None:
             _check_main_guard()  # before anything else: the worker processes would run this script again
-        loaded = None
-        ck = plan.checkpoint
-        if ck.url:  # an unreachable or read-only location fails here, naming it, not later in a log
-            from .snapshots import SnapshotStore
-
-            store = SnapshotStore(resolve_url(ck.url, plan.base_dir), ck.storage_options)
-            store.check_writable()
-            if ck.resume:
-                loaded = store.load()
+        loaded, snap = _snapshots(plan)
         # the sources of every plan version in the snapshot (live updates before a restart)
         units = index_timeline(PlanTimeline(plan, decode_updates(loaded[0]) if loaded else []))
         owned = None
@@ -185,12 +200,6 @@ class Service:
         run_id = run_id or f"{plan.name}-{uuid.uuid4().hex[:8]}"
         plan_dict = plan_to_dict(plan)
         first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
-        snap = {}
-        if ck.url:
-            snap = {"checkpoint_url": resolve_url(ck.url, plan.base_dir), "storage_options": ck.storage_options, "keep_bases": ck.keep_bases,
-                    "base_every_steps": ck.base_every_steps, "base_every_seconds": ck.base_every_seconds}
-            if loaded is not None:
-                snap["restore"], snap["restore_seq"] = loaded
         adaptive, registered = None, False
         try:
             pooled = _start_pools(plan, cluster if address is None else None)
@@ -389,69 +398,6 @@ class Service:
     def snapshots(self) -> list[dict]:
         """Snapshots written by this service: kind (base/delta), bytes, seconds, committed step."""
         return self._rpc("overlord_snapshots")
-
-    # ---- inspection tables and plots (overlord_dask.inspect) -----------------------------------
-    def mix_table(self, start: int = 0, stop: int | None = None):
-        """Tokens, share and declared share per (planned step, source), with plan version, stage
-        and whether the step is committed (pyarrow.Table)."""
-        from .inspect import mix_table
-
-        return mix_table(self.metrics(start, stop), self.timeline().source_names, self.status()["committed"])
-
-    def schedule_table(self, start: int | None = None, stop: int | None = None):
-        """The declared mix of the steps not planned yet (default: up to the plan's ``steps``, or
-        100 steps ahead): what will be delivered."""
-        from .inspect import schedule_table
-
-        tl = self.timeline()
-        start = self.status()["frontier"] if start is None else start
-        stop = stop if stop is not None else max(tl.latest.steps or 0, start + 100)
-        return schedule_table(tl, start, stop)
-
-    def imbalance_table(self, start: int = 0, stop: int | None = None):
-        from .inspect import imbalance_table
-
-        return imbalance_table(self.metrics(start, stop))
-
-    def pools_table(self):
-        """Loader pools (``pools()``) as a table: one row per (pool, source)."""
-        from .inspect import pools_table
-
-        return pools_table(self.pools())
-
-    def scaling_table(self):
-        """The autoscaler's changes (``scaling_history()``): step, pool, from, to, reason."""
-        from .inspect import scaling_table
-
-        return scaling_table(self.scaling_history())
-
-    def pool_workers_table(self, start: int = 0, stop: int | None = None):
-        """Workers per pool at each planned step of an autoscaled run."""
-        from .inspect import pool_workers_table
-
-        return pool_workers_table(self.metrics(start, stop))
-
-    def length_table(self, start: int = 0, stop: int | None = None, edges=None):
-        """Histogram of delivered piece lengths per source over the planned steps."""
-        from .inspect import DEFAULT_EDGES, length_table
-
-        return length_table(self.ledger(start, stop), self.timeline().source_names, DEFAULT_EDGES if edges is None else edges)
-
-    def plot_mix(self, start: int = 0, stop: int | None = None, window: int = 20, ax=None, ahead: int = 0):
-        """Declared vs delivered mix over a sliding window of steps (matplotlib axes); ``ahead``
-        steps of the declared schedule beyond the planned ones are drawn dotted."""
-        from .inspect import plot_mix
-
-        schedule = self.schedule_table(stop=self.status()["frontier"] + ahead) if ahead else None
-        return plot_mix(self.mix_table(start, stop), window=window, ax=ax, schedule=schedule)
-
-    def _repr_html_(self) -> str:
-        from .inspect import service_html
-
-        try:
-            return service_html(self.status(), self.timeline(), self.metrics(max(0, self.status()["next_step"] - 20)))
-        except Exception as err:  # a notebook must still show something when the service is gone
-            return f"<b>overlord service</b> {self.run_id}: unreachable ({err})"
 
     def wait_for_step(self, committed: int, timeout: float = 600.0, poll: float = 0.05) -> dict:
         """Block until ``committed`` steps are acknowledged by every rank (or the run fails)."""
