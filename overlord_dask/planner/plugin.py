@@ -26,7 +26,8 @@ With a checkpoint URL, every newly durable step is snapshotted asynchronously
 The plugin keeps the routes, the planner thread and the scheduler's task events; its parts own
 their state: ``state.PlannerState`` (the planner), ``channels.RankChannels`` (descriptors to the
 ranks), ``held.HeldBatches`` (built batches until released, and their shadows),
-``snapshot_loop.SnapshotLoop`` and ``watchdog.LoopWatch``.
+``snapshot_loop.SnapshotLoop`` and ``watchdog.LoopWatch``; the read-only routes are a mixin
+(``inspection.InspectionRoutes``).
 """
 
 from __future__ import annotations
@@ -46,15 +47,15 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import logs
 from ..errors import PlanError
-from ..plan.loading import plan_from_dict, plan_to_dict
+from ..plan.loading import plan_from_dict
 from ..protocol import HANDLERS, STREAM_HANDLERS, load_prefix
 from ..partition import UnitParts
 from . import observe
-from . import pieces as P
 from .channels import RankChannels, send
 from .chunks import chunk_tasks
-from .held import HeldBatches, held_bytes
-from .signals import LoadSignals, pool_signals
+from .held import HeldBatches
+from .inspection import InspectionRoutes
+from .signals import LoadSignals
 from .snapshot_loop import SnapshotLoop
 from .state import PlannerState
 from .watchdog import LoopWatch
@@ -64,7 +65,7 @@ OBSERVE_EVERY_S = 0.5  # the dashboard page's view of the run is at most this ol
 GIL_SWITCH_S = 0.001  # how long the planner thread may hold the GIL while the event loop waits for it
 
 
-class PlannerPlugin(SchedulerPlugin):
+class PlannerPlugin(InspectionRoutes, SchedulerPlugin):
     """Register with ``client.register_plugin(PlannerPlugin(plan_dict, unit_first_ids, run_id))``."""
 
     name = "overlord-planner"
@@ -390,71 +391,6 @@ class PlannerPlugin(SchedulerPlugin):
         self.stop_requested = True
         logs.event("stop_requested", self.run_id, self.state.committed)
         return {"stop_requested": True}
-
-    async def plans(self) -> list:
-        return await self._run(lambda: [[at, plan_to_dict(p)] for at, p in self.state.timeline.versions])
-
-    def info(self) -> dict:
-        plan = self.state.final_plan
-        t = plan.topology
-        return {
-            "run_id": self.run_id,
-            "name": plan.name,
-            "dp": t.dp,
-            "cp": t.cp,
-            "micro_batches": t.micro_batches,
-            "tokens_per_micro_batch": t.tokens_per_micro_batch,
-            "prefetch_steps": plan.loading.prefetch_steps,
-            "chunk_steps": self.chunk_steps,
-            "sources": list(self.state.source_names),
-            "plan_version": self.state.plan_version,
-            "commit": self.state.progress.commit_mode,
-        }
-
-    def snapshots(self) -> list[dict]:
-        return list(self.snapshots_loop.stats) if self.snapshots_loop is not None else []
-
-    def _counters(self) -> dict:
-        """Control-path traffic (tests and benchmarks read it)."""
-        return {"descriptors_put": self.channels.put_count, "acks": self.acks, **self.held.counts}
-
-    async def status(self) -> dict:
-        st = await self._run(self.state.status)
-        return {**st, "loop": self.loop(), "chunk_steps": self.chunk_steps, **self.held.figures(),
-                **held_bytes([ts for ts in self.scheduler.tasks.values() if ts.state == "memory" and isinstance(ts.key, str)
-                               and ts.key.startswith(self._load_prefix)], "block_bytes", "block_shadow_bytes"),  # loaded blocks
-                "channels": len(self.channels.streams), "subscribed": len(self.channels.subs),
-                "snapshot_error": self.snapshots_loop.error if self.snapshots_loop is not None else None,
-                "stop_requested": self.stop_requested, "rank_wait_share": self._wait_shares(), **self._counters()}
-
-    async def pools(self, lead_s: float = 10.0, report: dict | None = None) -> dict:
-        """The autoscaler's inputs: per-source demand over the schedule ahead and measured costs;
-        with ``report``, the autoscaler's latest decisions (kept for ``Service.pools()``)."""
-        if report is not None:
-            self.scaling = report
-            self.state.pool_workers = dict(report.get("arrived") or {})  # the planner records it with each step it plans
-            return {}
-        return {**await self._run(pool_signals, self.state, self.signals, lead_s), "scaling": self.scaling}
-
-    def _wait_shares(self) -> dict:
-        """Each rank's share of its wall time spent waiting in ``next()`` (as its acks report it)."""
-        return {f"{r}" + (f".{c}" if c else ""): round(w / s, 4) for (r, c), (w, s) in sorted(self.rank_wait.items()) if s > 0}
-
-    async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
-        return await self._run(lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)])
-
-    async def ledger(self, start: int = 0, stop: int | None = None) -> list[dict]:
-        return await self._run(self._ledger, start, stop)
-
-    def _ledger(self, start: int, stop: int | None) -> list[dict]:
-        out = []
-        for s, entry in self.state.ledger.items():
-            if s >= start and (stop is None or s < stop):
-                p = entry["pieces"]
-                out.append({"step": s, "pieces": P.to_bytes(p), "slot": entry["slot"].tobytes(),
-                            "sample_ids": self.state.streams.sample_ids(p).tobytes(),
-                            "dropped": self.state.streams.dropped_ids(entry["dropped"]).tobytes()})
-        return out
 
     def fail(self, message: str) -> None:
         self._set_failure(message)
