@@ -16,7 +16,7 @@ peer that just died retries the refused connection this long, not Dask's 30 s.""
 
 SERVICE_CONFIG = {
     # a hung worker (SIGSTOP, a stuck NFS read) is removed after this long and its work rebuilt
-    # elsewhere; trainers meanwhile fetch from shadows (consumer.HEDGE_S)
+    # elsewhere; trainers meanwhile fetch from shadows (rank_io.HEDGE_S)
     "distributed.scheduler.worker-ttl": "20s",
     # the active memory manager's ReduceReplicas would delete the shadow copies of built batches
     "distributed.scheduler.active-memory-manager.start": False,

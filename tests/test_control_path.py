@@ -141,8 +141,7 @@ def test_a_slow_rank_bounds_everyone(cluster, small_plan):
         assert taken == list(range(4))  # the prefetch bound of the plan, not more
         st = service.status()
         assert st["next_step"] - st["committed"] <= 4
-        with slow._cond:
-            assert len(slow._ready) <= 1  # its own bound, while nobody reads it
+        assert slow.buffered() <= 1  # its own bound, while nobody reads it
         fast.close()
         slow.close()
 
@@ -153,10 +152,10 @@ def test_byte_bound_holds_one_step_at_most_when_tiny(cluster, small_plan):
         streams = [connect(service.address, r, timeout=120, prefetch_bytes=1) for r in range(plan.topology.dp)]
         try:
             deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not all(s._ready for s in streams):
+            while time.monotonic() < deadline and not all(s.buffered() for s in streams):
                 time.sleep(0.05)
             time.sleep(0.5)  # room for a (wrong) second fetch to land
-            assert [len(s._ready) for s in streams] == [1] * len(streams)
+            assert [s.buffered() for s in streams] == [1] * len(streams)
             assert [s.next_batch()["step"] for s in streams] == [0] * len(streams)
         finally:
             for s in streams:
