@@ -71,13 +71,36 @@ class RankChannels:
             send(bs, msg)
 
     # ---- consumer processes ---------------------------------------------------------------------
-    def open(self, channel_id: str, comm) -> BatchedSend:
+    async def serve(self, comm, channel_id: str, on_ack) -> None:
+        """A consumer process's stream, until it closes: its ranks' subscriptions and acks in
+        (``on_ack(stream, **ack)``), descriptors out. Batching both ways every few ms means the
+        event loop handles a message per process and interval, not a request per rank (at dp 256
+        that was two RPCs per (chunk, rank), in bursts of hundreds of handler calls in one loop
+        iteration)."""
+        bs = self._open(channel_id, comm)
+        try:
+            while not comm.closed():
+                msgs = await comm.read()
+                for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
+                    op = msg.pop("op", None)
+                    if op == "ack":
+                        on_ack(bs, **msg)
+                    elif op == "subscribe":
+                        self.subscribe(channel_id, **msg)
+                    elif op == "unsubscribe":
+                        self.unsubscribe(channel_id, **msg)
+        except (CommClosedError, OSError):
+            pass
+        finally:
+            self._closed(channel_id, bs)
+
+    def _open(self, channel_id: str, comm) -> BatchedSend:
         bs = BatchedSend(interval=CHANNEL_INTERVAL)
         bs.start(comm)
         self.streams[channel_id] = bs
         return bs
 
-    def closed(self, channel_id: str, bs: BatchedSend) -> None:
+    def _closed(self, channel_id: str, bs: BatchedSend) -> None:
         """A consumer process's stream ended: its ranks are unsubscribed."""
         self.streams.pop(channel_id, None)
         for key in [k for k, cid in self.subs.items() if cid == channel_id]:

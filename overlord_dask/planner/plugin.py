@@ -42,7 +42,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from distributed.comm import CommClosedError
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import logs
@@ -297,29 +296,11 @@ class PlannerPlugin(InspectionRoutes, SchedulerPlugin):
     async def channel(self, comm, channel_id: str, run_id: str, **_) -> None:
         """A consumer process's stream (one per process and run, shared by its ranks): built
         batches' descriptors are pushed to subscribed ranks as the constructor tasks finish, and
-        acks come back one-way. Both directions are batched every few ms (``BatchedSend``), so
-        the event loop handles a message per process and interval, not a request per rank (at
-        dp 256 that was two RPCs per (chunk, rank), in bursts of hundreds of handler calls in
-        one loop iteration)."""
+        acks come back one-way, batched both ways (``channels.py``)."""
         if run_id != self.run_id:
             await comm.write([{"op": "error", "rank": None, "message": f"this scheduler runs overlord run {self.run_id}, not {run_id}"}])
             return
-        bs = self.channels.open(channel_id, comm)
-        try:
-            while not comm.closed():
-                msgs = await comm.read()
-                for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
-                    op = msg.pop("op", None)
-                    if op == "ack":
-                        self._channel_ack(bs, **msg)
-                    elif op == "subscribe":
-                        self.channels.subscribe(channel_id, **msg)
-                    elif op == "unsubscribe":
-                        self.channels.unsubscribe(channel_id, **msg)
-        except (CommClosedError, OSError):
-            pass
-        finally:
-            self.channels.closed(channel_id, bs)
+        await self.channels.serve(comm, channel_id, self._channel_ack)
 
     def _channel_ack(self, bs, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
                      since_s: float | None = None, **_) -> None:
