@@ -9,11 +9,15 @@ import signal
 import time
 
 import pytest
+from dask.utils import parse_timedelta
 
 from overlord_dask import Service, connect
+from overlord_dask.deploy import WORKER_CONFIG
 from overlord_dask.report import delivered_identities, delivered_record
 
 from .harness import run_ranks
+
+PEER_CONNECT_S = parse_timedelta(WORKER_CONFIG["distributed"]["comm"]["timeouts"]["connect"])  # a worker's wait on a dead peer
 
 
 def _consume(streams, steps, waits=None, at_step=None, action=None) -> dict:
@@ -69,9 +73,12 @@ def test_worker_killed_mid_run_loses_and_repeats_nothing(cluster, small_plan, sh
         assert got[key] == ids, key  # the same stream, rank by rank, step by step
     if shadows:
         assert st["shadowed"] > 0 and st["blocks_shadowed"] > 0  # built batches and loaded blocks were copied
-    # nobody waited out a connect timeout (30 s) or the consumer's own timeout
+    # nobody waited out Dask's connect timeout (30 s) or the consumer's own (120 s). Without
+    # shadows a constructor whose block was on the killed worker may wait one refused peer
+    # connection out first (the workers' connect timeout, deploy.WORKER_CONFIG: 10 s) before the
+    # block is reloaded (a full local run once waited 10.01 s against a bound of exactly 10 s)
     print(f"shadows={shadows}: longest wait {max(waits):.3f}s, shadowed {st['shadowed']}")
-    assert max(waits) < 10, max(waits)
+    assert max(waits) < PEER_CONNECT_S + 5, max(waits)
     _wait_for_workers(cluster, 2)
 
 
