@@ -68,7 +68,7 @@ class RankStream:
                  as_torch: bool = False, prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False,
                  reconnect_timeout: float = 120.0):
         where = address  # an address, or a scheduler file read again on every reconnect
-        self.address = address = resolve_address(address)
+        address = resolve_address(address)
         self.rank = int(rank)
         self.cp_rank = cp_rank
         self.timeout = timeout
@@ -76,24 +76,24 @@ class RankStream:
         self.io = ProcessIO.get()
         self._closed = False
         try:
-            self.info = self._call(address, "overlord_info", timeout=min(timeout, 60))
+            info = self._call(address, "overlord_info", timeout=min(timeout, 60))
         except Exception as err:
             raise ServiceError(f"no overlord service at {address}: {err}") from None
-        if not isinstance(self.info, dict):  # the scheduler answers None for an unknown route
+        if not isinstance(info, dict):  # the scheduler answers None for an unknown route
             raise ServiceError(f"no overlord service at {address}: the scheduler runs no overlord planner")
-        world = self.info["dp"]
+        world = info["dp"]
         if dp is not None and dp != world:
             raise RankError(f"consumer asked for dp={dp}, but the service at {address} runs dp={world}")
         if not 0 <= self.rank < world:
             raise RankError(f"rank {self.rank} does not exist: the service at {address} has dp={world} ranks (0..{world - 1})")
-        cp = self.info.get("cp", 1)
+        cp = info.get("cp", 1)
         if cp > 1 and self.cp_rank is None:
             raise RankError(f"the service at {address} runs context parallelism cp={cp}: pass cp_rank (0..{cp - 1})")
         if self.cp_rank is not None and not 0 <= self.cp_rank < cp:
             raise RankError(f"cp rank {self.cp_rank} does not exist: the service at {address} has cp={cp} (0..{cp - 1})")
         if cp == 1:
             self.cp_rank = None
-        self.micro_batches = self.info["micro_batches"]
+        self.micro_batches = info["micro_batches"]
         att = self._call(address, "overlord_attach", rank=self.rank, cp_rank=self.cp_rank or 0, timeout=60)
         if att.get("error"):
             raise ServiceError(att["error"])
@@ -101,10 +101,20 @@ class RankStream:
         self._attached_at = self.next_step
         self._unacked: int | None = None  # last step handed over, not yet finished by the trainer
         self.wait_s: list[float] = []  # seconds next_batch waited for each step
-        self.hand = HandOver(self.next_step, max(1, prefetch_steps or self.info.get("prefetch_steps", 4)), prefetch_bytes)
-        self.rio = RankIO(self.io, self.hand, where=where, address=address, info=self.info, rank=self.rank, cp_rank=self.cp_rank,
+        self.hand = HandOver(self.next_step, max(1, prefetch_steps or info.get("prefetch_steps", 4)), prefetch_bytes)
+        self.rio = RankIO(self.io, self.hand, where=where, address=address, info=info, rank=self.rank, cp_rank=self.cp_rank,
                           generation=int(att["generation"]), first_step=self.next_step, timeout=timeout,
                           reconnect_timeout=reconnect_timeout, as_torch=as_torch, pin_memory=pin_memory and self._can_pin())
+
+    @property
+    def address(self) -> str:
+        """The service's address (a restarted service may be found at another one)."""
+        return self.rio.address
+
+    @property
+    def info(self) -> dict:
+        """The service's ``overlord_info`` (of the run it is attached to now)."""
+        return self.rio.info
 
     @property
     def channel(self):

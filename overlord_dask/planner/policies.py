@@ -53,13 +53,10 @@ def _floats(a: np.ndarray) -> list[float]:
     return [float(x) for x in np.ravel(a)]
 
 
-def _padded(values, dtype, n: int, cols: int = 0) -> np.ndarray:
-    """Per-source counters from a snapshot, grown to ``n`` sources (a plan update after the
-    snapshot's window added some)."""
-    a = np.asarray(values, dtype=dtype)
-    a = a.reshape(-1, cols) if cols else a.reshape(-1)
-    pad = np.zeros(((n - len(a), cols) if cols else (n - len(a))), dtype=dtype)
-    return np.concatenate([a, pad])
+def _grown(a: np.ndarray, n: int) -> np.ndarray:
+    """Per-source counters (one row per source) with zero rows for sources ``len(a)..n-1``: a
+    plan update added them, after the run started or after a snapshot's window."""
+    return np.concatenate([a, np.zeros((max(0, n - len(a)), *a.shape[1:]), dtype=a.dtype)])
 
 
 class Policy:
@@ -100,11 +97,7 @@ class ExactStep(Policy):
         self.carry = np.zeros(n_sources)  # the surplus the next step starts from (mixing.next_carry)
 
     def grow(self, n: int) -> None:
-        k = n - len(self.cum_tokens)
-        if k > 0:
-            self.cum_tokens = np.concatenate([self.cum_tokens, np.zeros(k, np.int64)])
-            self.cum_declared = np.concatenate([self.cum_declared, np.zeros(k)])
-            self.carry = np.concatenate([self.carry, np.zeros(k)])
+        self.cum_tokens, self.cum_declared, self.carry = (_grown(a, n) for a in (self.cum_tokens, self.cum_declared, self.carry))
 
     def plan(self, w: Window) -> list[Planned]:
         topo = w.topology
@@ -123,9 +116,9 @@ class ExactStep(Policy):
         return {"cum_tokens": [int(x) for x in self.cum_tokens], "cum_declared": _floats(self.cum_declared), "carry": _floats(self.carry)}
 
     def set_state(self, state: dict, n_sources: int) -> None:
-        self.cum_tokens = _padded(state["cum_tokens"], np.int64, n_sources)
-        self.cum_declared = _padded(state["cum_declared"], np.float64, n_sources)
-        self.carry = _padded(state["carry"], np.float64, n_sources)
+        self.cum_tokens = _grown(np.asarray(state["cum_tokens"], np.int64), n_sources)
+        self.cum_declared = _grown(np.asarray(state["cum_declared"], np.float64), n_sources)
+        self.carry = _grown(np.asarray(state["carry"], np.float64), n_sources)
 
 
 class CostBalanced(Policy):
@@ -148,12 +141,8 @@ class CostBalanced(Policy):
         self.cls_selected, self.cls_declared = np.zeros((n_sources, 2), np.int64), np.zeros((n_sources, 2))  # per (source, short/long)
 
     def grow(self, n: int) -> None:
-        k = n - len(self.selected)
-        if k > 0:
-            self.selected = np.concatenate([self.selected, np.zeros(k, np.int64)])
-            self.declared = np.concatenate([self.declared, np.zeros(k)])
-            self.cls_selected = np.concatenate([self.cls_selected, np.zeros((k, 2), np.int64)])
-            self.cls_declared = np.concatenate([self.cls_declared, np.zeros((k, 2))])
+        self.selected, self.declared, self.cls_selected, self.cls_declared = (
+            _grown(a, n) for a in (self.selected, self.declared, self.cls_selected, self.cls_declared))
 
     def plan(self, w: Window) -> list[Planned]:
         topo, bal = w.topology, w.balance
@@ -228,10 +217,10 @@ class CostBalanced(Policy):
 
     def set_state(self, state: dict, n_sources: int) -> None:
         self.pending = P.from_bytes(state["pending"], P.WIDTH + 1)
-        self.selected = _padded(state["selected"], np.int64, n_sources)
-        self.declared = _padded(state["declared"], np.float64, n_sources)
-        self.cls_selected = _padded(np.frombuffer(state["cls_selected"], dtype="<i8"), np.int64, n_sources, 2)
-        self.cls_declared = _padded(state["cls_declared"], np.float64, n_sources, 2)
+        self.selected = _grown(np.asarray(state["selected"], np.int64), n_sources)
+        self.declared = _grown(np.asarray(state["declared"], np.float64), n_sources)
+        self.cls_selected = _grown(P.from_bytes(state["cls_selected"], 2), n_sources)
+        self.cls_declared = _grown(np.asarray(state["cls_declared"], np.float64).reshape(-1, 2), n_sources)
 
 
 POLICIES: dict[str, type[Policy]] = {"none": ExactStep, "cost": CostBalanced}

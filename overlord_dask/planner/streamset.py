@@ -161,7 +161,7 @@ class StreamSet:
         for s, cur in zip(self.streams, state["cursors"]):
             s.restore(tuple(cur))
             s.loads.restart(s.epoch, s.pos)
-        d = np.frombuffer(state["dropped"], dtype="<i8").reshape(-1, 2)
+        d = P.from_bytes(state["dropped"], 2)
         self.dropped = np.concatenate([d, np.zeros((len(self.streams) - len(d), 2), np.int64)])
 
     def status(self) -> dict:
