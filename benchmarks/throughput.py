@@ -13,6 +13,12 @@ byte-level BPE (Hugging Face ``tokenizers``, ``--bpe-vocab`` ids) trained in thi
 demo's web text at the start (no download), saved next to the corpus and named in a copy of the
 demo plan as ``tokenizer: hf:PATH`` for the ``web`` source; the raw loop tokenizes with it too.
 Its figures are under ``"bpe"``.
+
+Scaling with workers (``--scaling 1 2 4``, the default): the same service run again with each
+number of Dask worker processes, for each tokenizer measured (``"by_workers"``: tokens/s per
+worker count). With the BPE, loading is the cost, so a second worker should add what a second
+core can give; beyond the machine's cores extra workers can only share them, and must not slow
+the service down (the issue-13 measurement on 16 cores: 2 → 8 workers went 3.4M → 2.9M tokens/s).
 """
 
 from __future__ import annotations
@@ -88,6 +94,16 @@ def bpe_plan(data_dir: str, vocab: int, docs: int) -> tuple[str, float]:
     return path, trained
 
 
+def by_workers(args, plan_path: str | None) -> list[dict]:
+    """The service's tokens/s with each worker count of ``--scaling`` (same plan, same steps)."""
+    rows = []
+    for w in args.scaling:
+        svc = run_demo(steps=args.steps, dp=args.dp, workers=w, data=args.data, scale=args.scale, plan_path=plan_path, quiet=True)
+        rows.append({"workers": w, "tokens_per_s": svc["tokens_per_s"], "wait_p99_ms": svc["wait_p99_ms"],
+                     "duplicates": svc["duplicates"], "missing": svc["missing"]})
+    return rows
+
+
 def measure(args, plan_path: str | None) -> dict:
     from overlord_dask.plan import load_plan
 
@@ -98,7 +114,8 @@ def measure(args, plan_path: str | None) -> dict:
     return {"tokens": svc["tokens"], "tokens_per_s": svc["tokens_per_s"], "wait_p50_ms": svc["wait_p50_ms"], "wait_p99_ms": svc["wait_p99_ms"],
             "time_to_first_batch_s": svc["time_to_first_batch_s"], "raw_tokens_per_s": round(raw_rate, 1),
             "ratio_to_raw": round(svc["tokens_per_s"] / raw_rate, 3), "imbalance_p50": svc["imbalance_p50"],
-            "imbalance_p99": svc["imbalance_p99"], "duplicates": svc["duplicates"], "missing": svc["missing"], "steps": svc["steps"], "dp": svc["dp"]}
+            "imbalance_p99": svc["imbalance_p99"], "duplicates": svc["duplicates"], "missing": svc["missing"], "steps": svc["steps"], "dp": svc["dp"],
+            **({"by_workers": by_workers(args, plan_path)} if args.scaling else {})}
 
 
 def main(argv=None) -> dict:
@@ -112,6 +129,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokenizer", choices=["byte", "bpe", "both"], default="both")
     ap.add_argument("--bpe-vocab", type=int, default=8192)
     ap.add_argument("--bpe-docs", type=int, default=5000, help="web documents the BPE is trained on")
+    ap.add_argument("--scaling", type=int, nargs="*", default=[1, 2, 4], help="worker counts to run the service with again (none: skip)")
     args = ap.parse_args(argv)
     generate_demo_corpus(args.data, scale=args.scale)
     out = {"benchmark": "throughput", "workers": args.workers, "cores": os.cpu_count()}
@@ -123,7 +141,10 @@ def main(argv=None) -> dict:
     if args.json:
         print(json.dumps(out))
     else:
-        byte, bpe = ({k: v for k, v in out.items() if k != "bpe"}, out.get("bpe", {}))
+        byte, bpe = ({k: v for k, v in out.items() if k != "bpe"}, dict(out.get("bpe", {})))
+        for row in (byte, bpe):
+            for r in row.pop("by_workers", []):
+                row[f"tokens/s, {r['workers']} workers"] = r["tokens_per_s"]
         print(f"{'metric':<24}{'byte':>16}{'bpe':>16}")
         for k in dict.fromkeys([*byte, *bpe]):
             print(f"{k:<24}{byte.get(k, '')!s:>16}{bpe.get(k, '')!s:>16}")

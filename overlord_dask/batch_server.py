@@ -14,7 +14,6 @@ from __future__ import annotations
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from . import logs
-from .constructors import chunk_batch
 from .protocol import WORKER_FETCH
 from .wire import pack
 
@@ -30,7 +29,7 @@ class BatchServer(WorkerPlugin):
             if key not in worker.data:
                 return {"status": "missing"}
             chunk = worker.data[key]
-            return {"status": "OK", "payload": pack([chunk_batch(chunk, s, rank, cp_rank) for s in steps])}
+            return {"status": "OK", "payload": pack([chunk.batch(s, rank, cp_rank) for s in steps])}
 
         worker.handlers[WORKER_FETCH] = overlord_fetch
 

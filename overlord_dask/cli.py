@@ -88,7 +88,7 @@ def run_demo(*, steps: int = 100, dp: int = 4, workers: int = 2, data: str = "de
                     raise OverlordError(f"a trainer process died: exit codes {[p.exitcode for p in procs]}")
                 bar.update(min(st["committed"], steps) - done)
                 done = min(st["committed"], steps)
-                time.sleep(0.05)
+                time.sleep(0.2)  # progress at 5 Hz: each status is a scheduler RPC the run pays for
         for p in procs:
             p.join(timeout=60)
         wall = time.perf_counter() - t0

@@ -50,3 +50,29 @@ def test_checker_catches_inconsistency():
     bad = dict(mb, labels=np.roll(mb["labels"], 1))
     with pytest.raises(ValueError, match="labels|padding"):
         check_micro_batch(bad, 16)
+
+
+def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
+    """Dask's memory accounting (spilling, ``status()`` bytes) sees a constructor task's batches,
+    without walking them, and a chunk copied to a shadow worker serves the same batches."""
+    import pickle
+
+    from dask.sizeof import sizeof
+
+    from overlord_dask.constructors import build_chunk
+    from overlord_dask.planner import pieces as P
+    from overlord_dask.wire import decode_batch, nbytes
+
+    blocks = {block_key(0, 0, 0): _block([5, 9, 3])}
+    pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3]])
+    slot = np.array([[0, 0], [1, 0], [1, 1]])  # (rank, micro-batch) of each piece
+    steps = [{"step": 4, "pieces": P.to_bytes(pieces, "<i4"), "slot": P.to_bytes(slot, "<i4"), "piece_tokens": 16}]
+    chunk = build_chunk(steps, 0, 2, 2, blocks, capacity=16)
+    arrays = sum(nbytes(chunk.batch(4, r)) for r in (0, 1))
+    assert arrays > 0 and chunk.nbytes == arrays and sizeof(chunk) == arrays + 200
+    copy = pickle.loads(pickle.dumps(chunk))
+    for r in (0, 1):
+        a, b = decode_batch(chunk.batch(4, r)), decode_batch(copy.batch(4, r))
+        for m in range(2):
+            assert a["micro_batches"][m]["input_ids"].tolist() == b["micro_batches"][m]["input_ids"].tolist()
+    assert decode_batch(copy.batch(4, 1))["micro_batches"][1]["num_tokens"] == 3
