@@ -15,10 +15,11 @@ demo plan as ``tokenizer: hf:PATH`` for the ``web`` source; the raw loop tokeniz
 Its figures are under ``"bpe"``.
 
 Scaling with workers (``--scaling 1 2 4``, the default): the same service run again with each
-number of Dask worker processes, for each tokenizer measured (``"by_workers"``: tokens/s per
-worker count). With the BPE, loading is the cost, so a second worker should add what a second
-core can give; beyond the machine's cores extra workers can only share them, and must not slow
-the service down (the issue-13 measurement on 16 cores: 2 → 8 workers went 3.4M → 2.9M tokens/s).
+number of Dask worker processes, ``--repeats`` times in turn, for each tokenizer measured
+(``"by_workers"``: the median tokens/s per worker count, and every run's). Where cores are to
+spare, more workers should deliver more; beyond the machine's cores extra workers can only share
+them, and must not slow the service down (the issue-13 measurement on 16 cores: 2 → 8 workers
+went 3.4M → 2.9M tokens/s).
 """
 
 from __future__ import annotations
@@ -95,13 +96,16 @@ def bpe_plan(data_dir: str, vocab: int, docs: int) -> tuple[str, float]:
 
 
 def by_workers(args, plan_path: str | None) -> list[dict]:
-    """The service's tokens/s with each worker count of ``--scaling`` (same plan, same steps)."""
-    rows = []
-    for w in args.scaling:
-        svc = run_demo(steps=args.steps, dp=args.dp, workers=w, data=args.data, scale=args.scale, plan_path=plan_path, quiet=True)
-        rows.append({"workers": w, "tokens_per_s": svc["tokens_per_s"], "wait_p99_ms": svc["wait_p99_ms"],
-                     "duplicates": svc["duplicates"], "missing": svc["missing"]})
-    return rows
+    """The service's tokens/s with each worker count of ``--scaling`` (same plan, same steps):
+    ``--repeats`` rounds over the counts in turn (so a drift of the machine's speed touches every
+    count alike); ``tokens_per_s`` is the median of a count's runs, ``runs`` all of them."""
+    runs: dict[int, list[dict]] = {w: [] for w in args.scaling}
+    for _ in range(args.repeats):
+        for w in args.scaling:
+            runs[w].append(run_demo(steps=args.steps, dp=args.dp, workers=w, data=args.data, scale=args.scale, plan_path=plan_path, quiet=True))
+    return [{"workers": w, "tokens_per_s": round(float(np.median([r["tokens_per_s"] for r in rs])), 1),
+             "runs": [r["tokens_per_s"] for r in rs], "duplicates": sum(r["duplicates"] for r in rs),
+             "missing": sum(r["missing"] for r in rs)} for w, rs in runs.items()]
 
 
 def measure(args, plan_path: str | None) -> dict:
@@ -130,6 +134,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--bpe-vocab", type=int, default=8192)
     ap.add_argument("--bpe-docs", type=int, default=5000, help="web documents the BPE is trained on")
     ap.add_argument("--scaling", type=int, nargs="*", default=[1, 2, 4], help="worker counts to run the service with again (none: skip)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per worker count of --scaling")
     args = ap.parse_args(argv)
     generate_demo_corpus(args.data, scale=args.scale)
     out = {"benchmark": "throughput", "workers": args.workers, "cores": os.cpu_count()}
