@@ -27,7 +27,6 @@ Integer numpy arrays only: they serialize zero-copy, and the trainer converts th
 from __future__ import annotations
 
 import numpy as np
-
 from dask.sizeof import sizeof
 
 from .planner import pieces as P
