@@ -148,12 +148,6 @@ class BuiltChunk:
         self.encoded, self.batches = encoded, batches
         self.nbytes = sum(nbytes(b) for per_rank in batches.values() for b in per_rank.values())
 
-    def __getstate__(self):
-        return self.encoded, self.batches, self.nbytes
-
-    def __setstate__(self, state) -> None:
-        self.encoded, self.batches, self.nbytes = state
-
     def batch(self, step: int, rank: int, cp_rank: int | None = None) -> dict:
         """The wire form of one (step, rank[, cp rank]) batch."""
         b = self.batches[step][rank]

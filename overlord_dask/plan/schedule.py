@@ -62,7 +62,6 @@ class Schedule(Strict):
         if self.ramp is not None:
             _points(self.ramp, "ramp")
         if self.function is not None:
-
             import_callable(self.function)
         return self
 
@@ -107,7 +106,6 @@ _CALLABLES: dict[str, object] = {}
 def _callable(spec: str):
     fn = _CALLABLES.get(spec)
     if fn is None:
-
         fn = _CALLABLES[spec] = import_callable(spec)
     return fn
 

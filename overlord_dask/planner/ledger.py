@@ -60,7 +60,7 @@ def step_metrics(step: int, pieces: np.ndarray, drops: np.ndarray, mb_costs: np.
         "fill": float(tokens / step_tokens),
         "imbalance": imb,
         "mb_imbalance": mb_imb,
-        "source_tokens": [int(x) for x in np.bincount(pieces[:, P.SOURCE], weights=lens, minlength=n_sources)],
+        "source_tokens": P.source_tokens(pieces, n_sources).tolist(),
         "longest_piece": int(lens.max()) if len(lens) else 0,
         "cost_max": float(rank_costs.max()),
         "cost_mean": float(rank_costs.mean()),

@@ -135,21 +135,23 @@ class StreamSet:
         return [[self.names[i], e, u] for i, e, u in sorted(done)]
 
     # ---- ids ------------------------------------------------------------------------------------
+    def _ids(self, source: np.ndarray, unit: np.ndarray, doc: np.ndarray) -> np.ndarray:
+        """Source-wide sample ids of documents given by source index, unit and index in the unit."""
+        out = np.empty(len(source), dtype=np.int64)
+        for i, s in enumerate(self.streams):
+            sel = source == i
+            out[sel] = s.first_ids[unit[sel]] + doc[sel]
+        return out
+
     def sample_ids(self, rows: np.ndarray) -> np.ndarray:
         """Source-wide sample ids of planned pieces."""
-        out = np.empty(len(rows), dtype=np.int64)
-        for i, s in enumerate(self.streams):
-            sel = rows[:, P.SOURCE] == i
-            out[sel] = s.first_ids[rows[sel, P.UNIT]] + rows[sel, P.DOC]
-        return out
+        return self._ids(rows[:, P.SOURCE], rows[:, P.UNIT], rows[:, P.DOC])
 
     def dropped_ids(self, drops: np.ndarray) -> np.ndarray:
         """Drop rows ``[source, epoch, unit, doc, tokens]`` as ``[source, epoch, sample id, tokens]``."""
         out = np.empty((len(drops), 4), dtype=np.int64)
         out[:, 0], out[:, 1], out[:, 3] = drops[:, 0], drops[:, 1], drops[:, 4]
-        for i, s in enumerate(self.streams):
-            sel = drops[:, 0] == i
-            out[sel, 2] = s.first_ids[drops[sel, 2]] + drops[sel, 3]
+        out[:, 2] = self._ids(drops[:, 0], drops[:, 2], drops[:, 3])
         return out
 
     # ---- state ----------------------------------------------------------------------------------
