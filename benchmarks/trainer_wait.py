@@ -9,7 +9,9 @@ Each trainer takes its rank's micro-batches through ``OverlordDataset`` in a
 free for the service as a GPU trainer's host would leave it). It records the time spent in
 ``next()`` per step; after ``--warmup`` steps: ``wait_share`` (waiting ÷ wall time),
 ``wait_p50_ms``, ``wait_p99_ms``, and ``time_to_first_batch_s`` (from the trainer's start, the
-service already running).
+service already running, less the wait at the start barrier). The ranks start their first step
+together, as a data-parallel job's ranks do after ``init_process_group`` (a barrier once every
+rank has its loader); after that they run unsynchronised.
 
 Baseline, in the same run and with the same compute: each rank runs its own
 ``torch.utils.data.DataLoader`` (``--baseline-workers`` worker processes, default 2) over the demo
@@ -40,10 +42,19 @@ from benchmarks.output import print_rows  # noqa: E402
 from benchmarks.per_rank import as_batch  # noqa: E402
 
 
-def _train(batches, micro_batches: int, steps: int, compute_s: float) -> dict:
-    """The trainer loop both systems run: per micro-batch, take it (timed) and compute."""
+def _train(batches, micro_batches: int, steps: int, compute_s: float, start) -> dict:
+    """The trainer loop both systems run: per micro-batch, take it (timed) and compute.
+
+    ``start`` (a barrier of all ranks) is passed once the rank's loader exists, as the ranks of
+    a data-parallel job start their first step together after ``init_process_group``: without
+    it, the rank whose process came up first ran ``prefetch_steps`` ahead of the last one to
+    attach and then waited for it (a startup skew of a few hundred ms counted as waiting for
+    data, in a job whose ranks never run apart)."""
     waits, ends, t_start, t_first, k = [], [], time.perf_counter(), None, 0
     it = iter(batches)
+    b0 = time.perf_counter()
+    start.wait()
+    barrier_s = time.perf_counter() - b0  # not the rank's own time to its first batch
     step_wait = 0.0
     while len(waits) < steps:
         t0 = time.perf_counter()
@@ -58,15 +69,15 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float) -> dict:
             waits.append(step_wait)
             ends.append(time.perf_counter())
             step_wait = 0.0
-    return {"waits": waits, "ends": ends, "t_start": t_start, "t_first": t_first}
+    return {"waits": waits, "ends": ends, "t_start": t_start, "t_first": t_first, "barrier_s": barrier_s}
 
 
-def _overlord_trainer(address: str, rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, out) -> None:
+def _overlord_trainer(address: str, rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, start, out) -> None:
     from overlord_dask import OverlordDataset
 
     t0 = time.perf_counter()
     ds = OverlordDataset(address, rank=rank, dp=dp)
-    res = _train(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0), micro_batches, steps, compute_s)
+    res = _train(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0), micro_batches, steps, compute_s, start)
     res["t_start"] = t0
     ds.stream.commit()
     ds.close()
@@ -107,11 +118,11 @@ class PackedWeb(torch.utils.data.IterableDataset):
 
 
 def _baseline_trainer(files: list[str], rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, capacity: int,
-                      workers: int, out) -> None:
+                      workers: int, start, out) -> None:
     t0 = time.perf_counter()
     loader = torch.utils.data.DataLoader(PackedWeb(files, capacity, rank, dp), batch_size=None, num_workers=workers,
                                          prefetch_factor=2 if workers else None, persistent_workers=False)
-    res = _train(loader, micro_batches, steps, compute_s)
+    res = _train(loader, micro_batches, steps, compute_s, start)
     res["t_start"] = t0
     out.put((rank, res))
 
@@ -124,13 +135,13 @@ def _summarise(results: list[dict], warmup: int) -> dict:
         "wait_share": round(float(np.mean(share)), 4),
         "wait_p50_ms": round(float(np.percentile(waits, 50)) * 1e3, 3),
         "wait_p99_ms": round(float(np.percentile(waits, 99)) * 1e3, 3),
-        "time_to_first_batch_s": round(float(np.mean([r["t_first"] - r["t_start"] for r in results])), 3),
+        "time_to_first_batch_s": round(float(np.mean([r["t_first"] - r["t_start"] - r["barrier_s"] for r in results])), 3),
     }
 
 
 def _run_procs(ctx, target, args_for_rank, dp: int) -> list[dict]:
-    q = ctx.Queue()
-    ps = [ctx.Process(target=target, args=(*args_for_rank(r), q)) for r in range(dp)]  # not daemonic: DataLoader workers are children
+    q, start = ctx.Queue(), ctx.Barrier(dp)
+    ps = [ctx.Process(target=target, args=(*args_for_rank(r), start, q)) for r in range(dp)]  # not daemonic: DataLoader workers are children
     for p in ps:
         p.start()
     out = dict(q.get(timeout=900) for _ in range(dp))
