@@ -33,60 +33,92 @@ from .planner import pieces as P
 from .protocol import block_key
 from .sources.blocks import SampleBlock
 from .vocab import PAD_ID
-from .wire import IGNORE_INDEX, encode_batch, nbytes
+from .wire import DTYPES, IGNORE_INDEX, encode_batch, narrow, nbytes
 
 
-def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False) -> dict:
-    n = len(pieces)
-    input_ids = np.full(capacity, PAD_ID, dtype=np.int32)
-    labels = np.full(capacity, IGNORE_INDEX, dtype=np.int32)
-    position_ids = np.empty(capacity, dtype=np.int32)
-    cu = np.zeros(n + 1, dtype=np.int32)
-    sample_ids = np.empty(n, dtype=np.int64)
-    source_ids = np.empty(n, dtype=np.int32)
-    chunk_ids = np.empty(n, dtype=np.int32)
-    piece_starts = np.empty(n, dtype=np.int64)
-    epochs = np.empty(n, dtype=np.int32)
-    pos = 0
+class _Gathered:
+    """What one micro-batch's pieces hold, before any padding: the real tokens end to end, the
+    piece boundaries, each piece's next token in its document (``IGNORE_INDEX`` after a
+    document's last token), the per-piece identity arrays and the image patches."""
+
+    __slots__ = ("tokens", "cu", "nexts", "meta", "images")
+
+
+def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool) -> _Gathered:
+    """One pass over the pieces: a slice copy and two scalar reads per piece; everything
+    else (labels, positions, padding, the identity arrays) is computed on whole arrays."""
+    rows = np.asarray(pieces, dtype=np.int64).reshape(-1, P.WIDTH)
+    n = len(rows)
+    lens = rows[:, 5] - rows[:, 4]
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    if n and cu[-1] > capacity:
+        k = int(np.argmax(cu[1:] > capacity))
+        raise ValueError(f"micro-batch over capacity: {int(cu[k + 1])} > {capacity} tokens (planner bug)")
+    parts, nexts, sample_ids = [], np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     patches, patch_pos, patch_idx = [], [], []
-    for k, (src, epoch, unit, doc, start, stop) in enumerate(np.asarray(pieces, dtype=np.int64).reshape(-1, P.WIDTH).tolist()):
-        block = blocks[block_key(src, epoch, unit)]
+    by_unit: dict[tuple, SampleBlock] = {}
+    for k, (src, epoch, unit, doc, start, stop) in enumerate(rows.tolist()):
+        block = by_unit.get((src, epoch, unit))
+        if block is None:
+            block = by_unit[(src, epoch, unit)] = blocks[block_key(src, epoch, unit)]
         if block.images is not None:
-            _image_patches(block, doc, start, stop, pos, patches, patch_pos, patch_idx)
+            _image_patches(block, doc, start, stop, int(cu[k]), patches, patch_pos, patch_idx)
         toks = block.doc(doc)
-        L = stop - start
-        if pos + L > capacity:
-            raise ValueError(f"micro-batch over capacity: {pos + L} > {capacity} tokens (planner bug)")
-        input_ids[pos : pos + L] = toks[start:stop]
-        nxt = toks[start + 1 : stop + 1]  # true next tokens inside the document
-        labels[pos : pos + len(nxt)] = nxt
-        position_ids[pos : pos + L] = np.arange(L, dtype=np.int32)
-        pos += L
-        cu[k + 1] = pos
+        parts.append(toks[start:stop])
+        nexts[k] = toks[stop] if stop < len(toks) else IGNORE_INDEX
         sample_ids[k] = block.sample_ids[doc]
-        source_ids[k] = src
-        chunk_ids[k] = start // piece_tokens
-        piece_starts[k] = start
-        epochs[k] = epoch
-    position_ids[pos:] = np.arange(capacity - pos, dtype=np.int32)
-    out = {
-        "input_ids": input_ids,
-        "labels": labels,
-        "position_ids": position_ids,
-        "cu_seqlens": cu,
+    g = _Gathered()
+    g.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    g.cu, g.nexts = cu.astype(np.int32), nexts
+    g.meta = {
         "sample_ids": sample_ids,
-        "source_ids": source_ids,
-        "chunk_ids": chunk_ids,
-        "piece_starts": piece_starts,
-        "epochs": epochs,
-        "num_tokens": pos,
+        "source_ids": rows[:, 0].astype(np.int32),
+        "chunk_ids": (rows[:, 4] // piece_tokens).astype(np.int32),
+        "piece_starts": rows[:, 4].copy(),
+        "epochs": rows[:, 1].astype(np.int32),
     }
+    g.images = None
     if multimodal:
         dims = [b.images.shape[2:] for b in blocks.values() if b.images is not None]
         dtype = next((b.images.dtype for b in blocks.values() if b.images is not None), np.uint8)
-        out["image_patches"] = np.concatenate(patches) if patches else np.zeros((0,) + (dims[0] if dims else (0,)), dtype=dtype)
-        out["image_positions"] = np.concatenate(patch_pos).astype(np.int32) if patch_pos else np.zeros(0, np.int32)
-        out["patch_index"] = np.concatenate(patch_idx).astype(np.int32) if patch_idx else np.zeros(0, np.int32)
+        g.images = {
+            "image_patches": np.concatenate(patches) if patches else np.zeros((0,) + (dims[0] if dims else (0,)), dtype=dtype),
+            "image_positions": np.concatenate(patch_pos).astype(np.int32) if patch_pos else np.zeros(0, np.int32),
+            "patch_index": np.concatenate(patch_idx).astype(np.int32) if patch_idx else np.zeros(0, np.int32),
+        }
+    return g
+
+
+def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False) -> dict:
+    g = _gather(pieces, blocks, capacity, piece_tokens, multimodal)
+    n = int(g.cu[-1])
+    input_ids = np.full(capacity, PAD_ID, dtype=np.int32)
+    input_ids[:n] = g.tokens
+    labels = np.full(capacity, IGNORE_INDEX, dtype=np.int32)
+    labels[: max(n - 1, 0)] = input_ids[1:n]  # the next token inside a piece ...
+    if len(g.cu) > 1:
+        labels[g.cu[1:] - 1] = g.nexts  # ... and at a piece's end, its document's (or -100)
+    position_ids = np.arange(capacity, dtype=np.int32)
+    position_ids[:n] -= np.repeat(g.cu[:-1], np.diff(g.cu))  # restart at 0 for every piece
+    position_ids[n:] = np.arange(capacity - n, dtype=np.int32)  # padding counts on from 0 as well
+    out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seqlens": g.cu, **g.meta, "num_tokens": n}
+    if g.images is not None:
+        out.update(g.images)
+    return out
+
+
+def wire_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False) -> dict:
+    """``wire.encode(pack_micro_batch(...))`` without building the padded arrays the wire form
+    leaves out (labels, positions, padding): what a constructor stores when there is no
+    context parallelism (tested equal)."""
+    g = _gather(pieces, blocks, capacity, piece_tokens, multimodal)
+    n = int(g.cu[-1])
+    out = {"capacity": capacity, "tokens": narrow(g.tokens),
+           "last_labels": narrow(g.nexts) if len(g.nexts) else np.zeros(0, np.int8),
+           "cu_seqlens": narrow(g.cu), **{k: narrow(v) for k, v in g.meta.items()}, "num_tokens": n}
+    if g.images is not None:
+        out.update({k: narrow(v) if k in DTYPES else v for k, v in g.images.items()})
     return out
 
 
@@ -176,8 +208,11 @@ def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: in
         per_rank = split_step(sp["pieces"], sp["slot"], ranks, micro_batches)
         out[sp["step"]] = {}
         for rank, mbs in zip(ranks, per_rank):
-            b = build_rank_batch(sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal)
-            out[sp["step"]][rank] = b if cp > 1 else encode_batch(b)
+            if cp > 1:
+                out[sp["step"]][rank] = build_rank_batch(sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal)
+            else:
+                out[sp["step"]][rank] = {"step": sp["step"], "rank": rank, "micro_batches": [
+                    wire_micro_batch(mb, blocks, capacity, sp["piece_tokens"], multimodal) for mb in mbs]}
     return BuiltChunk(cp == 1, out)
 
 

@@ -55,6 +55,36 @@ def test_wire_form_decodes_to_exactly_the_packed_micro_batch(seed):
     assert decode_batch(wire)["step"] == 0
 
 
+def _same_wire(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k, v in a.items():
+        if isinstance(v, np.ndarray):
+            assert b[k].dtype == v.dtype, k
+            np.testing.assert_array_equal(b[k], v, err_msg=k)
+        else:
+            assert b[k] == v, k
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_constructors_build_the_wire_form_directly(seed):
+    """What a constructor stores (``wire_micro_batch``: no padded labels or positions built) is
+    exactly the wire form of the packed micro-batch, split pieces, whole documents and an empty
+    micro-batch alike."""
+    from overlord_dask.constructors import pack_micro_batch, wire_micro_batch
+
+    rng = np.random.default_rng(seed)
+    blocks = {block_key(0, 0, 0): _block(rng), block_key(2, 1, 5): _block(rng)}
+    pieces = []
+    for key in rng.permutation([(0, 0, 0), (2, 1, 5)] * 6).tolist():
+        lens = np.diff(blocks[block_key(*key)].offsets)
+        d = int(rng.integers(0, len(lens)))
+        a = int(rng.integers(0, lens[d])) if rng.random() < 0.5 else 0  # inside the document, or from its start
+        b = int(lens[d]) if rng.random() < 0.5 else min(int(lens[d]), a + int(rng.integers(1, 100)))  # to its end, or not
+        pieces.append([*key, d, a, b])
+    for mb in (pieces, pieces[:1], []):
+        _same_wire(encode(pack_micro_batch(mb, blocks, 4096, 64)), wire_micro_batch(mb, blocks, 4096, 64))
+
+
 def test_wire_form_keeps_context_parallel_slices_whole():
     from overlord_dask.constructors import select_cp
 

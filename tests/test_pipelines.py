@@ -129,6 +129,12 @@ def test_multimodal_cp_slices_keep_each_patch_with_its_placeholder(corpus):
 
     lens = block.lengths()
     mb = pack_micro_batch([[1, 0, 0, d, 0, int(lens[d])] for d in range(6)], {block_key(1, 0, 0): block}, 4096, 4096, multimodal=True)
+    from overlord_dask.constructors import wire_micro_batch
+    from overlord_dask.wire import encode
+
+    wire = wire_micro_batch([[1, 0, 0, d, 0, int(lens[d])] for d in range(6)], {block_key(1, 0, 0): block}, 4096, 4096, multimodal=True)
+    ref = encode(mb)  # a constructor's stored form, image fields included
+    assert set(wire) == set(ref) and all(np.array_equal(wire[k], ref[k]) and getattr(wire[k], "dtype", None) == getattr(ref[k], "dtype", None) for k in ref)
     for sl in cp_slices(mb, 2, 8):
         assert np.all(sl["input_ids"][sl["image_positions"]] == src.image_token_id)
         assert len(sl["image_positions"]) == int((sl["input_ids"][: sl["num_tokens"]] == src.image_token_id).sum())
