@@ -26,6 +26,8 @@ Integer numpy arrays only: they serialize zero-copy, and the trainer converts th
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 from dask.sizeof import sizeof
 
@@ -180,12 +182,23 @@ class BuiltChunk:
         self.encoded, self.batches = encoded, batches
         self.nbytes = sum(nbytes(b) for per_rank in batches.values() for b in per_rank.values())
 
+    def __reduce__(self):
+        # one in-band buffer: pickled with its ~100 arrays out of band, a shadow copy to another
+        # worker was ~130 Dask frames (1.6 ms to serialize, 0.4 ms to read back; 0.3 / 0.1 ms so)
+        return _restore_chunk, (pickle.dumps((self.encoded, self.batches, self.nbytes), protocol=5),)
+
     def batch(self, step: int, rank: int, cp_rank: int | None = None) -> dict:
         """The wire form of one (step, rank[, cp rank]) batch."""
         b = self.batches[step][rank]
         if self.encoded:
             return b
         return encode_batch(select_cp(b, cp_rank) if cp_rank is not None else b)
+
+
+def _restore_chunk(payload: bytes) -> BuiltChunk:
+    chunk = BuiltChunk.__new__(BuiltChunk)
+    chunk.encoded, chunk.batches, chunk.nbytes = pickle.loads(payload)
+    return chunk
 
 
 @sizeof.register(BuiltChunk)

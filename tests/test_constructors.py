@@ -54,7 +54,7 @@ def test_checker_catches_inconsistency():
 
 def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
     """Dask's memory accounting (spilling, ``status()`` bytes) sees a constructor task's batches,
-    without walking them, and a chunk copied to a shadow worker serves the same batches."""
+    without walking them, and a chunk copied to a shadow worker (in one buffer) serves the same batches."""
     import pickle
 
     from dask.sizeof import sizeof
@@ -71,6 +71,9 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
     arrays = sum(nbytes(chunk.batch(4, r)) for r in (0, 1))
     assert arrays > 0 and chunk.nbytes == arrays and sizeof(chunk) == arrays + 200
     copy = pickle.loads(pickle.dumps(chunk))
+    from distributed.protocol import dumps, to_serialize
+
+    assert len(dumps({"data": to_serialize(chunk)})) <= 4  # a shadow copy travels as one buffer, not a frame per array
     for r in (0, 1):
         a, b = decode_batch(chunk.batch(4, r)), decode_batch(copy.batch(4, r))
         for m in range(2):
