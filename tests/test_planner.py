@@ -201,6 +201,23 @@ def test_state_prefetch_bound_acks_and_cost_accounting():
         assert m["tokens"] == lens.sum()
 
 
+def test_the_ledger_history_is_out_of_the_garbage_collectors_sight():
+    """Every planned step's metrics stay in the ledger's history (100,000 steps by default);
+    a full collection in the scheduler's process must not walk them (it blocks the event loop)."""
+    import gc
+
+    st_ = _state(prefetch=8)
+    rng = np.random.default_rng(2)
+    for _ in range(10):
+        _feed(st_, rng)
+        st_.plan_steps(10)
+    assert st_.next_step == 8
+    gc.collect()
+    for s in range(8):
+        assert not gc.is_tracked(st_.metrics[s]), {k: type(v).__name__ for k, v in st_.metrics[s].items()}
+        assert not gc.is_tracked(st_.ledger[s])
+
+
 def test_add_lengths_is_idempotent():
     st_ = _state()
     rng = np.random.default_rng(2)

