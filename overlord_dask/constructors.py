@@ -22,6 +22,11 @@ micro-batch, padded to the token capacity so every micro-batch has the same shap
   cuts through an image carries only that image's patches whose placeholders it holds.
 
 Integer numpy arrays only: they serialize zero-copy, and the trainer converts them to torch.
+
+That is the packed micro-batch the trainer gets. Without context parallelism a constructor
+stores its wire form (``wire.py``) and builds that directly (:func:`wire_micro_batch`: the real
+tokens and one label per piece, no padded ``labels``/``position_ids`` to be dropped again); both
+forms come from one pass over the pieces (:func:`_gather`).
 """
 
 from __future__ import annotations
