@@ -22,6 +22,17 @@ def _block(rng, n_docs=40, vocab=300):
     return SampleBlock("s", rng.integers(0, vocab, int(offsets[-1])).astype(np.int32), offsets, np.arange(n_docs) + 1000)
 
 
+def _same_fields(a: dict, b: dict) -> None:
+    """Same keys, and every array equal in value and dtype."""
+    assert set(a) == set(b)
+    for k, v in a.items():
+        if isinstance(v, np.ndarray):
+            assert b[k].dtype == v.dtype, k
+            np.testing.assert_array_equal(b[k], v, err_msg=k)
+        else:
+            assert b[k] == v, k
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_wire_form_decodes_to_exactly_the_packed_micro_batch(seed):
     rng = np.random.default_rng(seed)
@@ -44,25 +55,9 @@ def test_wire_form_decodes_to_exactly_the_packed_micro_batch(seed):
             assert w["tokens"].dtype == np.uint16  # a 300-token vocabulary needs 2 bytes, not 4
         back = decode(w)
         check_micro_batch(back, 2048)
-        assert set(back) == set(mb)
-        for k, v in mb.items():
-            if isinstance(v, np.ndarray):
-                assert back[k].dtype == v.dtype, k
-                np.testing.assert_array_equal(back[k], v, err_msg=k)
-            else:
-                assert back[k] == v
+        _same_fields(mb, back)
     assert nbytes(wire) * 4 < nbytes(batch)  # 12 bytes per token slot became about 2 per real token
     assert decode_batch(wire)["step"] == 0
-
-
-def _same_wire(a: dict, b: dict) -> None:
-    assert set(a) == set(b)
-    for k, v in a.items():
-        if isinstance(v, np.ndarray):
-            assert b[k].dtype == v.dtype, k
-            np.testing.assert_array_equal(b[k], v, err_msg=k)
-        else:
-            assert b[k] == v, k
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -82,7 +77,7 @@ def test_constructors_build_the_wire_form_directly(seed):
         b = int(lens[d]) if rng.random() < 0.5 else min(int(lens[d]), a + int(rng.integers(1, 100)))  # to its end, or not
         pieces.append([*key, d, a, b])
     for mb in (pieces, pieces[:1], []):
-        _same_wire(encode(pack_micro_batch(mb, blocks, 4096, 64)), wire_micro_batch(mb, blocks, 4096, 64))
+        _same_fields(encode(pack_micro_batch(mb, blocks, 4096, 64)), wire_micro_batch(mb, blocks, 4096, 64))
 
 
 def test_wire_form_keeps_context_parallel_slices_whole():
