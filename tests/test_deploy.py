@@ -25,6 +25,42 @@ def test_local_cluster_uses_worker_processes(cluster):
     assert len(worker_pids) == len(pids) == 2 and os.getpid() not in worker_pids
 
 
+def test_the_embedded_cluster_quiets_dasks_housekeeping_timers(cluster):
+    """Workers run without Dask's 100 Hz statistical profiler and with the slower loop-health tick,
+    the scheduler with the slower tick (``deploy.QUIET_DEFAULTS``)."""
+    from distributed import Client
+
+    def settings(dask_worker=None):
+        import dask
+
+        return dask.config.get("distributed.worker.profile.enabled"), sorted(getattr(dask_worker, "periodic_callbacks", {}))
+
+    with Client(cluster, set_as_default=False) as c:
+        per_worker = c.run(settings)
+    assert len(per_worker) == 2
+    for enabled, callbacks in per_worker.values():
+        assert enabled is False and "profile" not in callbacks
+    assert cluster.scheduler._tick_interval == pytest.approx(0.1)
+
+
+def test_a_users_dask_settings_win_over_the_quiet_defaults():
+    import dask
+
+    from overlord_dask.deploy import QUIET_DEFAULTS, quiet_defaults, worker_config
+
+    assert quiet_defaults() == QUIET_DEFAULTS
+    with dask.config.set({"distributed.admin.tick.interval": "50ms"}):
+        assert quiet_defaults() == {"distributed.worker.profile.enabled": False}
+        cfg = worker_config()
+        assert dask.config.get("distributed.admin.tick.interval", config=cfg) == "50ms"
+        assert dask.config.get("distributed.worker.profile.enabled", config=cfg) is False
+        assert dask.config.get("distributed.comm.timeouts.connect", config=cfg) == "10s"
+    with dask.config.set({"overlord.quiet-dask": False}):
+        assert quiet_defaults() == {}
+        assert dask.config.get("distributed.worker.profile.enabled", config=worker_config()) is True
+    assert dask.config.get("distributed.worker.profile.enabled") is True  # the caller's own config is untouched
+
+
 def test_slurm_job_script_renders():
     pytest.importorskip("dask_jobqueue")
     from overlord_dask.deploy import slurm_cluster
