@@ -2,7 +2,8 @@
 
 A ``WorkerPlugin`` adds one request/response handler to every worker (new workers included):
 ``overlord_fetch(key, rank, steps, cp_rank)`` returns that rank's batches of those steps from the
-constructor task stored under ``key``, in wire form (``wire.py``: narrow dtypes, one buffer),
+constructor task stored under ``key``, in wire form (``wire.py``: narrow dtypes, one buffer of
+the batches the constructor task packed),
 or ``{"status": "missing"}`` if this worker does not hold the key (it died and the task
 was recomputed elsewhere, say: the consumer then asks the planner where it lives now). One call
 carries as many steps as the consumer has room for. The scheduler only ever routes the
@@ -15,7 +16,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from . import logs
 from .protocol import WORKER_FETCH
-from .wire import pack
+from .wire import join
 
 
 class BatchServer(WorkerPlugin):
@@ -29,7 +30,7 @@ class BatchServer(WorkerPlugin):
             if key not in worker.data:
                 return {"status": "missing"}
             chunk = worker.data[key]
-            return {"status": "OK", "payload": pack([chunk.batch(s, rank, cp_rank) for s in steps])}
+            return {"status": "OK", "payload": join([chunk.packed(s, rank, cp_rank) for s in steps])}
 
         worker.handlers[WORKER_FETCH] = overlord_fetch
 

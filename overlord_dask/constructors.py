@@ -40,7 +40,7 @@ from .planner import pieces as P
 from .protocol import block_key
 from .sources.blocks import SampleBlock
 from .vocab import PAD_ID
-from .wire import DTYPES, IGNORE_INDEX, encode_batch, narrow, nbytes
+from .wire import DTYPES, IGNORE_INDEX, encode_batch, narrow, nbytes, pack_batch
 
 
 class _Gathered:
@@ -176,29 +176,42 @@ def unit_block(entry) -> SampleBlock:
 
 
 class BuiltChunk:
-    """A constructor task's result: ``batches[step][rank]``, in wire form when ``encoded``.
+    """A constructor task's result: ``batches[step][rank]``, each already packed for the wire
+    (``wire.pack_batch``) when ``encoded``, else whole (context parallelism: every CP rank is sent
+    its own slice).
 
     A class rather than nested dicts so that Dask sizes it in O(1) (``nbytes``, counted once when
     it is built): Dask measures every task result at least twice, and walking ~8 dicts of ~10
-    arrays each per (step, rank) was a few per cent of a worker's CPU."""
+    arrays each per (step, rank) was a few per cent of a worker's CPU. Packed at build time, on
+    the task thread, so that neither a fetch nor a shadow copy pickles arrays on the worker's
+    event loop (``wire.py``)."""
 
     __slots__ = ("encoded", "batches", "nbytes")
 
     def __init__(self, encoded: bool, batches: dict[int, dict[int, dict]]):
-        self.encoded, self.batches = encoded, batches
-        self.nbytes = sum(nbytes(b) for per_rank in batches.values() for b in per_rank.values())
+        self.encoded = encoded
+        if encoded:
+            self.batches = {s: {r: pack_batch(b) for r, b in per_rank.items()} for s, per_rank in batches.items()}
+            self.nbytes = sum(len(b) for per_rank in self.batches.values() for b in per_rank.values())
+        else:
+            self.batches = batches
+            self.nbytes = sum(nbytes(b) for per_rank in batches.values() for b in per_rank.values())
 
     def __reduce__(self):
-        # one in-band buffer: pickled with its ~130 arrays out of band, a shadow copy to another
-        # worker was as many Dask frames (1.6 ms to serialize on the serving worker); 3 and 0.85 ms so
+        # one in-band buffer: pickled with its arrays out of band, a shadow copy to another worker
+        # was a Dask frame per array (~130 at dp 4: 1.6 ms to serialize on the serving worker)
         return _restore_chunk, (pickle.dumps((self.encoded, self.batches, self.nbytes), protocol=5),)
 
-    def batch(self, step: int, rank: int, cp_rank: int | None = None) -> dict:
-        """The wire form of one (step, rank[, cp rank]) batch."""
+    def packed(self, step: int, rank: int, cp_rank: int | None = None) -> bytes:
+        """One (step, rank[, cp rank]) batch, packed for the wire."""
         b = self.batches[step][rank]
         if self.encoded:
             return b
-        return encode_batch(select_cp(b, cp_rank) if cp_rank is not None else b)
+        return pack_batch(encode_batch(select_cp(b, cp_rank) if cp_rank is not None else b))
+
+    def batch(self, step: int, rank: int, cp_rank: int | None = None) -> dict:
+        """The wire form of one (step, rank[, cp rank]) batch."""
+        return pickle.loads(self.packed(step, rank, cp_rank))
 
 
 def _restore_chunk(payload: bytes) -> BuiltChunk:

@@ -16,6 +16,12 @@ a Dask-serialized structure: Dask makes a frame of every array, with its own hea
 compression attempt each, and a four-step fetch of two micro-batches per step has ~70 arrays.
 Measured for such a fetch (2 × 16k tokens per step): 1.6 ms to serialize and 0.41 ms to
 deserialize as frames, 0.36 ms and 0.24 ms as one buffer.
+
+Each batch is pickled once, by the constructor task that builds it (:func:`pack_batch`, on the
+worker's task thread), and a fetch only joins the bytes of its steps (:func:`join`): pickling on
+the worker's event loop at every fetch, and again for every shadow copy of a chunk, cost the
+loop ~0.65 ms per fetch and 16-19 ms per shadow copy at dp 256 (a chunk of 1,024 small batches
+of ~10 arrays each), a third of the workers' event-loop CPU.
 """
 
 from __future__ import annotations
@@ -105,14 +111,26 @@ def decode_batch(batch: dict, dtypes: dict = DTYPES) -> dict:
     return {**batch, "micro_batches": [decode(mb, dtypes) for mb in batch["micro_batches"]]}
 
 
+def pack_batch(batch: dict) -> bytes:
+    """One wire-form batch as bytes (pickle protocol 5, arrays in-band)."""
+    return pickle.dumps(batch, protocol=5)
+
+
+def join(packed: list[bytes]) -> bytes:
+    """Batches packed by :func:`pack_batch` as one buffer (what a worker answers a fetch with):
+    copying bytes, not pickling arrays again."""
+    return pickle.dumps(packed, protocol=5)
+
+
 def pack(batches: list[dict]) -> bytes:
-    """Wire-form batches as one buffer (what a worker answers a fetch with)."""
-    return pickle.dumps(batches, protocol=5)
+    """Wire-form batches as one buffer, as a fetch answers them."""
+    return join([pack_batch(b) for b in batches])
 
 
 def unpack(payload: bytes) -> list[dict]:
-    """The batches :func:`pack` was given (the trainer trusts its service's workers, as Dask does)."""
-    return pickle.loads(payload)
+    """The batches :func:`pack` or :func:`join` was given (the trainer trusts its service's
+    workers, as Dask does)."""
+    return [pickle.loads(b) for b in pickle.loads(payload)]
 
 
 def nbytes(batch: dict) -> int:

@@ -69,7 +69,8 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
     steps = [{"step": 4, "pieces": P.to_bytes(pieces, "<i4"), "slot": P.to_bytes(slot, "<i4"), "piece_tokens": 16}]
     chunk = build_chunk(steps, 0, 2, 2, blocks, capacity=16)
     arrays = sum(nbytes(chunk.batch(4, r)) for r in (0, 1))
-    assert arrays > 0 and chunk.nbytes == arrays and sizeof(chunk) == arrays + 200
+    packed = sum(len(chunk.packed(4, r)) for r in (0, 1))  # held packed for the wire: the arrays and pickle's framing
+    assert 0 < arrays < packed < arrays + 2048 and chunk.nbytes == packed and sizeof(chunk) == packed + 200
     copy = pickle.loads(pickle.dumps(chunk))
     from distributed.protocol import dumps, to_serialize
 
@@ -79,3 +80,32 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
         for m in range(2):
             assert a["micro_batches"][m]["input_ids"].tolist() == b["micro_batches"][m]["input_ids"].tolist()
     assert decode_batch(copy.batch(4, 1))["micro_batches"][1]["num_tokens"] == 3
+
+
+def test_a_fetch_joins_the_batches_the_constructor_packed():
+    """A chunk holds each (step, rank) batch pickled by the constructor task, so that serving a
+    fetch or a shadow copy pickles no array on the worker's event loop: the fetch's payload is
+    the packed bytes joined, and unpacks to the same batches as packing them afresh."""
+    import pickle
+
+    from overlord_dask.constructors import build_chunk
+    from overlord_dask.planner import pieces as P
+    from overlord_dask.wire import join, pack, unpack
+
+    blocks = {block_key(0, 0, 0): _block([5, 9, 3, 7])}
+    pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3], [0, 0, 0, 3, 0, 7]])
+    slot = np.array([[0, 0], [1, 0], [1, 1], [0, 1]])
+    steps = [{"step": s, "pieces": P.to_bytes(pieces, "<i4"), "slot": P.to_bytes(slot, "<i4"), "piece_tokens": 16} for s in (4, 5)]
+    chunk = build_chunk(steps, 0, 2, 2, blocks, capacity=16)
+    for per_rank in chunk.batches.values():
+        assert all(isinstance(b, bytes) for b in per_rank.values())
+    payload = join([chunk.packed(s, 1) for s in (4, 5)])
+    got, fresh = unpack(payload), unpack(pack([chunk.batch(s, 1) for s in (4, 5)]))
+    assert [b["step"] for b in got] == [4, 5] and [b["rank"] for b in got] == [1, 1]
+    for a, b in zip(got, fresh):
+        for ma, mb in zip(a["micro_batches"], b["micro_batches"]):
+            assert ma.keys() == mb.keys()
+            for k in ma:
+                assert np.array_equal(ma[k], mb[k]) if isinstance(ma[k], np.ndarray) else ma[k] == mb[k]
+    copy = pickle.loads(pickle.dumps(chunk))  # a shadow copy carries the packed bytes as they are
+    assert all(copy.packed(s, r) == chunk.packed(s, r) for s in (4, 5) for r in (0, 1))
