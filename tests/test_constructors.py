@@ -90,7 +90,7 @@ def test_a_fetch_joins_the_batches_the_constructor_packed():
 
     from overlord_dask.constructors import build_chunk
     from overlord_dask.planner import pieces as P
-    from overlord_dask.wire import join, pack, unpack
+    from overlord_dask.wire import join, pack_batch, unpack
 
     blocks = {block_key(0, 0, 0): _block([5, 9, 3, 7])}
     pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3], [0, 0, 0, 3, 0, 7]])
@@ -100,7 +100,7 @@ def test_a_fetch_joins_the_batches_the_constructor_packed():
     for per_rank in chunk.batches.values():
         assert all(isinstance(b, bytes) for b in per_rank.values())
     payload = join([chunk.packed(s, 1) for s in (4, 5)])
-    got, fresh = unpack(payload), unpack(pack([chunk.batch(s, 1) for s in (4, 5)]))
+    got, fresh = unpack(payload), unpack(join([pack_batch(chunk.batch(s, 1)) for s in (4, 5)]))
     assert [b["step"] for b in got] == [4, 5] and [b["rank"] for b in got] == [1, 1]
     for a, b in zip(got, fresh):
         for ma, mb in zip(a["micro_batches"], b["micro_batches"]):
