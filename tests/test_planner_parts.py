@@ -83,3 +83,19 @@ def test_policies_are_named_in_one_registry_and_their_counters_round_trip():
     exact.grow(3)
     assert exact.carry.tolist() == [0.5, -0.5, 0.0] and exact.window_steps(None) == 1 and not exact.plans_ahead
     assert set(exact.get_state()) == {"cum_tokens", "cum_declared", "carry"}
+
+
+def test_chunks_default_to_a_million_tokens_within_half_the_prefetch_bound():
+    from overlord_dask.plan.models import Loading, Topology
+    from overlord_dask.planner.chunks import CHUNK_TOKENS, chunk_steps
+
+    small = Topology(dp=4, micro_batches=2, tokens_per_micro_batch=16384)  # 131k tokens per step
+    big = Topology(dp=64, micro_batches=8, tokens_per_micro_batch=8192)  # 4M tokens per step
+    assert chunk_steps(Loading(prefetch_steps=32), small) == 8 == CHUNK_TOKENS // small.step_tokens
+    assert chunk_steps(Loading(prefetch_steps=16), small) == 8  # raised from a quarter (4) to ~1M tokens
+    assert chunk_steps(Loading(prefetch_steps=8), small) == 4  # but never past half the bound
+    assert chunk_steps(Loading(prefetch_steps=3), small) == 1
+    assert chunk_steps(Loading(prefetch_steps=64), small) == 16  # a quarter, when that is more
+    assert chunk_steps(Loading(prefetch_steps=16), big) == 4  # big steps: a quarter of the bound
+    assert chunk_steps(Loading(prefetch_steps=16, batch_steps=3), small) == 3  # the plan's own choice wins
+    assert chunk_steps(Loading(prefetch_steps=4, batch_steps=9), small) == 4  # within the bound

@@ -270,8 +270,10 @@ class Loading(Strict):
     batch_steps: int | None = Field(default=None, ge=1, le=1024)
     """Steps handed out together: one constructor task per group of ranks and one queue item per
     rank name this many consecutive steps, and trainers acknowledge once per such chunk (the
-    control path's cost is per chunk, not per step). Default: a quarter of ``prefetch_steps``
-    (at least 1), so that three quarters of the prefetch bound stay lead time."""
+    control path's cost is per chunk, not per step). Default: a quarter of ``prefetch_steps``,
+    raised until a chunk holds ~1M tokens (small steps: the fixed cost per chunk is amortised),
+    but at most half of ``prefetch_steps`` (one chunk is built while the trainers take another);
+    at least 1."""
     autoscale: Autoscale = Field(default_factory=Autoscale)
     """Elastic per-source pools; off by default (every load task runs on any worker)."""
     shadows: int = Field(default=1, ge=0, le=4)

@@ -5,6 +5,13 @@ so construction runs in parallel, and never more than ``TASK_TOKENS`` tokens per
 item per rank then names the whole chunk, so queue items, constructor tasks and acks are per
 chunk, not per (step, rank). A task carries only its ranks' pieces, as int32 bytes (every field
 fits: half the bytes of the ledger's int64), and the units whose blocks it needs.
+
+How many steps a chunk holds (:func:`chunk_steps`, unless the plan sets ``loading.batch_steps``):
+a quarter of the prefetch bound, raised until a chunk holds ``CHUNK_TOKENS`` tokens, but never
+more than half the bound (one chunk is built while the trainers take another). Every task,
+queue item, fetch and ack has a fixed cost in Dask and in the service (a few ms of CPU over all
+processes), so small steps in small chunks spend the machine on the control path: the demo's
+131k-token steps in chunks of 4 cost 29-44 ms of CPU per step, in chunks of 8 24-39 ms.
 """
 
 from __future__ import annotations
@@ -18,6 +25,18 @@ from ..protocol import batch_key
 from . import pieces as P
 
 TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
+CHUNK_TOKENS = 1 << 20  # a default chunk holds at least this many tokens (within half the prefetch bound)
+
+
+def chunk_steps(loading, topology: Topology) -> int:
+    """Steps handed out together: ``loading.batch_steps`` if the plan sets it, else a quarter
+    of ``prefetch_steps`` raised to ``CHUNK_TOKENS`` tokens, at most half of ``prefetch_steps``;
+    never more than ``prefetch_steps`` and at least 1."""
+    prefetch = loading.prefetch_steps
+    if loading.batch_steps:
+        return min(loading.batch_steps, prefetch)
+    enough = math.ceil(CHUNK_TOKENS / max(1, topology.step_tokens))
+    return max(1, min(max(prefetch // 4, enough), prefetch // 2))
 
 
 def chunk_tasks(steps: list[dict], ledger, topology: Topology, workers: int, run_id: str) -> list[dict]:

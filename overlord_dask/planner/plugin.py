@@ -14,7 +14,7 @@ every queue get, ack and heartbeat):
   reaching memory (the ``transition`` hook) puts its descriptors straight into the ranks'
   ``distributed.Queue``s in this process, with the workers that hold it. Nothing polls.
 - **Chunks.** Steps are handed out ``chunk_steps`` at a time (``loading.batch_steps``, default
-  a quarter of ``prefetch_steps``, so three quarters of the bound are lead time); one constructor task builds a chunk for a group of ranks (as many
+  a quarter of ``prefetch_steps`` raised to ~1M tokens, at most half of it: ``chunks.chunk_steps``); one constructor task builds a chunk for a group of ranks (as many
   groups as workers, so construction scales with them) and one queue item per rank names the
   whole chunk, so queue items, queue reads, constructor tasks and acks are per chunk, not per
   (step, rank).
@@ -51,7 +51,7 @@ from ..protocol import HANDLERS, STREAM_HANDLERS, load_prefix
 from ..partition import UnitParts
 from . import observe
 from .channels import RankChannels, send
-from .chunks import chunk_tasks
+from .chunks import chunk_steps, chunk_tasks
 from .held import HeldBatches
 from .inspection import InspectionRoutes
 from .signals import LoadSignals
@@ -92,7 +92,7 @@ class PlannerPlugin(InspectionRoutes, SchedulerPlugin):
         plan = plan_from_dict(self.plan_dict, where="<service plan>")
         self.state = await self._run(PlannerState, plan, self.unit_first_ids, state=self.restore_state)
         topo, loading = plan.topology, plan.loading
-        self.chunk_steps = min(loading.batch_steps or max(1, loading.prefetch_steps // 4), loading.prefetch_steps)
+        self.chunk_steps = chunk_steps(loading, topo)
         self.retries = loading.retries
         self._load_prefix = load_prefix(self.run_id)
         self.channels = RankChannels(scheduler.extensions["queues"], self.name, self.run_id, topo.dp, topo.cp)
