@@ -265,13 +265,13 @@ class RankStream:
                 self.io.run(self.rio.send_ack(), timeout=10)
             except Exception:  # the service may be gone; nothing to keep
                 pass
-        self._stop_background()
+        self._stop_background(wait=10)  # nothing of this stream runs on the IO thread once closed
 
-    def _stop_background(self) -> None:
+    def _stop_background(self, wait: float | None = None) -> None:
         self._closed = True
         rio = getattr(self, "rio", None)
         if rio is not None:
-            rio.stop()
+            rio.stop(wait)
 
     def __enter__(self) -> "RankStream":
         return self

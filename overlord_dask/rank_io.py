@@ -342,12 +342,27 @@ class RankIO:
         self._ack_wake.set()  # what the trainer consumed past the service's restart point
 
     # ---- the end ----------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """(any thread) Stop the background tasks and end this rank's subscription."""
+    def stop(self, wait: float | None = None) -> None:
+        """(any thread) Stop the background tasks and end this rank's subscription. With
+        ``wait`` (seconds; not from the IO loop), return once the tasks have ended: a trainer
+        that closes its stream and exits must not leave a fetch decoding into torch tensors on
+        the IO thread while the interpreter shuts down (seen as a C++ ``terminate`` at exit)."""
         self.closed = True
-        for t in getattr(self, "tasks", ()):
-            self.io.loop.call_soon_threadsafe(t.cancel)
-        self.io.loop.call_soon_threadsafe(self._unsubscribe)
+        tasks = list(getattr(self, "tasks", ()))
+
+        async def _stop():
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._unsubscribe()
+
+        if wait is None or threading.current_thread() is self.io.thread:
+            self.io.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_stop()))
+            return
+        try:
+            self.io.run(_stop(), timeout=wait)
+        except Exception:  # the loop is stuck or gone: the daemon thread dies with the process
+            pass
 
     def _unsubscribe(self) -> None:
         key = (self.rank, self.cp_rank or 0)

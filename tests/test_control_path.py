@@ -136,6 +136,7 @@ def test_ranks_of_one_process_share_one_channel_and_descriptors_are_pushed(clust
         assert st["channels"] == 1 and st["subscribed"] == dp, st
         assert len({id(s.channel) for s in streams}) == 1
         streams[0].close()
+        assert all(t.done() for t in streams[0].rio.tasks)  # nothing of a closed stream still runs on the IO thread
         deadline = time.monotonic() + 10
         while service.status()["subscribed"] != dp - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
