@@ -28,7 +28,7 @@ from .plan.models import Plan
 from .plan.loading import load_plan, plan_from_dict
 from .sources.tokenizers import BYTE_OFFSET, EOS_ID
 
-CORPUS_VERSION = 3
+CORPUS_VERSION = 4  # 4: books' tokens in 256k-token chunks
 _ALPHABET = np.frombuffer(b"etaoinshrdlucmfwypvbgkjqxz      ", dtype=np.uint8)
 PLAN_FILE = Path(__file__).parent / "demo_plan.yaml"
 
@@ -77,7 +77,9 @@ def _write_books(root: Path, rng, n_docs: int) -> None:
     toks = (_text_bytes(rng, int(offsets[-1])).astype(np.int32) + BYTE_OFFSET).astype(np.int32)
     toks[offsets[1:] - 1] = EOS_ID
     g = zarr.open_group(str(root / "books.zarr"), mode="w")
-    g.create_array("tokens", shape=toks.shape, chunks=(1 << 20,), dtype="int32")[:] = toks
+    # chunks no larger than the demo plan's units (unit_tokens 262144): a load decompresses only
+    # the chunks its unit spans, not a 4x larger one to keep a quarter of it
+    g.create_array("tokens", shape=toks.shape, chunks=(1 << 18,), dtype="int32")[:] = toks
     g.create_array("offsets", shape=offsets.shape, chunks=(1 << 16,), dtype="int64")[:] = offsets
 
 

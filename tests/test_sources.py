@@ -225,3 +225,29 @@ def test_parquet_source_on_s3_indexes_in_parallel_like_a_local_one(tmp_path, s3_
     for a, b in zip(lu, ru):
         ba, bb = load_unit(local.sources[0], local, a), load_unit(remote.sources[0], remote, b)
         assert np.array_equal(ba.tokens, bb.tokens) and np.array_equal(ba.sample_ids, bb.sample_ids)
+
+
+def test_zarr_loads_open_the_group_once_per_plan(tmp_path, monkeypatch):
+    """A worker's loads of one plan version share the opened group (its metadata is read once,
+    a few requests on S3, not per unit); another plan object opens it again; chunks are read
+    at every load, so the tokens are the file's."""
+    from overlord_dask.sources import zarr_source
+
+    lens = [7, 20, 33, 12, 40, 25, 9, 30]
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    g = zarr.open_group(str(tmp_path / "z.zarr"), mode="w")
+    g.create_array("tokens", shape=(offsets[-1],), chunks=(16,), dtype="int32")[:] = np.arange(offsets[-1])
+    g.create_array("offsets", shape=offsets.shape, dtype="int64")[:] = offsets
+    opened = []
+    real = zarr_source._open_group
+    monkeypatch.setattr(zarr_source, "_open_group", lambda s, p: opened.append(p) or real(s, p))
+    plan = _plan(tmp_path, format="zarr", url="z.zarr")
+    units = discover_units(plan.sources[0], plan)
+    assert len(units) > 2  # unit_tokens 50: several units
+    opened.clear()
+    blocks = [load_unit(plan.sources[0], plan, u) for u in units]
+    assert len(opened) == 1
+    np.testing.assert_array_equal(np.concatenate([b.tokens for b in blocks]), np.arange(offsets[-1]))
+    again = _plan(tmp_path, format="zarr", url="z.zarr")
+    load_unit(again.sources[0], again, units[0])
+    assert len(opened) == 2
