@@ -99,3 +99,22 @@ def test_chunks_default_to_a_million_tokens_within_half_the_prefetch_bound():
     assert chunk_steps(Loading(prefetch_steps=16), big) == 4  # big steps: a quarter of the bound
     assert chunk_steps(Loading(prefetch_steps=16, batch_steps=3), small) == 3  # the plan's own choice wins
     assert chunk_steps(Loading(prefetch_steps=4, batch_steps=9), small) == 4  # within the bound
+
+
+def test_chunks_are_split_over_workers_only_into_tasks_worth_their_cost():
+    from overlord_dask.plan.models import Topology
+    from overlord_dask.planner.chunks import MIN_TASK_TOKENS, TASK_TOKENS, chunk_tasks
+
+    dp, steps, ledger = 8, [], {}
+    for s in range(8):
+        ledger[s] = {"pieces": np.array([[0, 0, r, 0, 0, 10] for r in range(dp)], np.int64), "slot": np.array([[r, 0] for r in range(dp)], np.int64)}
+        steps.append({"step": s, "piece_tokens": 10})
+    tiny = Topology(dp=dp, micro_batches=1, tokens_per_micro_batch=1024)  # a chunk of 64k tokens
+    assert 8 * tiny.step_tokens < MIN_TASK_TOKENS
+    assert len(chunk_tasks(steps, ledger, tiny, workers=4, run_id="r")) == 1  # one task: nothing to gain from four
+    mid = Topology(dp=dp, micro_batches=1, tokens_per_micro_batch=16384)  # 1M tokens: two tasks of 512k
+    assert len(chunk_tasks(steps, ledger, mid, workers=4, run_id="r")) == 2
+    big = Topology(dp=dp, micro_batches=2, tokens_per_micro_batch=65536)  # 8M tokens
+    tasks = chunk_tasks(steps, ledger, big, workers=4, run_id="r")
+    assert len(tasks) == 4 and [t["ranks"] for t in tasks] == [[0, 2], [2, 4], [4, 6], [6, 8]]  # one per worker
+    assert len(chunk_tasks(steps, ledger, big, workers=1, run_id="r")) == 8 * big.step_tokens // TASK_TOKENS  # capped per task

@@ -1,7 +1,9 @@
 """Chunks: how consecutive handed-out steps become constructor tasks.
 
 One constructor task builds a chunk of steps for a group of ranks: as many groups as workers,
-so construction runs in parallel, and never more than ``TASK_TOKENS`` tokens per task. One queue
+so construction runs in parallel, and never more than ``TASK_TOKENS`` tokens per task, but no
+group under ``MIN_TASK_TOKENS``: a worker loads and builds ~50M tokens/s (2 cores), so a smaller task gains
+nothing from parallelism and pays a task's fixed cost, and peer copies of its blocks, again. One queue
 item per rank then names the whole chunk, so queue items, constructor tasks and acks are per
 chunk, not per (step, rank). A task carries only its ranks' pieces, as int32 bytes (every field
 fits: half the bytes of the ledger's int64), and the units whose blocks it needs.
@@ -26,6 +28,7 @@ from . import pieces as P
 
 TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
 CHUNK_TOKENS = 1 << 20  # a default chunk holds at least this many tokens (within half the prefetch bound)
+MIN_TASK_TOKENS = 1 << 19  # a chunk is split over workers only into tasks of at least this many tokens
 
 
 def chunk_steps(loading, topology: Topology) -> int:
@@ -44,7 +47,7 @@ def chunk_tasks(steps: list[dict], ledger, topology: Topology, workers: int, run
     pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "micro_batches", "units"}``."""
     dp, mb = topology.dp, topology.micro_batches
     tokens = len(steps) * topology.step_tokens
-    groups = max(math.ceil(tokens / TASK_TOKENS), min(dp, max(1, workers)))
+    groups = max(math.ceil(tokens / TASK_TOKENS), min(dp, max(1, workers), max(1, tokens // MIN_TASK_TOKENS)))
     per = math.ceil(dp / min(groups, dp))
     planned = [(sp, ledger[sp["step"]]) for sp in steps]
     tasks = []
