@@ -255,9 +255,20 @@ def cmd_validate(args) -> int:
             print(f"overlord: error: {err}", file=sys.stderr, flush=True)
             print(json.dumps({"plan": path, "ok": False, "error": str(err)}), flush=True)
             continue
+        warnings = _layout_warnings(plan)
+        for w in warnings:
+            print(f"overlord: warning: {w}", file=sys.stderr, flush=True)
         print(json.dumps({"plan": path, "name": plan.name, "ok": True,
-                          "sources": {k: {"units": len(v), "documents": sum(u.n_docs for u in v)} for k, v in units.items()}}), flush=True)
+                          "sources": {k: {"units": len(v), "documents": sum(u.n_docs for u in v)} for k, v in units.items()},
+                          "warnings": warnings}), flush=True)
     return 2 if failed else 0
+
+
+def _layout_warnings(plan) -> list[str]:
+    """Sources whose storage layout makes loading slower than it needs to be (the plan is valid)."""
+    from .sources import zarr_source
+
+    return [w for src in plan.sources if src.format == "zarr" for w in zarr_source.layout_warnings(src, plan)]
 
 
 def _positive(text: str) -> int:

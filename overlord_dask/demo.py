@@ -28,7 +28,7 @@ from .plan.models import Plan
 from .plan.loading import load_plan, plan_from_dict
 from .sources.tokenizers import BYTE_OFFSET, EOS_ID
 
-CORPUS_VERSION = 4  # 4: books' tokens in 256k-token chunks
+CORPUS_VERSION = 5  # 4: books' tokens in 256k-token chunks; 5: captions' in 64k-token chunks
 _ALPHABET = np.frombuffer(b"etaoinshrdlucmfwypvbgkjqxz      ", dtype=np.uint8)
 PLAN_FILE = Path(__file__).parent / "demo_plan.yaml"
 
@@ -96,7 +96,7 @@ def _write_captions(root: Path, rng, n_docs: int, patches: int = 16, patch_dim: 
     positions = np.concatenate([np.sort(positions[a:b]) for a, b in zip(img_off[:-1], img_off[1:])])
     images = rng.integers(0, 256, size=(int(img_off[-1]), patches, patch_dim), dtype=np.uint8)
     g = zarr.open_group(str(root / "captions.zarr"), mode="w")
-    g.create_array("tokens", shape=toks.shape, chunks=(1 << 20,), dtype="int32")[:] = toks
+    g.create_array("tokens", shape=toks.shape, chunks=(1 << 16,), dtype="int32")[:] = toks  # the multimodal plan's units
     g.create_array("offsets", shape=offsets.shape, chunks=(1 << 16,), dtype="int64")[:] = offsets
     g.create_array("images", shape=images.shape, chunks=(4096, patches, patch_dim), dtype="uint8")[:] = images
     g.create_array("image_offsets", shape=img_off.shape, chunks=(1 << 16,), dtype="int64")[:] = img_off

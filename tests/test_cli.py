@@ -38,6 +38,16 @@ def test_validate_and_bad_plan_exit_codes(tmp_path, corpus):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert set(report["sources"]) == {"web", "chat", "books"} and report["sources"]["books"]["documents"] > 0
+    assert report["warnings"] == []  # the demo corpus chunks books at its units' size
+
+    plan["loading"]["unit_tokens"] = 65536  # units a quarter of the zarr chunks: valid, but each load decompresses 4x
+    small = tmp_path / "small_units.yaml"
+    small.write_text(yaml.safe_dump(plan))
+    out = subprocess.run([*OVERLORD, "validate", str(small)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    (warning,) = json.loads(out.stdout)["warnings"]
+    assert "source 'books'" in warning and "chunks of 262,144 tokens" in warning and "up to 4x" in warning
+    assert warning in out.stderr
 
     plan["topology"]["dp"] = "four"
     bad = tmp_path / "bad.yaml"

@@ -99,6 +99,19 @@ def discover(source: Source, plan: Plan) -> list[LoadUnit]:
     return units
 
 
+def layout_warnings(source: Source, plan: Plan) -> list[str]:
+    """Advice on the group's layout (``overlord validate``): token chunks larger than the plan's
+    units make every load decompress a whole chunk to keep part of it."""
+    group, _ = _open_group(source, plan)
+    tokens, unit = group[source.token_array], plan.loading.unit_tokens
+    chunk = min(int(tokens.chunks[0]), int(tokens.shape[0]))  # a chunk past the array's end holds only what is there
+    if chunk <= unit:
+        return []
+    return [f"source {source.name!r}: {source.token_array!r} is stored in chunks of {chunk:,} tokens, more than "
+            f"loading.unit_tokens ({unit:,}): each load decompresses up to {-(-chunk // unit)}x the tokens it keeps; "
+            "rechunk the array to at most unit_tokens, or raise unit_tokens"]
+
+
 def _check_images(source: Source, group, n_docs: int) -> None:
     images, img_off, img_pos = (group[source.images_field], group[source.image_offsets_field], group[source.image_positions_field])
     where = f"source {source.name!r}"
