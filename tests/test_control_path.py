@@ -15,22 +15,13 @@ from overlord_dask.protocol import block_key
 from overlord_dask.sources.blocks import SampleBlock
 from overlord_dask.wire import decode, decode_batch, encode, encode_batch, nbytes
 
+from .harness import same_fields
+
 
 def _block(rng, n_docs=40, vocab=300):
     lens = rng.integers(1, 400, n_docs)
     offsets = np.concatenate([[0], np.cumsum(lens)])
     return SampleBlock("s", rng.integers(0, vocab, int(offsets[-1])).astype(np.int32), offsets, np.arange(n_docs) + 1000)
-
-
-def _same_fields(a: dict, b: dict) -> None:
-    """Same keys, and every array equal in value and dtype."""
-    assert set(a) == set(b)
-    for k, v in a.items():
-        if isinstance(v, np.ndarray):
-            assert b[k].dtype == v.dtype, k
-            np.testing.assert_array_equal(b[k], v, err_msg=k)
-        else:
-            assert b[k] == v, k
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -55,7 +46,7 @@ def test_wire_form_decodes_to_exactly_the_packed_micro_batch(seed):
             assert w["tokens"].dtype == np.uint16  # a 300-token vocabulary needs 2 bytes, not 4
         back = decode(w)
         check_micro_batch(back, 2048)
-        _same_fields(mb, back)
+        same_fields(mb, back)
     assert nbytes(wire) * 4 < nbytes(batch)  # 12 bytes per token slot became about 2 per real token
     assert decode_batch(wire)["step"] == 0
 
@@ -77,7 +68,7 @@ def test_constructors_build_the_wire_form_directly(seed):
         b = int(lens[d]) if rng.random() < 0.5 else min(int(lens[d]), a + int(rng.integers(1, 100)))  # to its end, or not
         pieces.append([*key, d, a, b])
     for mb in (pieces, pieces[:1], []):
-        _same_fields(encode(pack_micro_batch(mb, blocks, 4096, 64)), wire_micro_batch(mb, blocks, 4096, 64))
+        same_fields(encode(pack_micro_batch(mb, blocks, 4096, 64)), wire_micro_batch(mb, blocks, 4096, 64))
 
 
 def test_wire_form_keeps_context_parallel_slices_whole():

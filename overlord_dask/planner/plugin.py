@@ -14,7 +14,8 @@ every queue get, ack and heartbeat):
   reaching memory (the ``transition`` hook) puts its descriptors straight into the ranks'
   ``distributed.Queue``s in this process, with the workers that hold it. Nothing polls.
 - **Chunks.** Steps are handed out ``chunk_steps`` at a time (``loading.batch_steps``, default
-  a quarter of ``prefetch_steps`` raised to ~1M tokens, at most half of it: ``chunks.chunk_steps``); one constructor task builds a chunk for a group of ranks (as many
+  a quarter of ``prefetch_steps`` raised to ~1M tokens, at most half of it:
+  ``chunks.chunk_steps``); one constructor task builds a chunk for a group of ranks (as many
   groups as workers, so construction scales with them) and one queue item per rank names the
   whole chunk, so queue items, queue reads, constructor tasks and acks are per chunk, not per
   (step, rank).
