@@ -35,14 +35,14 @@ def exactly_once(planned: list[np.ndarray], delivered: list[np.ndarray]) -> tupl
     piece; missing counts planned pieces never delivered."""
     p = np.concatenate(planned) if planned else np.zeros((0, 4), np.int64)
     d = np.concatenate(delivered) if delivered else np.zeros((0, 4), np.int64)
-    d_unique, d_counts = np.unique(d, axis=0, return_counts=True)
+    d_unique, d_counts = P.unique_rows(d, return_counts=True)
     duplicates = int((d_counts - 1).sum())
-    p_unique = np.unique(p, axis=0)
+    p_unique = P.unique_rows(p)
     duplicates += len(p) - len(p_unique)  # the planner itself must never plan a piece twice
     if len(p_unique) == 0:
         return duplicates, 0
     merged = np.concatenate([p_unique, d_unique])
-    _, counts = np.unique(merged, axis=0, return_counts=True)
+    _, counts = P.unique_rows(merged, return_counts=True)
     missing = len(p_unique) - int((counts == 2).sum())
     return duplicates, missing
 

@@ -28,6 +28,19 @@ def test_piece_rows_recut_flatten_and_bytes():
     assert P.stream_lengths(pieces[:, 1:]).tolist() == P.lengths(pieces).tolist()
 
 
+@pytest.mark.parametrize("high", [50, 1 << 60])  # one int64 key per row / too wide for one: lexsort
+def test_unique_rows_match_numpy_unique_over_rows(high):
+    rng = np.random.default_rng(3)
+    rows = np.stack([rng.integers(0, 3, 500), rng.integers(-2, 2, 500), rng.integers(0, high, 500), rng.integers(0, 7, 500)], axis=1)
+    rows = np.concatenate([rows, rows[::3]])  # duplicates
+    want, want_counts = np.unique(rows, axis=0, return_counts=True)
+    got, counts = P.unique_rows(rows, return_counts=True)
+    assert np.array_equal(got, want) and np.array_equal(counts, want_counts) and got.dtype == rows.dtype
+    assert np.array_equal(P.unique_rows(rows), want)
+    empty = np.zeros((0, 3), np.int64)
+    assert P.unique_rows(empty).shape == (0, 3) and P.unique_rows(empty, return_counts=True)[1].shape == (0,)
+
+
 def test_progress_commits_and_makes_durable_by_mode():
     p = Progress("checkpoint", dp=2, cp=1)
     assert p.ack(0, 3, planned=5) == 0  # rank 1 has not consumed anything yet

@@ -60,7 +60,7 @@ def chunk_tasks(steps: list[dict], ledger, topology: Topology, workers: int, run
             parts.append({"step": sp["step"], "pieces": P.to_bytes(pieces[mine], "<i4"), "slot": P.to_bytes(slot[mine], "<i4"),
                           "piece_tokens": sp["piece_tokens"]})
             units.append(P.units(pieces[mine]))
-        used = np.unique(np.concatenate(units), axis=0) if units else np.zeros((0, 3), np.int64)
+        used = P.unique_rows(np.concatenate(units)) if units else np.zeros((0, 3), np.int64)
         tasks.append({"key": batch_key(run_id, steps[0]["step"], lo, hi), "steps": parts, "ranks": [lo, hi],
                       "micro_batches": mb, "units": used.tolist()})
     return tasks

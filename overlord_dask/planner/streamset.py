@@ -127,7 +127,7 @@ class StreamSet:
         if not self.held:
             return []
         refs = [P.units(rows) for rows in in_use]
-        used = {tuple(r) for r in np.unique(np.concatenate(refs), axis=0).tolist()} if refs else set()
+        used = {tuple(r) for r in P.unique_rows(np.concatenate(refs)).tolist()} if refs else set()
         done = [k for k in self.held if k not in used]
         self.held.difference_update(done)
         for i, e, u in done:
