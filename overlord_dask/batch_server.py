@@ -2,8 +2,8 @@
 
 A ``WorkerPlugin`` adds one request/response handler to every worker (new workers included):
 ``overlord_fetch(key, rank, steps, cp_rank)`` returns that rank's batches of those steps from the
-constructor task stored under ``key``, in wire form (``wire.py``: narrow dtypes, one buffer of
-the batches the constructor task packed),
+constructor task stored under ``key``, in wire form (``wire.py``: narrow dtypes, each batch one
+buffer that the constructor task packed, sent as a frame of its own: ``wire.Payload``),
 or ``{"status": "missing"}`` if this worker does not hold the key (it died and the task
 was recomputed elsewhere, say: the consumer then asks the planner where it lives now). One call
 carries as many steps as the consumer has room for. The scheduler only ever routes the
@@ -13,10 +13,11 @@ descriptor; it never sees a batch.
 from __future__ import annotations
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import to_serialize
 
 from . import logs
 from .protocol import WORKER_FETCH
-from .wire import join
+from .wire import Payload
 
 
 class BatchServer(WorkerPlugin):
@@ -30,7 +31,7 @@ class BatchServer(WorkerPlugin):
             if key not in worker.data:
                 return {"status": "missing"}
             chunk = worker.data[key]
-            return {"status": "OK", "payload": join([chunk.packed(s, rank, cp_rank) for s in steps])}
+            return {"status": "OK", "payload": to_serialize(Payload([chunk.packed(s, rank, cp_rank) for s in steps]))}
 
         worker.handlers[WORKER_FETCH] = overlord_fetch
 

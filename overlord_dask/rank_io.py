@@ -18,7 +18,7 @@ from distributed.comm import CommClosedError
 from .consumer_io import Channel, ProcessIO
 from .errors import ServiceError
 from .protocol import WORKER_FETCH, resolve_address
-from .wire import DTYPES, decode_batch, nbytes, unpack
+from .wire import DTYPES, decode_batch, nbytes
 
 TENSOR_FIELDS = {
     "input_ids": "long",
@@ -232,7 +232,7 @@ class RankIO:
                 except OSError:
                     continue  # the worker went away; ask where the batch lives now (a shadow, or rebuilt)
                 if resp.get("status") == "OK":
-                    return unpack(resp["payload"])
+                    return resp["payload"].batches()
             if time.monotonic() > deadline:
                 raise ServiceError(f"batch {desc['key']} could not be fetched within {self.timeout}s (last known workers: {addresses})")
             resp = await self.scheduler.overlord_where(key=desc["key"], timeout=min(5.0, self.timeout), run_id=desc.get("run_id"))

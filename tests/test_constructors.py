@@ -84,15 +84,18 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
     assert decode_batch(copy.batch(4, 1))["micro_batches"][1]["num_tokens"] == 3
 
 
-def test_a_fetch_joins_the_batches_the_constructor_packed():
+def test_a_fetch_sends_the_batches_the_constructor_packed_as_frames():
     """A chunk holds each (step, rank) batch pickled by the constructor task, so that serving a
-    fetch or a shadow copy pickles no array on the worker's event loop: the fetch's payload is
-    the packed bytes joined, and unpacks to the same batches as packing them afresh."""
+    fetch or a shadow copy pickles no array on the worker's event loop: the fetch's reply
+    carries those bytes as they are, one Dask frame each (not copied into the message), and
+    reads back as the same batches as packing them afresh."""
     import pickle
+
+    from distributed.protocol import dumps, loads, to_serialize
 
     from overlord_dask.constructors import build_chunk
     from overlord_dask.planner import pieces as P
-    from overlord_dask.wire import join, pack_batch, unpack
+    from overlord_dask.wire import Payload, pack_batch
 
     blocks = {block_key(0, 0, 0): _block([5, 9, 3, 7])}
     pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3], [0, 0, 0, 3, 0, 7]])
@@ -101,8 +104,15 @@ def test_a_fetch_joins_the_batches_the_constructor_packed():
     chunk = build_chunk(steps, 0, 2, 2, blocks, capacity=16)
     for per_rank in chunk.batches.values():
         assert all(isinstance(b, bytes) for b in per_rank.values())
-    payload = join([chunk.packed(s, 1) for s in (4, 5)])
-    got, fresh = unpack(payload), unpack(join([pack_batch(chunk.batch(s, 1)) for s in (4, 5)]))
+    packed = [chunk.packed(s, 1) for s in (4, 5)]
+    frames = dumps({"status": "OK", "payload": to_serialize(Payload(packed))})  # as the worker's reply goes on the wire
+    def sent_as_is(f):
+        return any(f is b or getattr(f, "obj", None) is b for b in packed)
+
+    assert sum(map(sent_as_is, frames)) == len(packed)  # each batch's bytes are a frame (or a view of them), not copied
+    assert all(len(f) < min(map(len, packed)) for f in frames if not sent_as_is(f))  # besides them: headers only
+    reply = loads([memoryview(bytes(f)) for f in frames])  # the trainer reads views of one received buffer
+    got, fresh = reply["payload"].batches(), [pickle.loads(pack_batch(chunk.batch(s, 1))) for s in (4, 5)]
     assert [b["step"] for b in got] == [4, 5] and [b["rank"] for b in got] == [1, 1]
     for a, b in zip(got, fresh):
         for ma, mb in zip(a["micro_batches"], b["micro_batches"]):
