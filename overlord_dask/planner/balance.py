@@ -130,21 +130,24 @@ def balance_window(
     if groups:
         step_of_group = _groups_to_steps(groups, heavy, pieces, lens, intended, steps)
         row_cost = np.zeros((steps, micro_batches))
+        flat_cost, flat_tok = bin_cost.ravel(), bin_tok.ravel()  # views: bin (rank r, mb m) of step s is s*n_bins + r*mb + m
+        rank_bins = np.arange(dp) * micro_batches
+        near = [sorted(range(steps), key=lambda t: (abs(t - t0), t)) for t0 in range(steps)]
         for g in np.argsort([-costs[heavy[g]].sum() for g in groups], kind="stable"):  # big groups first
             members = heavy[groups[g]]
             members = members[np.argsort(-costs[members], kind="stable")]
+            m_lens, m_costs = lens[members], costs[members]
             # its own step first, then the nearest ones (keeps the per-step mix), rows by least cost
-            t0 = step_of_group[g]
-            for s in sorted(range(steps), key=lambda t: (abs(t - t0), t)):
+            for s in near[step_of_group[g]]:
                 placed = False
                 for m in np.argsort(row_cost[s], kind="stable"):
-                    bins = s * n_bins + np.arange(dp) * micro_batches + int(m)  # bin (rank r, mb m) of step s
-                    order = np.argsort(bin_cost.ravel()[bins], kind="stable")[: len(members)]
-                    if np.all(capacity - bin_tok.ravel()[bins[order]] >= lens[members]):
-                        where[members] = bins[order]
-                        np.add.at(bin_tok.ravel(), bins[order], lens[members])
-                        np.add.at(bin_cost.ravel(), bins[order], costs[members])
-                        row_cost[s, m] += costs[members].sum()
+                    bins = rank_bins + (s * n_bins + int(m))
+                    bins = bins[np.argsort(flat_cost[bins], kind="stable")[: len(members)]]
+                    if np.all(capacity - flat_tok[bins] >= m_lens):
+                        where[members] = bins
+                        flat_tok[bins] += m_lens  # distinct bins: the same as np.add.at
+                        flat_cost[bins] += m_costs
+                        row_cost[s, m] += m_costs.sum()
                         placed = True
                         break
                 if placed:
@@ -187,24 +190,29 @@ def _groups_to_steps(groups, heavy, pieces, lens, intended, steps: int) -> np.nd
     would put all of a long-document source into a few steps, and the mix over any stretch of
     steps shorter than a window would be off by many points."""
     n_src = int(pieces[:, SOURCE].max()) + 1
-    member_src = [pieces[heavy[g], SOURCE] for g in groups]
+    members = heavy[np.concatenate(groups)]
+    group_of = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    src = pieces[members, SOURCE]
+    # token counts: whole numbers, so these float sums are exact in any order
     vec = np.zeros((len(groups), n_src))
-    for k, g in enumerate(groups):
-        np.add.at(vec[k], member_src[k], lens[heavy[g]])
+    np.add.at(vec, (group_of, src), lens[members])
     target = np.zeros((steps, n_src))
-    for k, g in enumerate(groups):
-        np.add.at(target, (intended[heavy[g]], member_src[k]), lens[heavy[g]])
+    np.add.at(target, (intended[members], src), lens[members])
     cum_target = np.cumsum(target, axis=0)
     out = np.full(len(groups), steps - 1, dtype=np.int64)
-    left = np.ones(len(groups), dtype=bool)
-    have = np.zeros(n_src)
+    left = len(groups)
+    placed = np.zeros(len(groups))  # +inf once a group is placed: never the least error again
+    tokens_left = vec.sum(axis=1)  # a placed group's: +inf
+    have, have_tokens = np.zeros(n_src), 0.0
     for t in range(steps):
-        while left.any() and have.sum() < cum_target[t].sum() - 0.5 * vec[left].sum(axis=1).min():
-            cand = np.flatnonzero(left)
-            err = np.abs(have + vec[cand] - cum_target[t]).sum(axis=1)
-            k = int(cand[np.argmin(err)])
-            out[k], left[k] = t, False
+        goal = cum_target[t]
+        goal_tokens = goal.sum()
+        while left and have_tokens < goal_tokens - 0.5 * tokens_left.min():
+            k = int(np.argmin(np.abs(vec + (have - goal)).sum(axis=1) + placed))  # ties: the lowest index
+            out[k], placed[k], left = t, np.inf, left - 1
             have += vec[k]
+            have_tokens += tokens_left[k]
+            tokens_left[k] = np.inf
     return out
 
 
