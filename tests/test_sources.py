@@ -251,3 +251,31 @@ def test_zarr_loads_open_the_group_once_per_plan(tmp_path, monkeypatch):
     again = _plan(tmp_path, format="zarr", url="z.zarr")
     load_unit(again.sources[0], again, units[0])
     assert len(opened) == 2
+
+
+def test_blocks_keep_ids_in_the_narrowest_dtype_and_packing_widens_them():
+    """A block keeps uint16 ids where every id fits (half the memory on its worker and half the
+    bytes to every worker that builds from it), int32 otherwise; an image placeholder id past
+    uint16 inserted into narrowed text is kept whole; packed micro-batches carry int32 ids."""
+    from types import SimpleNamespace
+
+    from overlord_dask.constructors import pack_micro_batch
+    from overlord_dask.protocol import block_key
+    from overlord_dask.sources.blocks import SampleBlock
+    from overlord_dask.sources.images import with_image_tokens
+
+    small = SampleBlock("s", np.array([5, 65535, 7], np.int64), np.array([0, 2, 3]), np.array([0, 1]))
+    wide = SampleBlock("w", np.array([70000, 3], np.int64), np.array([0, 2]), np.array([0]))
+    assert small.tokens.dtype == np.uint16 and wide.tokens.dtype == np.int32
+    assert small.doc(0).tolist() == [5, 65535] and wide.doc(0).tolist() == [70000, 3]
+    with pytest.raises(ValueError, match="source 's'"):
+        SampleBlock("s", np.array([-1, 4]), np.array([0, 2]), np.array([0]))
+    src = SimpleNamespace(name="mm", image_token_id=100_000)
+    mm = with_image_tokens(src, "unit", small.tokens, small.offsets, small.sample_ids, np.zeros((1, 2, 3), np.uint8),
+                           np.array([0, 1, 1]), np.array([1]))
+    assert mm.tokens.dtype == np.int32 and mm.doc(0).tolist() == [5, 100_000, 100_000, 65535]
+    blocks = {block_key(0, 0, 0): small, block_key(1, 0, 0): wide}
+    pieces = np.array([[0, 0, 0, 0, 0, 2], [1, 0, 0, 0, 0, 2], [0, 0, 0, 1, 0, 1]])
+    mb = pack_micro_batch(pieces, blocks, capacity=8, piece_tokens=8)
+    assert mb["input_ids"].dtype == np.int32 and mb["input_ids"][:5].tolist() == [5, 65535, 70000, 3, 7]
+    assert mb["labels"][:5].tolist() == [65535, -100, 3, -100, -100]  # each piece ends its document

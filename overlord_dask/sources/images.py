@@ -60,6 +60,6 @@ def with_image_tokens(source, where: str, tokens, offsets, ids, images, img_off,
     k_in_doc = np.arange(len(positions)) - img_off[doc_of]  # images before this one in its document
     starts = positions + k_in_doc * P  # where its placeholders start in the document with images
     flat_at = offsets[doc_of] + positions  # insertion point in the flat text array
-    tokens = np.insert(tokens, np.repeat(flat_at, P), np.int32(source.image_token_id))
+    tokens = np.insert(tokens.astype(np.int32, copy=False), np.repeat(flat_at, P), np.int32(source.image_token_id))  # the id may not fit a narrowed block
     new_offsets = offsets + np.concatenate([[0], np.cumsum(n_img * P)])
     return SampleBlock(source.name, tokens, new_offsets, ids, images=images, image_offsets=img_off, image_starts=starts)
