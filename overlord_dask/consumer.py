@@ -47,6 +47,7 @@ import time
 import warnings
 from typing import Iterator
 
+from .allocator import keep_freed_memory
 from .consumer_io import ProcessIO
 from .errors import RankError, ServiceError
 from .protocol import resolve_address
@@ -73,6 +74,7 @@ class RankStream:
         self.cp_rank = cp_rank
         self.timeout = timeout
         self.as_torch = as_torch
+        keep_freed_memory()  # decoded batches reuse freed memory instead of faulting in fresh pages (allocator.py)
         self.io = ProcessIO.get()
         self._closed = False
         try:

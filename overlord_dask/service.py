@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from distributed import Client
 
+from .allocator import KeepFreedMemory
 from .batch_server import BatchServer
 from .driver import Driver
 from .errors import PlanError, ServiceError
@@ -203,6 +204,7 @@ class Service(ServiceViews):
         adaptive, registered = None, False
         try:
             pooled = _start_pools(plan, cluster if address is None else None)
+            client.register_plugin(KeepFreedMemory())
             client.register_plugin(BatchServer())
             client.register_plugin(PlannerPlugin(plan_dict, first_ids, run_id, **snap))
             registered = True

@@ -3,6 +3,9 @@ bounded buffers, and the planner kept off the scheduler's event loop."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import warnings
 
@@ -83,6 +86,57 @@ def test_wire_form_keeps_context_parallel_slices_whole():
     for k, v in sl.items():
         if isinstance(v, np.ndarray):
             np.testing.assert_array_equal(back[k], v, err_msg=k)
+
+
+_FAULTS_PER_DECODE = """
+import collections, resource, sys
+import numpy as np
+from overlord_dask.allocator import keep_freed_memory
+from overlord_dask.rank_io import TORCH_DTYPES
+from overlord_dask.wire import decode, encode
+
+C, n = 16384, 16000
+w = encode({"input_ids": np.arange(C, dtype=np.int32) % 1000, "labels": np.zeros(C, np.int32), "position_ids": np.zeros(C, np.int32),
+            "cu_seqlens": np.array([0, 5000, 9000, n], np.int32), "num_tokens": n})
+
+def faults_per_decode():
+    held = collections.deque(maxlen=64)  # a consumer holds the batches it fetched ahead
+    for _ in range(100):
+        held.append(decode(w, TORCH_DTYPES))
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(300):
+        held.append(decode(w, TORCH_DTYPES))
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 300
+
+before = faults_per_decode()
+tuned = keep_freed_memory()
+print(before, tuned, faults_per_decode())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_consumers_decode_into_reused_memory_even_under_dasks_trim_setting():
+    """A process started with ``MALLOC_TRIM_THRESHOLD_`` (as Dask's nanny leaves it in the
+    process that starts a LocalCluster) faults in fresh pages for every decoded micro-batch;
+    after ``keep_freed_memory`` (which every ``RankStream`` calls) it reuses freed memory."""
+    env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "65536", "OVERLORD_KEEP_FREED_MEMORY": "1"}
+    out = subprocess.run([sys.executable, "-c", _FAULTS_PER_DECODE], env=env, capture_output=True, text=True, timeout=120, check=True)
+    before, tuned, after = out.stdout.split()
+    assert tuned == "True"
+    assert float(before) >= 16 and float(after) < 1, out.stdout  # a 128 KiB array is 32 pages
+
+
+def _allocator_tuned() -> bool:
+    from overlord_dask import allocator
+
+    return allocator._done is True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_every_worker_of_a_service_keeps_freed_memory(cluster, small_plan):
+    with Service.start(small_plan(), cluster=cluster) as service:
+        tuned = service.client.run(_allocator_tuned)
+    assert len(tuned) == 2 and all(tuned.values()), tuned
 
 
 def _consume_all(address, ranks, steps, **kw):
