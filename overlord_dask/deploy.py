@@ -18,7 +18,10 @@ environment variables, ``dask.config.set``) wins, and ``overlord.quiet-dask: fal
 from __future__ import annotations
 
 import dask
-from distributed import LocalCluster
+from distributed import Client, LocalCluster
+
+from .priority import WorkerPriority
+from .priority import worker_nice as worker_nice_default
 
 WORKER_CONFIG = {"distributed": {"comm": {"timeouts": {"connect": "10s"}}}}
 """Set on every worker (``Nanny(config=...)``, pool workers too): a worker fetching a block from a
@@ -67,17 +70,19 @@ def tls_configured() -> bool:
     return bool(dask.config.get("distributed.comm.tls.ca-file", None) or dask.config.get("distributed.comm.require-encryption", None))
 
 
-def local_cluster(n_workers: int = 2, threads_per_worker: int = 1, memory_limit: str | int = "auto", **kwargs) -> LocalCluster:
+def local_cluster(n_workers: int = 2, threads_per_worker: int = 1, memory_limit: str | int = "auto", worker_nice: int | None = None,
+                  **kwargs) -> LocalCluster:
     """A LocalCluster of worker processes with the service's settings; TLS for every connection
     when Dask's config holds certificates (the scheduler listens on loopback unless ``host`` is
-    given)."""
+    given). Its workers, new ones included, run at ``worker_nice`` (default ``overlord.worker-nice``,
+    5: ``priority.py``) so that they leave the cores to the scheduler and the trainers first."""
     kwargs.setdefault("config", worker_config())
     if tls_configured() and "security" not in kwargs:
         from distributed.security import Security
 
         kwargs.update(security=Security(), protocol="tls://")
     with dask.config.set(service_config()):
-        return LocalCluster(
+        cluster = LocalCluster(
             n_workers=n_workers,
             threads_per_worker=threads_per_worker,
             processes=True,
@@ -85,6 +90,15 @@ def local_cluster(n_workers: int = 2, threads_per_worker: int = 1, memory_limit:
             dashboard_address=kwargs.pop("dashboard_address", ":0"),
             **kwargs,
         )
+    nice = worker_nice_default() if worker_nice is None else worker_nice
+    if nice > 0:
+        try:
+            with Client(cluster, set_as_default=False) as client:
+                client.register_plugin(WorkerPriority(nice))  # kept by the scheduler for workers that join later
+        except BaseException:
+            cluster.close()
+            raise
+    return cluster
 
 
 def slurm_cluster(

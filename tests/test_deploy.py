@@ -43,6 +43,33 @@ def test_the_embedded_cluster_quiets_dasks_housekeeping_timers(cluster):
     assert cluster.scheduler._tick_interval == pytest.approx(0.1)
 
 
+def _thread_priorities():
+    import os
+
+    return sorted(os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values")
+def test_embedded_workers_yield_the_cores_to_the_scheduler_and_the_trainers(cluster):
+    """Every thread of every embedded worker runs at ``priority.WORKER_NICE`` (also threads a task
+    starts later); this process (scheduler, planner, a trainer's side) stays at its own."""
+    import os
+
+    from distributed import Client
+
+    from overlord_dask.priority import WORKER_NICE, worker_nice
+
+    with Client(cluster, set_as_default=False) as c:
+        c.submit(_thread_priorities, pure=False).result()  # a task: the worker's task thread exists now
+        per_worker = c.run(_thread_priorities)
+    own = os.getpriority(os.PRIO_PROCESS, 0)  # never changed here
+    assert len(per_worker) == 2 and all(p and min(p) >= max(WORKER_NICE, own) for p in per_worker.values()), per_worker
+    import dask
+
+    with dask.config.set({"overlord.worker-nice": 0}):
+        assert worker_nice() == 0
+
+
 def test_a_users_dask_settings_win_over_the_quiet_defaults():
     import dask
 
