@@ -34,6 +34,8 @@ def lower_priority(nice: int) -> int:
     """Lower every thread of this process to at least ``nice`` (never raise one); returns how
     many threads were changed."""
     changed = 0
+    if not hasattr(os, "setpriority"):  # Windows: left as it is
+        return changed
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # not Linux: nice is per process there
