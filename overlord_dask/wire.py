@@ -89,21 +89,15 @@ def decode(w: dict, dtypes: dict = DTYPES) -> dict:
     token array once more, the largest cost on the trainer's side)."""
     out = {}
     if "tokens" in w:
-        # every element is written once (np.full then overwriting the real tokens wrote most of
-        # them twice): the trainer's IO thread spent ~0.2 ms per 16k-token micro-batch here
         C, n = int(w["capacity"]), int(w["num_tokens"])
         cu = w["cu_seqlens"].astype(np.int64)
-        ids = np.empty(C, dtype=dtypes["input_ids"])
+        ids = np.full(C, PAD_ID, dtype=dtypes["input_ids"])
         ids[:n] = w["tokens"]
-        ids[n:] = PAD_ID
-        labels = np.empty(C, dtype=dtypes["labels"])
-        last = max(n - 1, 0)
-        labels[:last] = ids[1:n]
-        labels[last:] = IGNORE_INDEX
+        labels = np.full(C, IGNORE_INDEX, dtype=dtypes["labels"])
+        labels[: max(n - 1, 0)] = ids[1:n]
         if len(cu) > 1:
             labels[cu[1:] - 1] = w["last_labels"]
-        pos = np.empty(C, dtype=dtypes["position_ids"])
-        pos[:n] = np.arange(n, dtype=pos.dtype)
+        pos = np.arange(C, dtype=dtypes["position_ids"])
         pos[:n] -= np.repeat(cu[:-1], np.diff(cu)).astype(pos.dtype)
         pos[n:] = np.arange(C - n, dtype=pos.dtype)
         out.update(input_ids=ids, labels=labels, position_ids=pos)
