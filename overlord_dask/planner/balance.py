@@ -201,18 +201,17 @@ def _groups_to_steps(groups, heavy, pieces, lens, intended, steps: int) -> np.nd
     cum_target = np.cumsum(target, axis=0)
     out = np.full(len(groups), steps - 1, dtype=np.int64)
     left = len(groups)
-    placed = np.zeros(len(groups))  # +inf once a group is placed: never the least error again
-    tokens_left = vec.sum(axis=1)  # a placed group's: +inf
+    placed = np.zeros(len(groups))  # +inf once a group is placed: never the least error, nor the smallest group, again
+    group_tokens = vec.sum(axis=1)
     have, have_tokens = np.zeros(n_src), 0.0
     for t in range(steps):
         goal = cum_target[t]
         goal_tokens = goal.sum()
-        while left and have_tokens < goal_tokens - 0.5 * tokens_left.min():
+        while left and have_tokens < goal_tokens - 0.5 * (group_tokens + placed).min():
             k = int(np.argmin(np.abs(vec + (have - goal)).sum(axis=1) + placed))  # ties: the lowest index
             out[k], placed[k], left = t, np.inf, left - 1
             have += vec[k]
-            have_tokens += tokens_left[k]
-            tokens_left[k] = np.inf
+            have_tokens += group_tokens[k]
     return out
 
 
