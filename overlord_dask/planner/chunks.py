@@ -5,8 +5,9 @@ so construction runs in parallel, and never more than ``TASK_TOKENS`` tokens per
 group under ``MIN_TASK_TOKENS``: a worker loads and builds ~50M tokens/s (2 cores), so a
 smaller task gains nothing from parallelism and pays a task's fixed cost, and peer copies of
 its blocks, again. One queue item per rank then names the whole chunk, so queue items,
-constructor tasks and acks are per chunk, not per (step, rank). A task carries only its ranks' pieces, as int32 bytes (every field
-fits: half the bytes of the ledger's int64), and the units whose blocks it needs.
+constructor tasks and acks are per chunk, not per (step, rank). A task carries only its ranks'
+pieces, as int32 bytes (every field fits: half the bytes of the ledger's int64), and the units
+whose blocks it needs.
 
 How many steps a chunk holds (:func:`chunk_steps`, unless the plan sets ``loading.batch_steps``):
 a quarter of the prefetch bound, raised until a chunk holds ``CHUNK_TOKENS`` tokens, but never
