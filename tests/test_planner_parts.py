@@ -131,3 +131,28 @@ def test_chunks_are_split_over_workers_only_into_tasks_worth_their_cost():
     tasks = chunk_tasks(steps, ledger, big, workers=4, run_id="r")
     assert len(tasks) == 4 and [t["ranks"] for t in tasks] == [[0, 2], [2, 4], [4, 6], [6, 8]]  # one per worker
     assert len(chunk_tasks(steps, ledger, big, workers=1, run_id="r")) == 8 * big.step_tokens // TASK_TOKENS  # capped per task
+
+
+def test_a_text_source_short_of_metadata_asks_for_a_batch_of_units_that_one_task_reads():
+    from overlord_dask.partition import partition
+    from overlord_dask.planner.lookahead import REFILL_TOKENS
+    from overlord_dask.planner.streams import SourceStream
+
+    n_units, per_unit = 64, 100_000  # 100 documents of 1,000 tokens per unit
+    s = SourceStream("web", 0, n_units, np.arange(n_units, dtype=np.int64) * 100, seed=0, piece_tokens=4096)
+    first = s.loads.want(s, 250_000, 2)
+    assert len(first) == 2  # nothing measured yet: units_ahead loads
+    for e, u in first:
+        s.add_lengths(e, u, np.full(100, 1000))
+    assert s.loads.want(s, 150_000, 2) == []  # 200k tokens at hand cover the target
+    batch = s.loads.want(s, 250_000, 2)  # short of it: ~REFILL_TOKENS worth of units at once
+    assert len(batch) == -(-REFILL_TOKENS // per_unit)
+    assert s.loads.want(s, 250_000, 2) == []  # what is on its way covers the target: nothing more
+    # the driver reads such a batch of cheap units with few tasks (at 1 ms a document: 0.1 s a unit)
+    tasks = partition([["web", e, u] for e, u in batch], lambda src, u: 100, {"web": 1e-3}, 0.5)
+    assert len(tasks) < len(batch) and sum(len(t.units) for t in tasks) == len(batch)
+
+    img = SourceStream("photos", 1, n_units, np.arange(n_units, dtype=np.int64) * 100, seed=0, piece_tokens=4096)
+    for e, u in img.loads.want(img, 250_000, 2):
+        img.add_lengths(e, u, np.full(100, 1000), vision=np.full(100, 256))
+    assert len(img.loads.want(img, 300_000, 2)) == 2  # units with images: units_ahead at a time, as before

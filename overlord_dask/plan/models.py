@@ -264,7 +264,9 @@ class Loading(Strict):
     prefetch_steps: int = Field(default=4, ge=1, le=1024)
     """Steps planned and built ahead of the slowest rank's acknowledged step."""
     units_ahead: int = Field(default=2, ge=1, le=1024)
-    """Loaded-but-unplanned units kept per source beyond what planned steps need."""
+    """Loads of a source in flight at once, at least: more when the coming windows need more
+    units, and a text source asks for about a million tokens' worth of units at a time, which one
+    task reads (``planner/lookahead.py``)."""
     retries: int = Field(default=2, ge=0, le=16)
     """Attempts per load unit before the run fails with the unit's file named."""
     batch_steps: int | None = Field(default=None, ge=1, le=1024)
