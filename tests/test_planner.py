@@ -201,6 +201,30 @@ def test_state_prefetch_bound_acks_and_cost_accounting():
         assert m["tokens"] == lens.sum()
 
 
+def test_a_starved_window_is_tried_again_only_once_a_unit_of_its_source_arrived(monkeypatch):
+    st_ = _state(prefetch=8)
+    tries = []
+    plan = st_.policy.plan
+    monkeypatch.setattr(st_.policy, "plan", lambda w: tries.append(w.start) or plan(w))
+    assert st_.plan_steps(8) == ([], []) and st_.starved_on is not None and len(tries) == 1
+    starved = st_.starved_on
+    for _ in range(3):  # acks, other sources' units: nothing planning could use
+        assert st_.plan_steps(8)[0] == [] and st_.plan_ahead(8) == 0
+    wanted = st_.wanted()
+    for name, epoch, unit in wanted:
+        if name != starved:
+            st_.add_lengths(name, epoch, unit, np.full(50 if name == "a" else 40, 100))
+    assert st_.plan_steps(8)[0] == [] and len(tries) == 1 and st_.starved_on == starved  # not tried again
+    for name, epoch, unit in wanted:
+        if name == starved:
+            st_.add_lengths(name, epoch, unit, np.full(50 if name == "a" else 40, 100))
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        _feed(st_, rng)
+        st_.plan_steps(8)
+    assert st_.next_step == 8 and len(tries) > 1  # its units arrived: planning went on
+
+
 def test_the_ledger_history_is_out_of_the_garbage_collectors_sight():
     """Every planned step's metrics stay in the ledger's history (100,000 steps by default);
     a full collection in the scheduler's process must not walk them (it blocks the event loop)."""

@@ -64,6 +64,8 @@ class PlannerState:
         self.next_step = 0
         self.failure: str | None = None
         self.starved_on: str | None = None
+        self.arrivals: dict[str, int] = {}  # source -> units whose lengths were taken in (planning that starved waits for one)
+        self._starved: tuple | None = None  # (source, what planning saw) when a window last starved
         self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs, drops or None)
         self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
         self.windows = WindowStarts(lambda: {**self.streams.get_state(), **self.policy.get_state()})
@@ -155,6 +157,7 @@ class PlannerState:
         s = self.streams.by_name(source)
         before = s.loads.tokens_per_pass()
         added = s.add_lengths(epoch, unit, lengths, vision)
+        self.arrivals[source] = self.arrivals.get(source, 0) + added
         if before is None and s.loads.tokens_per_pass() is not None:
             self.streams.check_pass(s, float(self._weights_ahead()[s.index]), self.step_budget, self._window_steps(),
                                     self.topology.tokens_per_micro_batch)
@@ -211,6 +214,11 @@ class PlannerState:
         """Plan the window that starts at ``planned_until`` into ``ready``; its state beforehand
         is kept for snapshots (``windows``)."""
         start = self.planned_until
+        if self._starved is not None and self._starved[1] == self._inputs(self._starved[0]):
+            # No unit of the source this window starved on arrived since: it would starve again,
+            # after selecting and rolling back its pieces (~0.6 ms a try; the demo's planner tried
+            # ~1,000 times in 1,500 steps, at every ack and every other source's unit).
+            raise Starved(self._starved[0])
         self.windows.begin(start)
         ctx = self.timeline.context_at(start)
         self.streams.apply_context(ctx)
@@ -220,14 +228,20 @@ class PlannerState:
                         weights_at=self.weights_at, class_weights_at=self.timeline.class_weights_at, costs=self.costs)
         try:
             planned = self.policy.plan(window)
-        except Starved:
+        except Starved as e:
             self.windows.abandon(start)
             self.streams.forget_drops()
+            self._starved = (e.source, self._inputs(e.source))
             raise
         drops = self.streams.drain_drops()
         for k, (ranks, mb_costs) in enumerate(planned):
             self.ready.append((ranks, mb_costs, drops if k == 0 else None))
         self.windows.prune(self.progress.durable_step)
+
+    def _inputs(self, source: str) -> tuple:
+        """What decides whether the next window starves on ``source`` (its selection stops at
+        the first source whose metadata is missing, so other sources' units cannot help)."""
+        return (self.planned_until, self.arrivals.get(source, 0), self.plan_version, self.topology)
 
     def plan_ahead(self, steps: int) -> int:
         """Plan whole windows ahead of hand-out until at least ``steps`` planned steps wait in
