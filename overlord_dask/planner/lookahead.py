@@ -65,8 +65,11 @@ class LoadRequests:
         for minutes."""
         if missing_tokens <= 0 or not self.loaded_units:
             return max_inflight
-        per_unit = max(1.0, self.loaded_tokens / self.loaded_units)
-        return max(max_inflight, min(MAX_INFLIGHT, math.ceil(missing_tokens / per_unit)))
+        return max(max_inflight, min(MAX_INFLIGHT, math.ceil(missing_tokens / self._tokens_per_unit())))
+
+    def _tokens_per_unit(self) -> float:
+        """(once a unit arrived) Tokens per unit seen so far."""
+        return max(1.0, self.loaded_tokens / self.loaded_units)
 
     def refill(self, have: int, target_tokens: int) -> int | None:
         """For a text source whose units' size is known: how many loads to have in flight once
@@ -76,7 +79,7 @@ class LoadRequests:
         are costly enough to be tasks of their own)."""
         if not self.loaded_units or self.images:
             return None
-        per_unit = max(1.0, self.loaded_tokens / self.loaded_units)
+        per_unit = self._tokens_per_unit()
         if have + len(self.requested) * per_unit >= target_tokens:
             return 0
         return min(MAX_INFLIGHT, len(self.requested) + math.ceil(REFILL_TOKENS / per_unit))

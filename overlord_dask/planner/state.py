@@ -64,7 +64,6 @@ class PlannerState:
         self.next_step = 0
         self.failure: str | None = None
         self.starved_on: str | None = None
-        self.arrivals: dict[str, int] = {}  # source -> units whose lengths were taken in (planning that starved waits for one)
         self._starved: tuple | None = None  # (source, what planning saw) when a window last starved
         self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs, drops or None)
         self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
@@ -157,7 +156,6 @@ class PlannerState:
         s = self.streams.by_name(source)
         before = s.loads.tokens_per_pass()
         added = s.add_lengths(epoch, unit, lengths, vision)
-        self.arrivals[source] = self.arrivals.get(source, 0) + added
         if before is None and s.loads.tokens_per_pass() is not None:
             self.streams.check_pass(s, float(self._weights_ahead()[s.index]), self.step_budget, self._window_steps(),
                                     self.topology.tokens_per_micro_batch)
@@ -241,7 +239,7 @@ class PlannerState:
     def _inputs(self, source: str) -> tuple:
         """What decides whether the next window starves on ``source`` (its selection stops at
         the first source whose metadata is missing, so other sources' units cannot help)."""
-        return (self.planned_until, self.arrivals.get(source, 0), self.plan_version, self.topology)
+        return (self.planned_until, self.streams.by_name(source).loads.loaded_units, self.plan_version, self.topology)
 
     def plan_ahead(self, steps: int) -> int:
         """Plan whole windows ahead of hand-out until at least ``steps`` planned steps wait in

@@ -282,8 +282,9 @@ class SourceStream:
         if key in self.lengths or self._behind(epoch, unit):
             return False  # a duplicate, or a unit the cursor has already passed
         lengths = np.asarray(lengths, dtype=np.int64)
-        self.loads.arrived(epoch, unit, int(lengths.sum()), vision is not None and bool(np.any(vision)))
-        if vision is not None and np.any(vision):
+        images = vision is not None and bool(np.any(vision))
+        self.loads.arrived(epoch, unit, int(lengths.sum()), images)
+        if images:
             self.vision[key] = (np.asarray(vision, dtype=np.int64), lengths)
         self.lengths[key] = self.ordering.shuffle_docs(key, lengths)
         return True
