@@ -86,26 +86,50 @@ def encode(mb: dict) -> dict:
 def decode(w: dict, dtypes: dict = DTYPES) -> dict:
     """The micro-batch :func:`encode` was given, with the consumer-facing ``dtypes`` (the
     torch consumer asks for int64 ids straight away: converting afterwards copied every
-    token array once more, the largest cost on the trainer's side)."""
+    token array once more, the largest cost on the trainer's side).
+
+    Every token array is written once, from the narrow wire ``tokens`` (a casting copy), never
+    copied from another array of its own size and dtype: two such arrays allocated one after the
+    other lie a whole number of pages (plus the allocator's 16-byte header) apart, and a plain
+    copy between addresses that close modulo 4 KiB runs ~10x slower on x86 (4K aliasing: 45 µs
+    against 4 µs for 128 KiB of int64). Copying the labels from ``input_ids`` was half of decoding."""
     out = {}
     if "tokens" in w:
         C, n = int(w["capacity"]), int(w["num_tokens"])
-        cu = w["cu_seqlens"].astype(np.int64)
-        ids = np.full(C, PAD_ID, dtype=dtypes["input_ids"])
-        ids[:n] = w["tokens"]
-        labels = np.full(C, IGNORE_INDEX, dtype=dtypes["labels"])
-        labels[: max(n - 1, 0)] = ids[1:n]
+        cu, tokens = w["cu_seqlens"], w["tokens"]
+        ids = np.empty(C, dtype=dtypes["input_ids"])
+        ids[:n] = tokens
+        ids[n:] = PAD_ID
+        labels = np.empty(C, dtype=dtypes["labels"])
+        m = max(n - 1, 0)
+        labels[:m] = tokens[1:n]
+        labels[m:] = IGNORE_INDEX
         if len(cu) > 1:
-            labels[cu[1:] - 1] = w["last_labels"]
-        pos = np.arange(C, dtype=dtypes["position_ids"])
-        pos[:n] -= np.repeat(cu[:-1], np.diff(cu)).astype(pos.dtype)
-        pos[n:] = np.arange(C - n, dtype=pos.dtype)
+            labels[cu[1:].astype(np.intp) - 1] = w["last_labels"]
+        pdt = dtypes["position_ids"]
+        ar = _arange(C, pdt)
+        pos = np.empty(C, dtype=pdt)
+        np.subtract(ar[:n], np.repeat(cu[:-1].astype(pdt), np.diff(cu)), out=pos[:n])  # restart at every piece
+        pos[n:] = ar[: C - n]  # padding counts on from 0
         out.update(input_ids=ids, labels=labels, position_ids=pos)
     for k, v in w.items():
         if k in ("tokens", "last_labels", "capacity"):
             continue
         out[k] = v.astype(dtypes[k]) if k in dtypes and isinstance(v, np.ndarray) else v
     return out
+
+
+_ARANGES: dict[tuple[int, np.dtype], np.ndarray] = {}
+
+
+def _arange(n: int, dtype) -> np.ndarray:
+    """``np.arange(n, dtype)``, made once per (capacity, dtype) and only ever read."""
+    key = (n, np.dtype(dtype))
+    a = _ARANGES.get(key)
+    if a is None:
+        a = _ARANGES[key] = np.arange(n, dtype=dtype)
+        a.flags.writeable = False
+    return a
 
 
 def encode_batch(batch: dict) -> dict:
