@@ -125,7 +125,7 @@ def test_corpus_scale_benchmark_runs(capsys, tmp_path):
 def test_throughput_benchmark_with_a_trained_bpe(capsys, corpus):
     import throughput
 
-    out = throughput.main(["--steps", "6", "--dp", "2", "--tokenizer", "both", "--bpe-vocab", "400", "--bpe-docs", "200", "--data", str(corpus),
+    out = throughput.main(["--steps", "6", "--bpe-steps", "6", "--dp", "2", "--tokenizer", "both", "--bpe-vocab", "400", "--bpe-docs", "200", "--data", str(corpus),
                            "--scaling", "1", "--repeats", "1", "--json"])
     for res in (out, out["bpe"]):
         assert res["tokens"] > 0 and res["ratio_to_raw"] > 0 and res["duplicates"] == 0 and res["missing"] == 0

@@ -23,9 +23,19 @@ def test_demo_prints_a_summary_with_exactly_once(tmp_path):
     for key in ("steps", "dp", "tokens", "tokens_per_s", "imbalance_p50", "imbalance_p99", "mix_error_max", "duplicates", "missing"):
         assert key in summary, key
     assert summary["steps"] == 16 and summary["dp"] == 2 and summary["tokens"] > 0
+    assert summary["steady_from_step"] == 8 and summary["tokens_per_s"] > 0  # half the run: 16 steps < the demo's prefetch
     assert summary["duplicates"] == 0 and summary["missing"] == 0
     assert summary["imbalance_p50"] >= 1.0 and summary["mix_error_max"] < 0.05
     assert (tmp_path / "data" / "CORPUS.json").exists()  # the corpus was generated because it was missing
+
+
+def test_the_steady_state_window_skips_warm_up_and_prefetched_steps():
+    from overlord_dask.cli import steady_from
+
+    assert steady_from(600, 64) == 150  # a quarter into the run, past the 64 prefetched steps
+    assert steady_from(200, 64) == 64  # past the prefetched steps
+    assert steady_from(100, 64) == 50  # at most half the run
+    assert steady_from(2, 64) == 1 and steady_from(1, 64) == 0  # a one-step run: from its first batch
 
 
 def test_validate_and_bad_plan_exit_codes(tmp_path, corpus):
