@@ -77,7 +77,7 @@ def _write_books(root: Path, rng, n_docs: int) -> None:
     toks = (_text_bytes(rng, int(offsets[-1])).astype(np.int32) + BYTE_OFFSET).astype(np.int32)
     toks[offsets[1:] - 1] = EOS_ID
     g = zarr.open_group(str(root / "books.zarr"), mode="w")
-    # chunks no larger than the demo plan's units (unit_tokens 262144): a load decompresses only
+    # chunks no larger than a load unit (the library default unit_tokens is ~1M): a load decompresses only
     # the chunks its unit spans, not a 4x larger one to keep a quarter of it
     g.create_array("tokens", shape=toks.shape, chunks=(1 << 18,), dtype="int32")[:] = toks
     g.create_array("offsets", shape=offsets.shape, chunks=(1 << 16,), dtype="int64")[:] = offsets

@@ -51,7 +51,7 @@ def test_yaml_and_python_plans_are_the_same():
             Source(name="books", format="zarr", url="books.zarr", weight=0.3),
         ],
         topology=Topology(dp=4, micro_batches=2, tokens_per_micro_batch=16384),
-        loading={"unit_rows": 1000, "unit_tokens": 262144, "prefetch_steps": 32, "units_ahead": 2},
+        loading={"prefetch_steps": 64, "units_ahead": 2},
         balance={"policy": "cost", "sync": "micro_batch", "window": 8},
     )
     assert from_yaml == in_python
