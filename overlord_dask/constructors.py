@@ -197,7 +197,13 @@ class BuiltChunk:
             self.batches = batches
             self.nbytes = sum(nbytes(b) for per_rank in batches.values() for b in per_rank.values())
 
-    def __reduce__(self):
+    def __reduce_ex__(self, protocol):
+        if self.encoded and protocol >= 5:
+            # each packed batch out of band: Dask sends it as a frame of its own, as it is. Pickled
+            # in band, a shadow copy of a 16-step chunk (2 MB) was copied twice on the serving
+            # worker's event loop (into this pickle, then into Dask's): 1.1 ms, against 0.1 ms
+            keys = [(s, r) for s, per_rank in self.batches.items() for r in per_rank]
+            return _restore_packed, (keys, self.nbytes, *(pickle.PickleBuffer(self.batches[s][r]) for s, r in keys))
         # one in-band buffer: pickled with its arrays out of band, a shadow copy to another worker
         # was a Dask frame per array (~130 at dp 4: 1.6 ms to serialize on the serving worker)
         return _restore_chunk, (pickle.dumps((self.encoded, self.batches, self.nbytes), protocol=5),)
@@ -217,6 +223,15 @@ class BuiltChunk:
 def _restore_chunk(payload: bytes) -> BuiltChunk:
     chunk = BuiltChunk.__new__(BuiltChunk)
     chunk.encoded, chunk.batches, chunk.nbytes = pickle.loads(payload)
+    return chunk
+
+
+def _restore_packed(keys: list, nbytes: int, *buffers) -> BuiltChunk:
+    """A packed chunk from its batches' buffers (Dask's frames as they arrived: no copy)."""
+    chunk = BuiltChunk.__new__(BuiltChunk)
+    chunk.encoded, chunk.nbytes, chunk.batches = True, nbytes, {}
+    for (s, r), b in zip(keys, buffers):
+        chunk.batches.setdefault(s, {})[r] = b
     return chunk
 
 
