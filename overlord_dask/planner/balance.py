@@ -304,29 +304,41 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
     size = n - np.arange(n)  # a tail group from i has n - i members, padded with empty bins
     tail_mean = (csum[n] - csum[:-1] + np.maximum(dp - size, 0) * empty) / dp
     tail = np.log(np.maximum(c, empty) / np.maximum(tail_mean, 1e-300)) ** 2 + 0.01  # never free
+    # the programme in Python floats and lists (rows of K+1 = 4·dp+1 entries are too short for
+    # numpy's per-call cost: this loop runs once per heavy piece); the same IEEE additions and
+    # comparisons as element-wise numpy, so the groups are the same
     K = max_skip
-    best = np.full((n + 1, K + 1), np.inf)
-    choice = np.zeros((n + 1, K + 1), dtype=np.int8)  # 1 = group, 2 = skip, 3 = smaller tail group
-    best[n, :] = 0.0
-    sk = np.full(K + 1, np.inf)  # scratch rows, written in place: this loop runs once per heavy piece
-    better = np.zeros(K + 1, dtype=bool)
-    for i in range(n - 1, -1, -1):  # vectorised over the skip count k; rows start as (inf, 0)
-        v, ch = best[i], choice[i]
+    inf = float("inf")
+    spread_l, skip_l, tail_l, can_l = spread.tolist(), skip_cost.tolist(), tail.tolist(), can_skip.tolist()
+    best: list = [None] * (n + 1)
+    choice: list = [None] * (n + 1)
+    best[n] = [0.0] * (K + 1)
+    for i in range(n - 1, -1, -1):
         if i + dp <= n:
-            np.add(best[i + dp], spread[i], out=v)
-            ch.fill(1)
-        if can_skip[i]:
-            np.add(best[i + 1, 1:], skip_cost[i], out=sk[:K])
-            np.less(sk, v, out=better)
-            np.copyto(v, sk, where=better)
-            ch[better] = 2
-        if i + dp > n and tail[i] < np.inf:
-            np.less(tail[i], v, out=better)
-            v[better] = tail[i]
-            ch[better] = 3
+            sp = spread_l[i]
+            v = [b + sp for b in best[i + dp]]
+            ch = [1] * (K + 1)
+        else:
+            v = [inf] * (K + 1)
+            ch = [0] * (K + 1)
+        if can_l[i]:
+            nxt, sc = best[i + 1], skip_l[i]
+            for k in range(K):
+                x = nxt[k + 1] + sc
+                if x < v[k]:
+                    v[k] = x
+                    ch[k] = 2
+        if i + dp > n:
+            t = tail_l[i]
+            if t < inf:
+                for k in range(K + 1):
+                    if t < v[k]:
+                        v[k] = t
+                        ch[k] = 3
+        best[i], choice[i] = v, ch
     groups, i, k = [], 0, 0
     while i < n:
-        ch = choice[i, k]
+        ch = choice[i][k]
         if ch == 1:
             groups.append(order[i : i + dp])
             i += dp
