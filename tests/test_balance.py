@@ -189,3 +189,21 @@ def test_tiny_weights_do_not_starve_the_planner():
         if state.next_step >= 24:
             break
     assert state.next_step >= 24
+
+
+@pytest.mark.parametrize("dp", [4, 8])
+def test_python_and_numpy_paths_plan_alike(monkeypatch, dp):
+    """Short rows (small dp) are balanced with Python lists, long ones with numpy
+    (``balance.SMALL_ROWS``): both make the very same plan, piece for piece."""
+    from overlord_dask.planner import balance
+
+    gens = [lambda r, n: np.clip((r.pareto(0.9, n) + 1) * 700, 16, 16_384).astype(np.int64),
+            lambda r, n: np.clip(r.lognormal(6.0, 1.0, n), 16, 16_384).astype(np.int64)]
+    topo = {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 16_384}
+    plans = []
+    for small in (balance.SMALL_ROWS, 0):  # 0: every row takes the numpy path
+        monkeypatch.setattr(balance, "SMALL_ROWS", small)
+        st_ = make_state([0.6, 0.4], topo, {"policy": "cost", "window": 8}, seed=3)
+        steps = drive(st_, gens, 32, seed=3)
+        plans.append([(st_.ledger[s]["pieces"].tobytes(), st_.ledger[s]["slot"].tobytes()) for s in steps])
+    assert plans[0] == plans[1]

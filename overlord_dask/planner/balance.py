@@ -39,6 +39,9 @@ from .mixing import Starved
 from .pieces import AGE, SOURCE, WIDTH, lengths, stream_lengths
 from .streams import SourceStream
 
+SMALL_ROWS = 64  # rows (of a dynamic programme, or of dp bins) up to this long are handled in Python lists: numpy's
+# per-call cost dominates them; longer ones (large dp) in numpy. The same IEEE operations either way: the same plans
+
 
 def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, surplus: np.ndarray) -> np.ndarray:
     """The next ``budget`` tokens of pieces across sources, in weighted-fair-queuing order.
@@ -129,7 +132,7 @@ def balance_window(
     intended = np.minimum(((np.cumsum(lens) - lens / 2) // max(step_budget, 1)).astype(np.int64), steps - 1)
     if groups:
         step_of_group = _groups_to_steps(groups, heavy, pieces, lens, intended, steps)
-        _place_groups(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp, capacity)
+        (_place_groups if dp <= SMALL_ROWS else _place_groups_numpy)(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp, capacity)
 
     # --- 3. light pieces: per step, from each source what keeps its cumulative tokens on the
     # selection chronology (making up for the coarse heavy groups), then water-filled over bins
@@ -194,6 +197,34 @@ def _place_groups(groups, heavy, costs, lens, step_of_group, where, bin_cost, bi
                 break
     bin_cost.ravel()[:] = fc
     bin_tok.ravel()[:] = ft
+
+
+def _place_groups_numpy(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp: int, capacity: int) -> None:
+    """:func:`_place_groups` in numpy, for rows of many bins (large dp): the same choices."""
+    steps, n_bins = bin_cost.shape
+    micro_batches = n_bins // dp
+    row_cost = np.zeros((steps, micro_batches))
+    flat_cost, flat_tok = bin_cost.ravel(), bin_tok.ravel()  # views
+    rank_bins = np.arange(dp) * micro_batches
+    near = [sorted(range(steps), key=lambda t: (abs(t - t0), t)) for t0 in range(steps)]
+    for g in np.argsort([-costs[heavy[g]].sum() for g in groups], kind="stable"):  # big groups first
+        members = heavy[groups[g]]
+        members = members[np.argsort(-costs[members], kind="stable")]
+        m_lens, m_costs = lens[members], costs[members]
+        for s in near[int(step_of_group[g])]:
+            placed = False
+            for m in np.argsort(row_cost[s], kind="stable"):
+                bins = rank_bins + (s * n_bins + int(m))
+                bins = bins[np.argsort(flat_cost[bins], kind="stable")[: len(members)]]
+                if np.all(capacity - flat_tok[bins] >= m_lens):
+                    where[members] = bins
+                    flat_tok[bins] += m_lens  # distinct bins: the same as np.add.at
+                    flat_cost[bins] += m_costs
+                    row_cost[s, m] += m_costs.sum()
+                    placed = True
+                    break
+            if placed:
+                break
 
 
 def _groups_to_steps(groups, heavy, pieces, lens, intended, steps: int) -> np.ndarray:
@@ -304,10 +335,26 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
     size = n - np.arange(n)  # a tail group from i has n - i members, padded with empty bins
     tail_mean = (csum[n] - csum[:-1] + np.maximum(dp - size, 0) * empty) / dp
     tail = np.log(np.maximum(c, empty) / np.maximum(tail_mean, 1e-300)) ** 2 + 0.01  # never free
-    # the programme in Python floats and lists (rows of K+1 = 4·dp+1 entries are too short for
-    # numpy's per-call cost: this loop runs once per heavy piece); the same IEEE additions and
-    # comparisons as element-wise numpy, so the groups are the same
     K = max_skip
+    choice = (_programme_lists if K + 1 <= SMALL_ROWS else _programme_numpy)(n, dp, K, spread, skip_cost, tail, can_skip)
+    groups, i, k = [], 0, 0
+    while i < n:
+        ch = choice[i][k]
+        if ch == 1:
+            groups.append(order[i : i + dp])
+            i += dp
+        elif ch == 2:
+            i, k = i + 1, k + 1
+        else:  # 3: the rest as one smaller group
+            groups.append(order[i:n])
+            i = n
+    return groups
+
+
+def _programme_lists(n, dp, K, spread, skip_cost, tail, can_skip) -> list:
+    """:func:`group_heavy`'s programme in Python floats and lists, for short rows (``K + 1 <=
+    SMALL_ROWS``): numpy's per-call cost dominates there. The same IEEE additions and
+    comparisons as :func:`_programme_numpy`, so the same choices."""
     inf = float("inf")
     spread_l, skip_l, tail_l, can_l = spread.tolist(), skip_cost.tolist(), tail.tolist(), can_skip.tolist()
     best: list = [None] * (n + 1)
@@ -336,18 +383,31 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
                         v[k] = t
                         ch[k] = 3
         best[i], choice[i] = v, ch
-    groups, i, k = [], 0, 0
-    while i < n:
-        ch = choice[i][k]
-        if ch == 1:
-            groups.append(order[i : i + dp])
-            i += dp
-        elif ch == 2:
-            i, k = i + 1, k + 1
-        else:  # 3: the rest as one smaller group
-            groups.append(order[i:n])
-            i = n
-    return groups
+    return choice
+
+
+def _programme_numpy(n, dp, K, spread, skip_cost, tail, can_skip) -> np.ndarray:
+    """:func:`group_heavy`'s programme vectorised over the skip count (long rows: large dp)."""
+    best = np.full((n + 1, K + 1), np.inf)
+    choice = np.zeros((n + 1, K + 1), dtype=np.int8)  # 1 = group, 2 = skip, 3 = smaller tail group
+    best[n, :] = 0.0
+    sk = np.full(K + 1, np.inf)  # scratch rows, written in place: this loop runs once per heavy piece
+    better = np.zeros(K + 1, dtype=bool)
+    for i in range(n - 1, -1, -1):  # rows start as (inf, 0)
+        v, ch = best[i], choice[i]
+        if i + dp <= n:
+            np.add(best[i + dp], spread[i], out=v)
+            ch.fill(1)
+        if can_skip[i]:
+            np.add(best[i + 1, 1:], skip_cost[i], out=sk[:K])
+            np.less(sk, v, out=better)
+            np.copyto(v, sk, where=better)
+            ch[better] = 2
+        if i + dp > n and tail[i] < np.inf:
+            np.less(tail[i], v, out=better)
+            v[better] = tail[i]
+            ch[better] = 3
+    return choice
 
 
 def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, dp, micro_batches, sync) -> None:
