@@ -194,15 +194,16 @@ def test_tiny_weights_do_not_starve_the_planner():
 @pytest.mark.parametrize("dp", [4, 8])
 def test_python_and_numpy_paths_plan_alike(monkeypatch, dp):
     """Short rows (small dp) are balanced with Python lists, long ones with numpy
-    (``balance.SMALL_ROWS``): both make the very same plan, piece for piece."""
+    (``balance.SMALL_ROWS``, ``SMALL_RANKS``): both make the very same plan, piece for piece."""
     from overlord_dask.planner import balance
 
     gens = [lambda r, n: np.clip((r.pareto(0.9, n) + 1) * 700, 16, 16_384).astype(np.int64),
             lambda r, n: np.clip(r.lognormal(6.0, 1.0, n), 16, 16_384).astype(np.int64)]
     topo = {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 16_384}
     plans = []
-    for small in (balance.SMALL_ROWS, 0):  # 0: every row takes the numpy path
+    for small in (1 << 20, 0):  # every row in lists, then every row in numpy
         monkeypatch.setattr(balance, "SMALL_ROWS", small)
+        monkeypatch.setattr(balance, "SMALL_RANKS", small)
         st_ = make_state([0.6, 0.4], topo, {"policy": "cost", "window": 8}, seed=3)
         steps = drive(st_, gens, 32, seed=3)
         plans.append([(st_.ledger[s]["pieces"].tobytes(), st_.ledger[s]["slot"].tobytes()) for s in steps])

@@ -39,8 +39,12 @@ from .mixing import Starved
 from .pieces import AGE, SOURCE, WIDTH, lengths, stream_lengths
 from .streams import SourceStream
 
-SMALL_ROWS = 64  # rows (of a dynamic programme, or of dp bins) up to this long are handled in Python lists: numpy's
-# per-call cost dominates them; longer ones (large dp) in numpy. The same IEEE operations either way: the same plans
+# Short rows are handled in Python lists, where numpy's per-call cost dominates; long ones (large
+# dp) in numpy. The same IEEE operations either way, so the same plans (tested). Break-even,
+# measured: group_heavy's programme rows (4·dp + 1 entries) at dp 8; heavy-group placement (dp
+# bins per row) beyond dp 64.
+SMALL_ROWS = 32  # group_heavy's programme: rows up to this long in lists
+SMALL_RANKS = 64  # heavy-group placement: up to this many ranks in lists
 
 
 def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, surplus: np.ndarray) -> np.ndarray:
@@ -132,7 +136,7 @@ def balance_window(
     intended = np.minimum(((np.cumsum(lens) - lens / 2) // max(step_budget, 1)).astype(np.int64), steps - 1)
     if groups:
         step_of_group = _groups_to_steps(groups, heavy, pieces, lens, intended, steps)
-        (_place_groups if dp <= SMALL_ROWS else _place_groups_numpy)(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp, capacity)
+        (_place_groups if dp <= SMALL_RANKS else _place_groups_numpy)(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp, capacity)
 
     # --- 3. light pieces: per step, from each source what keeps its cumulative tokens on the
     # selection chronology (making up for the coarse heavy groups), then water-filled over bins
@@ -353,7 +357,7 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
 
 def _programme_lists(n, dp, K, spread, skip_cost, tail, can_skip) -> list:
     """:func:`group_heavy`'s programme in Python floats and lists, for short rows (``K + 1 <=
-    SMALL_ROWS``): numpy's per-call cost dominates there. The same IEEE additions and
+    SMALL_ROWS``). The same IEEE additions and
     comparisons as :func:`_programme_numpy`, so the same choices."""
     inf = float("inf")
     spread_l, skip_l, tail_l, can_l = spread.tolist(), skip_cost.tolist(), tail.tolist(), can_skip.tolist()
