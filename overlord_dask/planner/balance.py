@@ -357,8 +357,8 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
 
 def _programme_lists(n, dp, K, spread, skip_cost, tail, can_skip) -> list:
     """:func:`group_heavy`'s programme in Python floats and lists, for short rows (``K + 1 <=
-    SMALL_ROWS``). The same IEEE additions and
-    comparisons as :func:`_programme_numpy`, so the same choices."""
+    SMALL_ROWS``). The same IEEE additions and comparisons as :func:`_programme_numpy`, so the
+    same choices."""
     inf = float("inf")
     spread_l, skip_l, tail_l, can_l = spread.tolist(), skip_cost.tolist(), tail.tolist(), can_skip.tolist()
     best: list = [None] * (n + 1)
