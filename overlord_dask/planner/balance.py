@@ -40,9 +40,9 @@ from .pieces import AGE, SOURCE, WIDTH, lengths, stream_lengths
 from .streams import SourceStream
 
 # Short rows are handled in Python lists, where numpy's per-call cost dominates; long ones (large
-# dp) in numpy. The same IEEE operations either way, so the same plans (tested). Break-even,
-# measured: group_heavy's programme rows (4·dp + 1 entries) at dp 8; heavy-group placement (dp
-# bins per row) beyond dp 64.
+# dp) in numpy. The same IEEE operations either way, so the same plans (tested). Measured:
+# group_heavy's programme rows (4·dp + 1 entries) break even at dp 8; heavy-group placement (dp
+# bins per row) in lists was faster at every dp tried, up to 64 (larger dp keeps numpy, untried).
 SMALL_ROWS = 32  # group_heavy's programme: rows up to this long in lists
 SMALL_RANKS = 64  # heavy-group placement: up to this many ranks in lists
 
@@ -166,6 +166,15 @@ def balance_window(
     return WindowPlan(out_steps, pending, out_costs)
 
 
+def _groups_in_order(groups, heavy, costs, step_of_group, steps: int):
+    """Heavy groups in placement order (biggest cost first), each as its pieces by falling cost
+    and the steps to try: its own step first, then the nearest ones (keeps the per-step mix)."""
+    near = [sorted(range(steps), key=lambda t: (abs(t - t0), t)) for t0 in range(steps)]
+    for g in np.argsort([-costs[heavy[g]].sum() for g in groups], kind="stable").tolist():
+        members = heavy[groups[g]]
+        yield members[np.argsort(-costs[members], kind="stable")], near[int(step_of_group[g])]
+
+
 def _place_groups(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp: int, capacity: int) -> None:
     """Place each heavy group, biggest first, one piece per rank into one (step, micro-batch)
     row: its own step first, then the nearest ones (keeps the per-step mix), rows by least cost,
@@ -174,17 +183,14 @@ def _place_groups(groups, heavy, costs, lens, step_of_group, where, bin_cost, bi
 
     Python floats and lists, not numpy: the rows here hold ``dp`` bins, and numpy's per-call cost
     on arrays that small made this loop ~30% of balancing a window. The additions are the same
-    IEEE operations in the same order, so the plan is bit for bit what the numpy loop made."""
+    IEEE operations in the same order, so the plan is bit for bit what :func:`_place_groups_numpy` makes."""
     steps, n_bins = bin_cost.shape
     micro_batches = n_bins // dp
     fc, ft = bin_cost.ravel().tolist(), bin_tok.ravel().tolist()  # bin (rank r, mb m) of step s is s*n_bins + r*mb + m
     row_cost = [[0.0] * micro_batches for _ in range(steps)]
-    near = [sorted(range(steps), key=lambda t: (abs(t - t0), t)) for t0 in range(steps)]
-    for g in np.argsort([-costs[heavy[g]].sum() for g in groups], kind="stable").tolist():  # big groups first
-        members = heavy[groups[g]]
-        members = members[np.argsort(-costs[members], kind="stable")]
+    for members, candidate_steps in _groups_in_order(groups, heavy, costs, step_of_group, steps):
         m_lens, m_costs, total = lens[members].tolist(), costs[members].tolist(), float(costs[members].sum())
-        for s in near[int(step_of_group[g])]:
+        for s in candidate_steps:
             row = row_cost[s]
             placed = False
             for m in sorted(range(micro_batches), key=row.__getitem__):  # stable, as argsort(kind="stable")
@@ -210,12 +216,9 @@ def _place_groups_numpy(groups, heavy, costs, lens, step_of_group, where, bin_co
     row_cost = np.zeros((steps, micro_batches))
     flat_cost, flat_tok = bin_cost.ravel(), bin_tok.ravel()  # views
     rank_bins = np.arange(dp) * micro_batches
-    near = [sorted(range(steps), key=lambda t: (abs(t - t0), t)) for t0 in range(steps)]
-    for g in np.argsort([-costs[heavy[g]].sum() for g in groups], kind="stable"):  # big groups first
-        members = heavy[groups[g]]
-        members = members[np.argsort(-costs[members], kind="stable")]
+    for members, candidate_steps in _groups_in_order(groups, heavy, costs, step_of_group, steps):
         m_lens, m_costs = lens[members], costs[members]
-        for s in near[int(step_of_group[g])]:
+        for s in candidate_steps:
             placed = False
             for m in np.argsort(row_cost[s], kind="stable"):
                 bins = rank_bins + (s * n_bins + int(m))
