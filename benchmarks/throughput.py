@@ -19,6 +19,13 @@ demo's web text at the start (no download), saved next to the corpus and named i
 demo plan as ``tokenizer: hf:PATH`` for the ``web`` source; the raw loop tokenizes with it too.
 Its figures are under ``"bpe"``.
 
+Baseline, in the same run (``--baseline-workers 2``, 0 to skip): the per-rank loader users would
+otherwise run, at full speed on the same machine: each of the ``dp`` trainer processes runs a
+``torch.utils.data.DataLoader`` with 2 worker processes over the plan's text source (its share of
+the row groups, the same tokenizer, first-fit packing into the same micro-batches; no mixing or
+balancing), and the trainers only take the batches. ``baseline.ratio_to_raw`` is its steady rate
+over the raw loop's rate on the same files; ``vs_baseline`` is the service's rate over its.
+
 Scaling with workers (``--scaling 1 2 4``, the default): the same service run again with each
 number of Dask worker processes, ``--repeats`` times in turn, for each tokenizer measured
 (``"by_workers"``: the median tokens/s per worker count, and every run's). Where cores are to
@@ -47,37 +54,41 @@ from overlord_dask.demo import demo_plan, generate_demo_corpus  # noqa: E402
 from overlord_dask.sources.tokenizers import resolve_tokenizer  # noqa: E402
 
 
-def raw_read_and_tokenize(plan, max_tokens: int) -> tuple[int, float]:
-    """A plain single-process loop: read every source's files in order and tokenize (with the
-    plan's tokenizer); stop after ``max_tokens`` tokens. Returns (tokens, seconds)."""
+def raw_read_and_tokenize(plan, max_tokens: int, sources: list | None = None) -> tuple[int, float]:
+    """A plain single-process loop: read every source's files (or ``sources``') in order and
+    tokenize (with the plan's tokenizer); stop after ``max_tokens`` tokens, shared by weight.
+    Returns (tokens, seconds)."""
+    sources = plan.sources if sources is None else sources
+    weights = plan.weights()
+    w = np.array([weights[s.name] for s in sources])
     tokens, t0 = 0, time.perf_counter()
-    per_source = max_tokens * np.array(list(plan.weights().values()))
-    for src, budget in zip(plan.sources, per_source):
-        got = 0
-        url = os.path.join(plan.base_dir, src.url)
-        if src.format == "zarr":
-            g = zarr.open_group(url, mode="r")
-            offs = g[src.offsets_field][:]
-            step = 1 << 20
-            for a in range(0, int(offs[-1]), step):
-                got += len(g[src.token_array][a : a + step])
-                if got >= budget:
-                    break
-        else:
-            for path in sorted(glob.glob(url)):
-                pf = pq.ParquetFile(path)
-                for rg in range(pf.num_row_groups):
-                    col = pf.read_row_group(rg, columns=[src.text_field or src.tokens_field]).column(0).combine_chunks()
-                    if src.text_field:
-                        got += len(resolve_tokenizer(src.tokenizer, plan.base_dir)(col)[0])
-                    else:
-                        got += len(col.values)
-                    if got >= budget:
-                        break
-                if got >= budget:
-                    break
-        tokens += got
+    for src, budget in zip(sources, max_tokens * w / w.sum()):
+        tokens += _read_source(plan, src, budget)
     return tokens, time.perf_counter() - t0
+
+
+def _read_source(plan, src, budget: float) -> int:
+    """Read (and tokenize) one source's files in order until ``budget`` tokens; returns the tokens."""
+    got = 0
+    url = os.path.join(plan.base_dir, src.url)
+    if src.format == "zarr":
+        g = zarr.open_group(url, mode="r")
+        offs = g[src.offsets_field][:]
+        step = 1 << 20
+        for a in range(0, int(offs[-1]), step):
+            got += len(g[src.token_array][a : a + step])
+            if got >= budget:
+                break
+        return got
+    tokenize = resolve_tokenizer(src.tokenizer, plan.base_dir) if src.text_field else None
+    for path in sorted(glob.glob(url)):
+        pf = pq.ParquetFile(path)
+        for rg in range(pf.num_row_groups):
+            col = pf.read_row_group(rg, columns=[src.text_field or src.tokens_field]).column(0).combine_chunks()
+            got += len(tokenize(col)[0]) if tokenize else len(col.values)
+            if got >= budget:
+                return got
+    return got
 
 
 def bpe_plan(data_dir: str, vocab: int, docs: int) -> tuple[str, float]:
@@ -113,18 +124,51 @@ def by_workers(args, plan_path: str | None, steps: int) -> list[dict]:
              "missing": sum(r["missing"] for r in rs)} for w, rs in runs.items()]
 
 
+def per_rank_baseline(args, plan, steps: int) -> dict:
+    """The per-rank loader users would otherwise run, at full speed on the same machine: each of
+    the ``dp`` trainer processes runs a ``torch.utils.data.DataLoader`` with ``--baseline-workers``
+    worker processes over the plan's text source (``trainer_wait.PackedWeb``: its share of the
+    row groups, the source's tokenizer, first-fit packing into the same micro-batches, int64
+    ``input_ids``/``labels``/``position_ids``), the trainers only taking the batches. Its steady
+    rate (the steps from ``steady_from(steps, 0)`` on) and the raw loop's rate over the same files
+    and tokenizer, measured right after it."""
+    import multiprocessing as mp
+
+    from benchmarks.trainer_wait import _baseline_trainer, _run_procs
+    from overlord_dask.cli import steady_from
+
+    src = next(s for s in plan.sources if s.text_field)
+    files = sorted(glob.glob(os.path.join(plan.base_dir, src.url)))
+    topo = plan.topology
+    res = _run_procs(mp.get_context("spawn"), _baseline_trainer,
+                     lambda r: (files, r, topo.dp, steps, 0.0, topo.micro_batches, topo.tokens_per_micro_batch, args.baseline_workers),
+                     topo.dp, tokenizer=src.tokenizer, base_dir=plan.base_dir)
+    s0 = steady_from(steps, 0)
+    stream_s = max(r["ends"][-1] for r in res) - min(r["ends"][s0 - 1] for r in res)
+    rate = sum(sum(r["tokens"][s0:]) for r in res) / stream_s
+    raw_tokens, raw_s = raw_read_and_tokenize(plan, sum(sum(r["tokens"]) for r in res), [src])
+    return {"source": src.name, "workers_per_rank": args.baseline_workers, "tokens_per_s": round(rate, 1),
+            "raw_tokens_per_s": round(raw_tokens / raw_s, 1), "ratio_to_raw": round(rate / (raw_tokens / raw_s), 3)}
+
+
 def measure(args, plan_path: str | None, steps: int) -> dict:
     from overlord_dask.plan import load_plan
 
     svc = run_demo(steps=steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale, plan_path=plan_path, quiet=True)
-    plan = demo_plan(args.data) if plan_path is None else load_plan(plan_path)
+    plan = demo_plan(args.data, topology={"dp": args.dp}) if plan_path is None else load_plan(plan_path)
     raw_tokens, raw_s = raw_read_and_tokenize(plan, svc["tokens"])
     raw_rate = raw_tokens / raw_s
-    return {"tokens": svc["tokens"], "tokens_per_s": svc["tokens_per_s"], "wait_p50_ms": svc["wait_p50_ms"], "wait_p99_ms": svc["wait_p99_ms"],
-            "time_to_first_batch_s": svc["time_to_first_batch_s"], "raw_tokens_per_s": round(raw_rate, 1),
-            "ratio_to_raw": round(svc["tokens_per_s"] / raw_rate, 3), "imbalance_p50": svc["imbalance_p50"],
-            "imbalance_p99": svc["imbalance_p99"], "duplicates": svc["duplicates"], "missing": svc["missing"], "steps": svc["steps"],
-            "steady_from_step": svc["steady_from_step"], "dp": svc["dp"], **({"by_workers": by_workers(args, plan_path, steps)} if args.scaling else {})}
+    out = {"tokens": svc["tokens"], "tokens_per_s": svc["tokens_per_s"], "wait_p50_ms": svc["wait_p50_ms"], "wait_p99_ms": svc["wait_p99_ms"],
+           "time_to_first_batch_s": svc["time_to_first_batch_s"], "raw_tokens_per_s": round(raw_rate, 1),
+           "ratio_to_raw": round(svc["tokens_per_s"] / raw_rate, 3), "imbalance_p50": svc["imbalance_p50"],
+           "imbalance_p99": svc["imbalance_p99"], "duplicates": svc["duplicates"], "missing": svc["missing"], "steps": svc["steps"],
+           "steady_from_step": svc["steady_from_step"], "dp": svc["dp"]}
+    if args.baseline_workers:
+        base = per_rank_baseline(args, plan, steps)
+        out.update({"baseline": base, "vs_baseline": round(svc["tokens_per_s"] / base["tokens_per_s"], 2)})
+    if args.scaling:
+        out["by_workers"] = by_workers(args, plan_path, steps)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -141,6 +185,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--bpe-docs", type=int, default=5000, help="web documents the BPE is trained on")
     ap.add_argument("--scaling", type=int, nargs="*", default=[1, 2, 4], help="worker counts to run the service with again (none: skip)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per worker count of --scaling")
+    ap.add_argument("--baseline-workers", type=int, default=2, help="DataLoader workers per rank of the per-rank baseline (0: skip it)")
     args = ap.parse_args(argv)
     generate_demo_corpus(args.data, scale=args.scale)
     out = {"benchmark": "throughput", "workers": args.workers, "cores": os.cpu_count()}
@@ -156,6 +201,8 @@ def main(argv=None) -> dict:
         for row in (byte, bpe):
             for r in row.pop("by_workers", []):
                 row[f"tokens/s, {r['workers']} workers"] = r["tokens_per_s"]
+            for k, v in row.pop("baseline", {}).items():
+                row[f"baseline {k}"] = v
         print(f"{'metric':<24}{'byte':>16}{'bpe':>16}")
         for k in dict.fromkeys([*byte, *bpe]):
             print(f"{k:<24}{byte.get(k, '')!s:>16}{bpe.get(k, '')!s:>16}")

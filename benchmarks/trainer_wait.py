@@ -50,12 +50,12 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start) -> 
     it, the rank whose process came up first ran ``prefetch_steps`` ahead of the last one to
     attach and then waited for it (a startup skew of a few hundred ms counted as waiting for
     data, in a job whose ranks never run apart)."""
-    waits, ends, t_start, t_first, k = [], [], time.perf_counter(), None, 0
+    waits, ends, tokens, t_start, t_first, k = [], [], [], time.perf_counter(), None, 0
     it = iter(batches)
     b0 = time.perf_counter()
     start.wait()
     barrier_s = time.perf_counter() - b0  # not the rank's own time to its first batch
-    step_wait = 0.0
+    step_wait, step_tokens = 0.0, 0
     while len(waits) < steps:
         t0 = time.perf_counter()
         mb = next(it)
@@ -63,13 +63,16 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start) -> 
         if t_first is None:
             t_first = time.perf_counter()
         assert mb["input_ids"].dtype.is_floating_point is False
-        time.sleep(compute_s / micro_batches)
+        step_tokens += int(mb["cu_seqlens"][-1])  # the documents' tokens, padding excluded
+        if compute_s:
+            time.sleep(compute_s / micro_batches)
         k += 1
         if k % micro_batches == 0:
             waits.append(step_wait)
             ends.append(time.perf_counter())
-            step_wait = 0.0
-    return {"waits": waits, "ends": ends, "t_start": t_start, "t_first": t_first, "barrier_s": barrier_s}
+            tokens.append(step_tokens)
+            step_wait, step_tokens = 0.0, 0
+    return {"waits": waits, "ends": ends, "tokens": tokens, "t_start": t_start, "t_first": t_first, "barrier_s": barrier_s}
 
 
 def _overlord_trainer(address: str, rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, start, out) -> None:
@@ -85,28 +88,31 @@ def _overlord_trainer(address: str, rank: int, dp: int, steps: int, compute_s: f
 
 
 class PackedWeb(torch.utils.data.IterableDataset):
-    """Per-rank baseline dataset: byte-tokenized web documents packed first-fit into
-    micro-batches; each DataLoader worker reads its own share of the rank's row groups."""
+    """Per-rank baseline dataset: web documents tokenized (the byte tokenizer, or a plan's
+    ``tokenizer`` spec resolved against ``base_dir``) and packed first-fit into micro-batches;
+    each DataLoader worker reads its own share of the rank's row groups."""
 
-    def __init__(self, files: list[str], capacity: int, rank: int, world: int):
+    def __init__(self, files: list[str], capacity: int, rank: int, world: int, tokenizer: str = "byte", base_dir: str | None = None):
         super().__init__()
         self.files, self.capacity, self.rank, self.world = files, capacity, rank, world
+        self.tokenizer, self.base_dir = tokenizer, base_dir
 
     def __iter__(self):
         import pyarrow.parquet as pq
 
-        from overlord_dask.sources.tokenizers import byte_tokenize
+        from overlord_dask.sources.tokenizers import resolve_tokenizer
 
+        tokenize = resolve_tokenizer(self.tokenizer, self.base_dir)
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         groups = [(f, g) for f in self.files for g in range(pq.ParquetFile(f).num_row_groups)]
         mine = groups[self.rank * nw + wid :: self.world * nw]
         cap = self.capacity
+        ids, pos, cu = np.zeros(cap, np.int64), 0, [0]  # a micro-batch goes on across row groups: no tokens read for nothing
         while True:
             for f, g in mine:
                 col = pq.ParquetFile(f).read_row_group(g, columns=["text"]).column(0).combine_chunks()
-                tokens, offsets = byte_tokenize(col)
-                ids, pos, cu = np.zeros(cap, np.int64), 0, [0]
+                tokens, offsets = tokenize(col)
                 for a, b in zip(offsets[:-1], offsets[1:]):
                     L = min(int(b - a), cap)
                     if pos + L > cap:
@@ -118,9 +124,9 @@ class PackedWeb(torch.utils.data.IterableDataset):
 
 
 def _baseline_trainer(files: list[str], rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, capacity: int,
-                      workers: int, start, out) -> None:
+                      workers: int, start, out, tokenizer: str = "byte", base_dir: str | None = None) -> None:
     t0 = time.perf_counter()
-    loader = torch.utils.data.DataLoader(PackedWeb(files, capacity, rank, dp), batch_size=None, num_workers=workers,
+    loader = torch.utils.data.DataLoader(PackedWeb(files, capacity, rank, dp, tokenizer, base_dir), batch_size=None, num_workers=workers,
                                          prefetch_factor=2 if workers else None, persistent_workers=False)
     res = _train(loader, micro_batches, steps, compute_s, start)
     res["t_start"] = t0
@@ -139,9 +145,9 @@ def _summarise(results: list[dict], warmup: int) -> dict:
     }
 
 
-def _run_procs(ctx, target, args_for_rank, dp: int) -> list[dict]:
+def _run_procs(ctx, target, args_for_rank, dp: int, **kwargs) -> list[dict]:
     q, start = ctx.Queue(), ctx.Barrier(dp)
-    ps = [ctx.Process(target=target, args=(*args_for_rank(r), start, q)) for r in range(dp)]  # not daemonic: DataLoader workers are children
+    ps = [ctx.Process(target=target, args=(*args_for_rank(r), start, q), kwargs=kwargs) for r in range(dp)]  # not daemonic: DataLoader workers are children
     for p in ps:
         p.start()
     out = dict(q.get(timeout=900) for _ in range(dp))
