@@ -114,23 +114,27 @@ def test_chunks_default_to_a_million_tokens_within_half_the_prefetch_bound():
     assert chunk_steps(Loading(prefetch_steps=4, batch_steps=9), small) == 4  # within the bound
 
 
-def test_chunks_are_split_over_workers_only_into_tasks_worth_their_cost():
+def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
+    """Each group of ranks draws on nearly every block, so a chunk split over workers copies its
+    blocks to each of them: a chunk is one task unless that task would exceed ``TASK_TOKENS``."""
     from overlord_dask.plan.models import Topology
-    from overlord_dask.planner.chunks import MIN_TASK_TOKENS, TASK_TOKENS, chunk_tasks
+    from overlord_dask.planner.chunks import TASK_TOKENS, chunk_tasks
 
     dp, steps, ledger = 8, [], {}
     for s in range(8):
         ledger[s] = {"pieces": np.array([[0, 0, r, 0, 0, 10] for r in range(dp)], np.int64), "slot": np.array([[r, 0] for r in range(dp)], np.int64)}
         steps.append({"step": s, "piece_tokens": 10})
-    tiny = Topology(dp=dp, micro_batches=1, tokens_per_micro_batch=1024)  # a chunk of 64k tokens
-    assert 8 * tiny.step_tokens < MIN_TASK_TOKENS
-    assert len(chunk_tasks(steps, ledger, tiny, workers=4, run_id="r")) == 1  # one task: nothing to gain from four
-    mid = Topology(dp=dp, micro_batches=1, tokens_per_micro_batch=16384)  # 1M tokens: two tasks of 512k
-    assert len(chunk_tasks(steps, ledger, mid, workers=4, run_id="r")) == 2
-    big = Topology(dp=dp, micro_batches=2, tokens_per_micro_batch=65536)  # 8M tokens
-    tasks = chunk_tasks(steps, ledger, big, workers=4, run_id="r")
-    assert len(tasks) == 4 and [t["ranks"] for t in tasks] == [[0, 2], [2, 4], [4, 6], [6, 8]]  # one per worker
-    assert len(chunk_tasks(steps, ledger, big, workers=1, run_id="r")) == 8 * big.step_tokens // TASK_TOKENS  # capped per task
+    for tpmb in (1024, 16384, 65536):  # chunks of 64k, 1M and 4M tokens: one task each
+        topo = Topology(dp=dp, micro_batches=1, tokens_per_micro_batch=tpmb)
+        assert 8 * topo.step_tokens <= TASK_TOKENS
+        (task,) = chunk_tasks(steps, ledger, topo, run_id="r")
+        assert task["ranks"] == [0, dp] and [len(P.from_bytes(p["slot"], 2, "<i4")) for p in task["steps"]] == [dp] * 8
+    big = Topology(dp=dp, micro_batches=2, tokens_per_micro_batch=65536)  # 8M tokens: two tasks of 4M
+    assert [t["ranks"] for t in chunk_tasks(steps, ledger, big, run_id="r")] == [[0, 4], [4, 8]]
+    huge = Topology(dp=dp, micro_batches=8, tokens_per_micro_batch=65536)  # 32M tokens: one task per rank
+    tasks = chunk_tasks(steps, ledger, huge, run_id="r")
+    assert [t["ranks"] for t in tasks] == [[r, r + 1] for r in range(dp)]
+    assert all((t["ranks"][1] - t["ranks"][0]) * 8 * huge.micro_batches * huge.tokens_per_micro_batch <= TASK_TOKENS for t in tasks)
 
 
 def test_a_text_source_short_of_metadata_asks_for_a_batch_of_units_that_one_task_reads():

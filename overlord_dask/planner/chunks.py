@@ -1,13 +1,17 @@
 """Chunks: how consecutive handed-out steps become constructor tasks.
 
-One constructor task builds a chunk of steps for a group of ranks: as many groups as workers,
-so construction runs in parallel, and never more than ``TASK_TOKENS`` tokens per task, but no
-group under ``MIN_TASK_TOKENS``: a worker loads and builds ~50M tokens/s (2 cores), so a
-smaller task gains nothing from parallelism and pays a task's fixed cost, and peer copies of
-its blocks, again. One queue item per rank then names the whole chunk, so queue items,
-constructor tasks and acks are per chunk, not per (step, rank). A task carries only its ranks'
-pieces, as int32 bytes (every field fits: half the bytes of the ledger's int64), and the units
-whose blocks it needs.
+One constructor task builds a chunk of steps for a group of ranks, and a chunk is split into
+groups only to keep each task within ``TASK_TOKENS`` tokens (~8 MB of uint16 ids). Splitting a
+chunk over workers does not buy parallel construction: the chunks in flight (``prefetch_steps``
+holds four) already build side by side, and a worker builds ~50M tokens/s. It costs instead:
+every group draws pieces from nearly every block, so each group's worker fetches a peer copy of
+each block, and a chunk split over ``G`` workers copies its blocks up to ``G`` times. Measured
+with the demo plan (2 cores, 2.1M-token chunks, alternating runs): one task per chunk instead of
+one per worker went 170-178 → 179-190 steps/s with 2 workers, and 144-146 → 169-174 with 4, where
+four workers had been slower than two. One queue item per rank then names the whole chunk, so
+queue items, constructor tasks and acks are per chunk, not per (step, rank). A task carries only
+its ranks' pieces, as int32 bytes (every field fits: half the bytes of the ledger's int64), and
+the units whose blocks it needs.
 
 How many steps a chunk holds (:func:`chunk_steps`, unless the plan sets ``loading.batch_steps``):
 a quarter of the prefetch bound, raised until a chunk holds ``CHUNK_TOKENS`` tokens, but never
@@ -29,7 +33,6 @@ from . import pieces as P
 
 TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
 CHUNK_TOKENS = 1 << 20  # a default chunk holds at least this many tokens (within half the prefetch bound)
-MIN_TASK_TOKENS = 1 << 19  # a chunk is split over workers only into tasks of at least this many tokens
 
 
 def chunk_steps(loading, topology: Topology) -> int:
@@ -43,12 +46,13 @@ def chunk_steps(loading, topology: Topology) -> int:
     return max(1, min(max(prefetch // 4, enough), prefetch // 2))
 
 
-def chunk_tasks(steps: list[dict], ledger, topology: Topology, workers: int, run_id: str) -> list[dict]:
+def chunk_tasks(steps: list[dict], ledger, topology: Topology, run_id: str) -> list[dict]:
     """Constructor tasks for consecutive ``steps`` (``PlannerState.plan_steps`` output, their
-    pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "micro_batches", "units"}``."""
+    pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "micro_batches", "units"}``;
+    as few groups of ranks as keep each within ``TASK_TOKENS``."""
     dp, mb = topology.dp, topology.micro_batches
     tokens = len(steps) * topology.step_tokens
-    groups = max(math.ceil(tokens / TASK_TOKENS), min(dp, max(1, workers), max(1, tokens // MIN_TASK_TOKENS)))
+    groups = max(1, math.ceil(tokens / TASK_TOKENS))
     per = math.ceil(dp / min(groups, dp))
     planned = [(sp, ledger[sp["step"]]) for sp in steps]
     tasks = []

@@ -197,7 +197,7 @@ class PlannerPlugin(InspectionRoutes, SchedulerPlugin):
                 if stage != self._stage:
                     logs.event("stage", self.run_id, sp["step"], stage=stage, previous=self._stage)
                     self._stage = stage
-            out["tasks"] += chunk_tasks(steps, st.ledger, st.final_plan.topology, len(self.scheduler.workers), self.run_id)
+            out["tasks"] += chunk_tasks(steps, st.ledger, st.final_plan.topology, self.run_id)
         if out["tasks"]:
             # these chunks go to the workers first; the next window is balanced in the next round
             # (balancing one took ~90 ms of a 2-core machine's wall time, on the trainers' path)
