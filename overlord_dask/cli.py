@@ -24,6 +24,9 @@ import numpy as np
 from .errors import OverlordError, ServiceError
 
 
+_IDENTITY_FIELDS = ("source_ids", "epochs", "sample_ids", "piece_starts", "cu_seqlens")  # report.delivered_record's inputs
+
+
 def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> None:
     """One trainer rank of the demo: consume ``steps`` steps as a training loop would."""
     from .dataset import OverlordDataset
@@ -43,7 +46,7 @@ def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> Non
             t_first = time.time()
         # a real trainer would run forward/backward here; we only touch the tensors
         tokens += int(mb["num_tokens"])
-        current.append({k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in mb.items()})
+        current.append({k: mb[k].numpy() for k in _IDENTITY_FIELDS})  # what exactly-once accounting reads
         if mb["last_in_step"]:
             rec = delivered_record({"micro_batches": current})
             rec["step"] = np.full(len(rec["source"]), mb["step"])
