@@ -111,7 +111,9 @@ class PackedWeb(torch.utils.data.IterableDataset):
         ids, pos, cu = np.zeros(cap, np.int64), 0, [0]  # a micro-batch goes on across row groups: no tokens read for nothing
         while True:
             for f, g in mine:
-                col = pq.ParquetFile(f).read_row_group(g, columns=["text"]).column(0).combine_chunks()
+                # one thread per DataLoader worker, as torch sets its own: no Arrow thread pool
+                # left running in a worker that the DataLoader shuts down mid-read
+                col = pq.ParquetFile(f).read_row_group(g, columns=["text"], use_threads=False).column(0).combine_chunks()
                 tokens, offsets = tokenize(col)
                 for a, b in zip(offsets[:-1], offsets[1:]):
                     L = min(int(b - a), cap)

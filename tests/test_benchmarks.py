@@ -126,7 +126,7 @@ def test_throughput_benchmark_with_a_trained_bpe(capsys, corpus):
     import throughput
 
     out = throughput.main(["--steps", "6", "--bpe-steps", "6", "--dp", "2", "--tokenizer", "both", "--bpe-vocab", "400", "--bpe-docs", "200", "--data", str(corpus),
-                           "--scaling", "1", "--repeats", "1", "--baseline-workers", "1", "--json"])
+                           "--scaling", "1", "--repeats", "1", "--baseline-workers", "1", "--raw-repeats", "2", "--json"])
     for res in (out, out["bpe"]):
         assert res["tokens"] > 0 and res["ratio_to_raw"] > 0 and res["duplicates"] == 0 and res["missing"] == 0
         assert [r["workers"] for r in res["by_workers"]] == [1] and res["by_workers"][0]["missing"] == 0
