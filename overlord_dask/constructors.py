@@ -40,7 +40,7 @@ from .planner import pieces as P
 from .protocol import block_key
 from .sources.blocks import SampleBlock
 from .vocab import PAD_ID
-from .wire import DTYPES, IGNORE_INDEX, encode_batch, narrow, nbytes, pack_batch
+from .wire import DTYPES, IGNORE_INDEX, encode_batch, narrow, nbytes, pack_batch, piece_table
 
 
 class _Gathered:
@@ -122,9 +122,7 @@ def wire_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
     context parallelism (tested equal)."""
     g = _gather(pieces, blocks, capacity, piece_tokens, multimodal)
     n = int(g.cu[-1])
-    out = {"capacity": capacity, "tokens": narrow(g.tokens),
-           "last_labels": narrow(g.nexts) if len(g.nexts) else np.zeros(0, np.int8),
-           "cu_seqlens": narrow(g.cu), **{k: narrow(v) for k, v in g.meta.items()}, "num_tokens": n}
+    out = {"capacity": capacity, "tokens": narrow(g.tokens), "pieces": piece_table(np.diff(g.cu), g.nexts, g.meta), "num_tokens": n}
     if g.images is not None:
         out.update({k: narrow(v) if k in DTYPES else v for k, v in g.images.items()})
     return out
