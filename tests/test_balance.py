@@ -208,3 +208,60 @@ def test_python_and_numpy_paths_plan_alike(monkeypatch, dp):
         steps = drive(st_, gens, 32, seed=3)
         plans.append([(st_.ledger[s]["pieces"].tobytes(), st_.ledger[s]["slot"].tobytes()) for s in steps])
     assert plans[0] == plans[1]
+
+
+def test_a_window_selects_ahead_for_the_room_deferral_leaves(monkeypatch):
+    """The cost policy selects, beyond a window's budget, what the last window's balancing
+    deferred: most windows are then balanced once instead of being topped up and balanced again
+    (the planner's largest cost), with the same fill, balance and mix."""
+    from overlord_dask.planner import policies
+
+    gens = [lambda r, n: np.clip((r.pareto(0.9, n) + 1) * 700, 16, 16_384).astype(np.int64),
+            lambda r, n: np.clip(r.lognormal(6.0, 1.0, n), 16, 16_384).astype(np.int64)]
+    topo = {"dp": 4, "micro_batches": 2, "tokens_per_micro_batch": 16_384}
+    passes = {"n": 0}
+    real = policies.balance_window
+
+    def counted(*a, **k):
+        passes["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(policies, "balance_window", counted)
+    out = {}
+    for ahead in (True, False):
+        monkeypatch.setattr(policies.CostBalanced, "MIX_DRIFT", 0.01 if ahead else -1.0)  # -1: never selects ahead
+        passes["n"] = 0
+        st_ = make_state([0.6, 0.4], topo, {"policy": "cost", "window": 8}, seed=5)
+        steps = drive(st_, gens, 160, seed=5)
+        m = [st_.metrics[s] for s in steps]
+        tok = np.sum([x["source_tokens"] for x in m], axis=0)
+        out[ahead] = {"passes": passes["n"] / (len(steps) / 8), "fill": np.mean([x["fill"] for x in m]),
+                      "imbalance": np.median([x["imbalance"] for x in m]), "mb_imbalance": np.median([x["mb_imbalance"] for x in m]),
+                      "mix": np.abs(tok / tok.sum() - [0.6, 0.4]).max(), "extra": st_.policy.extra}
+        assert _tiles_every_selected_piece(st_, steps)
+    assert out[True]["extra"] > 0 and out[False]["extra"] > 0  # deferral left room in both
+    assert out[True]["passes"] < 1.4 < 1.6 < out[False]["passes"], out
+    assert out[True]["fill"] >= out[False]["fill"] - 0.002, out
+    assert out[True]["imbalance"] <= out[False]["imbalance"] + 0.005 and out[True]["mb_imbalance"] <= out[False]["mb_imbalance"] + 0.01, out
+    assert out[True]["mix"] < 0.01, out
+
+
+def test_pieces_are_selected_ahead_only_where_the_mix_goes_on():
+    """``PlanTimeline.mix_continues``: not across a jump of the schedule (a stage, a source
+    entering), through a slow ramp, and never by looking at an update applied later."""
+    from overlord_dask.plan.timeline import PlanTimeline
+
+    def plan(weights_b, stages=()):
+        return plan_from_dict({"sources": [{"name": "a", "format": "zarr", "url": "a.zarr", "weight": 1.0},
+                                           {"name": "b", "format": "zarr", "url": "b.zarr", "weight": weights_b}],
+                               "topology": {"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 4096}, "stages": list(stages)})
+
+    ramp = PlanTimeline(plan({"ramp": [[0, 0.5], [1000, 1.0]]}))  # ~0.03% of the weight moves per step
+    assert ramp.mix_continues(7, 0.01) and ramp.mix_continues(500, 0.01)
+    stepped = PlanTimeline(plan({"stages": [[0, 1.0], [16, 0.0]]}))  # b paused from step 16
+    assert stepped.mix_continues(14, 0.01) and not stepped.mix_continues(15, 0.01)
+    staged = PlanTimeline(plan(1.0, stages=[{"name": "s0", "start_step": 0}, {"name": "long", "start_step": 8, "long_tokens": 2000,
+                                                                                 "long_share": 0.5}]))
+    assert not staged.mix_continues(7, 0.01) and staged.mix_continues(8, 0.01)
+    live = PlanTimeline(plan(1.0), [(16, plan(0.2))])  # an update from step 16: unknown to whoever plans step 15
+    assert live.mix_continues(15, 0.01) and live.weights_at(16)[1] != live.weights_at(15)[1]
