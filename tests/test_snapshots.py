@@ -129,7 +129,7 @@ def test_a_version_2_snapshot_still_resumes_exactly(policy):
     first = PlannerState(_plan(policy=policy), FIRST_IDS)
     _run(first, 9)
     state = first.get_state()
-    assert state["version"] == 4
+    assert state["version"] == 3
     window = state["window"]
     assert ("carry" in window) == (policy == "none") and ("selected" in window) == (policy == "cost")  # the running policy's only
     n = len(window["cursors"])

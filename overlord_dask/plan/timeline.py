@@ -118,10 +118,7 @@ class PlanTimeline:
     def weights_at(self, step: int) -> np.ndarray:
         """Normalised weights at ``step`` over every source of the run (0 for sources the version
         in force does not name)."""
-        return self._weights(self.plan_at(step), step)
-
-    def _weights(self, plan: Plan, step: int) -> np.ndarray:
-        w = plan.weights_at(step)
+        w = self.plan_at(step).weights_at(step)
         return np.array([w.get(name, 0.0) for name in self.source_names], dtype=np.float64)
 
     def context_at(self, step: int) -> Context:
@@ -142,13 +139,10 @@ class PlanTimeline:
 
     def class_weights_at(self, step: int) -> np.ndarray | None:
         """``[source, (short, long)]`` shares of step ``step`` in a stage with a long share, else None."""
-        return self._class_weights(self.plan_at(step), step)
-
-    def _class_weights(self, plan: Plan, step: int) -> np.ndarray | None:
-        ctx = plan.context_at(step)
+        ctx = self.context_at(step)
         if ctx.long_share is None:
             return None
-        w = self._weights(plan, step)
+        w = self.weights_at(step)
         if ctx.long_sources:
             lw = np.array([ctx.long_sources.get(n, 0.0) for n in self.source_names])
             lw = lw * (w > 0) if (lw * (w > 0)).sum() > 0 else lw
@@ -156,20 +150,6 @@ class PlanTimeline:
         else:
             lw = w
         return np.stack([w * (1 - ctx.long_share), lw * ctx.long_share], axis=1)
-
-    def mix_continues(self, step: int, drift: float) -> bool:
-        """Whether step ``step + 1`` keeps the regime of step ``step`` in the version in force at
-        ``step``: no jump of its schedule there, and weights (and long-share class weights) that
-        move by at most ``drift``, summed over sources. Updates applied after ``step`` are not
-        looked at: what is planned up to ``step`` must not depend on an update made later (a
-        replay given the update ahead of time plans the same steps)."""
-        plan = self.plan_at(step)
-        if step + 1 in plan.jumps():
-            return False
-        if np.abs(self._weights(plan, step + 1) - self._weights(plan, step)).sum() > drift:
-            return False
-        a, b = self._class_weights(plan, step), self._class_weights(plan, step + 1)
-        return (a is None) == (b is None) and (a is None or float(np.abs(a - b).sum()) <= drift)
 
     def mix_at(self, step: int) -> np.ndarray:
         """Each source's share of step ``step``'s tokens: its weight, or in a stage with a long

@@ -47,7 +47,6 @@ class Window:
     weights_at: Callable[[int], np.ndarray]  # each source's share of a step's tokens
     class_weights_at: Callable[[int], np.ndarray | None]  # [source, (short, long)] shares, or None
     costs: Callable[[np.ndarray], np.ndarray]  # cost of planned piece rows
-    mix_continues: Callable[[int, float], bool] = lambda step, drift: False  # PlanTimeline.mix_continues
 
 
 def _floats(a: np.ndarray) -> list[float]:
@@ -125,23 +124,13 @@ class ExactStep(Policy):
 class CostBalanced(Policy):
     """Policy ``cost``: a window selected by weighted fair queuing, balanced over ranks by cost.
 
-    Pieces deferred by the balancer (heavy outliers without partners) leave room in the window.
-    So a window selects, beyond its budget, what the last window's balancing deferred (``extra``:
-    the room its first pass left, had it selected nothing extra), with its last step's weights,
-    where the next window goes on with them (``PlanTimeline.mix_continues``: not across a jump of
-    the schedule, nor by looking at a later update); what the window has no room for waits in
-    ``pending`` and opens the next window. Where that was not enough, the window is topped up with
-    more selected pieces and balanced again, up to ``TOPUP_ROUNDS`` passes in all, so deferral
-    does not cost fill. Balancing is most of the planner's work: the demo's 1,000 steps took 247
-    passes for 126 windows without the estimate and 140 with it (planner CPU 1.7 -> 1.15 ms per
-    step). Balance and fill hold (``benchmarks/balance.py``, five seeds of each distribution:
-    medians equal, fill up 0.1-0.2 points, p99 imbalance within 0.002 per step and 0.01 per
-    micro-batch, inside the seeds' spread; tested)."""
+    Pieces deferred by the balancer (heavy outliers without partners) leave room in the window;
+    it is topped up with more selected pieces and balanced again, up to ``TOPUP_ROUNDS`` times,
+    so deferral does not cost fill."""
 
     name = "cost"
     plans_ahead = True
     TOPUP_ROUNDS = 3
-    MIX_DRIFT = 0.01  # the most weight (summed over sources) that may move into the next window with carried pieces
 
     def window_steps(self, balance: Balance) -> int:
         return balance.window
@@ -150,7 +139,6 @@ class CostBalanced(Policy):
         super().__init__(n_sources)
         self.selected, self.declared = np.zeros(n_sources, np.int64), np.zeros(n_sources)  # tokens selected / asked for per source
         self.cls_selected, self.cls_declared = np.zeros((n_sources, 2), np.int64), np.zeros((n_sources, 2))  # per (source, short/long)
-        self.extra = 0  # tokens a window selects beyond its budget: what the last one's balancing deferred
 
     def grow(self, n: int) -> None:
         self.selected, self.declared, self.cls_selected, self.cls_declared = (
@@ -169,12 +157,7 @@ class CostBalanced(Policy):
             take = min(carried, budgets[k])
             budgets[k] -= take
             carried -= take
-        # only where the next window opens with (nearly) this one's last weights may pieces
-        # selected beyond the budget, with those weights, open it: not across a jump of the schedule
-        extra = self.extra if w.mix_continues(w.start + w.steps - 1, self.MIX_DRIFT) else 0
-        budgets[-1] += extra  # the room deferral will leave, selected with the last step's weights
-        need = target + extra - P.tokens(rows)
-        first_room = None
+        need = target - P.tokens(rows)
         try:
             for rnd in range(self.TOPUP_ROUNDS):
                 if need > 0:  # a top-up selects with the weights of the window's last step
@@ -186,8 +169,6 @@ class CostBalanced(Policy):
                     sync=bal.sync, max_delay=bal.max_delay,
                 )
                 need = target - (P.tokens(rows) - P.tokens(wp.pending))  # room left by deferred pieces
-                if first_room is None:
-                    first_room = need + extra
                 if need <= slack:
                     break
         except Starved:
@@ -196,7 +177,6 @@ class CostBalanced(Policy):
             self.selected, self.declared, self.cls_selected, self.cls_declared = saved[1:]
             raise
         self.pending = wp.pending
-        self.extra = max(0, int(first_room))
         return list(zip(wp.steps, wp.bin_costs))
 
     def _select_steps(self, w: Window, budgets: np.ndarray) -> np.ndarray:
@@ -233,7 +213,7 @@ class CostBalanced(Policy):
 
     def get_state(self) -> dict:
         return {"pending": P.to_bytes(self.pending), "selected": [int(x) for x in self.selected], "declared": _floats(self.declared),
-                "cls_selected": P.to_bytes(self.cls_selected), "cls_declared": _floats(self.cls_declared), "extra": self.extra}
+                "cls_selected": P.to_bytes(self.cls_selected), "cls_declared": _floats(self.cls_declared)}
 
     def set_state(self, state: dict, n_sources: int) -> None:
         self.pending = P.from_bytes(state["pending"], P.WIDTH + 1)
@@ -241,7 +221,6 @@ class CostBalanced(Policy):
         self.declared = _grown(np.asarray(state["declared"], np.float64), n_sources)
         self.cls_selected = _grown(P.from_bytes(state["cls_selected"], 2), n_sources)
         self.cls_declared = _grown(np.asarray(state["cls_declared"], np.float64).reshape(-1, 2), n_sources)
-        self.extra = int(state.get("extra", 0))  # snapshots before version 4 planned without it
 
 
 POLICIES: dict[str, type[Policy]] = {"none": ExactStep, "cost": CostBalanced}

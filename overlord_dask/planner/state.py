@@ -36,10 +36,7 @@ from .progress import Progress
 from .streamset import StreamSet
 from .windows import WindowStarts
 
-# 2: every policy's counters in every snapshot; 4: the cost policy's ``extra``. Versions 2 and 3
-# are still read: their window replays with ``extra`` 0, which is how the planner that wrote them
-# planned every window, so the steps already delivered are planned again exactly as they were
-STATE_VERSION = 4
+STATE_VERSION = 3  # 2: every policy's counters in every snapshot (still read)
 
 
 def decode_updates(state: dict | None) -> list[tuple[int, Plan]]:
@@ -226,8 +223,7 @@ class PlannerState:
         self.policy.pending = P.recut(self.policy.pending, ctx.piece_tokens)  # waiting pieces take this stage's piece size
         window = Window(start=start, steps=self.timeline.window_len(start, self._window_steps()), streams=self.streams.streams, topology=self.topology,
                         balance=self.balance, step_budget=self.step_budget, heavy_tokens=self.heavy_tokens,
-                        weights_at=self.weights_at, class_weights_at=self.timeline.class_weights_at, costs=self.costs,
-                        mix_continues=self.timeline.mix_continues)
+                        weights_at=self.weights_at, class_weights_at=self.timeline.class_weights_at, costs=self.costs)
         try:
             planned = self.policy.plan(window)
         except Starved as e:
@@ -298,7 +294,7 @@ class PlannerState:
         }
 
     def _restore(self, state: dict) -> None:
-        if state.get("version") not in (2, 3, STATE_VERSION):
+        if state.get("version") not in (2, STATE_VERSION):
             raise ValueError(f"snapshot version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
         if list(state["sources"]) != self.source_names:
             raise ValueError(f"snapshot sources {list(state['sources'])} differ from the plan's {self.source_names}; "
