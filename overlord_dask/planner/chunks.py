@@ -2,8 +2,9 @@
 
 One constructor task builds a chunk of steps for a group of ranks, and a chunk is split into
 groups only to keep each task within ``TASK_TOKENS`` tokens (~8 MB of uint16 ids). Splitting a
-chunk over workers does not buy parallel construction: the chunks in flight (``prefetch_steps``
-holds four) already build side by side, and a worker builds ~50M tokens/s. It costs instead:
+chunk over workers does not buy parallel construction: the chunks in flight (at least two, as a
+chunk holds at most half of ``prefetch_steps``; four in the demo) already build side by side, and a
+worker builds ~50M tokens/s. It costs instead:
 every group draws pieces from nearly every block, so each group's worker fetches a peer copy of
 each block, and a chunk split over ``G`` workers copies its blocks up to ``G`` times. Measured
 with the demo plan (2 cores, 2.1M-token chunks, alternating runs): one task per chunk instead of
