@@ -55,10 +55,11 @@ DTYPES = {
 }
 PIECE_FIELDS = ("sample_ids", "source_ids", "chunk_ids", "piece_starts", "epochs")
 """Per-piece identity arrays. On the wire they are columns of one table (``"pieces"``), with each
-piece's length (``cu_seqlens`` follows) and last label: one narrowing reduction and one pickled
-array per micro-batch instead of seven. Each narrowing of a small array (two reductions) cost
-~4.5 µs and each array ~2.5 µs to pickle and ~2 µs to unpickle, ~0.4 ms per demo step over 8
-micro-batches, more than the tokens' own."""
+piece's length (``cu_seqlens`` follows) and last label: one narrowing and one pickled array per
+micro-batch instead of seven (narrowing even a tiny array costs ~4.5 µs: two reductions).
+Measured for a rank's step of 2 × 16k tokens in 39 pieces each: building and packing 306 → 264
+µs on the worker; unpickling and decoding on the trainer unchanged (the columns are copied out
+contiguous there)."""
 _NARROW = tuple((np.dtype(dt), int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for dt in (np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64))
 
 
