@@ -78,6 +78,65 @@ def test_constructors_build_the_wire_form_directly(seed):
         same_fields(encode(pack_micro_batch(mb, blocks, 4096, 64)), wire_micro_batch(mb, blocks, 4096, 64))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_chunk_built_at_once_decodes_to_the_packed_micro_batches(seed):
+    """``build_chunk`` builds a text-only chunk for all its micro-batches at once (one numpy call
+    per block, tokens narrowed per chunk): each (step, rank) batch decodes, in both dtype sets,
+    to exactly what :func:`pack_micro_batch` makes for its pieces. Blocks of both token dtypes,
+    split pieces, pieces ending at a document's (and a block's) end, empty micro-batches, and
+    a rank group that does not start at rank 0."""
+    import pickle
+
+    from overlord_dask.constructors import build_chunk, pack_micro_batch
+    from overlord_dask.planner import pieces as P
+
+    rng = np.random.default_rng(seed)
+    blocks = {block_key(0, 0, 0): _block(rng), block_key(2, 1, 5): _block(rng, vocab=70_000), block_key(0, 1, 0): _block(rng, n_docs=3)}
+    keys = [(0, 0, 0), (2, 1, 5), (0, 1, 0)]
+    dp, mb, lo, hi, capacity = 4, 2, 1, 3, 2048
+    steps, expected = [], {}
+    for step in (7, 8, 9):
+        rows, slots = [], []
+        for rank in range(dp):
+            for m in range(mb):
+                if (step, rank, m) == (8, 2, 1):
+                    continue  # an empty micro-batch
+                used = 0
+                for _ in range(int(rng.integers(1, 8))):
+                    key = keys[int(rng.integers(0, 3))]
+                    lens = np.diff(blocks[block_key(*key)].offsets)
+                    d = int(rng.integers(0, len(lens)))
+                    a = int(rng.integers(0, lens[d])) if rng.random() < 0.5 else 0
+                    b = int(lens[d]) if rng.random() < 0.5 else min(int(lens[d]), a + int(rng.integers(1, 100)))
+                    if b == lens[d] and b - 1 > a and rng.random() < 0.3:
+                        b -= 1  # one token short of its document's end: the last label is that token
+                    if used + b - a > capacity:
+                        break
+                    used += b - a
+                    rows.append([*key, d, a, b])
+                    slots.append([rank, m])
+        rows, slots = np.array(rows), np.array(slots)
+        order = rng.permutation(len(rows))  # the ledger need not list a step's pieces by rank
+        rows, slots = rows[order], slots[order]
+        steps.append({"step": step, "pieces": P.to_bytes(rows, "<i4"), "slot": P.to_bytes(slots, "<i4"), "piece_tokens": 64})
+        for rank in range(lo, hi):
+            expected[step, rank] = [pack_micro_batch(rows[(slots[:, 0] == rank) & (slots[:, 1] == m)].tolist(), blocks, capacity, 64)
+                                    for m in range(mb)]
+    chunk = build_chunk(steps, lo, hi, mb, blocks, capacity)
+    assert sorted(chunk.batches) == [7, 8, 9] and all(sorted(b) == [lo, hi - 1] for b in chunk.batches.values())
+    for (step, rank), packed in expected.items():
+        batch = pickle.loads(chunk.packed(step, rank))
+        assert (batch["step"], batch["rank"], len(batch["micro_batches"])) == (step, rank, mb)
+        for dtypes in (None, TORCH_DTYPES):
+            got = decode_batch(batch, *(() if dtypes is None else (dtypes,)))["micro_batches"]
+            for want, have in zip(packed, got):
+                want = {k: v.astype(dtypes[k]) if dtypes and k in dtypes and isinstance(v, np.ndarray) else v for k, v in want.items()}
+                same_fields(want, have)
+                assert all(have[k].dtype == want[k].dtype for k in want if isinstance(want[k], np.ndarray))
+    with pytest.raises(ValueError, match="over capacity"):
+        build_chunk(steps, lo, hi, mb, blocks, capacity=64)
+
+
 def test_wire_form_keeps_context_parallel_slices_whole():
     from overlord_dask.constructors import select_cp
 
