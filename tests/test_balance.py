@@ -208,3 +208,25 @@ def test_python_and_numpy_paths_plan_alike(monkeypatch, dp):
         steps = drive(st_, gens, 32, seed=3)
         plans.append([(st_.ledger[s]["pieces"].tobytes(), st_.ledger[s]["slot"].tobytes()) for s in steps])
     assert plans[0] == plans[1]
+
+
+@pytest.mark.parametrize("dp,micro_batches", [(4, 2), (8, 1), (16, 3)])
+def test_a_windows_light_quotas_at_once_are_each_steps_bit_for_bit(dp, micro_batches):
+    """``_row_quotas`` levels every step of a window in one call: each step's quota is exactly
+    (bit for bit) what leveling that step alone gives, steps without light pieces left out."""
+    from overlord_dask.planner.balance import _row_quotas, _step_quota
+
+    rng = np.random.default_rng(dp)
+    steps, capacity, n = 6, 4096, 400
+    lens = rng.integers(1, 600, n)
+    costs = lens.astype(np.float64) ** 2 + 6 * 64 * lens
+    bin_tok = rng.integers(0, capacity // 2, (steps, dp * micro_batches))
+    bin_cost = bin_tok.astype(np.float64) ** 2 * rng.random((steps, dp * micro_batches))
+    step_of = rng.integers(0, steps, n)
+    step_of[step_of == 2] = 3  # a step without light pieces
+    mine = [np.flatnonzero(step_of == s) for s in range(steps)]
+    quotas = _row_quotas(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches)
+    assert sorted(quotas) == [0, 1, 3, 4, 5]
+    for s, q in quotas.items():
+        alone = _step_quota(mine[s], lens, costs, bin_cost[s], bin_tok[s], capacity, dp, micro_batches, "micro_batch")
+        assert q.shape == alone.shape and q.tobytes() == alone.tobytes()
