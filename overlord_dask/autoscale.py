@@ -12,7 +12,9 @@ source's own load tasks (a tokenizer or image decoder is what it costs, not what
 The step rate is the peak of the last two minutes: while loading holds the trainers back, the
 rate now is what loading delivers, not what the trainers would take. Two corrections on top: a
 pool whose source the planner is waiting on while few steps are ready grows by one worker per
-decision (and never shrinks meanwhile), once its earlier workers have arrived; a pool also gets
+decision (and never shrinks meanwhile), once its earlier workers have arrived; a pool in the mix
+does not shrink while workers it grew by are still starting (a job asked for because the planner
+starved was otherwise cancelled two decisions later, before it could show its effect); a pool also gets
 enough workers to hold its sources' blocks in flight (loaded or on their way, at the measured
 bytes per block) in half their memory; and a pool shrinks only after ``down_after`` decisions
 in a row asked for less, so noise does not make pools flap. When the pools together
@@ -97,6 +99,8 @@ class PoolPolicy:
             target = spec.clamp(target)
             if target < cur and starving in srcs:
                 target, why = cur, f"planner waits on {starving!r}: not shrinking"
+            elif target < cur and active and arrived.get(name, 0) < cur:
+                target, why = cur, f"{cur - arrived.get(name, 0)} worker(s) still starting: not shrinking"
             if target < cur:
                 votes = self.down_votes.get(name, 0) + 1
                 if votes < cfg.down_after:

@@ -66,6 +66,14 @@ def test_a_starving_pool_grows_one_worker_at_a_time_and_never_shrinks_meanwhile(
     # at the start (no step consumed yet) waiting for the first loads is not starvation
     assert policy.decide(_signals(rate=0.0, starved_on="photos", steps_ready=0), {"text": 1, "photos": 1},
                          {"text": 1, "photos": 1})["photos"].target == 1
+    # starving no more, demand says 1: the worker grown for it is still starting, so no shrink yet
+    calm = _signals(rate=1.0)
+    d = policy.decide(calm, {"text": 1, "photos": 3}, {"text": 1, "photos": 2})["photos"]
+    assert d.target == 3 and "still starting" in d.reason
+    assert policy.decide(calm, {"text": 1, "photos": 3}, {"text": 1, "photos": 3})["photos"].target < 3  # arrived: it may shrink
+    # a pool out of the mix is released even while its workers start
+    d = policy.decide(_signals(weights={"text": (1.0, 1.0), "photos": (0.0, 0.0)}), {"text": 1, "photos": 3}, {"text": 1, "photos": 2})["photos"]
+    assert d.target < 3 and "no weight" in d.reason
 
 
 def test_a_pool_holds_its_blocks_in_flight_in_half_its_memory():
