@@ -279,7 +279,7 @@ def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict
     a = np.empty(n, dtype=np.int64)
     nexts = np.empty(n, dtype=np.int64)
     sample_ids = np.empty(n, dtype=np.int64)
-    ukey, uinv = _units_of(rows)
+    ukey, uinv = P.unique_rows(P.units(rows), return_inverse=True)
     block_of: list[np.ndarray] = []
     by_block = np.argsort(uinv, kind="stable")
     bb = np.searchsorted(uinv[by_block], np.arange(len(ukey) + 1))
@@ -297,7 +297,8 @@ def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict
         block_of.append(block.tokens)
     toks = [block_of[j][x : x + m] for j, x, m in zip(uinv.tolist(), a.tolist(), lens.tolist())]  # the one loop per piece
     tokens = narrow(np.concatenate(toks)) if toks else np.zeros(0, dtype=np.uint8)
-    table = narrow(np.stack([lens, nexts, sample_ids, src, start // piece_tokens, start, epoch], axis=1))
+    table = piece_table(lens, nexts, {"sample_ids": sample_ids, "source_ids": src, "chunk_ids": start // piece_tokens,
+                                      "piece_starts": start, "epochs": epoch})
     tok_bounds = np.zeros(n_mb + 1, dtype=np.int64)
     np.cumsum(mb_tokens, out=tok_bounds[1:])
     tb, pb = tok_bounds.tolist(), mb_bounds.tolist()
@@ -313,16 +314,6 @@ def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict
                 k += 1
             per_rank[rank] = {"step": sp["step"], "rank": rank, "micro_batches": mbs}
     return out
-
-
-def _units_of(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct ``[source, epoch, unit]`` of pieces and each piece's index among them."""
-    units = rows[:, :3]
-    if len(units) and units.min() >= 0 and units[:, 0].max() < 1 << 14 and units[:, 1].max() < 1 << 17 and units[:, 2].max() < 1 << 32:
-        _, first, inv = np.unique((units[:, 0] << 49) | (units[:, 1] << 32) | units[:, 2], return_index=True, return_inverse=True)
-        return units[first], inv.ravel()
-    uniq, inv = np.unique(units, axis=0, return_inverse=True)
-    return uniq.reshape(-1, 3), inv.ravel()
 
 
 def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: int, blocks: dict[str, SampleBlock], capacity: int,

@@ -37,8 +37,11 @@ def test_unique_rows_match_numpy_unique_over_rows(high):
     got, counts = P.unique_rows(rows, return_counts=True)
     assert np.array_equal(got, want) and np.array_equal(counts, want_counts) and got.dtype == rows.dtype
     assert np.array_equal(P.unique_rows(rows), want)
+    got, inverse, counts = P.unique_rows(rows, return_counts=True, return_inverse=True)
+    assert np.array_equal(got, want) and np.array_equal(counts, want_counts) and np.array_equal(got[inverse], rows)
     empty = np.zeros((0, 3), np.int64)
     assert P.unique_rows(empty).shape == (0, 3) and P.unique_rows(empty, return_counts=True)[1].shape == (0,)
+    assert P.unique_rows(empty, return_inverse=True)[1].shape == (0,)
 
 
 def test_progress_commits_and_makes_durable_by_mode():

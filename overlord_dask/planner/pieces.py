@@ -50,30 +50,36 @@ def units(rows: np.ndarray) -> np.ndarray:
     return rows[:, : UNIT + 1]
 
 
-def unique_rows(rows: np.ndarray, return_counts: bool = False):
-    """The distinct rows of an integer array in lexicographic order (and how often each occurs),
-    as ``np.unique(rows, axis=0)`` gives them, several times faster: where the columns' value
-    ranges fit one int64 together, each row becomes one key and a 1-D unique does the work
-    (``axis=0`` sorts the rows as opaque bytes; measured 7x slower on a run's piece identities,
-    18 s at the end of a 1,200-step demo). Otherwise rows are sorted with ``np.lexsort``."""
+def unique_rows(rows: np.ndarray, return_counts: bool = False, return_inverse: bool = False):
+    """The distinct rows of an integer array in lexicographic order (then, if asked, each input
+    row's index among them, and how often each occurs), as ``np.unique(rows, axis=0)`` gives
+    them, several times faster: where the columns' value ranges fit one int64 together, each row
+    becomes one key and a 1-D unique does the work (``axis=0`` sorts the rows as opaque bytes;
+    measured 7x slower on a run's piece identities, 18 s at the end of a 1,200-step demo).
+    Otherwise rows are sorted with ``np.lexsort``."""
     rows = np.asarray(rows)
     if len(rows) == 0:
-        return (rows[:0], np.zeros(0, np.int64)) if return_counts else rows[:0]
-    lo, hi = rows.min(axis=0).astype(np.int64), rows.max(axis=0).astype(np.int64)
-    spans = [int(h) - int(low) + 1 for low, h in zip(lo, hi)]
-    if math.prod(spans) < 1 << 62:  # Python ints: the product cannot overflow
-        key = np.zeros(len(rows), np.int64)
-        for j, span in enumerate(spans):  # the first column is the most significant digit
-            key = key * span + (rows[:, j] - lo[j])
-        _, first, counts = np.unique(key, return_index=True, return_counts=True)
-        uniq = rows[first]
+        uniq, inverse, counts = rows[:0], np.zeros(0, np.int64), np.zeros(0, np.int64)
     else:
-        srt = rows[np.lexsort(rows.T[::-1])]
-        new = np.ones(len(srt), dtype=bool)
-        new[1:] = np.any(srt[1:] != srt[:-1], axis=1)
-        starts = np.flatnonzero(new)
-        uniq, counts = srt[starts], np.diff(np.append(starts, len(srt)))
-    return (uniq, counts) if return_counts else uniq
+        lo, hi = rows.min(axis=0).astype(np.int64), rows.max(axis=0).astype(np.int64)
+        spans = [int(h) - int(low) + 1 for low, h in zip(lo, hi)]
+        if math.prod(spans) < 1 << 62:  # Python ints: the product cannot overflow
+            key = np.zeros(len(rows), np.int64)
+            for j, span in enumerate(spans):  # the first column is the most significant digit
+                key = key * span + (rows[:, j] - lo[j])
+            _, first, inverse, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
+            uniq, inverse = rows[first], inverse.ravel()
+        else:
+            order = np.lexsort(rows.T[::-1])
+            srt = rows[order]
+            new = np.ones(len(srt), dtype=bool)
+            new[1:] = np.any(srt[1:] != srt[:-1], axis=1)
+            starts = np.flatnonzero(new)
+            uniq, counts = srt[starts], np.diff(np.append(starts, len(srt)))
+            inverse = np.empty(len(rows), np.int64)
+            inverse[order] = np.cumsum(new) - 1
+    out = (uniq,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
+    return out if len(out) > 1 else uniq
 
 
 def source_tokens(rows: np.ndarray, n_sources: int) -> np.ndarray:
