@@ -214,7 +214,7 @@ def test_python_and_numpy_paths_plan_alike(monkeypatch, dp):
 def test_a_windows_light_quotas_at_once_are_each_steps_bit_for_bit(dp, micro_batches):
     """``_row_quotas`` levels every step of a window in one call: each step's quota is exactly
     (bit for bit) what leveling that step alone gives, steps without light pieces left out."""
-    from overlord_dask.planner.balance import _row_quotas, _step_quota
+    from overlord_dask.planner.balance import _row_quotas
 
     rng = np.random.default_rng(dp)
     steps, capacity, n = 6, 4096, 400
@@ -227,6 +227,11 @@ def test_a_windows_light_quotas_at_once_are_each_steps_bit_for_bit(dp, micro_bat
     mine = [np.flatnonzero(step_of == s) for s in range(steps)]
     quotas = _row_quotas(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches)
     assert sorted(quotas) == [0, 1, 3, 4, 5]
-    for s, q in quotas.items():
-        alone = _step_quota(mine[s], lens, costs, bin_cost[s], bin_tok[s], capacity, dp, micro_batches, "micro_batch")
+    for s, q in quotas.items():  # that step leveled alone, as the planner did one step at a time
+        idx = mine[s]
+        total = int(lens[idx].sum())
+        rho = float(costs[idx].sum()) / max(total, 1)
+        room = (capacity - bin_tok[s]).reshape(dp, micro_batches).astype(np.float64)
+        row_room = room.sum(axis=0)
+        alone = _level(bin_cost[s].reshape(dp, micro_batches), room, total * row_room / max(row_room.sum(), 1.0), rho).ravel()
         assert q.shape == alone.shape and q.tobytes() == alone.tobytes()

@@ -146,10 +146,9 @@ def balance_window(
         step_room *= light_total / step_room.sum()
     step_of = _light_to_steps(light, heavy, where, pieces, lens, intended, step_room, n_bins)
     mine = [light[step_of == s] for s in range(steps)]
-    quotas = _row_quotas(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches) if sync != "step" else {}
-    for s in range(steps):
-        if len(mine[s]):
-            _water_fill(mine[s], lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, dp, micro_batches, sync, quotas.get(s))
+    quotas = (_rank_quotas if sync == "step" else _row_quotas)(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches)
+    for s, quota in quotas.items():  # a step's quotas read only its own bins: all are known before any fill
+        _water_fill(mine[s], lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, quota)
 
     # --- outputs
     out_steps, out_costs = [], []
@@ -420,7 +419,8 @@ def _programme_numpy(n, dp, K, spread, skip_cost, tail, can_skip) -> np.ndarray:
 
 def _row_quotas(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches) -> dict[int, np.ndarray]:
     """Sync ``micro_batch``: every step's light-token quota per bin (``[dp·mb]``, for
-    :func:`_water_fill`), with one :func:`_level` call for the whole window: each step's
+    :func:`_water_fill`). Each micro-batch index (a row across ranks) is balanced on its own
+    (FSDP waits per row), with one :func:`_level` call for the whole window: each step's
     micro-batch rows are independent columns, so the window's steps are more columns of the same
     problem. The same IEEE operations per column as one call per step (the plans are bit for bit
     the same); one call instead of ``steps`` saved ~10% of balancing a window."""
@@ -438,12 +438,10 @@ def _row_quotas(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batche
     return {s: q[a].ravel() for a, s in enumerate(active)}
 
 
-def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, dp, micro_batches, sync, quota=None) -> None:
-    """Spread light pieces ``idx`` over one step's bins so that containers (bins, or ranks for
-    sync='step') reach an equal cost, within capacity. Vectorised; modifies the arrays in place.
-    ``quota``: the light tokens per bin, if already known (:func:`_row_quotas`)."""
-    if quota is None:
-        quota = _step_quota(idx, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches, sync)
+def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, quota) -> None:
+    """Spread light pieces ``idx`` over one step's bins by ``quota`` (light tokens per bin, from
+    :func:`_row_quotas` or :func:`_rank_quotas`, which level the containers' cost), within
+    capacity. Vectorised; modifies the arrays in place."""
     # cut the pieces' token sequence at the cumulative quotas; a piece goes where it starts
     ends = np.cumsum(lens[idx])
     starts = ends - lens[idx]
@@ -469,27 +467,25 @@ def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, dp, 
                 where[p] = -1  # deferred to the next window
 
 
-def _step_quota(idx, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches, sync) -> np.ndarray:
-    """One step's light-token quota per bin (``[dp·mb]``) that levels its containers' cost."""
-    total_tok = int(lens[idx].sum())
-    rho = float(costs[idx].sum()) / max(total_tok, 1)  # light cost per token
-    bin_room = (capacity - bin_tok).reshape(dp, micro_batches).astype(np.float64)
-    if sync == "step":
-        # ranks are the containers; a rank's quota goes to its micro-batches in order of room
-        rank_quota = _level(bin_cost.reshape(dp, micro_batches).sum(axis=1), bin_room.sum(axis=1), total_tok, rho)
+def _rank_quotas(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches) -> dict[int, np.ndarray]:
+    """Sync ``step``: every step's light-token quota per bin (``[dp·mb]``) that levels its ranks'
+    cost (the ranks are the containers); a rank's quota goes to its micro-batches in order of room."""
+    quotas = {}
+    for s, idx in enumerate(mine):
+        if not len(idx):
+            continue
+        total_tok = int(lens[idx].sum())
+        rho = float(costs[idx].sum()) / max(total_tok, 1)  # light cost per token
+        bin_room = (capacity - bin_tok[s]).reshape(dp, micro_batches).astype(np.float64)
+        rank_quota = _level(bin_cost[s].reshape(dp, micro_batches).sum(axis=1), bin_room.sum(axis=1), total_tok, rho)
         quota = np.zeros((dp, micro_batches))
         for r in range(dp):
             left = rank_quota[r]
             for m in np.argsort(-bin_room[r], kind="stable"):
                 quota[r, m] = min(left, bin_room[r, m])
                 left -= quota[r, m]
-        quota = quota.ravel()
-    else:
-        # each micro-batch index (a row across ranks) is balanced on its own: FSDP waits per row
-        row_room = bin_room.sum(axis=0)
-        row_tok = total_tok * row_room / max(row_room.sum(), 1.0)
-        quota = _level(bin_cost.reshape(dp, micro_batches), bin_room, row_tok, rho).ravel()
-    return quota
+        quotas[s] = quota.ravel()
+    return quotas
 
 
 def _level(h: np.ndarray, room: np.ndarray, tokens, rho) -> np.ndarray:
@@ -498,8 +494,9 @@ def _level(h: np.ndarray, room: np.ndarray, tokens, rho) -> np.ndarray:
     with ``f(Q) = sum(clip((Q - h)/rho, 0, room)) >= tokens`` (every container full if the room
     is short). ``f`` is piecewise linear with kinks where a container starts (``h``) and stops
     (``h + rho·room``) filling: evaluate it at every kink, find the segment that reaches
-    ``tokens`` and interpolate. ``rho``: one light cost per token, or one per column. Exact, and vectorised over columns (a bisection took ~45 numpy
-    passes per call, the planner's largest cost per step)."""
+    ``tokens`` and interpolate. ``rho``: one light cost per token, or one per column. Exact, and
+    vectorised over columns (a bisection took ~45 numpy passes per call, the planner's largest
+    cost per step)."""
     h2 = h.reshape(len(h), -1).astype(np.float64)
     room2 = np.broadcast_to(room.reshape(len(room), -1), h2.shape).astype(np.float64)
     tok = np.broadcast_to(np.asarray(tokens, dtype=np.float64), (h2.shape[1],))
