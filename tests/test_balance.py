@@ -191,23 +191,48 @@ def test_tiny_weights_do_not_starve_the_planner():
     assert state.next_step >= 24
 
 
-@pytest.mark.parametrize("dp", [4, 8])
-def test_python_and_numpy_paths_plan_alike(monkeypatch, dp):
-    """Short rows (small dp) are balanced with Python lists, long ones with numpy
-    (``balance.SMALL_ROWS``, ``SMALL_RANKS``): both make the very same plan, piece for piece."""
-    from overlord_dask.planner import balance
+@pytest.mark.parametrize("dp,n_sources,capacity,cost", [(4, 2, 16_384, None), (4, 3, 2048, None),
+                                                      (12, 10, 16_384, {"attention": 0.7, "hidden": 1000, "constant": 13.37})])
+def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacity, cost):
+    """The balancer's loops run compiled (``kernels``, numba) or, where numba is missing, in
+    numpy: both make the very same plan, piece for piece, so a run resumed without numba re-plans
+    what it planned. In the second case heavy groups often miss their own step (long documents,
+    small micro-batches); the third has fractional costs and more than 8 sources and ranks, where
+    numpy sums pairwise (``kernels.np_sum`` must follow it)."""
+    from overlord_dask.planner import kernels
 
-    gens = [lambda r, n: np.clip((r.pareto(0.9, n) + 1) * 700, 16, 16_384).astype(np.int64),
-            lambda r, n: np.clip(r.lognormal(6.0, 1.0, n), 16, 16_384).astype(np.int64)]
-    topo = {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 16_384}
+    assert kernels.COMPILED and kernels.warm()  # numba is installed with the package
+    shapes = [(0.9, 700), (None, 6.0), (1.2, 300), (None, 5.0)]
+    gens = []
+    for k in range(n_sources):
+        a, b = shapes[k % len(shapes)]
+        gens.append((lambda r, n, a=a, b=b: np.clip((r.pareto(a, n) + 1) * b, 16, 16_384).astype(np.int64)) if a else
+                    (lambda r, n, b=b: np.clip(r.lognormal(b, 1.0, n), 16, 16_384).astype(np.int64)))
+    weights = list(np.random.default_rng(n_sources).dirichlet(np.ones(n_sources)) + 0.02)
+    topo = {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": capacity}
     plans = []
-    for small in (1 << 20, 0):  # every row in lists, then every row in numpy
-        monkeypatch.setattr(balance, "SMALL_ROWS", small)
-        monkeypatch.setattr(balance, "SMALL_RANKS", small)
-        st_ = make_state([0.6, 0.4], topo, {"policy": "cost", "window": 8}, seed=3)
-        steps = drive(st_, gens, 32, seed=3)
+    for compiled in (True, False):
+        monkeypatch.setattr(kernels, "COMPILED", compiled)
+        st_ = make_state(weights, topo, {"policy": "cost", "window": 8}, seed=3, cost=cost)
+        steps = drive(st_, gens, 24, seed=3)
         plans.append([(st_.ledger[s]["pieces"].tobytes(), st_.ledger[s]["slot"].tobytes()) for s in steps])
     assert plans[0] == plans[1]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_kernel_sums_and_sorts_follow_numpy(compiled):
+    """``kernels.np_sum`` is numpy's pairwise sum bit for bit, ``kernels._argsort`` numpy's
+    stable argsort, compiled and as plain Python, at every length that changes their path."""
+    from overlord_dask.planner import kernels
+
+    np_sum = kernels.np_sum if compiled else kernels.np_sum.py_func
+    argsort = kernels._argsort if compiled else kernels._argsort.py_func
+    rng = np.random.default_rng(0)
+    for n in [*range(0, 40), 127, 128, 129, 130, 255, 257, 1000, 1025, 4097]:
+        a = rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n)
+        assert np_sum(a) == float(a.sum()), n
+        keys = rng.integers(0, max(2, n // 3), n).astype(np.float64)  # many ties
+        assert np.array_equal(argsort(keys), np.argsort(keys, kind="stable")), n
 
 
 @pytest.mark.parametrize("dp,micro_batches", [(4, 2), (8, 1), (16, 3)])

@@ -35,16 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import kernels
 from .mixing import Starved
 from .pieces import AGE, SOURCE, WIDTH, lengths, stream_lengths
 from .streams import SourceStream
-
-# Short rows are handled in Python lists, where numpy's per-call cost dominates; long ones (large
-# dp) in numpy. The same IEEE operations either way, so the same plans (tested). Measured:
-# group_heavy's programme rows (4·dp + 1 entries) break even at dp 8; heavy-group placement (dp
-# bins per row) in lists was faster at every dp tried, up to 64 (larger dp keeps numpy, untried).
-SMALL_ROWS = 32  # group_heavy's programme: rows up to this long in lists
-SMALL_RANKS = 64  # heavy-group placement: up to this many ranks in lists
 
 
 def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, surplus: np.ndarray) -> np.ndarray:
@@ -136,7 +130,7 @@ def balance_window(
     intended = np.minimum(((np.cumsum(lens) - lens / 2) // max(step_budget, 1)).astype(np.int64), steps - 1)
     if groups:
         step_of_group = _groups_to_steps(groups, heavy, pieces, lens, intended, steps)
-        (_place_groups if dp <= SMALL_RANKS else _place_groups_numpy)(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp, capacity)
+        _place_groups(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp, capacity)
 
     # --- 3. light pieces: per step, from each source what keeps its cumulative tokens on the
     # selection chronology (making up for the coarse heavy groups), then water-filled over bins
@@ -180,33 +174,16 @@ def _place_groups(groups, heavy, costs, lens, step_of_group, where, bin_cost, bi
     row: its own step first, then the nearest ones (keeps the per-step mix), rows by least cost,
     its largest piece on the rank whose bin costs least. A group that fits no row stays pending
     (``where`` -1). Writes ``where``, ``bin_cost`` and ``bin_tok`` (``[steps, dp·mb]``).
-
-    Python floats and lists, not numpy: the rows here hold ``dp`` bins, and numpy's per-call cost
-    on arrays that small made this loop ~30% of balancing a window. The additions are the same
-    IEEE operations in the same order, so the plan is bit for bit what :func:`_place_groups_numpy` makes."""
+    Compiled (``kernels.place_groups``) where numba is at hand, else :func:`_place_groups_numpy`:
+    the same choices."""
+    if not kernels.COMPILED:
+        return _place_groups_numpy(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp, capacity)
     steps, n_bins = bin_cost.shape
-    micro_batches = n_bins // dp
-    fc, ft = bin_cost.ravel().tolist(), bin_tok.ravel().tolist()  # bin (rank r, mb m) of step s is s*n_bins + r*mb + m
-    row_cost = [[0.0] * micro_batches for _ in range(steps)]
-    for members, candidate_steps in _groups_in_order(groups, heavy, costs, step_of_group, steps):
-        m_lens, m_costs, total = lens[members].tolist(), costs[members].tolist(), float(costs[members].sum())
-        for s in candidate_steps:
-            row = row_cost[s]
-            placed = False
-            for m in sorted(range(micro_batches), key=row.__getitem__):  # stable, as argsort(kind="stable")
-                bins = sorted(range(s * n_bins + m, (s + 1) * n_bins, micro_batches), key=fc.__getitem__)[: len(m_lens)]
-                if all(capacity - ft[b] >= n for b, n in zip(bins, m_lens)):
-                    for b, n, c in zip(bins, m_lens, m_costs):
-                        ft[b] += n
-                        fc[b] += c
-                    where[members] = bins
-                    row[m] += total
-                    placed = True
-                    break
-            if placed:
-                break
-    bin_cost.ravel()[:] = fc
-    bin_tok.ravel()[:] = ft
+    starts = np.zeros(len(groups) + 1, dtype=np.int64)
+    np.cumsum([len(g) for g in groups], out=starts[1:])
+    flat_cost, flat_tok = bin_cost.ravel(), bin_tok.ravel()  # views, written in place
+    kernels.place_groups(heavy[np.concatenate(groups)], starts, np.ascontiguousarray(step_of_group, dtype=np.int64), lens, costs.astype(np.float64, copy=False),
+                         where, flat_cost, flat_tok, steps, n_bins, dp, capacity)
 
 
 def _place_groups_numpy(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp: int, capacity: int) -> None:
@@ -251,9 +228,15 @@ def _groups_to_steps(groups, heavy, pieces, lens, intended, steps: int) -> np.nd
     target = np.zeros((steps, n_src))
     np.add.at(target, (intended[members], src), lens[members])
     cum_target = np.cumsum(target, axis=0)
-    out = np.full(len(groups), steps - 1, dtype=np.int64)
-    left = len(groups)
-    placed = np.zeros(len(groups))  # +inf once a group is placed: never the least error, nor the smallest group, again
+    return (kernels.groups_to_steps if kernels.COMPILED else _groups_loop_numpy)(vec, cum_target, steps)
+
+
+def _groups_loop_numpy(vec, cum_target, steps: int) -> np.ndarray:
+    """:func:`_groups_to_steps`' greedy loop where numba is missing (``kernels.groups_to_steps``)."""
+    n_src = vec.shape[1]
+    out = np.full(len(vec), steps - 1, dtype=np.int64)
+    left = len(vec)
+    placed = np.zeros(len(vec))  # +inf once a group is placed: never the least error, nor the smallest group, again
     group_tokens = vec.sum(axis=1)
     have, have_tokens = np.zeros(n_src), 0.0
     for t in range(steps):
@@ -271,7 +254,7 @@ def _light_to_steps(light, heavy, where, pieces, lens, intended, step_room, n_bi
     """The step of every light piece. Each step takes ``step_room`` light tokens, shared among
     the sources by how far each one's cumulative tokens (heavy pieces placed so far plus light
     ones) are behind the cumulative tokens selected for it; each source's light pieces keep
-    their selection order. The last step takes whatever is left. Numpy per (step, source)."""
+    their selection order. The last step takes whatever is left."""
     steps = len(step_room)
     if len(light) == 0:
         return np.zeros(0, dtype=np.int64)
@@ -289,9 +272,19 @@ def _light_to_steps(light, heavy, where, pieces, lens, intended, step_room, n_bi
     lq = lens[light][order].astype(np.float64)
     cq = np.concatenate([[0.0], np.cumsum(lq)])  # cumulative tokens along each source's queue
     mid = cq[1:] - lq / 2  # a piece is taken when its midpoint fits the quota
+    loop = kernels.light_to_steps if kernels.COMPILED else _light_loop_numpy
+    out = np.empty(len(light), dtype=np.int64)
+    out[order] = loop(cq, mid, bounds, cum_target, cum_heavy, np.ascontiguousarray(step_room, dtype=np.float64))
+    return out
+
+
+def _light_loop_numpy(cq, mid, bounds, cum_target, cum_heavy, step_room) -> np.ndarray:
+    """:func:`_light_to_steps`' loop over steps where numba is missing (``kernels.light_to_steps``):
+    each queued light piece's step."""
+    steps, n_src = cum_target.shape
     head = bounds[:-1].copy()
     light_have = np.zeros(n_src)
-    step_sorted = np.full(len(light), steps - 1, dtype=np.int64)
+    step_sorted = np.full(len(mid), steps - 1, dtype=np.int64)
     for t in range(steps - 1):
         avail = cq[bounds[1:]] - cq[head]
         behind = np.minimum(np.maximum(cum_target[t] - cum_heavy[t] - light_have, 0.0), avail)
@@ -308,9 +301,7 @@ def _light_to_steps(light, heavy, where, pieces, lens, intended, step_room, n_bi
             step_sorted[a : a + n] = t
             light_have[k] += cq[a + n] - cq[a]
             head[k] = a + n
-    out = np.empty(len(light), dtype=np.int64)
-    out[order] = step_sorted
-    return out
+    return step_sorted
 
 
 def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | None = None, age: np.ndarray | None = None,
@@ -343,10 +334,10 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
     tail_mean = (csum[n] - csum[:-1] + np.maximum(dp - size, 0) * empty) / dp
     tail = np.log(np.maximum(c, empty) / np.maximum(tail_mean, 1e-300)) ** 2 + 0.01  # never free
     K = max_skip
-    choice = (_programme_lists if K + 1 <= SMALL_ROWS else _programme_numpy)(n, dp, K, spread, skip_cost, tail, can_skip)
+    choice = (kernels.programme if kernels.COMPILED else _programme_numpy)(n, dp, K, spread, skip_cost, tail, can_skip)
     groups, i, k = [], 0, 0
     while i < n:
-        ch = choice[i][k]
+        ch = choice[i, k]
         if ch == 1:
             groups.append(order[i : i + dp])
             i += dp
@@ -358,43 +349,9 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
     return groups
 
 
-def _programme_lists(n, dp, K, spread, skip_cost, tail, can_skip) -> list:
-    """:func:`group_heavy`'s programme in Python floats and lists, for short rows (``K + 1 <=
-    SMALL_ROWS``). The same IEEE additions and comparisons as :func:`_programme_numpy`, so the
-    same choices."""
-    inf = float("inf")
-    spread_l, skip_l, tail_l, can_l = spread.tolist(), skip_cost.tolist(), tail.tolist(), can_skip.tolist()
-    best: list = [None] * (n + 1)
-    choice: list = [None] * (n + 1)
-    best[n] = [0.0] * (K + 1)
-    for i in range(n - 1, -1, -1):
-        if i + dp <= n:
-            sp = spread_l[i]
-            v = [b + sp for b in best[i + dp]]
-            ch = [1] * (K + 1)
-        else:
-            v = [inf] * (K + 1)
-            ch = [0] * (K + 1)
-        if can_l[i]:
-            nxt, sc = best[i + 1], skip_l[i]
-            for k in range(K):
-                x = nxt[k + 1] + sc
-                if x < v[k]:
-                    v[k] = x
-                    ch[k] = 2
-        if i + dp > n:
-            t = tail_l[i]
-            if t < inf:
-                for k in range(K + 1):
-                    if t < v[k]:
-                        v[k] = t
-                        ch[k] = 3
-        best[i], choice[i] = v, ch
-    return choice
-
-
 def _programme_numpy(n, dp, K, spread, skip_cost, tail, can_skip) -> np.ndarray:
-    """:func:`group_heavy`'s programme vectorised over the skip count (long rows: large dp)."""
+    """:func:`group_heavy`'s programme vectorised over the skip count, where numba is missing
+    (``kernels.programme`` makes the same choices)."""
     best = np.full((n + 1, K + 1), np.inf)
     choice = np.zeros((n + 1, K + 1), dtype=np.int8)  # 1 = group, 2 = skip, 3 = smaller tail group
     best[n, :] = 0.0

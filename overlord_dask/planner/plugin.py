@@ -50,7 +50,7 @@ from ..errors import PlanError
 from ..plan.loading import plan_from_dict
 from ..protocol import HANDLERS, STREAM_HANDLERS, load_prefix
 from ..partition import UnitParts
-from . import observe
+from . import kernels, observe
 from .channels import RankChannels, send
 from .chunks import chunk_steps, chunk_tasks
 from .held import HeldBatches
@@ -90,6 +90,7 @@ class PlannerPlugin(InspectionRoutes, SchedulerPlugin):
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
+        self._executor.submit(kernels.warm)  # the balancer's compiled loops, ready (or compiling) while the first units load
         plan = plan_from_dict(self.plan_dict, where="<service plan>")
         self.state = await self._run(PlannerState, plan, self.unit_first_ids, state=self.restore_state)
         topo, loading = plan.topology, plan.loading
