@@ -260,3 +260,30 @@ def test_a_windows_light_quotas_at_once_are_each_steps_bit_for_bit(dp, micro_bat
         row_room = room.sum(axis=0)
         alone = _level(bin_cost[s].reshape(dp, micro_batches), room, total * row_room / max(row_room.sum(), 1.0), rho).ravel()
         assert q.shape == alone.shape and q.tobytes() == alone.tobytes()
+
+
+def test_kernels_compile_where_no_cache_is_writable(monkeypatch):
+    """numba refuses ``cache=True`` where neither the package's folder nor the home is writable
+    (a read-only container): the kernels then compile without a cache instead of failing."""
+    import importlib
+
+    import numba
+
+    from overlord_dask.planner import kernels
+
+    real = numba.njit
+
+    def njit(*args, cache=False, **kwargs):
+        if cache:
+            raise RuntimeError("cannot cache function 'np_sum': no locator available for file 'kernels.py'")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    try:
+        k = importlib.reload(kernels)
+        assert k.COMPILED and isinstance(k.np_sum, numba.core.registry.CPUDispatcher)
+        assert k.np_sum(np.array([1.0, 2.0, 3.5])) == 6.5
+    finally:
+        monkeypatch.undo()
+        importlib.reload(kernels)
+    assert kernels.warm()

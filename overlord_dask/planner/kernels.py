@@ -31,8 +31,16 @@ except ImportError:  # pragma: no cover - the install has numba; this keeps a Py
 
 
 def _jit(f):
-    """Compiled where numba is at hand (``f.py_func`` is then the Python original)."""
-    return njit(cache=True, nogil=True)(f) if njit is not None else f
+    """Compiled where numba is at hand (``f.py_func`` is then the Python original). Where no
+    cache location is writable (a read-only install and home: numba refuses ``cache=True``), the
+    kernels compile in every process that plans instead (~10 s at the planner's start)."""
+    if njit is None:
+        return f
+    try:
+        return njit(cache=True, nogil=True)(f)
+    except RuntimeError:
+        logger.warning("no writable cache for the planner's compiled kernels: compiling them in this process")
+        return njit(nogil=True)(f)
 
 
 
