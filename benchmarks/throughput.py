@@ -7,6 +7,9 @@ single plain pyarrow/zarr read-and-tokenize loop over the same files, measured i
 The raw loop is the floor every loader pays (read + tokenize, no mixing, packing or transfer);
 ``ratio_to_raw`` says how much of it the whole service (plan, load, pack, ship to 4 processes)
 delivers. On a 2-core machine the scheduler, 2 workers and 4 trainers share the same two cores.
+The raw rate is the median of ``--raw-repeats`` passes right before the service's run and as many
+right after it (``bracketed``; every pass's rate under ``raw_passes``), so that a drift of the
+machine's speed moves both sides of the ratio alike.
 
 The service's rate is its steady state (``run_demo``): the tokens of the steps from
 ``steady_from_step`` on (a quarter into the run, and past the ``prefetch_steps`` the service
@@ -67,14 +70,25 @@ def raw_read_and_tokenize(plan, max_tokens: int, sources: list | None = None) ->
     return tokens, time.perf_counter() - t0
 
 
-def raw_rate_median(plan, max_tokens: int, repeats: int, sources: list | None = None) -> float:
-    """The raw loop's tokens/s, the median of ``repeats`` runs: one pass over 76M tokens takes
-    ~0.4 s, and single passes in one session ranged over 1.7x (a drifting machine)."""
+def raw_rates(plan, max_tokens: int, repeats: int, sources: list | None = None) -> list[float]:
+    """The raw loop's tokens/s in each of ``repeats`` passes (one pass over 76M tokens takes ~0.4 s)."""
     rates = []
     for _ in range(max(1, repeats)):
         tokens, seconds = raw_read_and_tokenize(plan, max_tokens, sources)
         rates.append(tokens / seconds)
-    return float(np.median(rates))
+    return rates
+
+
+def bracketed(run, plan, max_tokens: int, repeats: int, sources: list | None = None) -> tuple[object, float, list[float]]:
+    """``run()`` between ``repeats`` raw passes before it and ``repeats`` after it; returns its
+    result, the median raw rate of all passes, and every pass's rate. A machine whose speed drifts
+    moves the raw loop's seconds as much as the run's: passes taken only after a 20-second run
+    once measured 105M tokens/s where the same loop gave 108-159M minutes later, and the ratio
+    read ~1.2x high. Bracketing puts the raw rate where the run was."""
+    before = raw_rates(plan, max_tokens, repeats, sources)
+    result = run()
+    after = raw_rates(plan, max_tokens, repeats, sources)
+    return result, float(np.median(before + after)), [round(r, 1) for r in before + after]
 
 
 def _read_source(plan, src, budget: float) -> int:
@@ -150,25 +164,27 @@ def per_rank_baseline(args, plan, steps: int) -> dict:
     src = next(s for s in plan.sources if s.text_field)
     files = sorted(glob.glob(os.path.join(plan.base_dir, src.url)))
     topo = plan.topology
-    res = _run_procs(mp.get_context("spawn"), _baseline_trainer,
-                     lambda r: (files, r, topo.dp, steps, 0.0, topo.micro_batches, topo.tokens_per_micro_batch, args.baseline_workers),
-                     topo.dp, tokenizer=src.tokenizer, base_dir=plan.base_dir)
+    res, raw_rate, passes = bracketed(
+        lambda: _run_procs(mp.get_context("spawn"), _baseline_trainer,
+                           lambda r: (files, r, topo.dp, steps, 0.0, topo.micro_batches, topo.tokens_per_micro_batch, args.baseline_workers),
+                           topo.dp, tokenizer=src.tokenizer, base_dir=plan.base_dir),
+        plan, steps * topo.step_tokens, args.raw_repeats, [src])
     s0 = steady_from(steps, 0)
     stream_s = max(r["ends"][-1] for r in res) - min(r["ends"][s0 - 1] for r in res)
     rate = sum(sum(r["tokens"][s0:]) for r in res) / stream_s
-    raw_rate = raw_rate_median(plan, sum(sum(r["tokens"]) for r in res), args.raw_repeats, [src])
     return {"source": src.name, "workers_per_rank": args.baseline_workers, "tokens_per_s": round(rate, 1),
-            "raw_tokens_per_s": round(raw_rate, 1), "ratio_to_raw": round(rate / raw_rate, 3)}
+            "raw_tokens_per_s": round(raw_rate, 1), "raw_passes": passes, "ratio_to_raw": round(rate / raw_rate, 3)}
 
 
 def measure(args, plan_path: str | None, steps: int) -> dict:
     from overlord_dask.plan import load_plan
 
-    svc = run_demo(steps=steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale, plan_path=plan_path, quiet=True)
     plan = demo_plan(args.data, topology={"dp": args.dp}) if plan_path is None else load_plan(plan_path)
-    raw_rate = raw_rate_median(plan, svc["tokens"], args.raw_repeats)
+    svc, raw_rate, passes = bracketed(
+        lambda: run_demo(steps=steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale, plan_path=plan_path, quiet=True),
+        plan, steps * plan.topology.step_tokens, args.raw_repeats)
     out = {"tokens": svc["tokens"], "tokens_per_s": svc["tokens_per_s"], "wait_p50_ms": svc["wait_p50_ms"], "wait_p99_ms": svc["wait_p99_ms"],
-           "time_to_first_batch_s": svc["time_to_first_batch_s"], "raw_tokens_per_s": round(raw_rate, 1),
+           "time_to_first_batch_s": svc["time_to_first_batch_s"], "raw_tokens_per_s": round(raw_rate, 1), "raw_passes": passes,
            "ratio_to_raw": round(svc["tokens_per_s"] / raw_rate, 3), "imbalance_p50": svc["imbalance_p50"],
            "imbalance_p99": svc["imbalance_p99"], "duplicates": svc["duplicates"], "missing": svc["missing"], "steps": svc["steps"],
            "steady_from_step": svc["steady_from_step"], "dp": svc["dp"]}
@@ -194,7 +210,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--bpe-docs", type=int, default=5000, help="web documents the BPE is trained on")
     ap.add_argument("--scaling", type=int, nargs="*", default=[1, 2, 4], help="worker counts to run the service with again (none: skip)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per worker count of --scaling")
-    ap.add_argument("--raw-repeats", type=int, default=3, help="runs of each raw loop (median)")
+    ap.add_argument("--raw-repeats", type=int, default=3, help="raw-loop passes before and after each run (the median of all)")
     ap.add_argument("--baseline-workers", type=int, default=2, help="DataLoader workers per rank of the per-rank baseline (0: skip it)")
     args = ap.parse_args(argv)
     generate_demo_corpus(args.data, scale=args.scale)

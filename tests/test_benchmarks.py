@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -133,5 +135,7 @@ def test_throughput_benchmark_with_a_trained_bpe(capsys, corpus):
         base = res["baseline"]  # the per-rank DataLoader, over the same text source and tokenizer
         assert base["source"] == "web" and base["workers_per_rank"] == 1
         assert base["tokens_per_s"] > 0 and 0 < base["ratio_to_raw"] and res["vs_baseline"] > 0
+        for r in (res, base):  # the raw rate: the median of 2 passes before its run and 2 after
+            assert len(r["raw_passes"]) == 4 and abs(r["raw_tokens_per_s"] - float(np.median(r["raw_passes"]))) <= 0.2
     assert out["bpe"]["vocab"] == 400
     assert '"throughput"' in capsys.readouterr().out
