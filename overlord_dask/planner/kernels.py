@@ -10,9 +10,10 @@ Each kernel makes exactly the choices of the numpy code in ``balance.py`` that i
 (the same IEEE operations in the same order, the same tie-breaks; sums over a few values are
 :func:`np_sum`, numpy's own pairwise order), so a plan is the same bit for bit with or without
 numba: a run resumed where numba is missing re-plans what the first run planned (tested with both
-paths). ``COMPILED`` is False where numba cannot be imported (a Python it has no wheel for yet), and
-``balance.py`` then runs its numpy code. Compiled once per machine: ``cache=True`` keeps the
-machine code next to this file (or in numba's cache directory), ~2 s the first time.
+paths). ``COMPILED`` is False where numba cannot be imported (a Python it has no wheel for yet)
+or cannot compile (:func:`warm`), and ``balance.py`` then runs its numpy code. Compiled once per
+install: ``cache=True`` keeps the machine code next to this file (or in numba's cache directory),
+~10 s the first time (``scripts/install.sh`` does it), ~0.3 s to load in a new process.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ def _jit(f):
     except RuntimeError:
         logger.warning("no writable cache for the planner's compiled kernels: compiling them in this process")
         return njit(nogil=True)(f)
-
 
 
 @_jit
