@@ -21,6 +21,20 @@ tokenizer and packing documents first-fit into the same micro-batches (``input_i
 
 Targets (issue 13, this 2-core machine, dp 4, 2 × 16k tokens per step): wait share ≤ 1% and
 wait p99 ≤ 5 ms at 100 ms per step; wait share ≤ 5% at 25 ms per step.
+
+A real trainer (``--model``; ``model_trainer.py``): the first ``--model-ranks`` ranks (default 1)
+train a small language model on every micro-batch instead of sleeping, on the GPU in bf16 where
+torch sees one (``--device``), fed with pinned memory by both systems; the other ranks sleep
+``compute_ms`` as before. Both systems feed the same model, seeded alike, in the same run. The
+model ranks' figures are under ``model_*`` (and ``baseline_model_*``): ``model_wait_share``,
+``model_wait_p99_ms``, the step's compute in the run (``model_compute_ms``: wall time less the
+wait) and on synthetic batches before the loader starts (``model_synthetic_ms``), and the loss
+at the first and last step. Set ``--compute-ms`` near ``model_compute_ms`` so that the ranks
+keep pace, and ``--model-dim``/``--model-layers`` for the step time wanted (issue 13's GPU
+trainer: ~45 ms per step)::
+
+    python benchmarks/trainer_wait.py --model --compute-ms 45              # on a CUDA machine
+    python benchmarks/trainer_wait.py --model --compute-ms 500             # CPU: one core trains
 """
 
 from __future__ import annotations
@@ -42,8 +56,9 @@ from benchmarks.output import print_rows  # noqa: E402
 from benchmarks.per_rank import as_batch  # noqa: E402
 
 
-def _train(batches, micro_batches: int, steps: int, compute_s: float, start) -> dict:
-    """The trainer loop both systems run: per micro-batch, take it (timed) and compute.
+def _train(batches, micro_batches: int, steps: int, compute_s: float, start, model=None) -> dict:
+    """The trainer loop both systems run: per micro-batch, take it (timed) and compute (sleep
+    ``compute_s`` over the step, or train ``model``: a ``model_trainer.ModelTrainer``).
 
     ``start`` (a barrier of all ranks) is passed once the rank's loader exists, as the ranks of
     a data-parallel job start their first step together after ``init_process_group``: without
@@ -64,24 +79,44 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start) -> 
             t_first = time.perf_counter()
         assert mb["input_ids"].dtype.is_floating_point is False
         step_tokens += int(mb["cu_seqlens"][-1])  # the documents' tokens, padding excluded
-        if compute_s:
+        if model is not None:
+            model.micro_batch(mb)
+        elif compute_s:
             time.sleep(compute_s / micro_batches)
         k += 1
         if k % micro_batches == 0:
+            if model is not None:
+                model.end_step(micro_batches)
             waits.append(step_wait)
             ends.append(time.perf_counter())
             tokens.append(step_tokens)
             step_wait, step_tokens = 0.0, 0
-    return {"waits": waits, "ends": ends, "tokens": tokens, "t_start": t_start, "t_first": t_first, "barrier_s": barrier_s}
+    res = {"waits": waits, "ends": ends, "tokens": tokens, "t_start": t_start, "t_first": t_first, "barrier_s": barrier_s}
+    if model is not None:
+        res.update(model=True, device=model.device, losses=model.losses)
+    return res
 
 
-def _overlord_trainer(address: str, rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, start, out) -> None:
+def _model(spec: dict | None, rank: int, capacity: int, micro_batches: int):
+    """This rank's ``ModelTrainer`` (ranks below ``spec["ranks"]`` with ``--model``) and its step
+    time on synthetic batches, taken before its loader starts; (None, None) for a rank that sleeps."""
+    if spec is None or rank >= spec["ranks"]:
+        return None, None
+    from benchmarks.model_trainer import ModelTrainer, calibrate
+
+    model = ModelTrainer(vocab=spec["vocab"], dim=spec["dim"], layers=spec["layers"], capacity=capacity, device=spec["device"], seed=rank)
+    return model, calibrate(model, capacity, micro_batches)
+
+
+def _overlord_trainer(address: str, rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, start, out,
+                      model_spec: dict | None = None, capacity: int = 0) -> None:
     from overlord_dask import OverlordDataset
 
+    model, synthetic_s = _model(model_spec, rank, capacity, micro_batches)  # before the clock: not the loader's time to a first batch
     t0 = time.perf_counter()
-    ds = OverlordDataset(address, rank=rank, dp=dp)
-    res = _train(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0), micro_batches, steps, compute_s, start)
-    res["t_start"] = t0
+    ds = OverlordDataset(address, rank=rank, dp=dp, pin_memory=model is not None and model.device == "cuda")
+    res = _train(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0), micro_batches, steps, compute_s, start, model)
+    res["t_start"], res["synthetic_s"] = t0, synthetic_s
     ds.stream.commit()
     ds.close()
     out.put((rank, res))
@@ -126,12 +161,14 @@ class PackedWeb(torch.utils.data.IterableDataset):
 
 
 def _baseline_trainer(files: list[str], rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, capacity: int,
-                      workers: int, start, out, tokenizer: str = "byte", base_dir: str | None = None) -> None:
+                      workers: int, start, out, tokenizer: str = "byte", base_dir: str | None = None, model_spec: dict | None = None) -> None:
+    model, synthetic_s = _model(model_spec, rank, capacity, micro_batches)
     t0 = time.perf_counter()
     loader = torch.utils.data.DataLoader(PackedWeb(files, capacity, rank, dp, tokenizer, base_dir), batch_size=None, num_workers=workers,
-                                         prefetch_factor=2 if workers else None, persistent_workers=False)
-    res = _train(loader, micro_batches, steps, compute_s, start)
-    res["t_start"] = t0
+                                         prefetch_factor=2 if workers else None, persistent_workers=False,
+                                         pin_memory=model is not None and model.device == "cuda")
+    res = _train(loader, micro_batches, steps, compute_s, start, model)
+    res["t_start"], res["synthetic_s"] = t0, synthetic_s
     out.put((rank, res))
 
 
@@ -145,6 +182,20 @@ def _summarise(results: list[dict], warmup: int) -> dict:
         "wait_p99_ms": round(float(np.percentile(waits, 99)) * 1e3, 3),
         "time_to_first_batch_s": round(float(np.mean([r["t_first"] - r["t_start"] - r["barrier_s"] for r in results])), 3),
     }
+
+
+def _summarise_model(results: list[dict], warmup: int) -> dict:
+    """The model ranks' own figures: their wait, their step's compute (wall time less the wait)
+    in the run and on synthetic batches before it (``model_trainer.calibrate``), and the loss at
+    the first and last step (it falls: the model learns from the batches it is handed)."""
+    ranks = [r for r in results if r.get("model")]
+    out = {f"model_{k}": v for k, v in _summarise(ranks, warmup).items() if k != "time_to_first_batch_s"}
+    compute = np.concatenate([np.diff(r["ends"][warmup - 1:]) - np.asarray(r["waits"][warmup:]) for r in ranks])
+    out.update(model_compute_ms=round(float(np.median(compute)) * 1e3, 3),
+               model_synthetic_ms=round(float(np.median([r["synthetic_s"] for r in ranks])) * 1e3, 3),
+               model_loss_first=round(float(np.mean([r["losses"][0] for r in ranks])), 4),
+               model_loss_last=round(float(np.mean([r["losses"][-1] for r in ranks])), 4))
+    return out
 
 
 def _run_procs(ctx, target, args_for_rank, dp: int, **kwargs) -> list[dict]:
@@ -173,7 +224,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--baseline-workers", type=int, default=2, help="DataLoader workers per rank in the baseline")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--data", default="demo-data")
+    ap.add_argument("--model", action="store_true", help="the first --model-ranks ranks train a real model (model_trainer.py) instead of sleeping")
+    ap.add_argument("--model-ranks", type=int, default=1)
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="the model's device (auto: cuda where torch sees one)")
+    ap.add_argument("--model-dim", type=int, default=None, help="model width (default 2048 on cuda, 64 on cpu)")
+    ap.add_argument("--model-layers", type=int, default=None, help="MLP blocks (default 4 on cuda, 1 on cpu)")
+    ap.add_argument("--vocab", type=int, default=512, help="the model's vocabulary (the demo's byte ids are below 260)")
     args = ap.parse_args(argv)
+    model_spec = None
+    if args.model:
+        from benchmarks.model_trainer import pick_device
+
+        device = pick_device(args.device)
+        gpu = device == "cuda"
+        model_spec = {"ranks": min(args.model_ranks, args.dp), "device": device, "vocab": args.vocab,
+                      "dim": args.model_dim or (2048 if gpu else 64), "layers": args.model_layers or (4 if gpu else 1)}
 
     from overlord_dask import Service
     from overlord_dask.demo import demo_plan, generate_demo_corpus
@@ -188,19 +253,31 @@ def main(argv=None) -> dict:
     with local_cluster(n_workers=args.workers) as cluster:
         for compute_ms in args.compute_ms:
             with Service.start(plan, cluster=cluster) as service:
-                res = _run_procs(ctx, _overlord_trainer, lambda r: (service.address, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches), args.dp)
+                res = _run_procs(ctx, _overlord_trainer, lambda r: (service.address, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches), args.dp,
+                                 model_spec=model_spec, capacity=args.tokens)
                 loop = service.loop_stats()
             row = {"system": "overlord", "compute_ms": compute_ms, **_summarise(res, args.warmup), "loop_block_max_ms": loop["block_max_ms"]}
+            if model_spec:
+                row.update(_summarise_model(res, args.warmup))
             if not args.no_baseline:
                 base = _run_procs(ctx, _baseline_trainer, lambda r: (files, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches, args.tokens,
-                                                                     args.baseline_workers), args.dp)
+                                                                     args.baseline_workers), args.dp, model_spec=model_spec)
                 b = _summarise(base, args.warmup)
+                if model_spec:
+                    b.update(_summarise_model(base, args.warmup))
                 row.update({f"baseline_{k}": v for k, v in b.items()})
             rows.append(row)
     out = {"benchmark": "trainer_wait", "cores": os.cpu_count(), "dp": args.dp, "micro_batches": args.micro_batches,
            "tokens_per_micro_batch": args.tokens, "steps": args.steps, "warmup": args.warmup, "rows": rows}
+    if model_spec:
+        out["model"] = {**model_spec, "gpu": torch.cuda.get_device_name(0) if model_spec["device"] == "cuda" else None}
     if args.json:
         print(json.dumps(out))
+    elif model_spec:
+        print(f"model on {model_spec['device']} for rank(s) < {model_spec['ranks']} (dim {model_spec['dim']}, {model_spec['layers']} layers); "
+              f"the other ranks sleep compute_ms")
+        print_rows(rows, ["compute_ms", "model_synthetic_ms", "model_compute_ms", "model_wait_share", "model_wait_p99_ms", "baseline_model_compute_ms",
+                          "baseline_model_wait_share", "baseline_model_wait_p99_ms", "model_loss_first", "model_loss_last"])
     else:
         print_rows(rows, ["compute_ms", "wait_share", "wait_p50_ms", "wait_p99_ms", "time_to_first_batch_s", "loop_block_max_ms",
                           "baseline_wait_share", "baseline_wait_p99_ms"])

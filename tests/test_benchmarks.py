@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -48,6 +49,32 @@ def test_trainer_wait_benchmark_runs(capsys, corpus):
     assert {"wait_share", "wait_p50_ms", "wait_p99_ms", "time_to_first_batch_s", "compute_ms", "baseline_wait_share"} <= set(row)
     assert 0 <= row["wait_share"] < 1 and row["compute_ms"] == 20
     assert '"trainer_wait"' in capsys.readouterr().out
+
+
+def test_trainer_wait_trains_a_real_model_from_both_loaders(capsys, corpus):
+    """``--model``: rank 0 trains a small model on CPU from the service and from the per-rank
+    DataLoader; its figures are reported apart, and the loss falls on either loader's batches
+    (real, aligned input_ids / labels / position_ids reach the model)."""
+    import trainer_wait
+
+    out = trainer_wait.main(["--model", "--device", "cpu", "--model-dim", "16", "--vocab", "300", "--dp", "2", "--steps", "16", "--warmup", "3",
+                             "--compute-ms", "20", "--tokens", "1024", "--baseline-workers", "1", "--data", str(corpus), "--json"])
+    (row,) = out["rows"]
+    assert out["model"]["device"] == "cpu" and out["model"]["ranks"] == 1
+    for prefix in ("model_", "baseline_model_"):
+        assert 0 <= row[prefix + "wait_share"] < 1 and row[prefix + "compute_ms"] > 0 and row[prefix + "synthetic_ms"] > 0
+        assert row[prefix + "loss_last"] < row[prefix + "loss_first"] - 0.5, (prefix, row)
+    assert '"trainer_wait"' in capsys.readouterr().out
+
+
+def test_model_trainer_names_a_token_past_its_vocabulary():
+    import torch
+    from model_trainer import ModelTrainer
+
+    m = ModelTrainer(vocab=8, dim=4, layers=1, capacity=4, device="cpu")
+    mb = {"input_ids": torch.tensor([1, 2, 9, 3]), "position_ids": torch.arange(4), "labels": torch.tensor([2, 9, 3, -100])}
+    with pytest.raises(ValueError, match="token id 9 .* vocabulary of 8"):
+        m.micro_batch(mb)
 
 
 def test_control_plane_benchmark_runs(capsys, corpus):

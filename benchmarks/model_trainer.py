@@ -1,0 +1,112 @@
+"""A real trainer for ``trainer_wait.py --model``: a small language model that trains on each
+micro-batch it is handed, on a CUDA GPU in bf16 where there is one, else on the CPU in float32.
+
+The issue-13 measurement this stands for: a GPU trainer computing ~45 ms per step between
+batches (a few bf16 layers, 2 × 16k tokens per step). Its wait for data depends on what the
+host does while the GPU computes: the copy to the device (from pinned memory where the loader
+pins), the Python of the training loop, and the loader's own threads competing for the same
+cores. A ``time.sleep`` stand-in has none of that.
+
+The model is token-wise: embeddings of the token and its ``position_ids``, ``layers`` residual
+MLP blocks (LayerNorm, ``dim`` → 4·``dim`` → ``dim``) and a head over ``vocab`` ids, trained with
+cross-entropy on the micro-batch's ``labels`` (``-100`` ignored) and AdamW. Its step time is
+that of a transformer's matmuls at the same width, without attention's quadratic term (which the
+planner balances and which a dense mask over 16k packed tokens would make a benchmark of its
+own). The loss is synchronised once per step (``loss.item()``, as a loop that logs it does), so
+the host's step ends when the GPU's does and the wait is not hidden in the CUDA queue.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+
+def pick_device(requested: str = "auto") -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device here")
+    return requested
+
+
+class TokenLM(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, max_positions: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_positions, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(input_ids) + self.pos(position_ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
+class ModelTrainer:
+    """Trains ``TokenLM`` on the micro-batches given to :meth:`micro_batch`; :meth:`end_step`
+    applies the optimizer once per step and returns the step's mean loss (a host sync)."""
+
+    def __init__(self, *, vocab: int, dim: int, layers: int, capacity: int, device: str = "auto", lr: float | None = None, seed: int = 0):
+        self.device = pick_device(device)
+        if self.device == "cpu":
+            torch.set_num_threads(1)  # one core, as a GPU trainer's host thread: the loaders keep the rest
+        torch.manual_seed(seed)
+        self.vocab = vocab
+        self.model = TokenLM(vocab, dim, layers, capacity).to(self.device)
+        # wider models take smaller steps (0.5 / dim: 2.4e-4 at 2048, 3e-2 at 16 and below)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr if lr is not None else min(3e-2, 0.5 / dim))
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device == "cuda" else None
+        self.losses: list[float] = []
+        self._step_loss = None
+        self._n = 0
+
+    def micro_batch(self, mb: dict) -> None:
+        dev, nb = self.device, self.device == "cuda"
+        ids = mb["input_ids"].to(dev, non_blocking=nb)
+        pos = mb["position_ids"].to(dev, non_blocking=nb)
+        labels = mb["labels"].to(dev, non_blocking=nb)
+        if self._n == 0:  # once: an id past the embedding would fail inside a CUDA kernel, unnamed
+            top = int(mb["input_ids"].max())
+            if top >= self.vocab:
+                raise ValueError(f"token id {top} does not fit the model's vocabulary of {self.vocab} (--vocab)")
+        if self.autocast is not None:
+            with self.autocast:
+                logits = self.model(ids, pos)
+        else:
+            logits = self.model(ids, pos)
+        loss = nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100)
+        loss.backward()
+        self._step_loss = loss.detach() if self._step_loss is None else self._step_loss + loss.detach()
+        self._n += 1
+
+    def end_step(self, micro_batches: int) -> float:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss = float(self._step_loss.item()) / micro_batches  # the host waits for the GPU here
+        self._step_loss = None
+        self.losses.append(loss)
+        return loss
+
+
+def calibrate(trainer: ModelTrainer, capacity: int, micro_batches: int, steps: int = 3) -> float:
+    """Seconds per step of ``trainer`` on synthetic micro-batches (the median of ``steps`` after
+    one warm-up step): what the model costs with no loader at all."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, min(trainer.vocab, 259), (capacity,), generator=g)
+    mb = {"input_ids": ids, "position_ids": torch.arange(capacity), "labels": torch.roll(ids, -1)}
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        for _ in range(micro_batches):
+            trainer.micro_batch(mb)
+        trainer.end_step(micro_batches)
+        times.append(time.perf_counter() - t0)
+    trainer.losses.clear()
+    return sorted(times[1:])[len(times[1:]) // 2]
