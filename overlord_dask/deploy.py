@@ -10,6 +10,17 @@ walks the task thread's stack, for the dashboard's profile page) and the loop-he
 (every 20 ms, in the scheduler, each nanny and each worker). Counted per callback on the demo
 run, they were about a sixth of the CPU of the scheduler's and the workers' event loops; with
 them quieter, those loops used 1.5-4 ms less CPU per step (three alternating pairs on 2 cores).
+Three per-process monitors are slowed down as well, because their cost is per worker process
+and per second, not per batch: each worker and each nanny checked its memory every 100 ms (a
+nanny builds a ``psutil.Process`` for every check, on the scheduler's loop in the embedded
+cluster), and each process sampled its CPU, memory, network and the host's disk counters every
+500 ms for the dashboard. They made extra worker processes cost the service throughput on few
+cores: an idle embedded cluster of 4 workers used 9.6-10.3% of a core with Dask's intervals and
+5.4-6.2% with these (two runs each), and the demo on 2 cores with 4 workers delivered 5-11% more
+tokens/s in three alternating pairs (with 2 workers the pairs differed by -8% to +18%: the
+machine's noise). Memory is then checked every 500 ms: a service's blocks and batches are
+bounded by its plan (``prefetch_steps``, ``units_ahead``), not grown by a user's task.
+
 Each is a default only: a value other than Dask's default in Dask's config (YAML, ``DASK_*``
 environment variables, ``dask.config.set``) wins, and ``overlord.quiet-dask: false`` (e.g.
 ``DASK_OVERLORD__QUIET_DASK=false``) keeps all of Dask's defaults, the profiler included.
@@ -30,6 +41,9 @@ peer that just died retries the refused connection this long, not Dask's 30 s.""
 QUIET_DEFAULTS = {
     "distributed.worker.profile.enabled": False,  # no 100 Hz stack sampling of every worker
     "distributed.admin.tick.interval": "100ms",  # Dask's loop-health tick (the service measures its own: planner/watchdog.py)
+    "distributed.admin.system-monitor.interval": "2s",  # the dashboard's per-process time series (psutil reads of /proc)
+    "distributed.admin.system-monitor.disk": False,  # host-wide disk I/O counters: nothing in the service reads them
+    "distributed.worker.memory.monitor-interval": "500ms",  # spill / pause / terminate checks, in each worker and nanny
 }
 """Applied where Dask's config still holds Dask's own default (``quiet_defaults``)."""
 

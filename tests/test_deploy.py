@@ -27,20 +27,27 @@ def test_local_cluster_uses_worker_processes(cluster):
 
 def test_the_embedded_cluster_quiets_dasks_housekeeping_timers(cluster):
     """Workers run without Dask's 100 Hz statistical profiler and with the slower loop-health tick,
-    the scheduler with the slower tick (``deploy.QUIET_DEFAULTS``)."""
+    system monitor and memory checks; the scheduler and the nannies with the slower tick, system
+    monitor and memory checks (``deploy.QUIET_DEFAULTS``)."""
     from distributed import Client
 
     def settings(dask_worker=None):
         import dask
 
-        return dask.config.get("distributed.worker.profile.enabled"), sorted(getattr(dask_worker, "periodic_callbacks", {}))
+        pcs = dask_worker.periodic_callbacks
+        return (dask.config.get("distributed.worker.profile.enabled"), sorted(pcs), pcs["monitor"].callback_time,
+                dask_worker.memory_manager.memory_monitor_interval, dask_worker.monitor.monitor_disk_io)
 
     with Client(cluster, set_as_default=False) as c:
         per_worker = c.run(settings)
     assert len(per_worker) == 2
-    for enabled, callbacks in per_worker.values():
+    for enabled, callbacks, monitor_ms, memory_s, disk in per_worker.values():
         assert enabled is False and "profile" not in callbacks
+        assert monitor_ms == 2000 and memory_s == pytest.approx(0.5) and disk is False
     assert cluster.scheduler._tick_interval == pytest.approx(0.1)
+    assert cluster.scheduler.periodic_callbacks["monitor"].callback_time == 2000
+    for nanny in cluster.workers.values():
+        assert nanny.memory_manager.memory_monitor_interval == pytest.approx(0.5)
 
 
 def _thread_priorities():
@@ -77,7 +84,7 @@ def test_a_users_dask_settings_win_over_the_quiet_defaults():
 
     assert quiet_defaults() == QUIET_DEFAULTS
     with dask.config.set({"distributed.admin.tick.interval": "50ms"}):
-        assert quiet_defaults() == {"distributed.worker.profile.enabled": False}
+        assert quiet_defaults() == {k: v for k, v in QUIET_DEFAULTS.items() if k != "distributed.admin.tick.interval"}
         cfg = worker_config()
         assert dask.config.get("distributed.admin.tick.interval", config=cfg) == "50ms"
         assert dask.config.get("distributed.worker.profile.enabled", config=cfg) is False
