@@ -98,8 +98,10 @@ class ModelTrainer:
 def calibrate(trainer: ModelTrainer, capacity: int, micro_batches: int, steps: int = 3) -> float:
     """Seconds per step of ``trainer`` on synthetic micro-batches (the median of ``steps`` after
     one warm-up step): what the model costs with no loader at all."""
+    from overlord_dask.sources.tokenizers import BYTE_OFFSET
+
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, min(trainer.vocab, 259), (capacity,), generator=g)
+    ids = torch.randint(BYTE_OFFSET, min(trainer.vocab, BYTE_OFFSET + 256), (capacity,), generator=g)  # byte-tokenizer ids
     mb = {"input_ids": ids, "position_ids": torch.arange(capacity), "labels": torch.roll(ids, -1)}
     times = []
     for _ in range(steps + 1):

@@ -93,7 +93,7 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start, mod
             step_wait, step_tokens = 0.0, 0
     res = {"waits": waits, "ends": ends, "tokens": tokens, "t_start": t_start, "t_first": t_first, "barrier_s": barrier_s}
     if model is not None:
-        res.update(model=True, device=model.device, losses=model.losses)
+        res["losses"] = model.losses  # marks a model rank (_summarise_model)
     return res
 
 
@@ -188,7 +188,7 @@ def _summarise_model(results: list[dict], warmup: int) -> dict:
     """The model ranks' own figures: their wait, their step's compute (wall time less the wait)
     in the run and on synthetic batches before it (``model_trainer.calibrate``), and the loss at
     the first and last step (it falls: the model learns from the batches it is handed)."""
-    ranks = [r for r in results if r.get("model")]
+    ranks = [r for r in results if "losses" in r]
     out = {f"model_{k}": v for k, v in _summarise(ranks, warmup).items() if k != "time_to_first_batch_s"}
     compute = np.concatenate([np.diff(r["ends"][warmup - 1:]) - np.asarray(r["waits"][warmup:]) for r in ranks])
     out.update(model_compute_ms=round(float(np.median(compute)) * 1e3, 3),
