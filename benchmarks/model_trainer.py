@@ -65,17 +65,18 @@ class ModelTrainer:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device == "cuda" else None
         self.losses: list[float] = []
         self._step_loss = None
-        self._n = 0
+        self._checked = False  # the ids of the first batch handed over are checked against the vocabulary
 
     def micro_batch(self, mb: dict) -> None:
         dev, nb = self.device, self.device == "cuda"
         ids = mb["input_ids"].to(dev, non_blocking=nb)
         pos = mb["position_ids"].to(dev, non_blocking=nb)
         labels = mb["labels"].to(dev, non_blocking=nb)
-        if self._n == 0:  # once: an id past the embedding would fail inside a CUDA kernel, unnamed
+        if not self._checked:  # once: an id past the embedding would fail inside a CUDA kernel, unnamed
             top = int(mb["input_ids"].max())
             if top >= self.vocab:
                 raise ValueError(f"token id {top} does not fit the model's vocabulary of {self.vocab} (--vocab)")
+            self._checked = True
         if self.autocast is not None:
             with self.autocast:
                 logits = self.model(ids, pos)
@@ -84,7 +85,6 @@ class ModelTrainer:
         loss = nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100)
         loss.backward()
         self._step_loss = loss.detach() if self._step_loss is None else self._step_loss + loss.detach()
-        self._n += 1
 
     def end_step(self, micro_batches: int) -> float:
         self.opt.step()
@@ -93,6 +93,12 @@ class ModelTrainer:
         self._step_loss = None
         self.losses.append(loss)
         return loss
+
+    def forget_batches(self) -> None:
+        """Forget the batches trained on so far (``calibrate``'s synthetic ones): their losses, and
+        the id check, which then runs on the next batch handed over (a loader's first)."""
+        self.losses.clear()
+        self._checked = False
 
 
 def calibrate(trainer: ModelTrainer, capacity: int, micro_batches: int, steps: int = 3) -> float:
@@ -110,5 +116,5 @@ def calibrate(trainer: ModelTrainer, capacity: int, micro_batches: int, steps: i
             trainer.micro_batch(mb)
         trainer.end_step(micro_batches)
         times.append(time.perf_counter() - t0)
-    trainer.losses.clear()
+    trainer.forget_batches()
     return sorted(times[1:])[len(times[1:]) // 2]

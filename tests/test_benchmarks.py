@@ -67,11 +67,16 @@ def test_trainer_wait_trains_a_real_model_from_both_loaders(capsys, corpus):
     assert '"trainer_wait"' in capsys.readouterr().out
 
 
-def test_model_trainer_names_a_token_past_its_vocabulary():
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_model_trainer_names_a_token_past_its_vocabulary(calibrated):
+    """The first batch a loader hands over is checked, also after ``calibrate``'s synthetic ones."""
     import torch
-    from model_trainer import ModelTrainer
+    from model_trainer import ModelTrainer, calibrate
 
     m = ModelTrainer(vocab=8, dim=4, layers=1, capacity=4, device="cpu")
+    if calibrated:
+        calibrate(m, capacity=4, micro_batches=1, steps=1)
+        assert m.losses == []
     mb = {"input_ids": torch.tensor([1, 2, 9, 3]), "position_ids": torch.arange(4), "labels": torch.tensor([2, 9, 3, -100])}
     with pytest.raises(ValueError, match="token id 9 .* vocabulary of 8"):
         m.micro_batch(mb)
