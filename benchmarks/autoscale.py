@@ -67,7 +67,7 @@ def _plan(data: str, steps: int, mode: str, budget: int):
 
 def _trainer(address: str, rank: int, steps: int, compute_s: float, out) -> None:
     from overlord_dask import connect
-    from overlord_dask.report import delivered_identities, delivered_record
+    from overlord_dask.observe.figures import delivered_identities, delivered_record
 
     stream = connect(address, rank, timeout=300)
     waits, ends, ids, tokens = [], [], {}, 0
@@ -85,7 +85,7 @@ def _trainer(address: str, rank: int, steps: int, compute_s: float, out) -> None
 
 
 def _workers(service) -> dict[str, int]:
-    from overlord_dask.pools import pool_of
+    from overlord_dask.loading.pools import pool_of
 
     counts: dict[str, int] = {}
     for w in service.client.scheduler_info(n_workers=-1)["workers"].values():
@@ -96,7 +96,7 @@ def _workers(service) -> dict[str, int]:
 
 def _run(plan, shared: int, steps: int, compute_s: float, warmup: int) -> dict:
     from overlord_dask import Service
-    from overlord_dask.deploy import local_cluster
+    from overlord_dask.service.deploy import local_cluster
 
     ctx = mp.get_context("spawn")
     dp = plan.topology.dp
@@ -171,7 +171,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--data", default="demo-data")
     args = ap.parse_args(argv)
 
-    from overlord_dask.demo import generate_demo_corpus
+    from overlord_dask.service.demo import generate_demo_corpus
 
     generate_demo_corpus(args.data)
     costs = _costs(args.data)

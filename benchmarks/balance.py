@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.cost import doc_costs  # noqa: E402
-from overlord_dask.planner.metrics import step_imbalance  # noqa: E402
+from overlord_dask.observe.figures import step_imbalance  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
 
 MAX_DOC = 131_072

@@ -66,7 +66,7 @@ def measure(cluster, data: str, dp: int, tokens: int, procs: int, seconds: float
     import psutil
 
     from overlord_dask import Service
-    from overlord_dask.demo import demo_plan
+    from overlord_dask.service.demo import demo_plan
 
     plan = demo_plan(data, topology={"dp": dp, "micro_batches": 1, "tokens_per_micro_batch": tokens},
                      loading={"prefetch_steps": prefetch, "batch_steps": batch_steps, "units_ahead": 4},
@@ -117,8 +117,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-baseline", action="store_true", help="skip the per-step baseline row")
     args = ap.parse_args(argv)
 
-    from overlord_dask.demo import generate_demo_corpus
-    from overlord_dask.deploy import local_cluster
+    from overlord_dask.service.demo import generate_demo_corpus
+    from overlord_dask.service.deploy import local_cluster
 
     if not os.path.exists(os.path.join(args.data, "CORPUS.json")):  # an existing corpus (any scale) is used as it is
         generate_demo_corpus(args.data)

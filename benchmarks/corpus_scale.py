@@ -41,7 +41,7 @@ _INDEX = r"""
 import json, os, sys, time, tracemalloc
 import psutil
 from overlord_dask.plan import plan_from_dict
-from overlord_dask.service import index_sources
+from overlord_dask.service.indexing import index_sources
 from overlord_dask.sources import discover_units, parquet
 plan = plan_from_dict(json.loads(sys.argv[1]), base_dir=sys.argv[2])
 sequential = sys.argv[3] == "1"
@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--s3", action="store_true", help="also index the corpus on a loopback S3 server (moto)")
     args = ap.parse_args(argv)
 
-    from overlord_dask.demo import generate_text_sources, text_sources_plan
+    from overlord_dask.service.demo import generate_text_sources, text_sources_plan
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data or tmp

@@ -66,7 +66,7 @@ from benchmarks.output import print_rows  # noqa: E402
 
 
 def _plan(data: str, dp: int, shadows: int, checkpoint: str | None = None):
-    from overlord_dask.demo import demo_plan
+    from overlord_dask.service.demo import demo_plan
 
     extra = {"checkpoint": {"url": checkpoint}} if checkpoint else {}
     return demo_plan(data, topology={"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 8192},
@@ -77,7 +77,7 @@ def _train(streams: dict, steps: int, compute_s: float, fault_at: int | None = N
            slow: dict | None = None) -> tuple[dict, list, float]:
     """Every rank takes ``steps`` steps, computing ``compute_s`` each; ``fault`` runs when rank 0
     reaches step ``fault_at``. Returns (identities per (rank, step), waits after the fault, wait max before)."""
-    from overlord_dask.report import delivered_identities, delivered_record
+    from overlord_dask.observe.figures import delivered_identities, delivered_record
 
     got, after, before, t_fault = {}, [], [], []
 
@@ -165,7 +165,7 @@ def _signal_a_worker(sig: int, stopped: list):
 
 
 def _serve(plan_file: Path, port: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", str(plan_file), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask", "serve", str(plan_file), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     return proc, json.loads(proc.stdout.readline())["address"]
@@ -210,7 +210,7 @@ def _trainer_restart(plan, cluster, steps: int, compute_s: float, fault_at: int)
     """Rank 1 dies holding step ``fault_at`` (unacknowledged) and restarts from the state it saved
     just before; returns (pieces per (rank, step), the restarted rank's wait for its first batch)."""
     from overlord_dask import Service, connect
-    from overlord_dask.report import delivered_identities, delivered_record
+    from overlord_dask.observe.figures import delivered_identities, delivered_record
 
     got, stall = {}, []
 
@@ -270,8 +270,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-catalogue", action="store_true", help="skip running the bad-input catalogue")
     args = ap.parse_args(argv)
 
-    from overlord_dask.demo import generate_demo_corpus
-    from overlord_dask.deploy import local_cluster
+    from overlord_dask.service.demo import generate_demo_corpus
+    from overlord_dask.service.deploy import local_cluster
 
     if not os.path.exists(os.path.join(args.data, "CORPUS.json")):
         generate_demo_corpus(args.data)

@@ -133,7 +133,7 @@ def _serve(root: str, names: list[str], dp: int, tokens: int, workers: int, weig
     """``overlord serve`` over the generated sources under ``root``, in its own process tree."""
     import yaml
 
-    from overlord_dask.demo import text_sources_plan
+    from overlord_dask.service.demo import text_sources_plan
 
     plan = text_sources_plan(names, weights, topology={"dp": dp, "micro_batches": 1, "tokens_per_micro_batch": tokens})
     if seed is not None:
@@ -159,7 +159,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def measure(root: str, dp: int, n_sources: int, args) -> dict:
-    from overlord_dask.demo import generate_text_sources
+    from overlord_dask.service.demo import generate_text_sources
 
     names = generate_text_sources(os.path.join(root, f"s{n_sources}"), n_sources)
     data = os.path.join(root, f"s{n_sources}")

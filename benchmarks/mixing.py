@@ -44,8 +44,8 @@ from output import emit  # noqa: E402  (benchmarks/output.py)
 
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
-from overlord_dask.planner.order import stable_seed  # noqa: E402
-from overlord_dask.report import window_mix_errors  # noqa: E402
+from overlord_dask.planner.streams.order import stable_seed  # noqa: E402
+from overlord_dask.observe.figures import window_mix_errors  # noqa: E402
 
 SOURCES = {  # name: (lognormal mu, sigma) of document lengths
     "web": (6.6, 1.0),

@@ -210,7 +210,7 @@ def _stream(ranks: list[dict]) -> list:
 
 
 def _figures(system: str, full: dict, bare_mb: float, n_sources: int, weights: np.ndarray, warmup: int, window: int) -> dict:
-    from overlord_dask.report import window_mix_errors
+    from overlord_dask.observe.figures import window_mix_errors
 
     ranks = full["ranks"]
     steps = len(ranks[0]["steps"])
@@ -271,7 +271,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--data", default=None, help="folder for the generated sources (default: a temporary one)")
     args = ap.parse_args(argv)
 
-    from overlord_dask.demo import generate_text_sources
+    from overlord_dask.service.demo import generate_text_sources
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data or tmp

@@ -35,8 +35,8 @@ from output import emit  # noqa: E402  (benchmarks/output.py)
 
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
-from overlord_dask.planner.order import stable_seed  # noqa: E402
-from overlord_dask.report import exactly_once  # noqa: E402
+from overlord_dask.planner.streams.order import stable_seed  # noqa: E402
+from overlord_dask.observe.figures import exactly_once  # noqa: E402
 from overlord_dask.snapshots import SnapshotStore, SnapshotWriter  # noqa: E402
 
 N_SOURCES, UNITS_PER_SOURCE, DOCS_PER_UNIT = 100, 100, 256
@@ -147,8 +147,8 @@ def part2(steps: int, data: str) -> dict:
     """Consumer wait p99 of the real service, without and with snapshots, in the same run."""
     import yaml
 
-    from overlord_dask.cli import run_demo
-    from overlord_dask.demo import PLAN_FILE, generate_demo_corpus
+    from overlord_dask.service.cli import run_demo
+    from overlord_dask.service.demo import PLAN_FILE, generate_demo_corpus
 
     corpus = generate_demo_corpus(data)  # the demo corpus, shared with `overlord demo`
     out = {}
@@ -175,7 +175,7 @@ def part3(data: str, steps: int = 30) -> dict:
     cold start and for a restart from the snapshot of a run that committed ``steps`` steps
     (both on a new LocalCluster of 2 worker processes, so cluster start-up counts)."""
     from overlord_dask import Service, connect
-    from overlord_dask.demo import demo_plan, generate_demo_corpus
+    from overlord_dask.service.demo import demo_plan, generate_demo_corpus
 
     corpus = generate_demo_corpus(data)
     out = {}

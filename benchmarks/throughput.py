@@ -52,8 +52,8 @@ import zarr
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from overlord_dask.cli import run_demo  # noqa: E402
-from overlord_dask.demo import demo_plan, generate_demo_corpus  # noqa: E402
+from overlord_dask.service.cli import run_demo  # noqa: E402
+from overlord_dask.service.demo import demo_plan, generate_demo_corpus  # noqa: E402
 from overlord_dask.sources.tokenizers import resolve_tokenizer  # noqa: E402
 
 
@@ -120,7 +120,7 @@ def bpe_plan(data_dir: str, vocab: int, docs: int) -> tuple[str, float]:
     by it; returns the plan's path and the training seconds."""
     import yaml
 
-    from overlord_dask.demo import PLAN_FILE, demo_texts, train_bpe
+    from overlord_dask.service.demo import PLAN_FILE, demo_texts, train_bpe
 
     t0 = time.perf_counter()
     tok = train_bpe(demo_texts(data_dir, docs), os.path.join(data_dir, f"bpe-{vocab}.json"), vocab_size=vocab)
@@ -159,7 +159,7 @@ def per_rank_baseline(args, plan, steps: int) -> dict:
     import multiprocessing as mp
 
     from benchmarks.trainer_wait import _baseline_trainer, _run_procs
-    from overlord_dask.cli import steady_from
+    from overlord_dask.service.cli import steady_from
 
     src = next(s for s in plan.sources if s.text_field)
     files = sorted(glob.glob(os.path.join(plan.base_dir, src.url)))

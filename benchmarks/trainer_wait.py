@@ -241,8 +241,8 @@ def main(argv=None) -> dict:
                       "dim": args.model_dim or (2048 if gpu else 64), "layers": args.model_layers or (4 if gpu else 1)}
 
     from overlord_dask import Service
-    from overlord_dask.demo import demo_plan, generate_demo_corpus
-    from overlord_dask.deploy import local_cluster
+    from overlord_dask.service.demo import demo_plan, generate_demo_corpus
+    from overlord_dask.service.deploy import local_cluster
 
     if not os.path.exists(os.path.join(args.data, "CORPUS.json")):  # an existing corpus (any scale) is used as it is
         generate_demo_corpus(args.data)

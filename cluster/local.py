@@ -6,7 +6,7 @@ Prints the scheduler address that trainers pass to ``OverlordDataset(address, ra
 This is what ``overlord serve`` does; it is here as the reference deployment.
 """
 
-from overlord_dask.cli import main
+from overlord_dask.service.cli import main
 
 if __name__ == "__main__":
     import sys

@@ -16,7 +16,7 @@ import sys
 import time
 
 from overlord_dask import Service, load_plan
-from overlord_dask.deploy import slurm_cluster
+from overlord_dask.service.deploy import slurm_cluster
 from overlord_dask.protocol import write_scheduler_file
 
 

@@ -1,9 +1,12 @@
 """overlord-dask: a disaggregated, Dask-based data-loading service for foundation-model training.
 
-Roles (the design card's, see README): ``plan`` (declarative data plane) → ``sources`` + ``loaders`` (load units on
-workers) → ``planner`` (scheduler plugin: mix, pack, balance, ledger) → ``constructors`` (packed
-micro-batches on workers) → ``consumer`` (trainer-side iterator / IterableDataset). ``service``
-wires them together; ``cli`` is the ``overlord`` command.
+One folder per process role: ``plan`` (the declarative data plane) → ``sources`` (formats and
+tokenizers, read on workers) → ``planner`` (the algorithm: mix, pack, balance, ledger; no Dask) run
+by ``scheduler`` (its Dask side, a scheduler plugin) → ``worker`` (load and constructor tasks, the
+batch server) → ``trainer`` (the rank's stream, ``OverlordDataset``). ``loading`` sizes the
+loader pools, ``observe`` holds the figures and views, ``service`` starts and drives a run and is
+the ``overlord`` command. ``pieces``, ``protocol``, ``client``, ``wire`` and ``snapshots`` are
+shared by several processes.
 """
 
 from .errors import OverlordError, PlanError, RankError, ServiceError, SourceError
@@ -11,10 +14,10 @@ from .errors import OverlordError, PlanError, RankError, ServiceError, SourceErr
 __version__ = "0.1.0"
 
 # Everything else loads on first use (PEP 562). A trainer that only does
-# ``from overlord_dask import OverlordDataset`` then imports the consumer (numpy and Dask's comms),
-# not the planner, pyarrow, zarr or pydantic: ~55 MB less in every rank's process.
+# ``from overlord_dask import OverlordDataset`` then imports the trainer side (numpy and Dask's
+# comms), not the planner, pyarrow, zarr or pydantic (benchmarks/memory.py: memory per rank).
 _LAZY = {
-    "RankStream": "consumer", "connect": "consumer", "OverlordDataset": "dataset", "Service": "service",
+    "RankStream": "trainer.stream", "connect": "trainer.stream", "OverlordDataset": "trainer.dataset", "Service": "service.service",
     "CostModel": "plan", "Loading": "plan", "Plan": "plan", "Source": "plan", "Topology": "plan",
     "load_plan": "plan", "plan_from_dict": "plan",
 }

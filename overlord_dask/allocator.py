@@ -4,9 +4,9 @@ Consumers and workers allocate batch-sized buffers all the time and free them st
 consumer decodes every micro-batch into fresh arrays (three 16k-token int64 arrays are 128 KiB
 each, the size at which glibc serves an allocation with its own ``mmap``); a worker reads units,
 packs micro-batches, and pickles and receives blocks and built chunks. Where glibc returns such
-memory to the OS at once, every new buffer pays a page fault per 4 KiB page it writes: 31
-faults per decoded 16k-token micro-batch, and the decode cost 1.6x what it does on reused
-memory (0.45 against 0.28 ms per step and rank in the demo). That is the case in any process
+memory to the OS at once, every new buffer pays a page fault per 4 KiB page it writes, and
+decoding costs far more than on reused memory (``tests/test_control_path.py`` counts the page
+faults per decode). That is the case in any process
 started with ``MALLOC_TRIM_THRESHOLD_`` set: Dask's nanny sets it for every worker it starts
 (``distributed.nanny.pre-spawn-environ``, 64 KiB), and in the process that starts a
 ``LocalCluster``, so trainers launched from a script that embeds the service inherit it.
@@ -14,8 +14,8 @@ started with ``MALLOC_TRIM_THRESHOLD_`` set: Dask's nanny sets it for every work
 :func:`keep_freed_memory` raises glibc's mmap threshold to 4 MiB and its trim threshold to 64
 MiB with ``mallopt``: batch-sized buffers come from the heap, and up to 64 MiB of freed heap
 stays mapped for reuse (per process; Dask's setting exists to return memory to the OS promptly,
-and a data-loading worker's buffers are reused within milliseconds). Measured in the demo:
--5% CPU per step with the consumers tuned, another -11% with the workers. ``RankStream`` calls
+and a data-loading worker's buffers are reused within milliseconds; ``benchmarks/throughput.py``
+reports the service's CPU per step). ``RankStream`` calls
 it once per process, :class:`KeepFreedMemory` on every worker of a service;
 ``OVERLORD_KEEP_FREED_MEMORY=0`` opts out. Elsewhere than glibc (macOS, musl) it does nothing.
 """

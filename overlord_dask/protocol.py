@@ -1,35 +1,11 @@
 """The control protocol in one place: scheduler routes, queue names, task keys, descriptors.
 
-The planner plugin (scheduler), the driver (service process), the loader and constructor tasks
-(workers), the batch server (workers) and the consumer (trainers) meet only through the names
-defined here, so none of them imports another just to learn a string.
+The planner plugin (scheduler), the submitter (service process), the loader and constructor
+tasks (workers), the batch server (workers) and the trainers meet only through the names defined
+here, so none of them imports another just to learn a string. Each route's name is written once,
+in :class:`Route`; ``scheduler/routes.py`` binds them to handlers and ``client.py`` calls them.
 
-Routes on the scheduler (request/response unless noted):
-
-- ``overlord_info()``: topology and names a consumer needs to attach.
-- ``overlord_attach(rank, cp_rank)``: a consumer joins; answers the first step it gets (the one
-  after the rank's last acknowledged step) and its queue's new generation. Descriptors of built
-  batches from that step on are queued again under the new generation, so a trainer that
-  restarted (or a second consumer after a first one died) loses and repeats nothing.
-- ``overlord_channel(channel_id, run_id)`` (a stream, one per consumer process and run): the
-  consumer sends ``{"op": "subscribe", rank, cp_rank, generation}`` (after attaching),
-  ``{"op": "unsubscribe", rank, cp_rank, generation}`` and one-way ``{"op": "ack", rank, step,
-  cp_rank, durable, wait_s, since_s}`` (the trainer's time in ``next()``, and its time, since it attached); the scheduler pushes ``{"op": "descriptors", rank, cp_rank, generation,
-  items: [queue items]}`` as batches are built and ``{"op": "error", rank, cp_rank, generation,
-  message}`` (``rank`` None: every rank of the channel, e.g. the run stopped; an attachment that
-  a newer consumer of its rank replaced is told so). Both ways batched every few ms.
-- ``overlord_ack(rank, step, cp_rank, durable)``: consumed every step up to ``step``; the
-  request/response form, for ``commit()`` and ``state_dict()``, which wait for it.
-- ``overlord_where(key, timeout)``: the workers holding a built batch (waits until it is built).
-- ``overlord_work(timeout)``: the driver's long poll: loads to submit, constructor tasks to
-  submit, batches to release, blocks no longer needed, failure.
-- ``overlord_lengths`` (one-way, worker stream): a load task reports its unit's lengths, and the
-  seconds and bytes loading it took.
-- ``overlord_pools(lead_s)``: the pool autoscaler's inputs (weights over the schedule ahead, step
-  rate, measured seconds per token, pending loads, the source planning waits on).
-- ``overlord_request_stop()``: ask the serving process to stop cleanly (``status()["stop_requested"]``).
-- ``overlord_status``, ``overlord_metrics``, ``overlord_ledger``, ``overlord_snapshots``,
-  ``overlord_loop``, ``overlord_fail``, ``overlord_update``, ``overlord_plans``.
+What each route takes and answers is listed with the route table, in ``scheduler/routes.py``.
 
 A queue item (``distributed.Queue`` per (rank, cp rank), msgpack, a few hundred bytes) names one
 constructor task and the consecutive steps of that rank it holds::
@@ -47,26 +23,32 @@ import json
 import os
 from pathlib import Path
 
-HANDLERS = (
-    "overlord_info",
-    "overlord_attach",
-    "overlord_channel",
-    "overlord_ack",
-    "overlord_where",
-    "overlord_work",
-    "overlord_status",
-    "overlord_metrics",
-    "overlord_ledger",
-    "overlord_fail",
-    "overlord_snapshots",
-    "overlord_loop",
-    "overlord_update",
-    "overlord_plans",
-    "overlord_pools",
-    "overlord_request_stop",
-)
-STREAM_HANDLERS = ("overlord_lengths",)
-WORKER_FETCH = "overlord_fetch"
+CHANNEL_INTERVAL = "2ms"
+"""Batching interval of a trainer process's channel to the scheduler, both directions."""
+
+
+class Route:
+    """The name of every route, written here once: the scheduler's route table
+    (``scheduler/routes.py``) binds them, the client (``client.py``) calls them."""
+
+    INFO = "overlord_info"
+    ATTACH = "overlord_attach"
+    CHANNEL = "overlord_channel"  # a stream, one per consumer process and run
+    ACK = "overlord_ack"
+    WHERE = "overlord_where"
+    WORK = "overlord_work"
+    STATUS = "overlord_status"
+    METRICS = "overlord_metrics"
+    LEDGER = "overlord_ledger"
+    FAIL = "overlord_fail"
+    SNAPSHOTS = "overlord_snapshots"
+    LOOP = "overlord_loop"
+    UPDATE = "overlord_update"
+    PLANS = "overlord_plans"
+    POOLS = "overlord_pools"
+    REQUEST_STOP = "overlord_request_stop"
+    LENGTHS = "overlord_lengths"  # one-way, on a worker's own stream to the scheduler
+    FETCH = "overlord_fetch"  # on every worker: a trainer fetches built batches
 
 
 def queue_prefix(run_id: str) -> str:

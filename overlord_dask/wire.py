@@ -6,26 +6,24 @@ A packed micro-batch holds three capacity-long token arrays (``input_ids``, ``la
 its document's true next token, or -100), and positions restart at every piece. So the wire
 carries only the real tokens in the narrowest dtype that holds them (2 bytes per token for a
 vocabulary under 65,536) plus one label per piece, and :func:`decode` rebuilds exactly what
-:func:`constructors.pack_micro_batch` made (tested field by field). Every other integer array
+``worker.constructors.pack_micro_batch`` makes (tested field by field). Every other integer array
 travels narrowed as well; the consumer restores the dtypes in ``DTYPES``.
 
 Context-parallel slices are not derivable this way (zigzag chunks): they travel whole, narrowed.
 
 A batch travels as one buffer (:func:`pack_batch`: pickle protocol 5, arrays in-band), not as a
 Dask-serialized structure: Dask makes a frame of every array, with its own header and a
-compression attempt each, and a four-step fetch of two micro-batches per step has ~70 arrays.
-Measured for such a fetch (2 × 16k tokens per step): 1.6 ms to serialize and 0.41 ms to
-deserialize as frames, 0.36 ms and 0.24 ms as one buffer.
+compression attempt each, and a fetch of several steps holds dozens of arrays, so one buffer
+serializes and deserializes several times faster.
 
 Each batch is pickled once, by the constructor task that builds it (:func:`pack_batch`, on the
 worker's task thread): pickling on the worker's event loop at every fetch, and again for every
-shadow copy of a chunk, cost the loop ~0.65 ms per fetch and 16-19 ms per shadow copy at dp 256
-(a chunk of 1,024 small batches of ~10 arrays each), a third of the workers' event-loop CPU. A
-fetch answers with those buffers as they are, one Dask frame each (:class:`Payload`): joined
-into one bytes value inside the reply, each was copied twice more on the worker's event loop
-(the join, then msgpack packing the value into the message) and twice on the trainer's
-(msgpack's unpacking, then the split): the join and the packing were 6-8% of a worker's
-event-loop samples in the demo.
+shadow copy of a chunk, would cost the loop time on every fetch and copy, most at large dp (many
+small batches per chunk). A fetch answers with those buffers as they are, one Dask frame each
+(:class:`Payload`): joined into one bytes value inside the reply, each would be copied twice more
+on the worker's event loop (the join, then msgpack packing the value into the message) and twice
+on the trainer's (msgpack's unpacking, then the split). ``benchmarks/throughput.py`` measures the
+path end to end.
 """
 
 from __future__ import annotations
@@ -56,10 +54,8 @@ DTYPES = {
 PIECE_FIELDS = ("sample_ids", "source_ids", "chunk_ids", "piece_starts", "epochs")
 """Per-piece identity arrays. On the wire they are columns of one table (``"pieces"``), with each
 piece's length (``cu_seqlens`` follows) and last label: one narrowing and one pickled array per
-micro-batch instead of seven (narrowing even a tiny array costs ~4.5 µs: two reductions).
-Measured for a rank's step of 2 × 16k tokens in 39 pieces each: building and packing 306 → 264
-µs on the worker; unpickling and decoding on the trainer unchanged (the columns are copied out
-contiguous there)."""
+micro-batch instead of seven (narrowing even a tiny array costs two reductions); the trainer
+copies the columns out contiguous when it decodes."""
 _NARROW = tuple((np.dtype(dt), int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for dt in (np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64))
 
 
@@ -110,8 +106,8 @@ def decode(w: dict, dtypes: dict = DTYPES) -> dict:
     Every token array is written once, from the narrow wire ``tokens`` (a casting copy), never
     copied from another array of its own size and dtype: two such arrays allocated one after the
     other lie a whole number of pages (plus the allocator's 16-byte header) apart, and a plain
-    copy between addresses that close modulo 4 KiB runs ~10x slower on x86 (4K aliasing: 45 µs
-    against 4 µs for 128 KiB of int64). Copying the labels from ``input_ids`` was half of decoding."""
+    copy between addresses that close modulo 4 KiB runs many times slower on x86 (4K aliasing),
+    which made copying the labels from ``input_ids`` the largest part of decoding."""
     out = {}
     table = w.get("pieces")
     if "tokens" in w:

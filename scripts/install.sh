@@ -15,4 +15,4 @@ fi
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".${extras}" "torch==2.13.0"
 # compile the planner's numba kernels once now (cached beside the code), not in the first run
-.venv/bin/python -c "from overlord_dask.planner.kernels import warm; warm()"
+.venv/bin/python -c "from overlord_dask.planner.policies.kernels import warm; warm()"

@@ -8,7 +8,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from overlord_dask.demo import demo_plan, generate_demo_corpus
+from overlord_dask.service.demo import demo_plan, generate_demo_corpus
 
 # CI runs the same hypothesis examples every time (a submission must not fail by chance);
 # local runs keep exploring new ones.
@@ -37,7 +37,7 @@ def small_plan(corpus):
 
 @pytest.fixture(scope="session")
 def cluster():
-    from overlord_dask.deploy import local_cluster
+    from overlord_dask.service.deploy import local_cluster
 
     c = local_cluster(n_workers=2, threads_per_worker=1)
     yield c

@@ -26,7 +26,7 @@ import zarr
 
 from overlord_dask import PlanError, ServiceError, SourceError
 from overlord_dask.errors import OverlordError
-from overlord_dask.loaders import load_block
+from overlord_dask.worker.loaders import load_block
 from overlord_dask.plan import plan_from_dict, plan_to_dict
 from overlord_dask.sources import discover_units
 from overlord_dask.sources.blocks import SampleBlock
@@ -281,7 +281,7 @@ def case_service_killed_for_good(tmp_path, cluster):
     from overlord_dask import connect
 
     plan = _text_source(tmp_path, texts=["some text here"] * 3000, loading={"unit_rows": 1000})
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", _plan_file(tmp_path / "p.yaml", plan)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask", "serve", _plan_file(tmp_path / "p.yaml", plan)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
     try:
         stream = connect(json.loads(proc.stdout.readline())["address"], 0, timeout=60, reconnect_timeout=3)
@@ -295,7 +295,7 @@ def case_service_killed_for_good(tmp_path, cluster):
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "overlord_dask.cli", *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "overlord_dask", *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

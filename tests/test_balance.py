@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from overlord_dask.plan import plan_from_dict
-from overlord_dask.planner.balance import _level, group_heavy
+from overlord_dask.planner.policies.balance import _level, group_heavy
 from overlord_dask.planner.cost import doc_costs
-from overlord_dask.planner.metrics import step_imbalance
+from overlord_dask.observe.figures import step_imbalance
 from overlord_dask.planner.state import PlannerState
 
 
@@ -199,7 +199,7 @@ def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacit
     what it planned. In the second case heavy groups often miss their own step (long documents,
     small micro-batches); the third has fractional costs and more than 8 sources and ranks, where
     numpy sums pairwise (``kernels.np_sum`` must follow it)."""
-    from overlord_dask.planner import kernels
+    from overlord_dask.planner.policies import kernels
 
     assert kernels.COMPILED and kernels.warm()  # numba is installed with the package
     shapes = [(0.9, 700), (None, 6.0), (1.2, 300), (None, 5.0)]
@@ -223,7 +223,7 @@ def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacit
 def test_kernel_sums_and_sorts_follow_numpy(compiled):
     """``kernels.np_sum`` is numpy's pairwise sum bit for bit, ``kernels._argsort`` numpy's
     stable argsort, compiled and as plain Python, at every length that changes their path."""
-    from overlord_dask.planner import kernels
+    from overlord_dask.planner.policies import kernels
 
     np_sum = kernels.np_sum if compiled else kernels.np_sum.py_func
     argsort = kernels._argsort if compiled else kernels._argsort.py_func
@@ -239,7 +239,7 @@ def test_kernel_sums_and_sorts_follow_numpy(compiled):
 def test_a_windows_light_quotas_at_once_are_each_steps_bit_for_bit(dp, micro_batches):
     """``_row_quotas`` levels every step of a window in one call: each step's quota is exactly
     (bit for bit) what leveling that step alone gives, steps without light pieces left out."""
-    from overlord_dask.planner.balance import _row_quotas
+    from overlord_dask.planner.policies.balance import _row_quotas
 
     rng = np.random.default_rng(dp)
     steps, capacity, n = 6, 4096, 400
@@ -269,7 +269,7 @@ def test_kernels_compile_where_no_cache_is_writable(monkeypatch):
 
     import numba
 
-    from overlord_dask.planner import kernels
+    from overlord_dask.planner.policies import kernels
 
     real = numba.njit
 

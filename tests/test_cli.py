@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-OVERLORD = [sys.executable, "-m", "overlord_dask.cli"]
+OVERLORD = [sys.executable, "-m", "overlord_dask"]
 
 
 def test_demo_prints_a_summary_with_exactly_once(tmp_path):
@@ -30,7 +30,7 @@ def test_demo_prints_a_summary_with_exactly_once(tmp_path):
 
 
 def test_the_steady_state_window_skips_warm_up_and_prefetched_steps():
-    from overlord_dask.cli import steady_from
+    from overlord_dask.service.cli import steady_from
 
     assert steady_from(600, 64) == 150  # a quarter into the run, past the 64 prefetched steps
     assert steady_from(200, 64) == 64  # past the prefetched steps
@@ -39,7 +39,7 @@ def test_the_steady_state_window_skips_warm_up_and_prefetched_steps():
 
 
 def test_validate_and_bad_plan_exit_codes(tmp_path, corpus):
-    plan = yaml.safe_load((ROOT / "overlord_dask" / "demo_plan.yaml").read_text())
+    plan = yaml.safe_load((ROOT / "overlord_dask" / "service" / "demo_plan.yaml").read_text())
     for s in plan["sources"]:
         s["url"] = str(Path(corpus) / s["url"])
     good = tmp_path / "good.yaml"
@@ -81,9 +81,9 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
     itself in a scheduler file), trainers that find it by the file, status, a plan update, a
     clean stop (last snapshot written), and a restart that resumes exactly where it stopped."""
     from overlord_dask import connect
-    from overlord_dask.report import delivered_identities, delivered_record
+    from overlord_dask.observe.figures import delivered_identities, delivered_record
 
-    plan = yaml.safe_load((ROOT / "overlord_dask" / "demo_plan.yaml").read_text())
+    plan = yaml.safe_load((ROOT / "overlord_dask" / "service" / "demo_plan.yaml").read_text())
     for s in plan["sources"]:
         s["url"] = str(Path(corpus) / s["url"])
     plan["topology"].update(micro_batches=1, tokens_per_micro_batch=4096)
@@ -138,7 +138,7 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
 
 def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("from overlord_dask import Service\nfrom overlord_dask.demo import demo_plan\n"
+    script.write_text("from overlord_dask import Service\nfrom overlord_dask.service.demo import demo_plan\n"
                       f"service = Service.start(demo_plan({str(tmp_path)!r}))\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode != 0

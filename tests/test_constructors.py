@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from overlord_dask.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch
+from overlord_dask.worker.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch
 from overlord_dask.sources.blocks import SampleBlock
 
 from .harness import same_fields
@@ -61,8 +61,8 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
 
     from dask.sizeof import sizeof
 
-    from overlord_dask.constructors import build_chunk
-    from overlord_dask.planner import pieces as P
+    from overlord_dask.worker.constructors import build_chunk
+    from overlord_dask import pieces as P
     from overlord_dask.wire import decode_batch, nbytes
 
     blocks = {block_key(0, 0, 0): _block([5, 9, 3])}
@@ -100,8 +100,8 @@ def test_a_fetch_sends_the_batches_the_constructor_packed_as_frames():
 
     from distributed.protocol import dumps, loads, to_serialize
 
-    from overlord_dask.constructors import build_chunk
-    from overlord_dask.planner import pieces as P
+    from overlord_dask.worker.constructors import build_chunk
+    from overlord_dask import pieces as P
     from overlord_dask.wire import Payload, pack_batch
 
     blocks = {block_key(0, 0, 0): _block([5, 9, 3, 7])}

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlord_dask import RankError, Service, connect
-from overlord_dask.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch, zigzag_chunks
+from overlord_dask.worker.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch, zigzag_chunks
 from overlord_dask.sources.blocks import SampleBlock
 
 from .harness import run_ranks

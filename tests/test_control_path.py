@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from overlord_dask import Service, ServiceError, connect
-from overlord_dask.constructors import build_rank_batch, check_micro_batch
+from overlord_dask.worker.constructors import build_rank_batch, check_micro_batch
 from overlord_dask.protocol import block_key
-from overlord_dask.rank_io import TORCH_DTYPES
+from overlord_dask.trainer.tensors import TORCH_DTYPES
 from overlord_dask.sources.blocks import SampleBlock
 from overlord_dask.wire import decode, decode_batch, encode, encode_batch, nbytes
 
@@ -63,7 +63,7 @@ def test_constructors_build_the_wire_form_directly(seed):
     """What a constructor stores (``wire_micro_batch``: no padded labels or positions built) is
     exactly the wire form of the packed micro-batch, split pieces, whole documents and an empty
     micro-batch alike."""
-    from overlord_dask.constructors import pack_micro_batch, wire_micro_batch
+    from overlord_dask.worker.constructors import pack_micro_batch, wire_micro_batch
 
     rng = np.random.default_rng(seed)
     blocks = {block_key(0, 0, 0): _block(rng), block_key(2, 1, 5): _block(rng)}
@@ -87,8 +87,8 @@ def test_a_chunk_built_at_once_decodes_to_the_packed_micro_batches(seed):
     a rank group that does not start at rank 0."""
     import pickle
 
-    from overlord_dask.constructors import build_chunk, pack_micro_batch
-    from overlord_dask.planner import pieces as P
+    from overlord_dask.worker.constructors import build_chunk, pack_micro_batch
+    from overlord_dask import pieces as P
 
     rng = np.random.default_rng(seed)
     blocks = {block_key(0, 0, 0): _block(rng), block_key(2, 1, 5): _block(rng, vocab=70_000), block_key(0, 1, 0): _block(rng, n_docs=3)}
@@ -138,7 +138,7 @@ def test_a_chunk_built_at_once_decodes_to_the_packed_micro_batches(seed):
 
 
 def test_wire_form_keeps_context_parallel_slices_whole():
-    from overlord_dask.constructors import select_cp
+    from overlord_dask.worker.constructors import select_cp
 
     rng = np.random.default_rng(3)
     block = _block(rng)
@@ -155,7 +155,7 @@ _FAULTS_PER_DECODE = """
 import collections, resource, sys
 import numpy as np
 from overlord_dask.allocator import keep_freed_memory
-from overlord_dask.rank_io import TORCH_DTYPES
+from overlord_dask.trainer.tensors import TORCH_DTYPES
 from overlord_dask.wire import decode, encode
 
 C, n = 16384, 16000

@@ -11,8 +11,8 @@ import pytest
 from overlord_dask import PlanError, Service, connect
 from overlord_dask.plan import plan_from_dict, plan_to_dict
 from overlord_dask.planner.state import PlannerState
-from overlord_dask.planner.order import stable_seed
-from overlord_dask.report import delivered_identities, delivered_record, exactly_once, planned_identities, window_mix_errors
+from overlord_dask.planner.streams.order import stable_seed
+from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities, window_mix_errors
 
 from .harness import run_ranks
 

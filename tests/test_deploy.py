@@ -64,7 +64,7 @@ def test_embedded_workers_yield_the_cores_to_the_scheduler_and_the_trainers(clus
 
     from distributed import Client
 
-    from overlord_dask.priority import WORKER_NICE, worker_nice
+    from overlord_dask.service.priority import WORKER_NICE, worker_nice
 
     with Client(cluster, set_as_default=False) as c:
         c.submit(_thread_priorities, pure=False).result()  # a task: the worker's task thread exists now
@@ -80,7 +80,7 @@ def test_embedded_workers_yield_the_cores_to_the_scheduler_and_the_trainers(clus
 def test_a_users_dask_settings_win_over_the_quiet_defaults():
     import dask
 
-    from overlord_dask.deploy import QUIET_DEFAULTS, quiet_defaults, worker_config
+    from overlord_dask.service.deploy import QUIET_DEFAULTS, quiet_defaults, worker_config
 
     assert quiet_defaults() == QUIET_DEFAULTS
     with dask.config.set({"distributed.admin.tick.interval": "50ms"}):
@@ -97,7 +97,7 @@ def test_a_users_dask_settings_win_over_the_quiet_defaults():
 
 def test_slurm_job_script_renders():
     pytest.importorskip("dask_jobqueue")
-    from overlord_dask.deploy import slurm_cluster
+    from overlord_dask.service.deploy import slurm_cluster
 
     cluster = slurm_cluster(cores=4, memory="16GB", queue="cpu", account="proj", walltime="01:00:00", scheduler_options={"host": "127.0.0.1"})
     try:
@@ -129,7 +129,7 @@ def test_pools_scale_as_slurm_jobs_through_the_real_slurmcluster(corpus, tmp_pat
 
     pytest.importorskip("dask_jobqueue")
     from overlord_dask import Service
-    from overlord_dask.deploy import slurm_cluster
+    from overlord_dask.service.deploy import slurm_cluster
     from overlord_dask.plan import plan_from_dict
 
     from .test_pools import _consume, _photos_plan

@@ -12,8 +12,8 @@ import pytest
 from dask.utils import parse_timedelta
 
 from overlord_dask import Service, connect
-from overlord_dask.deploy import WORKER_CONFIG
-from overlord_dask.report import delivered_identities, delivered_record
+from overlord_dask.service.deploy import WORKER_CONFIG
+from overlord_dask.observe.figures import delivered_identities, delivered_record
 
 from .harness import run_ranks
 

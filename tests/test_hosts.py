@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from overlord_dask import Service
-from overlord_dask.report import exactly_once, planned_identities
+from overlord_dask.observe.figures import exactly_once, planned_identities
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ TRAINERS = """
 import json, sys, threading, time
 import numpy as np
 from overlord_dask import connect
-from overlord_dask.report import delivered_identities, delivered_record
+from overlord_dask.observe.figures import delivered_identities, delivered_record
 address, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 got = {}
 def rank(r):
@@ -99,7 +99,7 @@ def test_the_same_across_network_namespaces(tmp_path, corpus, namespaces):
 
 
 def _run_across_hosts(tmp_path, corpus, netns: dict | None):
-    plan = yaml.safe_load((ROOT / "overlord_dask" / "demo_plan.yaml").read_text())
+    plan = yaml.safe_load((ROOT / "overlord_dask" / "service" / "demo_plan.yaml").read_text())
     for s in plan["sources"]:
         s["url"] = str(Path(corpus) / s["url"])
     plan["topology"].update(dp=2, micro_batches=1, tokens_per_micro_batch=4096)
@@ -111,7 +111,7 @@ def _run_across_hosts(tmp_path, corpus, netns: dict | None):
     try:
         ns = netns or {}
         host = ["--host", NETS["svc"]] if netns else []
-        service = _group([sys.executable, "-m", "overlord_dask.cli", "serve", str(plan_file), "--workers", "0", *host], ns.get("svc"))
+        service = _group([sys.executable, "-m", "overlord_dask", "serve", str(plan_file), "--workers", "0", *host], ns.get("svc"))
         groups.append(service)
         address = json.loads(service.stdout.readline())["address"]
         assert not netns or address.startswith(f"tcp://{NETS['svc']}:")

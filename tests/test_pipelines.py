@@ -11,10 +11,10 @@ import yaml
 import zarr
 
 from overlord_dask import Service, SourceError, connect
-from overlord_dask.constructors import check_micro_batch, cp_slices
+from overlord_dask.worker.constructors import check_micro_batch, cp_slices
 from overlord_dask.plan import plan_from_dict
 from overlord_dask.planner.state import PlannerState
-from overlord_dask.report import delivered_identities, delivered_record, exactly_once, planned_identities, window_mix_errors
+from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities, window_mix_errors
 from overlord_dask.sources import discover_units, load_unit
 
 from .harness import run_ranks
@@ -125,11 +125,11 @@ def test_multimodal_cp_slices_keep_each_patch_with_its_placeholder(corpus):
     plan = pipeline("multimodal", corpus)
     src = plan.sources[1]
     block = load_unit(src, plan, discover_units(src, plan)[0])
-    from overlord_dask.constructors import block_key, pack_micro_batch
+    from overlord_dask.worker.constructors import block_key, pack_micro_batch
 
     lens = block.lengths()
     mb = pack_micro_batch([[1, 0, 0, d, 0, int(lens[d])] for d in range(6)], {block_key(1, 0, 0): block}, 4096, 4096, multimodal=True)
-    from overlord_dask.constructors import wire_micro_batch
+    from overlord_dask.worker.constructors import wire_micro_batch
     from overlord_dask.wire import encode
 
     wire = wire_micro_batch([[1, 0, 0, d, 0, int(lens[d])] for d in range(6)], {block_key(1, 0, 0): block}, 4096, 4096, multimodal=True)
@@ -177,7 +177,7 @@ def test_parquet_photos_are_decoded_on_load_and_parts_concat_to_the_whole(corpus
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from overlord_dask.loaders import load_block
+    from overlord_dask.worker.loaders import load_block
     from overlord_dask.plan import plan_to_dict
     from overlord_dask.sources.blocks import SampleBlock
     from overlord_dask.sources.images import patchify

@@ -8,12 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from overlord_dask.plan import plan_from_dict
-from overlord_dask.planner.assign import assign_bins
+from overlord_dask.planner.policies.exact import assign_bins
 from overlord_dask.planner.cost import doc_costs
-from overlord_dask.planner.metrics import step_imbalance
-from overlord_dask.planner.mixing import Starved, next_carry, select_step
+from overlord_dask.observe.figures import step_imbalance
+from overlord_dask.planner.policies.base import Starved
+from overlord_dask.planner.policies.exact import next_carry, select_step
 from overlord_dask.planner.state import PlannerState
-from overlord_dask.planner.streams import SourceStream
+from overlord_dask.planner.streams.stream import SourceStream
 
 
 def make_streams(lengths: list[list[np.ndarray]], piece_tokens: int, epochs: int = 3, seed: int = 0) -> list[SourceStream]:

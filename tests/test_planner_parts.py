@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from overlord_dask.planner import pieces as P
+from overlord_dask import pieces as P
 from overlord_dask.planner.ledger import Ledger
 from overlord_dask.planner.policies import POLICIES, CostBalanced, ExactStep
 from overlord_dask.planner.progress import Progress
@@ -103,7 +103,7 @@ def test_policies_are_named_in_one_registry_and_their_counters_round_trip():
 
 def test_chunks_default_to_a_million_tokens_within_half_the_prefetch_bound():
     from overlord_dask.plan.models import Loading, Topology
-    from overlord_dask.planner.chunks import CHUNK_TOKENS, chunk_steps
+    from overlord_dask.scheduler.chunks import CHUNK_TOKENS, chunk_steps
 
     small = Topology(dp=4, micro_batches=2, tokens_per_micro_batch=16384)  # 131k tokens per step
     big = Topology(dp=64, micro_batches=8, tokens_per_micro_batch=8192)  # 4M tokens per step
@@ -121,7 +121,7 @@ def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
     """Each group of ranks draws on nearly every block, so a chunk split over workers copies its
     blocks to each of them: a chunk is one task unless that task would exceed ``TASK_TOKENS``."""
     from overlord_dask.plan.models import Topology
-    from overlord_dask.planner.chunks import TASK_TOKENS, chunk_tasks
+    from overlord_dask.scheduler.chunks import TASK_TOKENS, chunk_tasks
 
     dp, steps, ledger = 8, [], {}
     for s in range(8):
@@ -141,9 +141,9 @@ def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
 
 
 def test_a_text_source_short_of_metadata_asks_for_a_batch_of_units_that_one_task_reads():
-    from overlord_dask.partition import partition
-    from overlord_dask.planner.lookahead import REFILL_TOKENS
-    from overlord_dask.planner.streams import SourceStream
+    from overlord_dask.loading.partition import partition
+    from overlord_dask.planner.streams.lookahead import REFILL_TOKENS
+    from overlord_dask.planner.streams.stream import SourceStream
 
     n_units, per_unit = 64, 100_000  # 100 documents of 1,000 tokens per unit
     s = SourceStream("web", 0, n_units, np.arange(n_units, dtype=np.int64) * 100, seed=0, piece_tokens=4096)

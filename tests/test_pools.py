@@ -11,11 +11,11 @@ import yaml
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from overlord_dask import Service, connect
-from overlord_dask.autoscale import PoolPolicy
+from overlord_dask.loading.autoscale import PoolPolicy
 from overlord_dask.plan import plan_from_dict
 from overlord_dask.plan.models import Autoscale
-from overlord_dask.pools import PoolSpec, plan_pools, pool_of, pool_resource, worker_spec
-from overlord_dask.report import delivered_identities, delivered_record
+from overlord_dask.loading.pools import PoolSpec, plan_pools, pool_of, pool_resource, worker_spec
+from overlord_dask.observe.figures import delivered_identities, delivered_record
 
 from .harness import run_ranks
 
@@ -99,7 +99,7 @@ def test_pools_without_weight_ahead_are_released_and_the_budget_caps_the_rest():
 
 
 def test_pool_specs_pin_by_resource_on_local_and_slurm_clusters():
-    from overlord_dask.deploy import local_cluster, slurm_cluster
+    from overlord_dask.service.deploy import local_cluster, slurm_cluster
 
     spec = PoolSpec("photos", ("photos",), cores=2, memory="3GB")
     with local_cluster(n_workers=0) as lc:
@@ -172,7 +172,7 @@ def _consume(service, dp: int, steps: int, compute_s: float = 0.0) -> dict:
 
 
 def test_autoscaled_pools_load_each_source_on_its_own_workers_and_keep_the_stream(corpus, cluster):
-    from overlord_dask.deploy import local_cluster
+    from overlord_dask.service.deploy import local_cluster
 
     steps = 60
     with Service.start(_photos_plan(corpus, autoscale=False, steps=steps), cluster=cluster) as plain:
@@ -226,7 +226,7 @@ def test_the_stream_does_not_depend_on_how_loading_is_cut(corpus, cluster):
 
 
 def test_partition_cuts_by_measured_cost():
-    from overlord_dask.partition import partition
+    from overlord_dask.loading.partition import partition
 
     wanted = [["a", 0, u] for u in range(6)] + [["b", 0, 0]]
     docs = lambda s, u: 100  # noqa: E731
@@ -240,7 +240,7 @@ def test_partition_cuts_by_measured_cost():
 def test_unit_parts_wait_for_a_chain_that_covers_the_unit():
     import numpy as np
 
-    from overlord_dask.partition import UnitParts
+    from overlord_dask.loading.partition import UnitParts
 
     parts = UnitParts()
     assert parts.add(("a", 0, 1), (5, 10, 10), np.array([5, 6]), None) is None

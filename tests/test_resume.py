@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from overlord_dask import Service, connect
-from overlord_dask.report import delivered_identities, delivered_record
+from overlord_dask.observe.figures import delivered_identities, delivered_record
 
 from .harness import run_ranks
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _plan_file(tmp_path, corpus, checkpoint: str | None, commit: str = "ack") -> Path:
-    data = yaml.safe_load((ROOT / "overlord_dask" / "demo_plan.yaml").read_text())
+    data = yaml.safe_load((ROOT / "overlord_dask" / "service" / "demo_plan.yaml").read_text())
     for s in data["sources"]:
         s["url"] = str(Path(corpus) / s["url"])
     data["topology"] = {"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 4096}
@@ -36,7 +36,7 @@ def _plan_file(tmp_path, corpus, checkpoint: str | None, commit: str = "ack") ->
 
 
 def _serve(plan: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", str(plan), "--port", str(port)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask", "serve", str(plan), "--port", str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
     line = proc.stdout.readline()
     return proc, json.loads(line)["address"]

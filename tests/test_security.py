@@ -43,14 +43,14 @@ def _trainer(address: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_tls_end_to_end_and_a_trainer_without_the_certificate_is_refused(tmp_path, corpus):
-    plan = yaml.safe_load((ROOT / "overlord_dask" / "demo_plan.yaml").read_text())
+    plan = yaml.safe_load((ROOT / "overlord_dask" / "service" / "demo_plan.yaml").read_text())
     for s in plan["sources"]:
         s["url"] = str(Path(corpus) / s["url"])
     plan["topology"].update(dp=1, micro_batches=1, tokens_per_micro_batch=4096)
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump(plan))
     env = _tls_env(tmp_path, "service")
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask.cli", "serve", str(plan_file), "--workers", "1"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask", "serve", str(plan_file), "--workers", "1"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True)
     try:
         address = json.loads(proc.stdout.readline())["address"]
@@ -64,7 +64,7 @@ def test_tls_end_to_end_and_a_trainer_without_the_certificate_is_refused(tmp_pat
         assert "TLS" in refused.stderr or "tls" in refused.stderr or "SSL" in refused.stderr, refused.stderr[-2000:]
         stranger = _trainer(address, _tls_env(tmp_path, "stranger"))  # a certificate from another CA
         assert stranger.returncode != 0 and "steps" not in stranger.stdout, stranger.stdout
-        stop = subprocess.run([sys.executable, "-m", "overlord_dask.cli", "stop", address], capture_output=True, text=True, timeout=120,
+        stop = subprocess.run([sys.executable, "-m", "overlord_dask", "stop", address], capture_output=True, text=True, timeout=120,
                               cwd=ROOT, env=env)
         assert stop.returncode == 0, stop.stderr[-2000:]
         assert proc.wait(timeout=60) == 0

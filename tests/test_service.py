@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from overlord_dask import RankError, Service, ServiceError, SourceError, connect
-from overlord_dask.constructors import check_micro_batch
+from overlord_dask.worker.constructors import check_micro_batch
 from overlord_dask.plan import plan_from_dict
-from overlord_dask.report import delivered_identities, delivered_record, exactly_once, planned_identities
+from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities
 
 from .harness import run_ranks
 from .reference import read_source
@@ -238,7 +238,7 @@ def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
 def test_window_figures_span_a_live_update_that_added_a_source():
     """``overlord status`` and the dashboard page read the last steps' mix; steps planned before
     an update that added a source carry one entry fewer per source (once, the status crashed)."""
-    from overlord_dask.planner.observe import window_figures
+    from overlord_dask.observe.figures import window_figures
 
     before = {"source_tokens": [300, 100], "weights": [0.75, 0.25], "tokens": 400, "imbalance": 1.0, "mb_imbalance": 1.1}
     after = {"source_tokens": [200, 100, 100], "weights": [0.5, 0.25, 0.25], "tokens": 400, "imbalance": 1.2, "mb_imbalance": 1.3}

@@ -9,7 +9,7 @@ import pytest
 from overlord_dask.plan import plan_from_dict
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.snapshots import SnapshotError, SnapshotStore
-from overlord_dask.planner.order import stable_seed
+from overlord_dask.planner.streams.order import stable_seed
 
 
 # ---- the store ---------------------------------------------------------------------------------

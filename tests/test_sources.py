@@ -177,7 +177,7 @@ def test_hf_bpe_tokenizer_file(tmp_path):
     on load exactly as the tokenizers library does, each document ended by its ``</s>``."""
     from tokenizers import Tokenizer
 
-    from overlord_dask.demo import train_bpe
+    from overlord_dask.service.demo import train_bpe
 
     texts = [f"the {w} sat on the mat number {i}" for i, w in enumerate(["cat", "dog", "ému", "日本"] * 20)] + [None, ""]
     train_bpe([t for t in texts if t], tmp_path / "tok.json", vocab_size=300)
@@ -207,7 +207,7 @@ def test_parquet_source_on_s3_indexes_in_parallel_like_a_local_one(tmp_path, s3_
     import s3fs
 
     from benchmarks.s3 import create_bucket, storage_options
-    from overlord_dask.service import index_sources
+    from overlord_dask.service.indexing import index_sources
 
     for f in range(5):
         _write_text(tmp_path / f"part-{f}.parquet", [f"file {f} doc {i} " * (i % 4 + 1) for i in range(7 + f)], row_group=3)
@@ -259,7 +259,7 @@ def test_blocks_keep_ids_in_the_narrowest_dtype_and_packing_widens_them():
     uint16 inserted into narrowed text is kept whole; packed micro-batches carry int32 ids."""
     from types import SimpleNamespace
 
-    from overlord_dask.constructors import pack_micro_batch
+    from overlord_dask.worker.constructors import pack_micro_batch
     from overlord_dask.protocol import block_key
     from overlord_dask.sources.blocks import SampleBlock
     from overlord_dask.sources.images import with_image_tokens

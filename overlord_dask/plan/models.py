@@ -40,7 +40,9 @@ class Pool(Strict):
     workers: int | None = Field(default=None, ge=0, le=100_000)
     """A fixed size; None: sized by the autoscaler between ``min_workers`` and ``max_workers``."""
     min_workers: int = Field(default=1, ge=0, le=100_000)
+    """Autoscaled pools: never fewer workers than this."""
     max_workers: int | None = Field(default=None, ge=1, le=100_000)
+    """Autoscaled pools: never more workers than this (None: only ``loading.autoscale.max_workers`` caps it)."""
     cores: int = Field(default=1, ge=1, le=1024)
     """Threads per worker (one load task per thread)."""
     memory: str = "auto"
@@ -160,6 +162,7 @@ class Topology(Strict):
     each of `dp` ranks."""
 
     dp: int = Field(ge=1, le=65536)
+    """Data-parallel ranks: the trainers' world size divided by their tensor, pipeline and context parallelism."""
     micro_batches: int = Field(default=1, ge=1, le=4096)
     """Micro-batches per rank per optimizer step (gradient accumulation)."""
     tokens_per_micro_batch: int = Field(ge=16, le=1 << 24)
@@ -205,10 +208,13 @@ class CostModel(Strict):
     encoder only the V patches)."""
 
     attention: float = Field(default=1.0, ge=0.0)
+    """Coefficient of L² (the attention term)."""
     linear: float | None = Field(default=None, ge=0.0)
     """Default 6·hidden."""
     constant: float = Field(default=0.0, ge=0.0)
+    """Cost per document, whatever its length."""
     hidden: int = Field(default=4096, ge=1)
+    """The model's hidden size: ``linear`` defaults to 6·hidden."""
     encoder: float = Field(default=0.0, ge=0.0)
     """Vision-encoder cost per image token (patch), added to the backbone cost of the tokens;
     e.g. ``6·d_vit·layers_vit / layers`` relative to the backbone's per-token ``linear`` cost."""
@@ -229,12 +235,13 @@ class CostModel(Strict):
 
 
 class Autoscale(Strict):
-    """Pool sizes from the planner's signals (``overlord_dask/autoscale.py``): each pool gets the
+    """Pool sizes from the planner's signals (``overlord_dask/loading/autoscale.py``): each pool gets the
     workers its sources' token demand needs (weights over the schedule ahead × the trainers' step
     rate × measured transform seconds per token), grows at once when the planner waits on one of
     its sources, and shrinks only after ``down_after`` checks in a row said so."""
 
     enabled: bool = False
+    """Size the loader pools from the planner's signals (every source without a declared pool gets its own)."""
     max_workers: int | None = Field(default=None, ge=1, le=100_000)
     """Most pool workers in all (the worker budget); None: no overall cap beyond each pool's."""
     interval_s: float = Field(default=1.0, gt=0, le=3600)
@@ -282,7 +289,7 @@ class Loading(Strict):
     """Extra copies of every built batch, each on another worker (hot standbys): a worker that
     dies takes its batches with it, and the trainers are served from a shadow instead of waiting
     for the batch to be rebuilt. Costs ``shadows`` × the bytes of the batches in flight (a
-    few steps' worth). Needs Dask's active memory manager off (``deploy.py`` turns it off), which
+    few steps' worth). Needs Dask's active memory manager off (``service/deploy.py`` turns it off), which
     would otherwise drop the copies as redundant."""
     shadow_blocks: bool = True
     """Loaded blocks get the same number of shadows as built batches: a worker that dies takes
@@ -295,8 +302,8 @@ class Balance(Strict):
 
     policy: Literal["cost", "none"] = "cost"
     """`cost`: plan `window` steps at once, spread long documents so every rank gets an equal
-    share, water-fill short ones (`planner/balance.py`). `none`: exact per-step mixing with
-    best-fit packing and no look-ahead (`planner/mixing.py`)."""
+    share, water-fill short ones (`planner/policies/balance.py`). `none`: exact per-step mixing with
+    best-fit packing and no look-ahead (`planner/policies/exact.py`)."""
     sync: Literal["step", "micro_batch"] = "micro_batch"
     """What the trainer waits on: `step` (DDP: ranks sync once per step) or `micro_batch` (FSDP:
     every micro-batch); the imbalance of that one is minimised."""
@@ -317,6 +324,7 @@ class Checkpoint(Strict):
     """fsspec URL of a folder (`file:///…`, a path, `s3://bucket/run`); None: no snapshots.
     A relative path is resolved against the plan file's folder."""
     storage_options: dict = Field(default_factory=dict)
+    """fsspec options for the snapshot location (credentials, endpoint)."""
     keep_bases: int = Field(default=2, ge=1, le=1000)
     """Base snapshots kept (with their deltas) by garbage collection."""
     base_every_steps: int = Field(default=1000, ge=1)
@@ -335,13 +343,21 @@ class Plan(Strict):
     """A whole run: sources and their mix, topology, cost model and loading bounds."""
 
     name: str = Field(default="overlord", pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    """The run's name (run ids, logs, snapshot checks)."""
     seed: int = Field(default=0, ge=0, lt=2**63)
+    """Seeds every source's order (with the source's name, the epoch and the unit): the same plan and seed give the same stream."""
     sources: list[Source] = Field(min_length=1)
+    """The data sources and their weights."""
     topology: Topology
+    """The trainers' layout and micro-batch size."""
     cost: CostModel = Field(default_factory=CostModel)
+    """The cost of a document, which the balancer evens out over ranks."""
     loading: Loading = Field(default_factory=Loading)
+    """What is read and built ahead, retries, shadows, pools."""
     balance: Balance = Field(default_factory=Balance)
+    """How steps are selected and laid out over ranks."""
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    """Snapshots of the planner and when a step becomes final."""
     stages: list[Stage] = Field(default_factory=list)
     """Curriculum stages in step order (mix and context strategy per stage); see
     :class:`~overlord_dask.plan.schedule.Stage`."""

@@ -1,19 +1,16 @@
-"""The planner: metadata in, planned steps out, run inside a scheduler plugin.
+"""The planner: metadata in, planned steps out. Pure Python and numpy, no Dask: the scheduler
+side (``scheduler/``) runs it in a thread of its own, and the tests run it without a cluster.
 
-Data flow: lengths of loaded units (reported by the load tasks) --> ``streams``/``streamset``
-(each source's order and cursor) --> a planning policy (``policies``: ``cost`` selects a window by
-weighted fair queuing and balances it over ranks by attention cost, ``balance``; ``none`` plans
-each step's exact mix, ``mixing`` + ``assign``) --> steps handed out in chunks within the prefetch
-bound --> ``ledger`` (pieces and metrics) and ``progress`` (acknowledgements) --> constructor
-tasks for the driver to submit; built chunks' descriptors go to the ranks' queues (``plugin``).
-``state.PlannerState`` composes the parts; ``pieces`` is the row schema they share.
-
-Names are imported on first use, so that ``from overlord_dask.planner.pieces import ...`` (a
-trainer-side helper, say) does not load the scheduler plugin.
+Data flow: lengths of loaded units (reported by the load tasks) --> ``streams/`` (each source's
+order, cursor and lookahead) --> a planning policy (``policies/``: ``cost`` selects a window by
+weighted fair queuing and balances it over ranks by attention cost; ``none`` plans each step's
+exact mix) --> steps handed out within the prefetch bound --> ``ledger`` (pieces and metrics) and
+``progress`` (acknowledgements). ``state.PlannerState`` composes the parts; ``snapshot`` saves and
+restores it; ``cost`` is the cost model; the row schema they share is ``overlord_dask.pieces``.
 """
 
-_LAZY = {"PlannerPlugin": ".plugin", "PlannerState": ".state"}
-__all__ = ["PlannerPlugin", "PlannerState"]
+_LAZY = {"PlannerState": ".state"}
+__all__ = ["PlannerState"]
 
 
 def __getattr__(name: str):

@@ -8,8 +8,9 @@ the same history. Read it as a mapping ``step -> entry``.
 
 Metrics hold numbers and tuples of numbers, never lists: a tuple of plain numbers, and then the
 dict holding it, drop out of the garbage collector's sight once they survive a collection. As
-lists, 100,000 steps of history were 500,000 tracked objects that every full collection in the
-scheduler's process walked (68 ms with the event loop blocked; 7 ms as tuples).
+lists, a long run's history would be hundreds of thousands of tracked objects that every full
+collection in the scheduler's process walks with the event loop blocked (tested with
+``gc.is_tracked``; ``benchmarks/control_plane.py`` reports the loop's longest block).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import pieces as P
-from .metrics import step_imbalance
+from .. import pieces as P
+from ..observe.figures import step_imbalance
 
 
 class Ledger(Mapping):

@@ -1,20 +1,22 @@
 """The planner, free of Dask: it composes the parts and runs the planning loop.
 
-The scheduler plugin (``plugin.py``) is a thin RPC shell around this class, which keeps it
-testable without a cluster. Everything here is metadata: lengths, ids, counters. No payload.
+The scheduler side (``scheduler/``) runs this class in its planner thread and routes requests to
+it, which keeps it testable without a cluster. Everything here is metadata: lengths, ids,
+counters. No payload.
 
 Parts, each owning its state (and its share of a snapshot):
 
 - ``timeline`` (``plan/timeline.py``): the plan's versions, weights and context at any step;
-- ``streams`` (``streamset.py``): each source's order, cursor and loaded metadata;
-- ``policy`` (``policies.py``, chosen by ``balance.policy``): how a window is chosen and laid out
+- ``streams`` (``streams/``): each source's order, cursor and loaded metadata;
+- ``policy`` (``policies/``, chosen by ``balance.policy``): how a window is chosen and laid out
   over ranks, and the counters that carry the mix across windows;
 - ``ledger`` (``ledger.py``): planned steps, where their pieces went, their metrics;
 - ``progress`` (``progress.py``): acknowledgements, committed and durable steps.
 
 The loop: ``wanted()`` names units to load, ``add_lengths()`` takes their metadata in,
 ``plan_ahead()`` plans whole windows into ``ready``, ``plan_steps()`` hands steps out within the
-prefetch bound (into the ledger) and names units no later step needs.
+prefetch bound (into the ledger) and names units no later step needs. ``snapshot.py`` captures
+and restores its state.
 """
 
 from __future__ import annotations
@@ -24,27 +26,17 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from .. import pieces as P
 from ..errors import PlanError
-from ..plan.loading import plan_from_dict, plan_to_dict
 from ..plan.models import Plan
 from ..plan.timeline import PlanTimeline
-from . import pieces as P
+from . import snapshot
 from .ledger import Ledger, step_metrics
-from .mixing import Starved
-from .policies import POLICIES, Window
+from .policies import POLICIES, Starved, Window
 from .progress import Progress
-from .streamset import StreamSet
+from .snapshot import decode_updates
+from .streams import StreamSet
 from .windows import WindowStarts
-
-STATE_VERSION = 3  # 2: every policy's counters in every snapshot (still read)
-
-
-def decode_updates(state: dict | None) -> list[tuple[int, Plan]]:
-    """The live plan updates recorded in a snapshot, as ``(at_step, Plan)``."""
-    if not state:
-        return []
-    return [(int(at), plan_from_dict(d, where=f"<snapshot plan update at step {at}>")) for at, d in state.get("updates", [])]
-
 
 class PlannerState:
     def __init__(self, plan: Plan, unit_first_ids: dict[str, list[int]], *, history_steps: int = 100_000, state: dict | None = None,
@@ -60,7 +52,7 @@ class PlannerState:
         self.balance = plan.balance
         self.policy = POLICIES[plan.balance.policy](len(self.streams))
         self.ledger = Ledger(history_steps)
-        self._use_plan(plan)
+        self.use_plan(plan)
         self.next_step = 0
         self.failure: str | None = None
         self.starved_on: str | None = None
@@ -71,9 +63,9 @@ class PlannerState:
         self.pool_workers: dict[str, int] = {}  # workers per loader pool, as the autoscaler last reported (metrics only)
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
         if state is not None:
-            self._restore(state)
+            snapshot.restore(self, state)
 
-    def _use_plan(self, plan: Plan, acked_through: int = -1) -> None:
+    def use_plan(self, plan: Plan, acked_through: int = -1) -> None:
         """Adopt a plan's topology and the budgets derived from it; every (rank, cp rank) has
         consumed (and saved) the steps up to ``acked_through``."""
         self.plan = plan
@@ -181,7 +173,7 @@ class PlannerState:
         t0 = time.perf_counter()
         while len(steps) < max_steps and self.can_plan():
             if self.next_step == self.replay_until and self.final_plan.topology != self.topology:
-                self._switch_topology()
+                snapshot.switch_topology(self)
             try:
                 ranks, mb_costs, drops = self._next_planned()
             except Starved as e:
@@ -214,8 +206,7 @@ class PlannerState:
         start = self.planned_until
         if self._starved is not None and self._starved[1] == self._inputs(self._starved[0]):
             # No unit of the source this window starved on arrived since: it would starve again,
-            # after selecting and rolling back its pieces (~0.6 ms a try; the demo's planner tried
-            # ~1,000 times in 1,500 steps, at every ack and every other source's unit).
+            # after selecting and rolling back its pieces, at every ack and every other source's unit.
             raise Starved(self._starved[0])
         self.windows.begin(start)
         ctx = self.timeline.context_at(start)
@@ -273,47 +264,10 @@ class PlannerState:
             metrics["pool_workers"] = dict(self.pool_workers)
         return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)
 
-    # ---- state (snapshots: windows.py) -----------------------------------------------------------
+    # ---- state (snapshot.py) ------------------------------------------------------------------------
     def get_state(self) -> dict:
-        """A msgpack-friendly snapshot: the parts' state at the start of the window holding the
-        durable step, that window's first step, the durable step (a restore re-plans from the
-        window and hands out steps from there), and the topology it was planned on."""
-        durable = self.progress.durable_step
-        window_step, window = self.windows.at(durable, self.planned_until)
-        t = self.topology
-        return {
-            "version": STATE_VERSION,
-            "plan": self.plan.name,
-            "sources": list(self.source_names),
-            "updates": [[at, plan_to_dict(p)] for at, p in self.timeline.updates],
-            "committed": durable,
-            "window_step": window_step,
-            "window": window,
-            "topology": {"dp": t.dp, "micro_batches": t.micro_batches, "tokens_per_micro_batch": t.tokens_per_micro_batch,
-                         "max_doc_tokens": t.max_doc_tokens, "cp": t.cp, "cp_min_tokens": t.cp_min_tokens},
-        }
-
-    def _restore(self, state: dict) -> None:
-        if state.get("version") not in (2, STATE_VERSION):
-            raise ValueError(f"snapshot version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
-        if list(state["sources"]) != self.source_names:
-            raise ValueError(f"snapshot sources {list(state['sources'])} differ from the plan's {self.source_names}; "
-                             "to add or remove sources, resume with the snapshot's plan and apply a plan update")
-        self.streams.set_state(state["window"])
-        self.policy.set_state(state["window"], len(self.streams))
-        self.next_step = int(state["window_step"])
-        self.replay_until = int(state["committed"])
-        self.progress.restart_at(self.replay_until)
-
-    def _switch_topology(self) -> None:
-        """After replaying the delivered steps on the old topology, continue on the plan's: the
-        pieces planned but not delivered go back to the front of the queue, in order."""
-        undelivered = [rows for ranks, _, _ in self.ready for mbs in ranks for rows in mbs]
-        if undelivered:
-            self.policy.pending = np.concatenate([self.policy.pending, P.with_age(np.concatenate(undelivered))])
-        self.ready.clear()
-        self._use_plan(self.final_plan, acked_through=self.replay_until - 1)
-        self.windows.clear()
+        """A msgpack-friendly snapshot of the planner (``snapshot.capture``)."""
+        return snapshot.capture(self)
 
     # ---- acknowledgements and status ------------------------------------------------------------
     def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> int:

@@ -78,8 +78,8 @@ def _row_groups(fs, path: str, source: Source) -> list[int]:
 def discover(source: Source, plan: Plan) -> list[LoadUnit]:
     """Units from the files' footers only (no data pages); the order is the sorted file order
     whatever the timing. On remote storage the footers are read in parallel (each is a request);
-    on a local disk one after the other: a footer there is ~1 ms of CPU, and threads only contended
-    for the GIL (``benchmarks/corpus_scale.py``: 1,000 local files took 1.9 s in threads, 1.1 s in turn)."""
+    on a local disk one after the other: a footer there is a little CPU, and threads only contend
+    for the GIL (``benchmarks/corpus_scale.py`` compares both)."""
     fs, files = list_files(source, plan.base_dir)
     if len(files) > 1 and not is_local(source, plan.base_dir):
         from concurrent.futures import ThreadPoolExecutor

@@ -57,8 +57,8 @@ _GROUPS_LOCK = threading.Lock()
 def _loading_group(source: Source, plan: Plan):
     """The source's group, opened once per plan object in this process (a worker's loads of one
     run version share the plan object: ``loaders._plan``). Opening reads the group's and the
-    arrays' metadata: ~1.3 ms on a local disk, a few object-store requests on S3, for every
-    unit otherwise. Chunks are still read at every load."""
+    arrays' metadata (a few object-store requests on S3), for every unit otherwise. Chunks are
+    still read at every load."""
     key = (id(plan), source.name)
     with _GROUPS_LOCK:
         hit = _GROUPS.get(key)

@@ -1,0 +1,130 @@
+"""Piece rows: the planner's one row schema.
+
+A *piece* is a run of tokens of one document, the grain everything after selection works on.
+Pieces travel as int64 numpy rows (no Python object per piece: a window holds tens of thousands)
+with these columns::
+
+    SOURCE  EPOCH  UNIT  DOC  START  STOP  [AGE]
+
+``SOURCE`` is the source's plan index, ``UNIT`` its load unit, ``DOC`` the document's index in
+the unit's file order, ``[START, STOP)`` the tokens of the document the piece holds. The
+balancer appends ``AGE`` (windows the piece has waited). A source's stream hands out rows
+without the source column (``[epoch, unit, doc, start, stop]``, ``STREAM_*`` below), since it
+knows only itself.
+
+On the wire (planner → submitter → constructors) rows travel as little-endian bytes:
+:func:`to_bytes` / :func:`from_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+SOURCE, EPOCH, UNIT, DOC, START, STOP, AGE = range(7)
+WIDTH = 6  # a planned piece; WIDTH + 1 with AGE
+STREAM_START, STREAM_STOP = START - 1, STOP - 1  # a stream's rows lack the source column
+
+
+def empty(width: int = WIDTH) -> np.ndarray:
+    return np.zeros((0, width), dtype=np.int64)
+
+
+def lengths(rows: np.ndarray) -> np.ndarray:
+    """Tokens per piece of planned rows (``WIDTH`` columns, with or without ``AGE``)."""
+    return rows[:, STOP] - rows[:, START]
+
+
+def stream_lengths(rows: np.ndarray) -> np.ndarray:
+    """Tokens per piece of a stream's rows (no source column)."""
+    return rows[:, STREAM_STOP] - rows[:, STREAM_START]
+
+
+def tokens(rows: np.ndarray) -> int:
+    return int(lengths(rows).sum())
+
+
+def units(rows: np.ndarray) -> np.ndarray:
+    """``[source, epoch, unit]`` of each piece: the block it lives in."""
+    return rows[:, : UNIT + 1]
+
+
+def unique_rows(rows: np.ndarray, return_counts: bool = False, return_inverse: bool = False):
+    """The distinct rows of an integer array in lexicographic order (then, if asked, each input
+    row's index among them, and how often each occurs), as ``np.unique(rows, axis=0)`` gives
+    them, several times faster: where the columns' value ranges fit one int64 together, each row
+    becomes one key and a 1-D unique does the work (``axis=0`` sorts the rows as opaque bytes,
+    which is slow on a long run's piece identities). Otherwise rows are sorted with
+    ``np.lexsort``."""
+    rows = np.asarray(rows)
+    if len(rows) == 0:
+        uniq, inverse, counts = rows[:0], np.zeros(0, np.int64), np.zeros(0, np.int64)
+    else:
+        lo, hi = rows.min(axis=0).astype(np.int64), rows.max(axis=0).astype(np.int64)
+        spans = [int(h) - int(low) + 1 for low, h in zip(lo, hi)]
+        if math.prod(spans) < 1 << 62:  # Python ints: the product cannot overflow
+            key = np.zeros(len(rows), np.int64)
+            for j, span in enumerate(spans):  # the first column is the most significant digit
+                key = key * span + (rows[:, j] - lo[j])
+            _, first, inverse, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
+            uniq, inverse = rows[first], inverse.ravel()
+        else:
+            order = np.lexsort(rows.T[::-1])
+            srt = rows[order]
+            new = np.ones(len(srt), dtype=bool)
+            new[1:] = np.any(srt[1:] != srt[:-1], axis=1)
+            starts = np.flatnonzero(new)
+            uniq, counts = srt[starts], np.diff(np.append(starts, len(srt)))
+            inverse = np.empty(len(rows), np.int64)
+            inverse[order] = np.cumsum(new) - 1
+    out = (uniq,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
+    return out if len(out) > 1 else uniq
+
+
+def source_tokens(rows: np.ndarray, n_sources: int) -> np.ndarray:
+    """Tokens per source index, int64 ``[n_sources]``."""
+    return np.bincount(rows[:, SOURCE], weights=lengths(rows), minlength=n_sources).astype(np.int64)
+
+
+def with_age(rows: np.ndarray, age: int = 0) -> np.ndarray:
+    """Planned rows with the balancer's waiting-age column appended."""
+    return np.concatenate([rows, np.full((len(rows), 1), age, dtype=np.int64)], axis=1)
+
+
+def recut(rows: np.ndarray, piece_tokens: int) -> np.ndarray:
+    """Rows with every piece longer than ``piece_tokens`` cut into consecutive pieces of at most
+    that many tokens (same document; every other column repeated)."""
+    lens = lengths(rows)
+    if not len(rows) or lens.max() <= piece_tokens:
+        return rows
+    n = -(-lens // piece_tokens)
+    out = np.repeat(rows, n, axis=0)
+    k = np.arange(len(out)) - np.repeat(np.cumsum(n) - n, n)
+    out[:, START] = np.repeat(rows[:, START], n) + k * piece_tokens
+    out[:, STOP] = np.minimum(out[:, START] + piece_tokens, np.repeat(rows[:, STOP], n))
+    return out
+
+
+def flatten(ranks: list[list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """A step's ``[rank][micro_batch] -> rows`` as one array of rows and int32 ``[rank,
+    micro_batch]`` per row (the ledger's layout)."""
+    parts, slots = [], []
+    for r, mbs in enumerate(ranks):
+        for m, rows in enumerate(mbs):
+            parts.append(rows)
+            slots.append(np.broadcast_to(np.array([r, m], dtype=np.int32), (len(rows), 2)))
+    if not parts:
+        return empty(), np.zeros((0, 2), np.int32)
+    return np.concatenate(parts), np.concatenate(slots)
+
+
+def to_bytes(rows: np.ndarray, dtype: str = "<i8") -> bytes:
+    """Rows as little-endian bytes (``"<i4"`` halves them where every value fits, as on the way to
+    a constructor)."""
+    return rows.astype(dtype).tobytes()
+
+
+def from_bytes(buf: bytes, width: int = WIDTH, dtype: str = "<i8") -> np.ndarray:
+    """The int64 rows :func:`to_bytes` wrote (a writable copy)."""
+    return np.frombuffer(buf, dtype=dtype).reshape(-1, width).astype(np.int64)

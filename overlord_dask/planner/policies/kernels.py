@@ -1,0 +1,330 @@
+"""The balancer's inner loops, compiled (numba), with the GIL released.
+
+Why: balancing a window (``balance.py``) walks its heavy groups, the programme that forms them
+and its steps one at a time; in Python those loops are most of balancing, and the planner thread
+would hold the GIL meanwhile, so the scheduler's event loop (queue gets, acks, task transitions)
+would wait on it. Compiled they are a small part of it, and ``nogil`` lets the event loop run
+beside them (``benchmarks/balance.py`` reports the planner's time per step).
+
+Each kernel makes exactly the choices of the numpy code in ``balance.py`` that it stands for
+(the same IEEE operations in the same order, the same tie-breaks; sums over a few values are
+:func:`np_sum`, numpy's own pairwise order), so a plan is the same bit for bit with or without
+numba: a run resumed where numba is missing re-plans what the first run planned (tested with both
+paths). ``COMPILED`` is False where numba cannot be imported (a Python it has no wheel for yet)
+or cannot compile (:func:`warm`), and ``balance.py`` then runs its numpy code. Compiled once per
+install: ``cache=True`` keeps the machine code next to this file (or in numba's cache directory);
+compiling takes seconds, so ``scripts/install.sh`` does it once, and a new process only loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+try:
+    from numba import njit
+except ImportError:  # pragma: no cover - the install has numba; this keeps a Python without its wheels working
+    njit = None
+    logger.info("numba is not importable: the planner balances with its numpy code (the same plans, slower)")
+
+
+def _jit(f):
+    """Compiled where numba is at hand (``f.py_func`` is then the Python original). Where no
+    cache location is writable (a read-only install and home: numba refuses ``cache=True``), the
+    kernels compile in every process that plans instead (seconds, at the planner's start)."""
+    if njit is None:
+        return f
+    try:
+        return njit(cache=True, nogil=True)(f)
+    except RuntimeError:
+        logger.warning("no writable cache for the planner's compiled kernels: compiling them in this process")
+        return njit(nogil=True)(f)
+
+
+@_jit
+def np_sum(a):
+    """``float(a.sum())`` of a contiguous float64 vector, in numpy's own order: pairwise
+    summation (blocks of up to 128 values with 8 accumulators, halves above; tested against
+    numpy). Without recursion: numba cannot cache a recursive function."""
+    n = len(a)
+    if n <= 128:
+        return _block(a, 0, n) if n else 0.0
+    los, ns, split = np.empty(128, np.int64), np.empty(128, np.int64), np.zeros(128, np.bool_)
+    vals = np.empty(128)
+    top, nv = 0, 0
+    los[0], ns[0] = 0, n
+    while top >= 0:  # post-order walk of numpy's halving tree; a + b == b + a, so the order of the halves is free
+        lo, m = los[top], ns[top]
+        if m <= 128:
+            vals[nv] = _block(a, lo, m)
+            nv += 1
+            top -= 1
+        elif not split[top]:
+            split[top] = True
+            h = m // 2
+            h -= h % 8
+            los[top + 1], ns[top + 1], split[top + 1] = lo, h, False
+            los[top + 2], ns[top + 2], split[top + 2] = lo + h, m - h, False
+            top += 2
+        else:
+            vals[nv - 2] = vals[nv - 2] + vals[nv - 1]
+            nv -= 1
+            top -= 1
+    return vals[0]
+
+
+@_jit
+def _block(a, lo, n):
+    """numpy's pairwise sum of ``a[lo:lo+n]`` for ``n <= 128``."""
+    if n < 8:
+        res = -0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3, r4, r5, r6, r7 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3], a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - (n % 8):
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@_jit
+def _argsort(keys):
+    """``np.argsort(keys, kind="stable")``: indices by rising key, equal keys in index order (the
+    only such order, so numpy's). A bottom-up merge sort, insertion sort for short runs: numba's
+    own mergesort takes far longer to compile."""
+    n = len(keys)
+    idx = np.arange(n)
+    run = 16
+    for lo in range(0, n, run):  # insertion-sort runs of 16
+        for i in range(lo + 1, min(lo + run, n)):
+            j, v = i, idx[i]
+            while j > lo and keys[idx[j - 1]] > keys[v]:
+                idx[j] = idx[j - 1]
+                j -= 1
+            idx[j] = v
+    tmp = np.empty(n, np.int64)
+    while run < n:  # merge neighbouring runs; on ties the left run first
+        for lo in range(0, n, 2 * run):
+            mid, hi = min(lo + run, n), min(lo + 2 * run, n)
+            a, b, k = lo, mid, lo
+            while a < mid and b < hi:
+                if keys[idx[b]] < keys[idx[a]]:
+                    tmp[k] = idx[b]
+                    b += 1
+                else:
+                    tmp[k] = idx[a]
+                    a += 1
+                k += 1
+            while a < mid:
+                tmp[k] = idx[a]
+                a += 1
+                k += 1
+            while b < hi:
+                tmp[k] = idx[b]
+                b += 1
+                k += 1
+        idx, tmp = tmp, idx
+        run *= 2
+    return idx
+
+
+@_jit
+def programme(n, dp, K, spread, skip_cost, tail, can_skip):
+    """``balance.group_heavy``'s dynamic programme: ``choice[i, k]`` (1 = a group of ``dp`` from
+    ``i``, 2 = skip ``i``, 3 = the rest as one smaller group) with ``k`` pieces skipped so far."""
+    best = np.full((n + 1, K + 1), np.inf)
+    choice = np.zeros((n + 1, K + 1), dtype=np.int8)
+    best[n, :] = 0.0
+    for i in range(n - 1, -1, -1):
+        if i + dp <= n:
+            sp = spread[i]
+            for k in range(K + 1):
+                best[i, k] = best[i + dp, k] + sp
+                choice[i, k] = 1
+        if can_skip[i]:
+            sc = skip_cost[i]
+            for k in range(K):
+                x = best[i + 1, k + 1] + sc
+                if x < best[i, k]:
+                    best[i, k] = x
+                    choice[i, k] = 2
+        if i + dp > n and tail[i] < np.inf:
+            t = tail[i]
+            for k in range(K + 1):
+                if t < best[i, k]:
+                    best[i, k] = t
+                    choice[i, k] = 3
+    return choice
+
+
+@_jit
+def place_groups(members, starts, step_of_group, lens, costs, where, flat_cost, flat_tok, steps, n_bins, dp, capacity):
+    """``balance._place_groups_numpy``: each heavy group (``members[starts[g]:starts[g+1]]``, as
+    ``group_heavy`` made it), biggest cost first, into one (step, micro-batch) row: its own step
+    first, then the nearest ones (the earlier on ties), rows by least cost, its pieces by falling
+    cost onto the row's bins by rising cost (stable orders throughout). A group that fits no row
+    stays pending. Writes ``where``, ``flat_cost`` and ``flat_tok`` (``[steps · n_bins]``)."""
+    micro_batches = n_bins // dp
+    n_groups = len(starts) - 1
+    key = np.empty(n_groups)
+    for g in range(n_groups):
+        key[g] = -np_sum(costs[members[starts[g]:starts[g + 1]]])
+    row_cost = np.zeros((steps, micro_batches))
+    rank_bins = np.arange(dp) * micro_batches
+    for g in _argsort(key):
+        m = members[starts[g]:starts[g + 1]]
+        m = m[_argsort(-costs[m])]
+        size = len(m)
+        m_lens, m_costs = lens[m], costs[m]
+        total = np_sum(m_costs)
+        t0 = step_of_group[g]
+        for d in range(2 * steps):  # t0, t0 - 1, t0 + 1, t0 - 2, ...
+            s = t0 - (d + 1) // 2 if d % 2 == 1 else t0 + d // 2
+            if s < 0 or s >= steps:
+                continue
+            placed = False
+            for mb in _argsort(row_cost[s]):
+                bins = rank_bins + (s * n_bins + mb)
+                bins = bins[_argsort(flat_cost[bins])[:size]]
+                fits = True
+                for j in range(size):
+                    if capacity - flat_tok[bins[j]] < m_lens[j]:
+                        fits = False
+                        break
+                if fits:
+                    for j in range(size):
+                        where[m[j]] = bins[j]
+                        flat_tok[bins[j]] += m_lens[j]
+                        flat_cost[bins[j]] += m_costs[j]
+                    row_cost[s, mb] += total
+                    placed = True
+                    break
+            if placed:
+                break
+
+
+@_jit
+def groups_to_steps(vec, cum_target, steps):
+    """``balance._groups_to_steps``' greedy loop (token counts: whole numbers, exact in any
+    order): step by step, the group that keeps each source's cumulative tokens closest to the
+    selection's, lowest index on ties."""
+    n_groups, n_src = vec.shape
+    out = np.full(n_groups, steps - 1, dtype=np.int64)
+    placed = np.zeros(n_groups)
+    group_tokens = np.zeros(n_groups)
+    for g in range(n_groups):
+        for j in range(n_src):
+            group_tokens[g] += vec[g, j]
+    have = np.zeros(n_src)
+    have_tokens = 0.0
+    left = n_groups
+    for t in range(steps):
+        goal_tokens = 0.0
+        for j in range(n_src):
+            goal_tokens += cum_target[t, j]
+        while left:
+            smallest = np.inf
+            for g in range(n_groups):
+                smallest = min(smallest, group_tokens[g] + placed[g])
+            if not have_tokens < goal_tokens - 0.5 * smallest:
+                break
+            best, k = np.inf, 0
+            for g in range(n_groups):
+                err = 0.0
+                for j in range(n_src):
+                    err += abs(vec[g, j] + (have[j] - cum_target[t, j]))
+                err += placed[g]
+                if err < best:
+                    best, k = err, g
+            out[k] = t
+            placed[k] = np.inf
+            left -= 1
+            for j in range(n_src):
+                have[j] += vec[k, j]
+            have_tokens += group_tokens[k]
+    return out
+
+
+@_jit
+def light_to_steps(cq, mid, bounds, cum_target, cum_heavy, step_room):
+    """``balance._light_to_steps``' loop over steps: each step's light tokens shared among the
+    sources by how far each is behind its selection, each source's queue (``cq``: cumulative
+    tokens along it, ``mid``: its pieces' midpoints) taken in order. Returns each queued
+    piece's step."""
+    steps, n_src = cum_target.shape
+    head = bounds[:-1].copy()
+    light_have = np.zeros(n_src)
+    step_sorted = np.full(len(mid), steps - 1, dtype=np.int64)
+    avail, behind, quota, spare = np.empty(n_src), np.empty(n_src), np.empty(n_src), np.empty(n_src)
+    for t in range(steps - 1):
+        for j in range(n_src):
+            avail[j] = cq[bounds[j + 1]] - cq[head[j]]
+            behind[j] = min(max(cum_target[t, j] - cum_heavy[t, j] - light_have[j], 0.0), avail[j])
+        room = step_room[t]
+        total_behind = np_sum(behind)
+        if total_behind <= 0 or room <= 0:
+            continue
+        f = min(1.0, room / total_behind)
+        for j in range(n_src):
+            quota[j] = behind[j] * f
+        extra = room - np_sum(quota)
+        for j in range(n_src):
+            spare[j] = avail[j] - quota[j]
+        spare_total = np_sum(spare)
+        if extra > 0 and spare_total > 0:
+            for j in range(n_src):
+                quota[j] += extra * spare[j] / spare_total
+        for j in range(n_src):
+            if quota[j] > 0:
+                a, b = head[j], bounds[j + 1]
+                base = cq[a]
+                n = 0
+                while a + n < b and mid[a + n] - base <= quota[j]:
+                    n += 1
+                step_sorted[a:a + n] = t
+                light_have[j] += cq[a + n] - cq[a]
+                head[j] = a + n
+    return step_sorted
+
+
+COMPILED = njit is not None
+
+
+def warm() -> bool:
+    """Compile (or load from the cache) every kernel for the argument types the balancer passes,
+    on a toy window; True if compiled. The planner calls this first thing on its thread, so that
+    compiling overlaps the first loads; ``scripts/install.sh`` calls it to fill the cache."""
+    global COMPILED
+    if not COMPILED:
+        return False
+    try:
+        _warm()
+    except Exception:  # a platform where numba imports but cannot compile: plan with numpy (the same plans)
+        logger.warning("compiling the planner's kernels failed: balancing with numpy instead", exc_info=True)
+        COMPILED = False
+    return COMPILED
+
+
+def _warm() -> None:
+    f8, i8 = np.float64, np.int64
+    programme(8, 2, 8, np.ones(8), np.ones(8), np.ones(8), np.ones(8, np.bool_))
+    place_groups(np.arange(4, dtype=i8), np.array([0, 2, 4], dtype=i8), np.array([0, 1], dtype=i8), np.ones(4, i8), np.ones(4),
+                 np.full(4, -1, i8), np.zeros(8), np.zeros(8, i8), 2, 4, 2, 10)
+    groups_to_steps(np.ones((2, 3)), np.ones((2, 3)), 2)
+    light_to_steps(np.arange(5, dtype=f8), np.arange(4, dtype=f8) + 0.5, np.array([0, 2, 4], dtype=i8), np.ones((2, 2)), np.zeros((2, 2)), np.ones(2))

@@ -1,0 +1,76 @@
+"""The planner's snapshot: what ``PlannerState`` saves, and how a restore resumes from it.
+
+The planner is a pure function of its parts' state at the start of a window and of the
+(reloaded) unit lengths, so a snapshot holds only that small state (``windows.WindowStarts``),
+the step the window starts at, the durable step, the topology it was planned on and the live
+plan updates. A restore re-plans from the window on the snapshot's topology, hands out steps
+from the durable one, and switches to the plan's topology there (``switch_topology``), so a run
+may resume with another dp and keep exactly-once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import pieces as P
+from ..plan.loading import plan_from_dict, plan_to_dict
+from ..plan.models import Plan
+
+if TYPE_CHECKING:
+    from .state import PlannerState
+
+STATE_VERSION = 3  # 2: every policy's counters in every snapshot (still read)
+
+
+def decode_updates(state: dict | None) -> list[tuple[int, Plan]]:
+    """The live plan updates recorded in a snapshot, as ``(at_step, Plan)``."""
+    if not state:
+        return []
+    return [(int(at), plan_from_dict(d, where=f"<snapshot plan update at step {at}>")) for at, d in state.get("updates", [])]
+
+
+def capture(st: "PlannerState") -> dict:
+    """A msgpack-friendly snapshot: the parts' state at the start of the window holding the
+    durable step, that window's first step, the durable step (a restore re-plans from the
+    window and hands out steps from there), and the topology it was planned on."""
+    durable = st.progress.durable_step
+    window_step, window = st.windows.at(durable, st.planned_until)
+    t = st.topology
+    return {
+        "version": STATE_VERSION,
+        "plan": st.plan.name,
+        "sources": list(st.source_names),
+        "updates": [[at, plan_to_dict(p)] for at, p in st.timeline.updates],
+        "committed": durable,
+        "window_step": window_step,
+        "window": window,
+        "topology": {"dp": t.dp, "micro_batches": t.micro_batches, "tokens_per_micro_batch": t.tokens_per_micro_batch,
+                     "max_doc_tokens": t.max_doc_tokens, "cp": t.cp, "cp_min_tokens": t.cp_min_tokens},
+    }
+
+
+def restore(st: "PlannerState", state: dict) -> None:
+    """Put ``st`` (new, built on the snapshot's topology) where ``state`` was taken."""
+    if state.get("version") not in (2, STATE_VERSION):
+        raise ValueError(f"snapshot version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+    if list(state["sources"]) != st.source_names:
+        raise ValueError(f"snapshot sources {list(state['sources'])} differ from the plan's {st.source_names}; "
+                         "to add or remove sources, resume with the snapshot's plan and apply a plan update")
+    st.streams.set_state(state["window"])
+    st.policy.set_state(state["window"], len(st.streams))
+    st.next_step = int(state["window_step"])
+    st.replay_until = int(state["committed"])
+    st.progress.restart_at(st.replay_until)
+
+
+def switch_topology(st: "PlannerState") -> None:
+    """After replaying the delivered steps on the snapshot's topology, continue on the plan's:
+    the pieces planned but not delivered go back to the front of the queue, in order."""
+    undelivered = [rows for ranks, _, _ in st.ready for mbs in ranks for rows in mbs]
+    if undelivered:
+        st.policy.pending = np.concatenate([st.policy.pending, P.with_age(np.concatenate(undelivered))])
+    st.ready.clear()
+    st.use_plan(st.final_plan, acked_through=st.replay_until - 1)
+    st.windows.clear()

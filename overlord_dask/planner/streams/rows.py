@@ -1,0 +1,145 @@
+"""Reading a source as numpy rows: the balancing planner's view of a stream.
+
+Weighted fair queuing (``balance.wfq_select``) asks each stream for its upcoming pieces as int64
+rows ``[epoch, unit, doc, start, stop]`` (numpy per unit, no Python object per piece), takes a
+prefix of them, and moves the stream's cursor past what it took. While a source is read by
+length class, each class has its own cursor, and rows of "every class" come in the source's
+merged order. Documents a drop policy skips yield no rows; they are recorded as the cursor
+passes them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import SourceError
+
+if TYPE_CHECKING:
+    from .stream import SourceStream
+
+
+def pieces_ahead(s: SourceStream, min_tokens: int, cls: str | None = None) -> tuple[np.ndarray, bool]:
+    """Upcoming pieces as int64 rows ``[epoch, unit, doc, start, stop]`` (of length class
+    ``cls``, or every class in the source's order), covering at least ``min_tokens`` tokens
+    if that much metadata is loaded. Returns (rows, enough); numpy per unit."""
+    if not s.split or cls is not None:
+        rows, _, total, enough = _scan(s, cls if s.split else None, min_tokens)
+        return rows, enough
+    # merged order: the trailing class for min_tokens, the other one up to where that ends
+    trail = "short" if tuple(s.class_cursor("short")) <= tuple(s.long_cur) else "long"
+    other = "long" if trail == "short" else "short"
+    rt, kt, _, enough = _scan(s, trail, min_tokens)
+    if not enough:
+        return rt, False
+    ro, ko, _, loaded = _scan(s, other, 0, until=tuple(kt[-1]))
+    if not loaded:
+        return np.zeros((0, 5), np.int64), False
+    keep = np.array([tuple(k) <= tuple(kt[-1]) for k in ko.tolist()], dtype=bool)
+    rows, keys = np.concatenate([rt, ro[keep]]), np.concatenate([kt, ko[keep]])
+    return rows[np.lexsort(keys.T[::-1])], True
+
+
+def _scan(s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None = None) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """Rows of class ``cls`` from its cursor, their order keys ``[epoch, pos, doc position,
+    start]``, their tokens, and whether ``min_tokens`` were reached (with ``until``, a key:
+    every unit up to that key's unit instead, and whether they were all loaded)."""
+    rows: list[np.ndarray] = []
+    keys: list[np.ndarray] = []
+    total = 0
+    e, pos, doc, tok = s.class_cursor(cls)
+    empty_units = 0
+    while (total < min_tokens) if until is None else ((e, pos) <= tuple(until[:2])):
+        unit = int(s.ordering.units(e)[pos])
+        lens = s.lengths.get((e, unit))
+        if lens is None:
+            return (np.concatenate(rows) if rows else np.zeros((0, 5), np.int64),
+                    np.concatenate(keys) if keys else np.zeros((0, 4), np.int64), total, False)
+        L = lens[doc:]
+        if len(L):
+            rem = L.copy()
+            rem[0] -= tok
+            mask = s.class_mask(L, cls)
+            if mask is not None:
+                rem[~mask] = 0
+            if s.drop_over is not None:  # dropped documents yield no pieces (a started one finishes)
+                dropped = L > s.drop_over
+                dropped[0] &= tok == 0
+                rem[dropped] = 0
+            n = np.where(rem > 0, -(-rem // s.piece_tokens), 0)
+            k_total = int(n.sum())
+            if k_total:
+                d = np.repeat(np.arange(len(L)), n)
+                k = np.arange(k_total) - np.repeat(np.cumsum(n) - n, n)
+                start = k * s.piece_tokens + np.where(d == 0, tok, 0)
+                stop = np.minimum(start + s.piece_tokens, L[d])
+                block = np.empty((k_total, 5), dtype=np.int64)
+                block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = e, unit, s.ordering.file_doc((e, unit), d + doc), start, stop
+                rows.append(block)
+                key = np.empty((k_total, 4), dtype=np.int64)
+                key[:, 0], key[:, 1], key[:, 2], key[:, 3] = e, pos, d + doc, start
+                keys.append(key)
+                total += int((stop - start).sum())
+                empty_units = 0
+            else:
+                empty_units += 1
+        else:
+            empty_units += 1
+        if empty_units > s.n_units and until is None:
+            if cls is not None and s.split:
+                raise SourceError(f"source {s.name!r} has no {cls} documents (long: over long_tokens={s.split} tokens) "
+                                  "in a whole pass over its files; leave it out of the stage's long_sources")
+            raise SourceError(f"source {s.name!r} is empty: a whole pass over its files found no tokens")
+        doc, tok = 0, 0
+        e, pos = s.ordering.next_unit(e, pos)
+    out = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
+    kout = np.concatenate(keys) if keys else np.zeros((0, 4), dtype=np.int64)
+    return out, kout, total, (total >= min_tokens) if until is None else True
+
+
+def take(s: SourceStream, rows: np.ndarray, cls: str | None = None) -> None:
+    """The planner took ``rows``, a prefix of ``pieces_ahead(.., cls)``: move the cursors past them."""
+    if not len(rows):
+        return
+    if not s.split or cls is not None:
+        advance_past(s, rows[-1], cls if s.split else None)
+        return
+    lens = np.array([s.lengths[(int(e), int(u))][s.ordering.shuffled_doc((int(e), int(u)), int(d))] for e, u, d in rows[:, :3].tolist()])
+    is_long = lens > s.split
+    for c, sel in (("short", ~is_long), ("long", is_long)):
+        if sel.any():
+            advance_past(s, rows[np.flatnonzero(sel)[-1]], c)
+    s.try_unsplit()
+
+
+def advance_past(s: SourceStream, row: np.ndarray, cls: str | None = None) -> None:
+    """Move the cursor (of class ``cls``) just past piece ``row`` = [epoch, unit, doc, start,
+    stop], recording the documents the drop policy skipped on the way."""
+    e, unit, file_doc, _, stop = (int(x) for x in row)
+    doc = s.ordering.shuffled_doc((e, unit), file_doc)
+    if s.drop_over is not None:
+        _record_drops(s, e, s.ordering.position(e, unit), doc, cls)
+    L = int(s.lengths[(e, unit)][doc])
+    s.set_class_cursor(cls, e, s.ordering.position(e, unit), *((doc + 1, 0) if stop >= L else (doc, stop)))
+    s.epoch_tokens = 1  # this epoch has tokens: the empty-source check is satisfied
+
+
+def _record_drops(s: SourceStream, epoch: int, pos: int, doc: int, cls: str | None = None) -> None:
+    """Record the documents over ``drop_over`` (of class ``cls``) between that class's cursor
+    and (epoch, pos, doc)."""
+    e, p, d, tok = s.class_cursor(cls)
+    while (e, p) <= (epoch, pos):
+        unit = int(s.ordering.units(e)[p])
+        lens = s.lengths.get((e, unit))
+        if lens is not None:
+            hi = doc if (e, p) == (epoch, pos) else len(lens)
+            idx = np.arange(d, hi)
+            if tok and len(idx):
+                idx = idx[1:]  # a started document is finished, never dropped
+            over = lens[idx] > s.drop_over
+            mask = s.class_mask(lens[idx], cls)
+            for k in idx[over if mask is None else over & mask].tolist():
+                s.drops[(e, unit, s.ordering.file_doc((e, unit), k))] = int(lens[k])
+        d, tok = 0, 0
+        e, p = s.ordering.next_unit(e, p)

@@ -1,0 +1,290 @@
+"""Per-source streams: each source's own order, position and loaded metadata, inside the planner.
+
+A source's order is a seeded permutation of its load units per epoch and, inside each unit (a
+bounded window of documents), a seeded permutation of its documents; both are seeded from (plan
+seed, source name, epoch[, unit]) so they never depend on list position, worker count or dp size.
+The position is a small cursor ``(epoch, pos, doc, tok)``: the next piece is the ``tok``-th token
+onward of the ``doc``-th document (in shuffled order) of unit ``order[pos]``. Piece rows name
+documents by their index in the unit's file order, so the constructor needs no permutation.
+Documents longer than the piece size are cut into consecutive pieces, each a sample in its own
+right (same sample id, increasing chunk index).
+
+The stream only knows lengths of units whose metadata arrived; ``peek()`` returns ``None`` when the
+next unit is not loaded yet, and the planner then waits instead of substituting another sample:
+that is what keeps the stream independent of load timing.
+
+Two readers share the cursor: ``peek()``/``advance()`` a piece at a time (policy ``none``'s exact
+per-step selection) and ``pieces_ahead()``/``take()`` as numpy rows (``rows.py``, the balancing
+planner). Parts: ``order.py`` (unit and document permutations), ``lookahead.py`` (which units
+to load next).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import SourceError
+from . import rows
+from .lookahead import LoadRequests
+from .order import SourceOrder
+
+@dataclass(slots=True)
+class Piece:
+    source: int  # index of the source in the plan
+    epoch: int
+    unit: int
+    doc: int  # document index inside the unit
+    start: int  # first token of the piece inside the document
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+    def as_list(self) -> list[int]:
+        return [self.source, self.epoch, self.unit, self.doc, self.start, self.stop]
+
+
+@dataclass(slots=True)
+class ClassView:
+    """One length class of a source ("long" or "short"), which selection treats as a source of
+    its own (its own weight, its own cursor)."""
+
+    stream: "SourceStream"
+    cls: str
+
+    @property
+    def name(self) -> str:
+        return self.stream.name
+
+    @property
+    def piece_tokens(self) -> int:
+        return self.stream.piece_tokens
+
+    def pieces_ahead(self, min_tokens: int) -> tuple[np.ndarray, bool]:
+        return self.stream.pieces_ahead(min_tokens, self.cls)
+
+    def take(self, rows: np.ndarray) -> None:
+        self.stream.take(rows, self.cls)
+
+
+@dataclass(slots=True)
+class SourceStream:
+    name: str
+    index: int
+    n_units: int
+    first_ids: np.ndarray  # int64 [n_units]
+    seed: int
+    piece_tokens: int
+    drop_over: int | None = None  # context policy 'drop': documents longer than this are skipped
+    # cursor of the next piece to plan
+    epoch: int = 0
+    pos: int = 0
+    doc: int = 0
+    tok: int = 0
+    lengths: dict = field(default_factory=dict)  # (epoch, unit) -> int64 lengths, loaded and not yet fully planned
+    epoch_tokens: int = 0  # tokens planned in the current epoch (to detect an all-empty source)
+    vision: dict = field(default_factory=dict)  # (epoch, unit) -> (image tokens, length) per document in file order
+    drops: dict = field(default_factory=dict)  # (epoch, unit, doc) -> tokens of a dropped document, until drained
+    split: int = 0  # > 0: read by length class, documents over this many tokens are "long"
+    long_cur: list | None = None  # [epoch, pos, doc, tok] of the long class while split
+    split_wanted: bool = False
+    evict_after: int = 4  # units between the class cursors further than this past the trailing one are evicted
+    ordering: SourceOrder = field(init=False)  # unit and document order (order.py)
+    loads: LoadRequests = field(init=False)  # the loading look-ahead (lookahead.py)
+
+    def __post_init__(self) -> None:
+        self.ordering = SourceOrder(self.name, self.seed, self.n_units)
+        self.loads = LoadRequests(self.n_units, self.evict_after)
+
+    # ---- cursor -------------------------------------------------------------------------------
+    def cursor(self) -> tuple:
+        """``(epoch, pos, doc, tok, epoch_tokens)``, plus ``(split, *long cursor, wanted)`` while
+        reading by length class."""
+        base = (self.epoch, self.pos, self.doc, self.tok, self.epoch_tokens)
+        return base + ((self.split, *self.long_cur, int(self.split_wanted)) if self.split else ())
+
+    def restore(self, cur) -> None:
+        self.epoch, self.pos, self.doc, self.tok, self.epoch_tokens = cur[:5]
+        if len(cur) > 5:
+            self.split, self.long_cur, self.split_wanted = int(cur[5]), [int(x) for x in cur[6:10]], bool(cur[10])
+        else:
+            self.split, self.long_cur, self.split_wanted = 0, None, False
+
+    def _unit_here(self) -> tuple[int, int]:
+        return self.epoch, int(self.ordering.units(self.epoch)[self.pos])
+
+    def peek(self) -> Piece | None:
+        """The next piece, or None if its unit's lengths have not arrived yet."""
+        while True:
+            key = self._unit_here()
+            lens = self.lengths.get(key)
+            if lens is None:
+                return None
+            if self.doc >= len(lens):
+                self._next_unit()
+                continue
+            L = int(lens[self.doc])
+            if self.tok >= L:  # empty document (or fully consumed): nothing to deliver
+                self.doc += 1
+                self.tok = 0
+                continue
+            doc = self.ordering.file_doc(key, self.doc)
+            if self.tok == 0 and self.drop_over is not None and L > self.drop_over:
+                self.drops[(key[0], key[1], doc)] = L
+                self.doc += 1
+                continue
+            return Piece(self.index, key[0], key[1], doc, self.tok, min(L, self.tok + self.piece_tokens))
+
+    def advance(self, piece: Piece) -> None:
+        self.epoch_tokens += piece.length
+        self.tok = piece.stop
+        lens = self.lengths[(piece.epoch, piece.unit)]
+        if self.tok >= int(lens[self.doc]):
+            self.doc += 1
+            self.tok = 0
+
+    def _next_unit(self) -> None:
+        self.doc = 0
+        self.tok = 0
+        self.pos += 1
+        if self.pos >= self.n_units:
+            if self.epoch_tokens == 0:
+                raise SourceError(f"source {self.name!r} is empty: a whole pass over its files found no tokens")
+            self.epoch += 1
+            self.pos = 0
+            self.epoch_tokens = 0
+
+    # ---- length classes (a stage's long-document share) ----------------------------------------
+    # With ``split = T`` the source is read with two cursors in its one order: the main cursor
+    # takes only documents of at most T tokens ("short"), ``long_cur`` only longer ones ("long").
+    # Each document belongs to one class, so each is delivered once; the docs between the cursors
+    # that the leading class skipped wait for the trailing one (their units are evicted and
+    # reloaded when it gets there, so the gap costs no memory). When no stage asks for a share
+    # any more, both classes are read merged in the source's order until the cursors meet.
+
+    def set_split(self, threshold: int | None) -> None:
+        """Read by length class from now on (``threshold``), or stop wanting it (None)."""
+        self.split_wanted = threshold is not None
+        if threshold is not None and not self.split:
+            self.split = int(threshold)
+            self.long_cur = [self.epoch, self.pos, self.doc, self.tok]
+        elif threshold is None:
+            self.try_unsplit()
+
+    def class_cursor(self, cls: str | None) -> list[int]:
+        return self.long_cur if cls == "long" else [self.epoch, self.pos, self.doc, self.tok]
+
+    def set_class_cursor(self, cls: str | None, e: int, pos: int, doc: int, tok: int) -> None:
+        if cls == "long":
+            self.long_cur = [e, pos, doc, tok]
+        else:
+            self.epoch, self.pos, self.doc, self.tok = e, pos, doc, tok
+
+    def class_mask(self, L: np.ndarray, cls: str | None) -> np.ndarray | None:
+        if cls is None or not self.split:
+            return None
+        return L > self.split if cls == "long" else L <= self.split
+
+    def trailing(self) -> tuple:
+        """The cursor behind: of the two length classes while split, else the one cursor."""
+        main = tuple(self.class_cursor("short"))
+        return min(main, tuple(self.long_cur)) if self.split else main
+
+    def leading(self) -> tuple:
+        """The cursor ahead (see ``trailing``)."""
+        main = tuple(self.class_cursor("short"))
+        return max(main, tuple(self.long_cur)) if self.split else main
+
+    def try_unsplit(self) -> None:
+        """Back to one cursor once the trailing class has nothing left before the leading cursor."""
+        if not self.split or self.split_wanted:
+            return
+        main = tuple(self.class_cursor("short"))
+        lead, trail_cls = (tuple(self.long_cur), "short") if tuple(self.long_cur) >= main else (main, "long")
+        e, pos, doc, _ = self.class_cursor(trail_cls)
+        while (e, pos, doc) < lead[:3]:
+            unit = int(self.ordering.units(e)[pos])
+            lens = self.lengths.get((e, unit))
+            if lens is None:
+                return  # not loaded: cannot tell yet
+            stop = lead[2] if (e, pos) == lead[:2] else len(lens)
+            mine = self.class_mask(lens[doc:stop], trail_cls)
+            first = doc + (int(np.argmax(mine)) if mine.any() else stop - doc)
+            if first < stop:
+                return  # a document of the trailing class is still unconsumed before the leading cursor
+            doc = 0
+            e, pos = self.ordering.next_unit(e, pos)
+            if (e, pos) > lead[:2]:
+                break
+        self.epoch, self.pos, self.doc, self.tok = lead
+        self.split, self.long_cur = 0, None
+
+    # ---- numpy rows (the balancing planner; rows.py) ----------------------------------------------
+    def pieces_ahead(self, min_tokens: int, cls: str | None = None) -> tuple[np.ndarray, bool]:
+        return rows.pieces_ahead(self, min_tokens, cls)
+
+    def take(self, taken: np.ndarray, cls: str | None = None) -> None:
+        rows.take(self, taken, cls)
+
+    def piece_vision(self, rows: np.ndarray) -> np.ndarray:
+        """Image tokens in pieces ``[.., epoch, unit, doc, start, stop]`` (last five columns) of
+        this source: the document's image tokens in proportion to the piece's share of it."""
+        out = np.zeros(len(rows))
+        if not self.vision:
+            return out
+        for k, (e, u, d, a, b) in enumerate(rows[:, -5:].tolist()):
+            v = self.vision.get((e, u))
+            if v is not None and v[1][d]:
+                out[k] = v[0][d] * (b - a) / v[1][d]
+        return out
+
+    def finished_units(self) -> list[tuple[int, int]]:
+        """Loaded units no longer needed for planning: wholly behind the (trailing) cursor, or,
+        while reading by length class, between the cursors and far from the trailing one
+        (evicted: loaded again when the trailing cursor gets near)."""
+        done = [key for key in self.lengths if self._behind(*key)]
+        if self.split:
+            te, tp = self.trailing()[:2]
+            le, lp = self.leading()[:2]
+            far = (te * self.n_units + tp) + max(self.evict_after, self.loads.keep_units)
+            for e, u in self.lengths:
+                p = self.ordering.position(e, u)
+                if (e, p) < (le, lp) and e * self.n_units + p > far:
+                    done.append((e, u))
+        for key in done:
+            del self.lengths[key]
+            self.ordering.forget(key)
+        return done
+
+    def _behind(self, epoch: int, unit: int) -> bool:
+        te, tp = self.trailing()[:2]
+        return epoch < te or (epoch == te and self.ordering.position(epoch, unit) < tp)
+
+    # ---- loading -------------------------------------------------------------------------------
+    def unplanned_tokens(self) -> int:
+        """Loaded tokens not planned yet (one cursor; while split, the look-ahead counts per class)."""
+        total = 0
+        for (e, u), lens in self.lengths.items():
+            if (e, u) == self._unit_here():
+                total += int(lens[self.doc :].sum()) - self.tok
+            else:
+                total += int(lens.sum())
+        return total
+
+    def add_lengths(self, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
+        """Register a loaded unit's document lengths (and image tokens per document, for the
+        encoder cost); idempotent (a recomputed load is ignored)."""
+        key = (epoch, unit)
+        self.loads.requested.discard(key)
+        if key in self.lengths or self._behind(epoch, unit):
+            return False  # a duplicate, or a unit the cursor has already passed
+        lengths = np.asarray(lengths, dtype=np.int64)
+        images = vision is not None and bool(np.any(vision))
+        self.loads.arrived(epoch, unit, int(lengths.sum()), images)
+        if images:
+            self.vision[key] = (np.asarray(vision, dtype=np.int64), lengths)
+        self.lengths[key] = self.ordering.shuffle_docs(key, lengths)
+        return True

@@ -1,0 +1,69 @@
+"""Chunks: how consecutive handed-out steps become constructor tasks.
+
+One constructor task builds a chunk of steps for a group of ranks, and a chunk is split into
+groups only to keep each task within ``TASK_TOKENS`` tokens. Splitting a chunk over workers does
+not buy parallel construction: the chunks in flight (at least two, as a chunk holds at most half
+of ``prefetch_steps``) already build side by side, and building is fast next to loading. It costs
+instead: every group draws pieces from nearly every block, so each group's worker fetches a peer
+copy of each block, and a chunk split over ``G`` workers copies its blocks up to ``G`` times
+(``benchmarks/throughput.py --scaling`` compares worker counts). One queue item per rank then names the whole chunk, so
+queue items, constructor tasks and acks are per chunk, not per (step, rank). A task carries only
+its ranks' pieces, as int32 bytes (every field fits: half the bytes of the ledger's int64), and
+the units whose blocks it needs.
+
+How many steps a chunk holds (:func:`chunk_steps`, unless the plan sets ``loading.batch_steps``):
+a quarter of the prefetch bound, raised until a chunk holds ``CHUNK_TOKENS`` tokens, but never
+more than half the bound (one chunk is built while the trainers take another). Every task,
+queue item, fetch and ack has a fixed cost in Dask and in the service, so small steps in small
+chunks spend the machine on the control path (``benchmarks/control_plane.py`` compares chunked
+hand-out with a chunk per step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..plan.models import Topology
+from ..protocol import batch_key
+from .. import pieces as P
+
+TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
+CHUNK_TOKENS = 1 << 20  # a default chunk holds at least this many tokens (within half the prefetch bound)
+
+
+def chunk_steps(loading, topology: Topology) -> int:
+    """Steps handed out together: ``loading.batch_steps`` if the plan sets it, else a quarter
+    of ``prefetch_steps`` raised to ``CHUNK_TOKENS`` tokens, at most half of ``prefetch_steps``;
+    never more than ``prefetch_steps`` and at least 1."""
+    prefetch = loading.prefetch_steps
+    if loading.batch_steps:
+        return min(loading.batch_steps, prefetch)
+    enough = math.ceil(CHUNK_TOKENS / max(1, topology.step_tokens))
+    return max(1, min(max(prefetch // 4, enough), prefetch // 2))
+
+
+def chunk_tasks(steps: list[dict], ledger, topology: Topology, run_id: str) -> list[dict]:
+    """Constructor tasks for consecutive ``steps`` (``PlannerState.plan_steps`` output, their
+    pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "micro_batches", "units"}``;
+    as few groups of ranks as keep each within ``TASK_TOKENS``."""
+    dp, mb = topology.dp, topology.micro_batches
+    tokens = len(steps) * topology.step_tokens
+    groups = max(1, math.ceil(tokens / TASK_TOKENS))
+    per = math.ceil(dp / min(groups, dp))
+    planned = [(sp, ledger[sp["step"]]) for sp in steps]
+    tasks = []
+    for lo in range(0, dp, per):
+        hi = min(dp, lo + per)
+        parts, units = [], []
+        for sp, entry in planned:
+            pieces, slot = entry["pieces"], entry["slot"]
+            mine = (slot[:, 0] >= lo) & (slot[:, 0] < hi)
+            parts.append({"step": sp["step"], "pieces": P.to_bytes(pieces[mine], "<i4"), "slot": P.to_bytes(slot[mine], "<i4"),
+                          "piece_tokens": sp["piece_tokens"]})
+            units.append(P.units(pieces[mine]))
+        used = P.unique_rows(np.concatenate(units)) if units else np.zeros((0, 3), np.int64)
+        tasks.append({"key": batch_key(run_id, steps[0]["step"], lo, hi), "steps": parts, "ranks": [lo, hi],
+                      "micro_batches": mb, "units": used.tolist()})
+    return tasks

@@ -1,0 +1,165 @@
+"""The one thread that owns the planner state, and the loop on the scheduler's event loop that
+feeds it.
+
+Planning (handing out steps, balancing the next windows ahead of hand-out), loaded lengths, live
+updates, snapshot capture and the read-only views run here, serialised through a one-thread
+executor, so no handler on the event loop waits on a planning step and no view is torn by one.
+The loop is event-driven: reported lengths, acks that move the committed step and updates
+:meth:`PlannerThread.wake` it; what a round produces (loads and constructor tasks to submit,
+batches and blocks to release) waits in :class:`Work` for the submitter's long poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from .. import logs
+from ..planner.policies import kernels
+from ..planner.state import PlannerState
+from .chunks import chunk_tasks
+
+logger = logging.getLogger(__name__)
+OBSERVE_EVERY_S = 0.5  # the dashboard page's view of the run is at most this old
+
+
+class Work:
+    """What the submitter has to do next: loads and constructor tasks to submit, batches to
+    release, blocks no later step needs."""
+
+    __slots__ = ("loads", "tasks", "release", "finished")
+
+    def __init__(self):
+        self.loads, self.tasks, self.release, self.finished = [], [], [], []
+
+    def add(self, out: dict) -> None:
+        self.loads += out["loads"]
+        self.tasks += out["tasks"]
+        self.finished += out["finished"]
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.tasks or self.release or self.finished)
+
+    def take(self) -> dict:
+        return {"loads": self.loads, "tasks": self.tasks, "release": self.release, "finished": self.finished}
+
+
+class PlannerThread:
+    """Runs the planner state's work in its own thread; ``on_tasks(key, steps, lo, hi)`` learns
+    each constructor task handed out, ``observe()`` (called in the thread every
+    ``OBSERVE_EVERY_S``) refreshes the dashboard's view, ``on_failure(message)`` stops the run."""
+
+    def __init__(self, run_id: str, chunk_steps: int, *, on_tasks: Callable, observe: Callable[[], dict],
+                 on_failure: Callable[[str], None]):
+        self.run_id, self.chunk_steps = run_id, chunk_steps
+        self.on_tasks, self.observe, self.on_failure = on_tasks, observe, on_failure
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
+        self.executor.submit(kernels.warm)  # the balancer's compiled loops, ready (or compiling) while the first units load
+        self.state: PlannerState | None = None
+        self.observed: dict | None = None  # what /overlord and the Prometheus gauges show (observe.dashboard)
+        self.work = Work()
+        self.work_ready = asyncio.Event()
+        self._kick = asyncio.Event()  # something may let the planner make progress
+        self._inbox: deque = deque()  # reported lengths, drained by the planner thread
+        self._stage = None  # the curriculum stage of the last step handed out (for the stage event)
+        self._observed_at = -1e9
+
+    async def start(self, plan, unit_first_ids: dict, restore: dict | None) -> asyncio.Task:
+        self.state = await self.run(PlannerState, plan, unit_first_ids, state=restore)
+        self._kick.set()
+        return asyncio.create_task(self._loop())
+
+    def stop(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, fn, *args, **kwargs):
+        """Run ``fn`` in the planner thread (the one thread that touches the planner state)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    def wake(self) -> None:
+        self._kick.set()
+
+    def add_lengths(self, source: str, epoch: int, unit: int, lengths, vision) -> None:
+        """(event loop) A loaded unit's metadata, taken in by the next planning round."""
+        self._inbox.append((source, epoch, unit, lengths, vision))
+        self._kick.set()
+
+    def release(self, keys: list[str]) -> None:
+        """(event loop) Built batches every rank acknowledged: the submitter drops them."""
+        self.work.release += keys
+        self.work_ready.set()
+        self._kick.set()
+
+    def idle_tick(self) -> None:
+        if time.monotonic() - self._observed_at > 2 * OBSERVE_EVERY_S:  # idle: the page's view still refreshes
+            self._kick.set()
+
+    async def next_work(self, timeout: float) -> dict:
+        """The submitter's long poll: answers as soon as there is something to submit or release."""
+        if not self.work and not self.state.failure:
+            try:
+                await asyncio.wait_for(self.work_ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        self.work_ready.clear()
+        out, self.work = self.work.take(), Work()
+        return out
+
+    async def _loop(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            try:
+                out = await self.run(self._plan_work)
+            except Exception as err:  # a bug or a misbehaving weight function: stop the run, say why
+                logger.exception("overlord planner failed")
+                self.on_failure(f"planning failed: {type(err).__name__}: {err}")
+                return
+            for t in out["tasks"]:
+                self.on_tasks(t["key"], [p["step"] for p in t["steps"]], t["ranks"][0], t["ranks"][1])
+            self.work.add(out)
+            if self.work:
+                self.work_ready.set()
+            if out.get("again"):
+                self._kick.set()
+
+    def _plan_work(self) -> dict:
+        """(planner thread) Take in loaded lengths, hand out every chunk the prefetch bound
+        allows, then plan windows ahead and ask for the units planning will need next."""
+        st = self.state
+        while self._inbox:
+            st.add_lengths(*self._inbox.popleft())
+        out = {"tasks": [], "loads": [], "finished": []}
+        if st.failure:
+            return out
+        prefetch = st.plan.loading.prefetch_steps
+        while prefetch - (st.next_step - st.committed) >= self.chunk_steps:
+            steps, finished = st.plan_steps(self.chunk_steps)
+            out["finished"] += finished
+            if not steps:
+                break
+            self._log_stages(steps)
+            out["tasks"] += chunk_tasks(steps, st.ledger, st.final_plan.topology, self.run_id)
+        if out["tasks"]:
+            # these chunks go to the workers first; the next window is balanced in the next
+            # round, off the trainers' path
+            out["again"] = True
+        else:
+            st.plan_ahead(self.chunk_steps)  # the next chunk is balanced before anyone asks for it
+        out["loads"] = st.wanted()
+        now = time.monotonic()
+        if now - self._observed_at > OBSERVE_EVERY_S:  # the dashboard page's and the gauges' view, refreshed
+            self._observed_at = now
+            self.observed = self.observe()
+        return out
+
+    def _log_stages(self, steps: list[dict]) -> None:
+        for sp in steps:
+            stage = self.state.metrics.get(sp["step"], {}).get("stage")
+            if stage != self._stage:
+                logs.event("stage", self.run_id, sp["step"], stage=stage, previous=self._stage)
+                self._stage = stage

@@ -1,0 +1,198 @@
+"""The planner as a Dask scheduler plugin: one central, metadata-only controller per service.
+
+Register with ``client.register_plugin(PlannerPlugin(plan, unit_first_ids, run_id))``. It starts
+and composes the scheduler-side parts, each owning its state:
+
+- ``planner_thread.PlannerThread``: the one thread that owns ``planner.PlannerState`` and plans a
+  window ahead of hand-out, woken by events (lengths, acks, updates), never polling;
+- ``routes.Routes``: the route table (name -> handler), bound to ``scheduler.handlers``;
+- ``channels.RankChannels``: built batches' descriptors pushed to the trainers' processes;
+- ``held.HeldBatches``: built batches until every rank acknowledged them, and their shadows;
+- ``snapshot_loop.SnapshotLoop`` (with a checkpoint URL): snapshots in the background;
+- ``watchdog.LoopWatch``: how late the event loop wakes.
+
+This class keeps what is the scheduler's own: the lifecycle, the task events (a constructor task
+in memory sends its descriptors out; a failed load or build stops the run, naming it), a lost
+worker, and the run's failure. Central work stays per chunk of steps, never per (step, rank):
+the design's control-path rule, measured by ``benchmarks/control_plane.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import logging
+import sys
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from .. import logs
+from ..loading.partition import UnitParts
+from ..loading.signals import LoadSignals
+from ..observe import dashboard, prometheus
+from ..protocol import Route, load_prefix
+from .channels import RankChannels
+from .chunks import chunk_steps
+from .held import HeldBatches
+from .planner_thread import PlannerThread
+from .routes import Routes
+from .snapshot_loop import SnapshotLoop
+from .watchdog import LoopWatch
+
+logger = logging.getLogger(__name__)
+GIL_SWITCH_S = 0.001  # how long the planner thread may hold the GIL while the event loop waits for it
+
+
+class PlannerPlugin(SchedulerPlugin):
+    """The planner of one run on this scheduler (``name``: one run at a time)."""
+
+    name = "overlord-planner"
+    idempotent = True
+
+    def __init__(self, plan, unit_first_ids: dict[str, list[int]], run_id: str, *,
+                 checkpoint_url: str | None = None, storage_options: dict | None = None, keep_bases: int = 2,
+                 base_every_steps: int = 1000, base_every_seconds: float = 600.0,
+                 restore: dict | None = None, restore_seq: int = -1):
+        self.plan = plan  # a plan.Plan: handed over once, pickled with the plugin
+        self.unit_first_ids = unit_first_ids
+        self.run_id = run_id
+        self.checkpoint_url = checkpoint_url
+        self.storage_options = storage_options or {}
+        self.keep_bases = keep_bases
+        self.base_every = (base_every_steps, base_every_seconds)
+        self.restore_state = restore
+        self.seq = restore_seq  # last snapshot sequence number written (or restored)
+        self.thread: PlannerThread | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        plan = self.plan
+        self.chunk_steps = chunk_steps(plan.loading, plan.topology)
+        self.signals = LoadSignals()  # measured load costs and step rate, for the pool autoscaler
+        self.parts = UnitParts()  # lengths of units loaded in parts, until every part arrived
+        self.held = HeldBatches(scheduler, plan.loading.shadows, plan.loading.shadow_blocks, load_prefix(self.run_id))
+        self.routes = Routes(self)
+        self.thread = PlannerThread(self.run_id, self.chunk_steps, on_tasks=self.held.add, observe=self._observe, on_failure=self.fail)
+        planning = await self.thread.start(plan, self.unit_first_ids, self.restore_state)
+        self.channels = RankChannels(scheduler.extensions["queues"], self.name, self.run_id, plan.topology.dp, plan.topology.cp)
+        self.watch = LoopWatch(on_tick=self.thread.idle_tick)
+        self._background = [planning, asyncio.create_task(self.watch.run())]
+        self.snapshots_loop = None
+        if self.checkpoint_url:
+            self.snapshots_loop = SnapshotLoop(self.checkpoint_url, self.storage_options, lambda: self.thread.run(self.thread.state.get_state),
+                                               self.run_id, keep_bases=self.keep_bases, base_every_steps=self.base_every[0],
+                                               base_every_seconds=self.base_every[1], seq=self.seq)
+            self._background.append(asyncio.create_task(self.snapshots_loop.run()))
+        scheduler.handlers.update(self.routes.table())
+        # never removed: a message for a stream handler that is gone drops the worker's connection
+        scheduler.stream_handlers[Route.LENGTHS] = functools.partial(_dispatch_lengths, scheduler)
+        logs.install()  # the scheduler's side of the shadow-copy races
+        dashboard.install_page(scheduler)  # /overlord on the dashboard's HTTP server
+        prometheus.install(scheduler)  # overlord_* on Dask's /metrics
+        _freeze_heap()
+        # The planner thread computes while the event loop needs the GIL for a few microseconds
+        # at a time; at Python's default 5 ms switch interval every wake-up of the loop could
+        # wait that long behind it (control_plane benchmark: loop block max). Restored at stop.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(GIL_SWITCH_S, self._switch_interval))
+
+    async def stop(self) -> None:
+        """Detach from the scheduler (it may host another run): the last snapshot is written,
+        the routes and queues removed, the planner thread ended."""
+        if self.thread is None:
+            return
+        for t in self._background:
+            t.cancel()
+        if self.snapshots_loop is not None:
+            try:
+                await self.snapshots_loop.write()  # the last committed step, before the run goes
+            except Exception:
+                logger.exception("writing the final planner snapshot to %s failed", self.checkpoint_url)
+        for name in self.routes.table():
+            self.scheduler.handlers.pop(name, None)
+        await self.channels.close(f"the overlord run {self.run_id} stopped")  # consumers learn that the run is gone
+        self.thread.stop()
+        self.thread = None
+        sys.setswitchinterval(self._switch_interval)
+
+    async def close(self) -> None:
+        await self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None
+
+    @property
+    def observed(self) -> dict | None:
+        """The run as the dashboard and the gauges show it (refreshed by the planner thread)."""
+        return self.thread.observed if self.thread is not None else None
+
+    def _observe(self) -> dict:
+        """(planner thread) The dashboard's view of the run."""
+        return dashboard.snapshot(self.thread.state, self.signals, run_id=self.run_id, scaling=self.routes.scaling,
+                                  snapshots=self.routes.snapshots(), loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)},
+                                  extra={"counters": self.routes.counters(), "rank_wait_share": self.routes.wait_shares()})
+
+    # ---- task events (scheduler transitions, on the event loop) --------------------------------
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        t = self.held.tasks.get(key)
+        if t is None:
+            if self.held.is_load(key):
+                if finish == "erred":
+                    self.fail(self._error_text(key))
+                elif finish == "memory":
+                    self.held.block_stored(key)
+            return
+        if finish == "memory":
+            if self.held.stored(key):  # built: its ranks' descriptors go out
+                for r in range(t["lo"], t["hi"]):
+                    for j in range(self.plan.topology.cp):
+                        self.channels.put(r, j, self.channels.descriptor(key, t, r, j))
+        elif finish == "erred":
+            self.fail(self._error_text(key, t))
+
+    def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
+        """A worker left (or died): every trainer process hears it at once, so no fetch waits on
+        a dead address (a refused connection is retried for Dask's whole connect timeout)."""
+        self.channels.broadcast({"op": "worker_lost", "rank": None, "address": worker})
+        logs.event("worker_lost", self.run_id, self.thread.state.committed, worker=worker)
+
+    def _error_text(self, key: str, task: dict | None = None) -> str:
+        ts = self.scheduler.tasks.get(key)
+        blame = (ts.exception_blame or ts) if ts is not None else None
+        text = (blame.exception_text if blame is not None else None) or "unknown error"
+        if blame is not None and self.held.is_load(blame.key):
+            return f"{text} (failed after {self.plan.loading.retries} retries)"
+        steps = task["steps"] if task else "?"
+        return f"building steps {steps} failed: {text}"
+
+    def fail(self, message: str) -> None:
+        """Stop the run: every rank's queue and the submitter hear ``message``."""
+        state = self.thread.state
+        if state.failure:
+            return
+        state.failure = message
+        logger.error("overlord run %s failed: %s", self.run_id, message)
+        for (r, j) in self.channels.names:
+            self.channels.put(r, j, {"error": message})
+        self.thread.work_ready.set()
+
+
+def _freeze_heap() -> None:
+    """Move every object alive now (imports, Dask's and the plan's state) out of the garbage
+    collector's sight. A full collection in the scheduler's process otherwise walks all of them
+    and holds the event loop (the control_plane benchmark's longest loop blocks were full
+    collections); afterwards it walks only what was created since. Nothing is lost: frozen
+    objects are merely never collected, and they are the process's long-lived ones."""
+    gc.collect()
+    gc.freeze()
+
+
+def _dispatch_lengths(scheduler, **msg) -> None:
+    """Worker-stream reports go to the planner of their run; late ones (a load that finished
+    after its run stopped) are dropped here instead of breaking the worker's connection."""
+    plugin = scheduler.plugins.get(PlannerPlugin.name)
+    if isinstance(plugin, PlannerPlugin) and plugin.running:
+        plugin.routes.lengths(**msg)

@@ -1,0 +1,358 @@
+"""The ``overlord`` command.
+
+    overlord demo [--dp 4 --steps 100 --data demo-data]   service + trainer processes, JSON summary
+    overlord serve PLAN.yaml [--workers 2 --dp N --scheduler-file F --host H --port P]
+                                                            run a service, print its address
+    overlord status ADDRESS|FILE [--json]                   progress, lag, balance, mix, pools, snapshots
+    overlord update ADDRESS|FILE PLAN.yaml [--at-step N]    change the plan of a running service
+    overlord stop ADDRESS|FILE                              stop it cleanly (last snapshot, workers retired)
+    overlord validate PLAN.yaml [PLAN.yaml ...]             check plans and index their sources
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from ..errors import OverlordError, ServiceError
+
+
+_IDENTITY_FIELDS = ("source_ids", "epochs", "sample_ids", "piece_starts", "cu_seqlens")  # report.delivered_record's inputs
+
+
+def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> None:
+    """One trainer rank of the demo: consume ``steps`` steps as a training loop would."""
+    from ..trainer.dataset import OverlordDataset
+    from ..observe.figures import delivered_record
+
+    import torch
+
+    ds = OverlordDataset(address, rank=rank, dp=dp)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
+    kept, tokens = [], 0  # per step: (step, its micro-batches' identity arrays)
+    step_end, step_tokens = [], []  # per step: when this rank finished it, and its real tokens
+    current: list[dict] = []
+    in_step = 0
+    t_start = time.time()
+    t_first = None
+    for mb in loader:
+        if t_first is None:
+            t_first = time.time()
+        # a real trainer would run forward/backward here; we only touch the tensors
+        n = int(mb["num_tokens"])
+        tokens += n
+        in_step += n
+        current.append({k: mb[k].numpy() for k in _IDENTITY_FIELDS})  # what exactly-once accounting reads, after the run
+        if mb["last_in_step"]:
+            kept.append((mb["step"], current))
+            step_end.append(time.time())
+            step_tokens.append(in_step)
+            current, in_step = [], 0
+            if mb["step"] + 1 >= steps:
+                break
+    ds.stream.commit()
+    t_end = time.time()
+    records = []
+    for step, mbs in kept:  # the accounting is not the trainer's work: off the timed loop
+        rec = delivered_record({"micro_batches": mbs})
+        rec["step"] = np.full(len(rec["source"]), step)
+        records.append(rec)
+    merged = {k: np.concatenate([r[k] for r in records]) for k in records[0]} if records else {}
+    # the first wait includes attaching and the service's warm-up: report it apart
+    np.savez(out, wait_s=np.array(ds.stream.wait_s[1:]), first_wait_s=ds.stream.wait_s[0], tokens=tokens,
+             t_start=t_start, t_first=t_first, t_end=t_end, step_end=np.array(step_end), step_tokens=np.array(step_tokens), **merged)
+    ds.close()
+
+
+def run_demo(*, steps: int = 100, dp: int = 4, workers: int = 2, data: str = "demo-data", scale: float = 1.0,
+             plan_path: str | None = None, quiet: bool = False) -> dict:
+    """Run the service and ``dp`` trainer processes for ``steps`` steps; return the run summary."""
+    from tqdm import tqdm
+
+    from .demo import demo_plan, generate_demo_corpus
+    from ..observe.figures import delivered_identities, exactly_once, mix_error, percentile, planned_identities
+    from .service import Service
+
+    corpus = generate_demo_corpus(data, scale=scale)
+    plan = demo_plan(corpus, topology={"dp": dp}) if plan_path is None else _load(plan_path)
+    dp = plan.topology.dp
+    ctx = mp.get_context("spawn")
+    with Service.start(plan, n_workers=workers) as service, tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.npz") for r in range(dp)]
+        t0 = time.perf_counter()
+        procs = [ctx.Process(target=_demo_trainer, args=(service.address, r, dp, steps, outs[r]), daemon=True) for r in range(dp)]
+        for p in procs:
+            p.start()
+        with tqdm(total=steps, desc=f"steps (dp={dp})", unit="step", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:
+            done = 0
+            while done < steps:
+                st = service.status()
+                if st.get("failure"):
+                    raise OverlordError(f"the service failed: {st['failure']}")
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise OverlordError(f"a trainer process died: exit codes {[p.exitcode for p in procs]}")
+                bar.update(min(st["committed"], steps) - done)
+                done = min(st["committed"], steps)
+                time.sleep(0.2)  # progress at 5 Hz: each status is a scheduler RPC the run pays for
+        for p in procs:
+            p.join(timeout=60)
+        wall = time.perf_counter() - t0
+        ranks = [dict(np.load(o)) for o in outs]
+        ledger = service.ledger(0, steps)
+        metrics = service.metrics(0, steps)
+
+    planned = [planned_identities(ledger[s]) for s in range(steps)]
+    delivered = [delivered_identities(r) for r in ranks]
+    duplicates, missing = exactly_once(planned, delivered)
+    src_tokens = np.zeros(len(plan.sources))
+    for r in ranks:
+        np.add.at(src_tokens, r["source"], r["length"])
+    weights = np.array(list(plan.weights().values()))
+    tokens = int(sum(int(r["tokens"]) for r in ranks))
+    waits = np.concatenate([r["wait_s"] for r in ranks])
+    # steady-state rate, over the steps from `s0` on: the service builds `prefetch_steps` steps
+    # before the trainers attach, and those hand over at the trainers' pace, not the service's
+    # (counted from the first batch, they would overstate the rate)
+    s0 = steady_from(steps, plan.loading.prefetch_steps)
+    stream_s = max(float(r["t_end"]) for r in ranks) - min(float(r["step_end"][s0 - 1] if s0 else r["t_first"]) for r in ranks)
+    steady_tokens = int(sum(int(r["step_tokens"][s0:].sum()) for r in ranks))
+    return {
+        "steps": steps,
+        "dp": dp,
+        "micro_batches": plan.topology.micro_batches,
+        "tokens_per_micro_batch": plan.topology.tokens_per_micro_batch,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "time_to_first_batch_s": round(float(np.mean([r["first_wait_s"] for r in ranks])), 3),
+        "tokens_per_s": round(steady_tokens / stream_s, 1),
+        "steady_from_step": s0,
+        "fill": round(float(np.mean([m["fill"] for m in metrics])), 4),
+        "imbalance_p50": round(percentile([m["imbalance"] for m in metrics], 50), 4),
+        "imbalance_p99": round(percentile([m["imbalance"] for m in metrics], 99), 4),
+        "mb_imbalance_p50": round(percentile([m["mb_imbalance"] for m in metrics], 50), 4),
+        "mb_imbalance_p99": round(percentile([m["mb_imbalance"] for m in metrics], 99), 4),
+        "mix_error_max": round(mix_error(src_tokens, weights), 5),
+        "wait_p50_ms": round(percentile(waits, 50) * 1e3, 2),
+        "wait_p99_ms": round(percentile(waits, 99) * 1e3, 2),
+        "duplicates": duplicates,
+        "missing": missing,
+    }
+
+
+def steady_from(steps: int, prefetch_steps: int) -> int:
+    """The first step of a run's steady-state window: past the first quarter of the run and past
+    the steps prefetched before the trainers attached (as far as half the run allows); 0 (the
+    whole run, from the first batch) for a run of one step."""
+    return 0 if steps < 2 else min(steps - 1, max(1, steps // 4, min(prefetch_steps, steps // 2)))
+
+
+def _load(path: str):
+    from ..plan import load_plan
+
+    return load_plan(path)
+
+
+def cmd_serve(args) -> int:
+    from ..protocol import write_scheduler_file
+    from .service import Service
+
+    _event_logging()
+    plan = _load(args.plan)
+    if args.dp is not None:  # the trainers' world size decides, not the file
+        plan = _with_dp(plan, args.dp, f"{args.plan} (--dp {args.dp})")
+    with Service.start(plan, n_workers=args.workers, scheduler_port=args.port, host=args.host) as service:
+        if args.scheduler_file:
+            write_scheduler_file(args.scheduler_file, service.address, service.run_id, plan.topology.dp)
+        link = service.client.dashboard_link or ""
+        print(json.dumps({"run_id": service.run_id, "address": service.address, "dp": plan.topology.dp,
+                          "scheduler_file": args.scheduler_file, "dashboard": link.rsplit("/", 1)[0] + "/overlord" if link else None}), flush=True)
+        try:
+            while True:
+                st = service.status()
+                if st.get("failure"):
+                    raise ServiceError(st["failure"])
+                if st.get("stop_requested"):
+                    print(json.dumps({"stopped": True, "committed": st["committed"]}), flush=True)
+                    return 0  # leaving the with-block writes the last snapshot and retires the workers
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            if args.scheduler_file and os.path.exists(args.scheduler_file):
+                os.remove(args.scheduler_file)  # a file naming a stopped service would send trainers to a dead address
+
+
+def _with_dp(plan, dp: int, where: str):
+    """``plan`` with ``topology.dp`` set to ``dp`` (validated again, errors naming ``where``)."""
+    from ..plan import plan_from_dict, plan_to_dict
+
+    if plan.topology.dp == dp:
+        return plan
+    d = plan_to_dict(plan)
+    d["topology"]["dp"] = dp
+    return plan_from_dict(d, where=where)
+
+
+def _event_logging() -> None:
+    """The service's event lines (``logs.event``) on stderr, one per event."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s overlord %(message)s"))
+    events = logging.getLogger("overlord_dask.events")
+    events.addHandler(handler)
+    events.setLevel(logging.INFO)
+
+
+def _attach(where: str):
+    from .service import Service
+
+    return Service.attach(where)
+
+
+def cmd_status(args) -> int:
+    service = _attach(args.where)
+    try:
+        summary = service.summary()
+    finally:
+        service.close()
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        width = max(len(k) for k in summary) + 2
+        for k, v in summary.items():
+            print(f"{k:<{width}}{v if not isinstance(v, dict) else json.dumps(v)}")
+    return 1 if summary["failure"] else 0
+
+
+def cmd_update(args) -> int:
+    service = _attach(args.where)
+    try:
+        dp = service.plan.topology.dp  # served with --dp: the running world size stays
+        at = service.update_plan(_with_dp(_load(args.plan), dp, f"{args.plan} (dp {dp} of the running service)"), at_step=args.at_step)
+    finally:
+        service.close()
+    print(json.dumps({"updated": True, "at_step": at}), flush=True)
+    return 0
+
+
+def cmd_stop(args) -> int:
+    """Ask the serving process to stop, then wait until its scheduler is gone."""
+    from ..protocol import resolve_address
+
+    address = resolve_address(args.where)
+    service = _attach(address)
+    try:
+        committed = service.status()["committed"]
+        service.request_stop()
+    finally:
+        service.close()
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            _attach(address).close()
+        except (ServiceError, OSError):
+            print(json.dumps({"stopped": True, "address": address, "committed": committed}), flush=True)
+            return 0
+        time.sleep(0.5)
+    raise ServiceError(f"the service at {address} was asked to stop but still answers after {args.timeout:.0f}s")
+
+
+def cmd_validate(args) -> int:
+    """One JSON line per plan; every plan is checked, the exit status says whether all were good."""
+    from .indexing import index_sources
+
+    failed = 0
+    for path in args.plan:
+        try:
+            plan = _load(path)
+            units = index_sources(plan)
+        except OverlordError as err:
+            failed += 1
+            print(f"overlord: error: {err}", file=sys.stderr, flush=True)
+            print(json.dumps({"plan": path, "ok": False, "error": str(err)}), flush=True)
+            continue
+        warnings = _layout_warnings(plan)
+        for w in warnings:
+            print(f"overlord: warning: {w}", file=sys.stderr, flush=True)
+        print(json.dumps({"plan": path, "name": plan.name, "ok": True,
+                          "sources": {k: {"units": len(v), "documents": sum(u.n_docs for u in v)} for k, v in units.items()},
+                          "warnings": warnings}), flush=True)
+    return 2 if failed else 0
+
+
+def _layout_warnings(plan) -> list[str]:
+    """Sources whose storage layout makes loading slower than it needs to be (the plan is valid)."""
+    from ..sources import zarr_source
+
+    return [w for src in plan.sources if src.format == "zarr" for w in zarr_source.layout_warnings(src, plan)]
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _non_negative(text: str) -> int:
+    n = _positive(text) if text.strip() != "0" else 0
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="overlord", description="overlord-dask: a Dask data-loading service for LLM training")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="run the service on an embedded LocalCluster with generated data and dp trainer processes")
+    d.add_argument("--dp", type=_positive, default=4, help="trainer ranks (separate processes)")
+    d.add_argument("--steps", type=_positive, default=100)
+    d.add_argument("--workers", type=_positive, default=2, help="Dask worker processes")
+    d.add_argument("--data", default="demo-data", help="demo corpus folder (generated when missing)")
+    d.add_argument("--scale", type=float, default=1.0, help="demo corpus size multiplier")
+    d.add_argument("--plan", default=None, help="a plan to run instead of the demo plan")
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+    s = sub.add_parser("serve", help="run a service for a plan and print its address")
+    s.add_argument("plan")
+    s.add_argument("--workers", type=_non_negative, default=2, help="embedded worker processes (0: workers join from other hosts)")
+    s.add_argument("--port", type=int, default=0, help="scheduler port (fixed, so that trainers reconnect to a restarted service)")
+    s.add_argument("--host", default=None, help="interface the scheduler listens on (default: loopback only)")
+    s.add_argument("--dp", type=_positive, default=None, help="data-parallel ranks (overrides the plan's topology.dp)")
+    s.add_argument("--scheduler-file", default=None, help="write the address here (trainers and tools can be given the file)")
+    st = sub.add_parser("status", help="a running service's progress, lag, balance, mix, pools and snapshots")
+    st.add_argument("where", help="scheduler address or scheduler file")
+    st.add_argument("--json", action="store_true")
+    u = sub.add_parser("update", help="change a running service's plan from a step on")
+    u.add_argument("where", help="scheduler address or scheduler file")
+    u.add_argument("plan")
+    u.add_argument("--at-step", type=int, default=None, help="first step of the new plan (default: the first not planned yet)")
+    sp = sub.add_parser("stop", help="stop a running service cleanly (last snapshot written, workers retired)")
+    sp.add_argument("where", help="scheduler address or scheduler file")
+    sp.add_argument("--timeout", type=float, default=60.0)
+    v = sub.add_parser("validate", help="validate a plan and index its sources")
+    v.add_argument("plan", nargs="+")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "demo":
+            summary = run_demo(steps=args.steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale,
+                               plan_path=args.plan, quiet=args.quiet)
+            print(json.dumps(summary), flush=True)
+            return 0
+        commands = {"serve": cmd_serve, "status": cmd_status, "update": cmd_update, "stop": cmd_stop, "validate": cmd_validate}
+        return commands[args.cmd](args)
+    except OverlordError as err:
+        print(f"overlord: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

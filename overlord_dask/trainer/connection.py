@@ -1,0 +1,181 @@
+"""The trainer process's connections to the service: one asyncio loop thread and one Dask
+connection pool per process, and one channel per process and run, shared by its ranks.
+
+The channel (``overlord_channel`` on the scheduler) is a batched stream both ways: the scheduler
+pushes the descriptors of built batches for the ranks subscribed on it, acks go back one-way,
+and messages are routed to each rank's IO side (``prefetch.RankIO``) by (rank, cp rank) and
+generation. No Dask client, heartbeat or task bookkeeping per rank: the scheduler handles a
+message per process and interval, not requests per rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from ..client import PlannerClient, channel_open
+from ..errors import ServiceError
+from ..protocol import CHANNEL_INTERVAL
+
+if TYPE_CHECKING:
+    from .prefetch import RankIO
+
+CONNECT_TIMEOUT_S = 5.0  # a refused connection (a worker that just died) is retried this long, not Dask's 30 s
+
+
+class ProcessIO:
+    """One asyncio loop thread and one Dask connection pool per process, shared by its streams."""
+
+    _lock = threading.Lock()
+    _instance: "ProcessIO | None" = None
+
+    @classmethod
+    def get(cls) -> "ProcessIO":
+        with cls._lock:
+            if cls._instance is None or cls._instance.pid != os.getpid():  # a forked child gets its own
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.channels: dict[tuple[str, str], Channel] = {}
+        self.lost_workers: dict[str, asyncio.Event] = {}  # address -> set once the scheduler says it is gone
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="overlord-consumer-io", daemon=True)
+        self.thread.start()
+        self.pool = self.run(self._make_pool(), timeout=60)
+
+    @staticmethod
+    async def _make_pool():
+        from distributed.core import ConnectionPool
+        from distributed.security import Security
+
+        # TLS when Dask's config holds certificates (as the service's own processes do)
+        pool = ConnectionPool(limit=4096, connection_args=Security().get_connection_args("client"), timeout=CONNECT_TIMEOUT_S)
+        await pool.start()
+        return pool
+
+    def channel(self, address: str, run_id: str, wait: bool = True) -> "Channel":
+        """This process's channel to run ``run_id`` at ``address`` (opened on first use; from
+        the IO loop pass ``wait=False`` and await ``opened()``)."""
+        with self._lock:
+            ch = self.channels.get((address, run_id))
+            if ch is None or ch.closed:
+                ch = self.channels[(address, run_id)] = Channel(self, address, run_id)
+        if wait:
+            ch.wait_open()
+        return ch
+
+    def lost(self, address: str) -> asyncio.Event:
+        """(IO loop) Set when the scheduler reports ``address`` gone (``worker_lost``)."""
+        ev = self.lost_workers.get(address)
+        if ev is None:
+            ev = self.lost_workers[address] = asyncio.Event()
+        return ev
+
+    def planner(self, address: str) -> PlannerClient:
+        """The planner's routes at ``address``, over this process's connection pool."""
+        return PlannerClient(self.pool(address))
+
+    async def call_worker(self, address: str, request: Callable[[object], Awaitable], abort: asyncio.Event | None = None):
+        """``request(rpc)`` to a worker, given up the moment the worker is reported gone (or
+        ``abort`` is set: the whole service went away): a refused connection is otherwise retried
+        for Dask's whole connect timeout (30 s) while the batch waits on a shadow, is rebuilt
+        elsewhere, or comes from a restarted service."""
+        lost = self.lost(address)
+        if lost.is_set() or (abort is not None and abort.is_set()):
+            raise OSError(f"worker {address} is gone")
+        call = asyncio.ensure_future(request(self.pool(address)))
+        stops = [asyncio.ensure_future(ev.wait()) for ev in (lost, abort) if ev is not None]
+        try:
+            await asyncio.wait({call, *stops}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this call is cancelled (a hedged fetch that gave up)
+            for t in stops:
+                t.cancel()
+            answered = call.done()
+            if not answered:
+                call.cancel()
+        if not answered:
+            raise OSError(f"worker {address} is gone")
+        return call.result()
+
+    def run(self, coro, timeout: float | None = None):
+        """Run ``coro`` on the IO loop and wait for its result (from a trainer thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def spawn(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+
+class Channel:
+    """One batched stream per process and run to the scheduler (``overlord_channel``): the
+    scheduler pushes descriptors for the ranks subscribed on it; acks go back one-way. Messages
+    are routed to the process's streams by (rank, cp rank)."""
+
+    def __init__(self, io: ProcessIO, address: str, run_id: str):
+        import uuid
+
+        self.io, self.address, self.run_id = io, address, run_id
+        self.id = f"overlord-channel-{uuid.uuid4().hex}"
+        self.streams: dict[tuple[int, int], dict[int, "RankIO"]] = {}  # (rank, cp rank) -> generation -> stream
+        self.closed = False
+        self._opened = io.spawn(self._open())
+
+    async def opened(self) -> None:
+        """(IO loop) Wait until the channel is open; ServiceError if it cannot be."""
+        try:
+            await asyncio.wrap_future(self._opened)
+        except Exception as err:
+            raise self._failed(err) from None
+
+    def wait_open(self, timeout: float = 60) -> None:
+        try:
+            self._opened.result(timeout)
+        except Exception as err:
+            raise self._failed(err) from None
+
+    def _failed(self, err: Exception) -> ServiceError:
+        self.closed = True
+        return ServiceError(f"cannot open a channel to the overlord service at {self.address}: {err}")
+
+    async def _open(self) -> None:
+        from distributed.batched import BatchedSend
+        from distributed.comm import connect
+
+        comm = await connect(self.address, timeout=60, **self.io.pool.connection_args)
+        comm.name = "overlord-consumer-channel"
+        await comm.write(channel_open(self.id, self.run_id))
+        self.comm = comm
+        self.bs = BatchedSend(interval=CHANNEL_INTERVAL)
+        self.bs.start(comm)
+        self._reader = asyncio.ensure_future(self._read())
+
+    def send(self, msg: dict) -> None:
+        """(IO loop) Queue a message for the scheduler; it leaves within a few ms."""
+        self.bs.send(msg)
+
+    async def _read(self) -> None:
+        why = "the scheduler closed the channel"
+        try:
+            while True:
+                msgs = await self.comm.read()
+                for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
+                    for stream in self._targets(msg):
+                        stream.on_message(msg)
+        except Exception as err:  # the scheduler went away: every stream on this channel must hear it
+            why = f"lost the connection to the overlord service at {self.address}: {type(err).__name__}: {err}"
+        self.closed = True
+        for gens in list(self.streams.values()):
+            for stream in list(gens.values()):
+                stream.lost(why)
+
+    def _targets(self, msg: dict) -> list:
+        """The streams a message is for: every stream (rank None), or one rank's, of the message's
+        generation (a rank re-attached in this process has two for a moment)."""
+        if msg.get("rank") is None:
+            return [s for gens in self.streams.values() for s in gens.values()]
+        gens = self.streams.get((msg["rank"], msg.get("cp_rank", 0)), {})
+        gen = msg.get("generation")
+        return list(gens.values()) if gen is None else [gens[gen]] if gen in gens else []

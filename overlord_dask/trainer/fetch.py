@@ -1,0 +1,52 @@
+"""Fetching a rank's built batches from the workers, following them when a worker is lost or hangs.
+
+A descriptor names the constructor task and the workers holding it. A fetch asks those workers in
+turn; a worker reported gone is skipped at once, and one that does not answer within
+``HEDGE_S`` (hung, say) is set aside while the batch's other holders (shadows) are tried. When no
+holder has it, the planner says where it lives now (rebuilt elsewhere, or a shadow), and the
+fetch goes on there until ``timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from distributed.comm import CommClosedError
+
+from ..client import PlannerClient, fetch
+from ..errors import ServiceError
+
+HEDGE_S = 2.0  # a worker that has not answered a fetch in this long may be hung: try the batch's other holders (doubles per retry)
+
+
+async def fetch_batches(io, planner: PlannerClient, desc: dict, steps: list[int], *, rank: int, cp_rank: int | None,
+                        timeout: float, abort: asyncio.Event, address: str) -> list[dict]:
+    """Rank ``rank``'s batches of ``steps`` (wire form) from the task ``desc`` names. ``io`` is the
+    process's ``connection.ProcessIO``; ``abort`` is set when the service itself went away.
+    Raises ``CommClosedError`` when the service restarted (reconnect first), ``ServiceError``
+    when the batch is gone for good or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    addresses = list(desc.get("workers", ()))
+    slow: set[str] = set()  # holders that did not answer within the hedge time (hung, say: SIGSTOP)
+    hedge = HEDGE_S
+    while True:
+        for addr in addresses:
+            try:
+                resp = await asyncio.wait_for(io.call_worker(addr, lambda rpc: fetch(rpc, desc["key"], rank, steps, cp_rank), abort=abort), hedge)
+            except asyncio.TimeoutError:
+                slow.add(addr)  # a hung worker is only removed after the worker TTL: use a shadow meanwhile
+                hedge *= 2
+                continue
+            except OSError:
+                continue  # the worker went away; ask where the batch lives now (a shadow, or rebuilt)
+            if resp.get("status") == "OK":
+                return resp["payload"].batches()
+        if time.monotonic() > deadline:
+            raise ServiceError(f"batch {desc['key']} could not be fetched within {timeout}s (last known workers: {addresses})")
+        resp = await planner.where(desc["key"], timeout=min(5.0, timeout), run_id=desc.get("run_id"))
+        if not isinstance(resp, dict) or resp.get("other_run"):  # the service was restarted: reconnect first
+            raise CommClosedError(f"the overlord service at {address} was restarted")
+        if resp.get("error"):
+            raise ServiceError(resp["error"])
+        addresses = [a for a in resp["workers"] if a not in slow] or resp["workers"]  # the slow ones last resort

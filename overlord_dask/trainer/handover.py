@@ -1,0 +1,132 @@
+"""Where a rank's two threads meet: batches fetched ahead of the trainer, and the trainer's progress.
+
+The IO side (``prefetch.RankIO``, on the process's IO loop) puts decoded batches in, bounded in
+steps and bytes; the trainer's thread (``stream.RankStream``) takes them out and reports what it
+finished. Every method says which side calls it, and each takes the lock itself: no caller
+touches the fields.
+
+Waking the IO thread is the one cost of a hand-over when the batch is ready (the woken thread
+takes the GIL from the trainer), so :meth:`HandOver.take` wakes it once per chunk of steps (to
+acknowledge it and fetch into the room it leaves) and otherwise only when the trainer would wait
+or the buffer ran empty.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+
+class HandOver:
+    """Batches of steps from ``first_step`` on, at most ``max_steps`` and ``max_bytes`` ahead
+    (one step always, however large)."""
+
+    def __init__(self, first_step: int, max_steps: int, max_bytes: int):
+        self._cond = threading.Condition()
+        self.max_steps, self.max_bytes = max_steps, max_bytes
+        self._ready: dict[int, dict] = {}  # step -> batch, fetched and decoded
+        self._sizes: dict[int, int] = {}
+        self._ready_bytes = 0
+        self._step_bytes = 0  # size of the last step fetched (the byte bound's unit)
+        self._want_room = False  # the IO side waits for the trainer to take steps
+        self._chunk_ends: set[int] = set()  # last step of each descriptor: acknowledged right away
+        self.error: str | None = None
+        self.floor = first_step  # nothing below this is fetched (skip_to moves it)
+        self.consumed = first_step - 1  # the trainer finished every step up to this one
+        self.wait_total = 0.0  # seconds the trainer waited in take()
+        self.t_created = time.perf_counter()
+
+    # ---- the trainer's thread ---------------------------------------------------------------------
+    def take(self, step: int, timeout: float, chunk_done: bool, wake: Callable[[bool, bool], None]) -> tuple[dict | None, float]:
+        """Step ``step``'s batch (None on an error or a timeout: ``error`` says which) and the
+        seconds the trainer waited for it, at most ``timeout``. ``chunk_done``: the step finished before ended a chunk.
+        ``wake(room, ack)`` (called holding the lock; it must only schedule) lets the IO side
+        fetch into the room there is and, with ``ack``, acknowledge what the trainer finished."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            for s in [s for s in self._ready if s < step]:  # skipped by skip_to
+                self._pop(s)
+            if step not in self._ready:  # about to wait: the service must hear everything first
+                self._wake(wake, ack=chunk_done)
+                chunk_done = False
+            while step not in self._ready and self.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            batch = self._pop(step)
+            if chunk_done or (self._want_room and not self._ready):
+                self._wake(wake, ack=chunk_done)
+        waited = time.perf_counter() - t0
+        self.wait_total += waited
+        return batch, waited
+
+    def _wake(self, wake: Callable[[bool, bool], None], ack: bool) -> None:
+        room, self._want_room = self._want_room, False
+        if room or ack:
+            wake(room, ack)
+
+    def finish(self, step: int) -> bool:
+        """The trainer is done with ``step``; True if it ended a chunk (acknowledge it now)."""
+        with self._cond:
+            self.consumed = max(self.consumed, step)
+            return step in self._chunk_ends
+
+    def skip_to(self, step: int) -> None:
+        """The trainer resumes at ``step`` (its checkpoint): earlier steps count as consumed and
+        are neither fetched nor handed over."""
+        with self._cond:
+            self.floor = step
+            self.consumed = max(self.consumed, step - 1)
+
+    def buffered(self) -> int:
+        """Steps fetched ahead and waiting for the trainer."""
+        with self._cond:
+            return len(self._ready)
+
+    # ---- the IO side ------------------------------------------------------------------------------
+    def room(self) -> int:
+        """Steps there is room for: the step bound, and the byte bound at the size of the last
+        step fetched (one step until it is known); one step always, however large. At none,
+        the trainer's next take wakes the IO side."""
+        with self._cond:
+            room = self.max_steps - len(self._ready)
+            room = min(room, (self.max_bytes - self._ready_bytes) // self._step_bytes if self._step_bytes else 1)
+            room = max(room, 1) if not self._ready else room
+            if room <= 0:
+                self._want_room = True
+            return room
+
+    def put(self, step: int, batch: dict, nbytes: int) -> None:
+        with self._cond:
+            self._step_bytes = nbytes
+            if step >= self.floor:
+                self._ready[step] = batch
+                self._sizes[step] = nbytes
+                self._ready_bytes += nbytes
+            self._cond.notify_all()
+
+    def chunk_ends_at(self, step: int) -> None:
+        """A descriptor's steps end at ``step``: the trainer acknowledges as soon as it is done."""
+        with self._cond:
+            self._chunk_ends.add(step)
+
+    def forget_chunks(self) -> None:
+        """The service restarted: its chunks are cut anew."""
+        with self._cond:
+            self._chunk_ends.clear()
+
+    def fail(self, message: str) -> None:
+        """Tell the trainer (its next or current take) why no batch comes; the first error wins."""
+        with self._cond:
+            if self.error is None:
+                self.error = message
+            self._cond.notify_all()
+
+    def _pop(self, step: int) -> dict | None:
+        batch = self._ready.pop(step, None)
+        if batch is not None:
+            self._ready_bytes -= self._sizes.pop(step)
+        return batch

@@ -1,0 +1,267 @@
+"""One rank's background side, on its process's IO loop: descriptors in, batches fetched ahead,
+acks out, and reconnection when the service restarts.
+
+The trainer's thread (``stream.RankStream``) and this side meet in a ``handover.HandOver``: the
+batches fetched and decoded, bounded in steps and bytes, and the trainer's progress that the acks
+report. Everything else here runs on the IO loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from distributed.comm import CommClosedError
+
+from ..errors import ServiceError
+from ..protocol import resolve_address
+from ..wire import DTYPES, decode_batch, nbytes
+from .connection import Channel, ProcessIO
+from .fetch import fetch_batches
+from .handover import HandOver
+from .tensors import TORCH_DTYPES, to_torch
+
+
+class RankIO:
+    """(IO loop) The background side of one rank's stream."""
+
+    def __init__(self, io: ProcessIO, hand: HandOver, *, where: str, address: str, info: dict, rank: int, cp_rank: int | None,
+                 generation: int, first_step: int, timeout: float, reconnect_timeout: float, as_torch: bool, pin_memory: bool):
+        self.io, self.hand = io, hand
+        self.where, self.address, self.planner = where, address, io.planner(address)
+        self.info, self.rank, self.cp_rank, self.generation = info, rank, cp_rank, generation
+        self.timeout, self.reconnect_timeout, self.as_torch, self.pin_memory = timeout, reconnect_timeout, as_torch, pin_memory
+        self.closed = False
+        self._descs: dict[int, dict] = {}  # step -> descriptor naming it
+        self._fetch_next = first_step
+        self._max_seen = first_step - 1  # highest step named by a descriptor (planned, so ackable)
+        self._acked_sent = first_step - 1
+        self._durable_sent = first_step - 1
+        self.channel: Channel = io.channel(address, info["run_id"])
+        self.tasks = io.run(self._start(), timeout=30)
+
+    async def _start(self):
+        self._room = asyncio.Event()
+        self._ack_wake = asyncio.Event()
+        self._ack_lock = asyncio.Lock()
+        self._described = asyncio.Event()
+        self.connected = asyncio.Event()
+        self.connected.set()
+        self._disconnected = asyncio.Event()  # the opposite of connected (asyncio has no wait-for-clear)
+        self._reconnecting = None
+        self._subscribe()
+        return [asyncio.ensure_future(self._prefetch()), asyncio.ensure_future(self._acker())]
+
+    def _subscribe(self) -> None:
+        """Receive this rank's messages on ``self.channel`` (as this generation)."""
+        key = (self.rank, self.cp_rank or 0)
+        self.channel.streams.setdefault(key, {})[self.generation] = self
+        self.channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
+
+    def wake(self, room: bool, ack: bool) -> None:
+        """The trainer took steps (``room``) or finished a chunk (``ack``)."""
+        if room:
+            self._room.set()
+        if ack:
+            self._ack_wake.set()
+
+    # ---- descriptors and fetches -------------------------------------------------------------
+    async def _prefetch(self) -> None:
+        h = self.hand
+        try:
+            while not self.closed:
+                self._fetch_next = max(self._fetch_next, h.floor)
+                if self._fetch_next not in self._descs:
+                    self._described.clear()
+                    await self._described.wait()  # set by on_message when descriptors arrive
+                    continue
+                room = h.room()
+                if room <= 0:  # the trainer's next take wakes us (wake)
+                    self._room.clear()
+                    await self._room.wait()
+                    continue
+                desc = self._descs[self._fetch_next]
+                steps = [s for s in desc["steps"] if s >= self._fetch_next][:room]
+                try:
+                    batches = await fetch_batches(self.io, self.planner, desc, steps, rank=self.rank, cp_rank=self.cp_rank,
+                                                  timeout=self.timeout, abort=self._disconnected, address=self.address)
+                except (OSError, CommClosedError):
+                    if self.reconnect_timeout <= 0:
+                        raise
+                    await asyncio.sleep(0.1)  # the service is away: the channel notices and reconnects
+                    await self.connected.wait()
+                    continue
+                for s, b in zip(steps, batches):
+                    b = decode_batch(b, TORCH_DTYPES if self.as_torch else DTYPES)
+                    if self.as_torch:
+                        b = {**b, "micro_batches": [to_torch(mb, self.pin_memory) for mb in b["micro_batches"]]}
+                    h.put(s, b, nbytes(b))
+                    self._descs.pop(s, None)
+                self._fetch_next = steps[-1] + 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the trainer must see it, not a silent stall
+            h.fail(f"rank {self.rank}: fetching batches failed: {type(err).__name__}: {err}")
+
+    def on_message(self, msg: dict) -> None:
+        """A message for this rank from the channel."""
+        if self.closed or msg.get("generation", self.generation) != self.generation:
+            return  # meant for an earlier consumer of this rank in this process
+        if msg["op"] == "worker_lost":
+            self.io.lost(msg["address"]).set()
+        elif msg["op"] == "error":
+            self.hand.fail(f"the overlord service failed: {msg['message']}")
+        elif msg["op"] == "descriptors":
+            self._take_descriptors(msg["items"])
+            self._described.set()
+
+    def _take_descriptors(self, items: list[dict]) -> None:
+        for desc in items:
+            if "error" in desc:
+                self.hand.fail(f"the overlord service failed: {desc['error']}")
+                return
+            if desc.get("gen", 0) != self.generation:
+                continue  # queued before this consumer attached
+            for s in desc["steps"]:
+                if s >= self._fetch_next:
+                    self._descs[s] = desc
+            self._max_seen = max(self._max_seen, desc["steps"][-1])
+            self.hand.chunk_ends_at(desc["steps"][-1])
+            if self.hand.consumed >= min(desc["steps"]):  # steps skipped by load_state_dict: ack them now
+                self._ack_wake.set()
+
+    # ---- acknowledgements ---------------------------------------------------------------------
+    def wake_acks(self) -> None:
+        self._ack_wake.set()
+
+    async def _acker(self) -> None:
+        while not self.closed:
+            await self._ack_wake.wait()
+            self._ack_wake.clear()
+            if not self.connected.is_set():
+                continue  # acked again after reconnecting
+            try:
+                await self.send_ack(wait=False)
+            except Exception as err:
+                self.hand.fail(f"rank {self.rank}: acknowledging failed: {type(err).__name__}: {err}")
+
+    async def send_ack(self, durable: bool | None = None, wait: bool = True) -> None:
+        """Acknowledge every consumed step. ``wait``: as a request whose answer says the service
+        has it (``commit``, ``state_dict``, ``close``); else one-way on the channel (the
+        background acks at chunk ends; a refusal comes back as an error message)."""
+        h = self.hand
+        async with self._ack_lock:
+            step = min(h.consumed, self._max_seen)  # never acknowledge a step not planned yet
+            if durable is None:  # with commit 'ack' every consumed step is durable
+                durable = self.info.get("commit", "ack") == "ack"
+            if step <= self._acked_sent and not (durable and step > self._durable_sent):
+                return
+            msg = {"rank": self.rank, "step": step, "cp_rank": self.cp_rank or 0, "durable": durable, "wait_s": round(h.wait_total, 4),
+                   "since_s": round(time.perf_counter() - h.t_created, 4)}
+            if wait:
+                if not self.connected.is_set():  # commit() or state_dict() while the service restarts
+                    await asyncio.wait_for(self.connected.wait(), self.reconnect_timeout + 10)
+                    msg["step"] = step = min(h.consumed, self._max_seen)
+                resp = await self.planner.ack(**msg)
+                if resp.get("error"):
+                    raise ServiceError(resp["error"])
+            else:
+                self.channel.send({"op": "ack", **msg})
+            self._acked_sent = max(self._acked_sent, step)
+            if durable:
+                self._durable_sent = max(self._durable_sent, step)
+
+    # ---- losing and finding the service --------------------------------------------------------
+    def lost(self, why: str) -> None:
+        """The channel to the scheduler broke: reconnect (in the background), or fail."""
+        if self.closed or self.hand.error is not None:  # closed, or already told why (the run stopped, say)
+            return
+        if self.reconnect_timeout <= 0:
+            self.hand.fail(f"rank {self.rank}: {why}")
+        elif self._reconnecting is None or self._reconnecting.done():
+            self.connected.clear()
+            self._disconnected.set()
+            self._reconnecting = asyncio.ensure_future(self._reconnect(why))
+
+    async def _reconnect(self, why: str) -> None:
+        """Find the service again at the same address or the one its scheduler file names now
+        (restarted from its snapshot), attach, subscribe on a new channel and go on from this
+        trainer's position."""
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.2
+        while not self.closed:
+            try:  # each try bounded: connecting to a dead address otherwise retries for Dask's 30 s
+                address = resolve_address(self.where)
+                if address != self.address:  # restarted elsewhere: its scheduler file says where
+                    self.address, self.planner = address, self.io.planner(address)
+                info = await asyncio.wait_for(self.planner.info(), max(0.5, min(5.0, deadline - time.monotonic())))
+                if isinstance(info, dict):
+                    att = await self.planner.attach(self.rank, self.cp_rank or 0)
+                    if att.get("error"):
+                        self.hand.fail(f"rank {self.rank}: reattaching to the restarted service failed: {att['error']}")
+                        return
+                    channel = self.io.channel(self.address, info["run_id"], wait=False)
+                    await channel.opened()
+                    break
+            except (OSError, CommClosedError, ServiceError, asyncio.TimeoutError, ValueError):  # ValueError: no scheduler file (yet)
+                pass
+            if time.monotonic() > deadline:
+                self.hand.fail(f"rank {self.rank}: lost the overlord service at {self.address} ({why}) and it did not come back "
+                               f"within {self.reconnect_timeout:.0f}s")
+                return
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+        else:
+            return
+        first, consumed = int(att["first_step"]), self.hand.consumed
+        if first > consumed + 1:  # another consumer of this rank acknowledged further: never skip silently
+            self.hand.fail(f"rank {self.rank}: the restarted service resumes this rank at step {first}, but its trainer "
+                           f"consumed only up to step {consumed}: steps {consumed + 1}..{first - 1} would be lost")
+            return
+        self.info, self.channel, self.generation = info, channel, int(att["generation"])
+        self._descs.clear()
+        self.hand.forget_chunks()
+        self._acked_sent = self._durable_sent = first - 1
+        self._max_seen = first - 1  # the new service has planned nothing yet: acks follow its descriptors
+        self._subscribe()
+        self._disconnected.clear()
+        self.connected.set()
+        self._described.set()
+        self._ack_wake.set()  # what the trainer consumed past the service's restart point
+
+    # ---- the end ----------------------------------------------------------------------------------
+    def stop(self, wait: float | None = None) -> None:
+        """(any thread) Stop the background tasks and end this rank's subscription. With
+        ``wait`` (seconds; not from the IO loop), return once the tasks have ended: a trainer
+        that closes its stream and exits must not leave a fetch decoding into torch tensors on
+        the IO thread while the interpreter shuts down (seen as a C++ ``terminate`` at exit)."""
+        self.closed = True
+        tasks = list(getattr(self, "tasks", ()))
+
+        async def _stop():
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._unsubscribe()
+
+        if wait is None or threading.current_thread() is self.io.thread:
+            self.io.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_stop()))
+            return
+        try:
+            self.io.run(_stop(), timeout=wait)
+        except Exception:  # the loop is stuck or gone: the daemon thread dies with the process
+            pass
+
+    def _unsubscribe(self) -> None:
+        key = (self.rank, self.cp_rank or 0)
+        gens = self.channel.streams.get(key, {})
+        if gens.get(self.generation) is self:
+            del gens[self.generation]
+            if not gens:
+                self.channel.streams.pop(key, None)
+            if not self.channel.closed:
+                try:
+                    self.channel.send({"op": "unsubscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
+                except Exception:  # the channel is closing: the scheduler drops the subscription anyway
+                    pass
