@@ -30,12 +30,17 @@ class PlannerClient:
         """Topology and names a consumer needs; None from a scheduler that runs no overlord planner."""
         return await self._route(Route.INFO)()
 
-    async def attach(self, rank: int, cp_rank: int = 0) -> dict:
-        return await self._route(Route.ATTACH)(rank=rank, cp_rank=cp_rank)
+    async def attach(self, rank: int, cp_rank: int = 0, replica: int = 0) -> dict:
+        return await self._route(Route.ATTACH)(rank=rank, cp_rank=cp_rank, replica=replica)
+
+    async def rewind(self, rank: int, step: int, dp: int, cp_rank: int = 0, replica: int = 0) -> dict:
+        """The job restarted from its checkpoint at ``step`` with ``dp`` ranks: serve from there."""
+        return await self._route(Route.REWIND)(rank=rank, step=step, dp=dp, cp_rank=cp_rank, replica=replica)
 
     async def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
-                  since_s: float | None = None) -> dict:
-        return await self._route(Route.ACK)(rank=rank, step=step, cp_rank=cp_rank, durable=durable, wait_s=wait_s, since_s=since_s)
+                  since_s: float | None = None, replica: int = 0, generation: int | None = None) -> dict:
+        return await self._route(Route.ACK)(rank=rank, step=step, cp_rank=cp_rank, durable=durable, wait_s=wait_s, since_s=since_s,
+                                            replica=replica, generation=generation)
 
     async def where(self, key: str, timeout: float, run_id: str | None = None) -> dict:
         return await self._route(Route.WHERE)(key=key, timeout=timeout, run_id=run_id)

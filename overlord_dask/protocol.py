@@ -33,6 +33,7 @@ class Route:
 
     INFO = "overlord_info"
     ATTACH = "overlord_attach"
+    REWIND = "overlord_rewind"
     CHANNEL = "overlord_channel"  # a stream, one per consumer process and run
     ACK = "overlord_ack"
     WHERE = "overlord_where"
@@ -67,9 +68,10 @@ def load_key(run_id: str, source: str, epoch: int, unit: int) -> str:
     return f"{load_prefix(run_id)}{source}-e{epoch}-u{unit}"
 
 
-def batch_key(run_id: str, first_step: int, rank_lo: int, rank_hi: int) -> str:
-    """One constructor task: consecutive steps from ``first_step`` for ranks ``[rank_lo, rank_hi)``."""
-    return f"overlord-batch-{run_id}-{first_step}-r{rank_lo}-{rank_hi}"
+def batch_key(run_id: str, first_step: int, rank_lo: int, rank_hi: int, rewinds: int = 0) -> str:
+    """One constructor task: consecutive steps from ``first_step`` for ranks ``[rank_lo, rank_hi)``
+    (after the run's ``rewinds``-th rewind: its steps are built anew, under keys of their own)."""
+    return f"overlord-batch-{run_id}-{first_step}-r{rank_lo}-{rank_hi}" + (f"-w{rewinds}" if rewinds else "")
 
 
 def block_key(source: int, epoch: int, unit: int) -> str:

@@ -17,7 +17,9 @@ strictly across bases and deltas; ``load`` takes the newest readable base and ap
 in order, and a missing delta in the middle is an error (never a silent skip).
 
 Writes are atomic: a local file is written under a temporary name and renamed; an object store
-PUT is atomic per object. ``gc`` keeps the newest ``keep_bases`` bases and their deltas.
+PUT is atomic per object. ``gc`` keeps the newest ``keep_bases`` bases and their deltas, and the
+bases a training job may still restart from (``checkpoint.keep_steps``, ``keep_hours``):
+``window_at`` finds the stored window state a rewind to an older step re-plans from.
 
 Every file carries a CRC-32 of its body (format version 2), checked before the body is decoded:
 a file with flipped bits, truncated or altered is *unreadable*, never half-trusted (decoding a
@@ -85,8 +87,11 @@ class SnapshotStore:
         else:  # an object PUT is atomic
             self.fs.pipe_file(path, data)
 
-    def write_base(self, seq: int, state: dict) -> int:
-        return self._put(f"base-{seq:012d}.msgpack", {"kind": "base", "seq": seq, "state": state})
+    def write_base(self, seq: int, state: dict, written_at: float | None = None) -> int:
+        payload = {"kind": "base", "seq": seq, "state": state}
+        if written_at is not None:
+            payload["time"] = written_at  # wall-clock seconds: what keep_hours measures
+        return self._put(f"base-{seq:012d}.msgpack", payload)
 
     def write_delta(self, seq: int, base: int, committed: int, window_step: int | None = None, window: dict | None = None) -> int:
         payload = {"kind": "delta", "seq": seq, "base": base, "committed": committed}
@@ -181,17 +186,69 @@ class SnapshotStore:
             raise SnapshotError(f"no readable base snapshot at {self.url}")
         return None
 
-    def gc(self, keep_bases: int = 2) -> int:
-        """Delete bases (and their deltas) older than the newest ``keep_bases``; returns count."""
+    def gc(self, keep_bases: int = 2, keep_from: int | None = None) -> int:
+        """Delete bases (and their deltas) older than the newest ``keep_bases`` or, with
+        ``keep_from``, older than that sequence number; returns the number of files deleted."""
         entries = self._entries()
         bases = [seq for kind, seq, _ in entries if kind == "base"]
-        if len(bases) <= keep_bases:
+        if keep_from is None and len(bases) <= keep_bases:
             return 0
-        cutoff = bases[-keep_bases]
+        cutoff = bases[-keep_bases] if keep_from is None else keep_from
         old = [path for _, seq, path in entries if seq < cutoff]
         for path in old:
             self.fs.rm_file(path)
         return len(old)
+
+    def bases(self) -> list[tuple[int, int, float | None]]:
+        """``(seq, committed step, time written)`` of every readable base, oldest first."""
+        out = []
+        for kind, seq, path in self._entries():
+            if kind != "base":
+                continue
+            try:
+                base = self._read(path)
+                out.append((seq, int(base["state"]["committed"]), base.get("time")))
+            except Exception as err:
+                logger.warning("snapshot %s is unreadable (%s)", path, err)
+        return out
+
+    def oldest_window_step(self) -> int | None:
+        """The first step of the oldest window a stored base can re-plan from."""
+        for kind, seq, path in self._entries():
+            if kind == "base":
+                try:
+                    return int(self._read(path)["state"]["window_step"])
+                except SnapshotError:
+                    raise
+                except Exception:
+                    continue
+        return None
+
+    def window_at(self, step: int) -> tuple[int, dict, dict] | None:
+        """``(window step, window state, topology)`` of the newest stored window start at or
+        before ``step`` (a base's, or a later one a delta of it carries); None if none is."""
+        best = None
+        entries = self._entries()
+        chain_topology, chain_seq = None, None
+        for kind, seq, path in entries:
+            try:
+                payload = self._read(path)
+            except SnapshotError:
+                raise
+            except Exception as err:
+                logger.warning("snapshot %s is unreadable (%s)", path, err)
+                continue
+            if kind == "base":
+                st = payload["state"]
+                chain_topology, chain_seq = st["topology"], seq
+                found = (int(st["window_step"]), st["window"], st["topology"])
+            elif "window" in payload and payload.get("base") == chain_seq:
+                found = (int(payload["window_step"]), payload["window"], chain_topology)
+            else:
+                continue
+            if found[0] <= step and (best is None or found[0] >= best[0]):
+                best = found
+        return best
 
 
 class _Unreadable(Exception):
@@ -220,11 +277,15 @@ class SnapshotWriter:
     a new window since the last snapshot."""
 
     def __init__(self, store: SnapshotStore, *, keep_bases: int = 2, base_every_steps: int = 1000,
-                 base_every_seconds: float = 600.0, seq: int = -1, clock=None):
+                 base_every_seconds: float = 600.0, seq: int = -1, clock=None, keep_steps: int = 0,
+                 keep_hours: float | None = None, wall_clock=None):
         import time
 
         self.store = store
         self.keep_bases = keep_bases
+        self.keep_steps, self.keep_hours = keep_steps, keep_hours
+        self.wall_clock = wall_clock or time.time
+        self._bases: list[tuple[int, int, float | None]] | None = None  # (seq, committed, time) of the stored bases
         self.base_every_steps = base_every_steps
         self.base_every_seconds = base_every_seconds
         self.seq = seq
@@ -234,21 +295,45 @@ class SnapshotWriter:
         self._base_committed = 0
         self._base_time = 0.0
         self._window_step = None  # window of the last snapshot written
+        self._committed = None  # committed step of the last snapshot written
 
     def write(self, state: dict) -> tuple[str, int]:
-        """Write ``state`` (``PlannerState.get_state()``); returns (kind, bytes)."""
+        """Write ``state`` (``PlannerState.get_state()``); returns (kind, bytes). A state whose
+        committed step went back (a training job rewound the run) is always a base: a chain's
+        deltas only move forward."""
         shape = (tuple(sorted(state["topology"].items())), len(state.get("updates", ())))
         now = self.clock()
         self.seq += 1
-        if (self._base_seq is None or shape != self._shape or state["committed"] - self._base_committed >= self.base_every_steps
+        went_back = self._committed is not None and state["committed"] < self._committed
+        self._committed = state["committed"]
+        if (self._base_seq is None or shape != self._shape or went_back or state["committed"] - self._base_committed >= self.base_every_steps
                 or now - self._base_time >= self.base_every_seconds):
-            n = self.store.write_base(self.seq, state)
+            written_at = self.wall_clock()
+            n = self.store.write_base(self.seq, state, written_at)
             self._shape, self._base_seq, self._base_committed, self._base_time = shape, self.seq, state["committed"], now
             self._window_step = state["window_step"]
-            self.store.gc(self.keep_bases)
+            self._collect(self.seq, state["committed"], written_at)
             return "base", n
         moved = state["window_step"] != self._window_step
         n = self.store.write_delta(self.seq, self._base_seq, state["committed"],
                                    state["window_step"] if moved else None, state["window"] if moved else None)
         self._window_step = state["window_step"]
         return "delta", n
+
+    def _collect(self, seq: int, committed: int, written_at: float) -> None:
+        """Garbage-collect the store: keep ``keep_bases`` bases, and every base a training job
+        may restart from: the newest base at or before ``committed - keep_steps`` and those
+        after it, and the bases of the last ``keep_hours`` hours."""
+        if self._bases is None:
+            self._bases = [b for b in self.store.bases() if b[0] != seq]
+        self._bases.append((seq, committed, written_at))
+        seqs = [s for s, _, _ in self._bases]
+        cutoff = seqs[-self.keep_bases] if len(seqs) >= self.keep_bases else seqs[0]
+        if self.keep_steps:
+            covering = [s for s, c, _ in self._bases if c <= committed - self.keep_steps]
+            cutoff = min(cutoff, covering[-1] if covering else seqs[0])
+        if self.keep_hours is not None:
+            recent = [s for s, _, t in self._bases if t is not None and t >= written_at - 3600 * self.keep_hours]
+            cutoff = min(cutoff, recent[0] if recent else seq)
+        self.store.gc(keep_from=cutoff)
+        self._bases = [b for b in self._bases if b[0] >= cutoff]

@@ -73,15 +73,19 @@ def test_ledger_keeps_a_bounded_history_but_never_an_uncommitted_step():
 def test_window_starts_keep_the_window_of_the_oldest_non_durable_step():
     n = iter(range(100))
     w = WindowStarts(lambda: {"at": next(n)})
+    topo = {"dp": 2}
     for start in (0, 8, 16, 24):
-        w.begin(start)
-    w.prune(durable=17)  # steps 16.. are in the window starting at 16: 0 and 8 can go
-    assert list(w.starts) == [16, 24] and w.at(17, planned_until=32) == (16, {"at": 2})
-    w.begin(32)
+        w.begin(start, topo)
+    w.prune(keep_from=17)  # steps 16.. are in the window starting at 16: 0 and 8 can go
+    assert list(w.starts) == [16, 24] and w.at(17) == (16, {"at": 2}, topo) and w.oldest == 16
+    w.begin(32, topo)
     w.abandon(32)  # starved: it is planned again from the same state
     assert list(w.starts) == [16, 24]
-    w.clear()
-    assert w.at(40, planned_until=40) == (40, {"at": 5})  # nothing kept: the state now (captured afresh)
+    assert w.at(15) is None  # nothing kept that far back
+    other = WindowStarts(lambda: {})
+    other.begin(40, {"dp": 3})
+    other.keep_before(40, w)  # a rewound planner keeps the older window starts
+    assert list(other.starts) == [16, 24, 40] and other.at(30)[2] == topo and other.at(41)[2] == {"dp": 3}
 
 
 def test_policies_are_named_in_one_registry_and_their_counters_round_trip():

@@ -326,7 +326,16 @@ class Checkpoint(Strict):
     storage_options: dict = Field(default_factory=dict)
     """fsspec options for the snapshot location (credentials, endpoint)."""
     keep_bases: int = Field(default=2, ge=1, le=1000)
-    """Base snapshots kept (with their deltas) by garbage collection."""
+    """Base snapshots kept (with their deltas) by garbage collection, at least."""
+    keep_steps: int = Field(default=2000, ge=0, le=10_000_000)
+    """How far back a training job may restart from its checkpoint while the service runs on:
+    the planner keeps its state at every planning window of the last ``keep_steps`` committed
+    steps (in memory: a few KB per window), and snapshot garbage collection keeps the bases that
+    reach that far. A checkpoint older than that is refused, naming the oldest step the service
+    can serve."""
+    keep_hours: float | None = Field(default=None, gt=0)
+    """With a snapshot location: also keep the bases written in the last ``keep_hours`` hours, so
+    a job can restart from checkpoints that old (served from storage)."""
     base_every_steps: int = Field(default=1000, ge=1)
     """A full base snapshot after this many committed steps (deltas in between)."""
     base_every_seconds: float = Field(default=600.0, gt=0)
@@ -335,8 +344,11 @@ class Checkpoint(Strict):
     """Start from the newest snapshot at `url` when there is one."""
     commit: Literal["ack", "checkpoint"] = "ack"
     """When a step is durable (what a snapshot resumes from): `ack`, once every rank has consumed
-    it; `checkpoint`, once every rank's trainer has saved its state (``stream.state_dict()``),
-    so a whole-system restart resumes exactly where the trainers' checkpoints are."""
+    it; `checkpoint`, once every rank's trainer has saved its state (``stream.state_dict()``).
+    A training job restarting from any checkpoint within the retention (``keep_steps``,
+    ``keep_hours``) is served in either mode; `checkpoint` keeps the service's own snapshots at
+    the trainers' checkpoints, so a restart of everything resumes there whatever the
+    retention."""
 
 
 class Plan(Strict):

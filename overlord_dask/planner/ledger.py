@@ -50,6 +50,12 @@ class Ledger(Mapping):
             self.entries.popitem(last=False)
         return entry
 
+    def keep_before(self, step: int, other: "Ledger") -> None:
+        """Take ``other``'s entries and metrics of the steps before ``step`` (a rewound planner
+        keeps the history of what was handed out before the step it goes back to)."""
+        self.entries = OrderedDict([(k, v) for k, v in other.entries.items() if k < step] + list(self.entries.items()))
+        self.metrics = OrderedDict([(k, v) for k, v in other.metrics.items() if k < step] + list(self.metrics.items()))
+
 
 def step_metrics(step: int, pieces: np.ndarray, drops: np.ndarray, mb_costs: np.ndarray, piece_costs: np.ndarray, *,
                  n_sources: int, step_tokens: int, dp: int, context: dict) -> dict:

@@ -32,16 +32,21 @@ class Progress:
         self.acked = [step - 1] * len(self.acked)
         self.durable = list(self.acked)
 
-    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, *, planned: int) -> int:
-        """(``rank``, ``cp_rank``) consumed every step up to ``step`` (and, if ``durable``, saved
-        them in its trainer checkpoint); idempotent. ``planned``: steps planned so far. Returns
-        ``committed``."""
+    def check(self, rank: int, step: int, cp_rank: int, planned: int) -> None:
+        """ValueError naming what is wrong with an acknowledgement of ``step`` by (``rank``,
+        ``cp_rank``) when ``planned`` steps are planned."""
         if not 0 <= rank < self.dp:
             raise ValueError(f"rank {rank} does not exist: the plan has dp={self.dp} ranks (0..{self.dp - 1})")
         if not 0 <= cp_rank < self.cp:
             raise ValueError(f"cp rank {cp_rank} does not exist: the plan has cp={self.cp}")
         if step >= planned:
             raise ValueError(f"rank {rank} acknowledged step {step}, but only steps < {planned} were planned")
+
+    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, *, planned: int) -> int:
+        """(``rank``, ``cp_rank``) consumed every step up to ``step`` (and, if ``durable``, saved
+        them in its trainer checkpoint); idempotent. ``planned``: steps planned so far. Returns
+        ``committed``."""
+        self.check(rank, step, cp_rank, planned)
         i = rank * self.cp + cp_rank
         self.acked[i] = max(self.acked[i], step)
         if durable:

@@ -31,23 +31,35 @@ def decode_updates(state: dict | None) -> list[tuple[int, Plan]]:
     return [(int(at), plan_from_dict(d, where=f"<snapshot plan update at step {at}>")) for at, d in state.get("updates", [])]
 
 
+def topology_dict(t) -> dict:
+    """A topology as a snapshot holds it."""
+    return {"dp": t.dp, "micro_batches": t.micro_batches, "tokens_per_micro_batch": t.tokens_per_micro_batch,
+            "max_doc_tokens": t.max_doc_tokens, "cp": t.cp, "cp_min_tokens": t.cp_min_tokens}
+
+
 def capture(st: "PlannerState") -> dict:
     """A msgpack-friendly snapshot: the parts' state at the start of the window holding the
-    durable step, that window's first step, the durable step (a restore re-plans from the
-    window and hands out steps from there), and the topology it was planned on."""
+    durable step (or the state now, if nothing was planned since), that window's first step,
+    the durable step (a restore re-plans from the window and hands out steps from there), and the
+    topology the window was planned on."""
     durable = st.progress.durable_step
-    window_step, window = st.windows.at(durable, st.planned_until)
-    t = st.topology
+    start = st.windows.at(durable)
+    if start is None:
+        start = (st.planned_until, st.windows.capture(), topology_dict(st.topology))
+    return state_at(st, durable, *start)
+
+
+def state_at(st: "PlannerState", committed: int, window_step: int, window: dict, topology: dict) -> dict:
+    """A snapshot of ``st``'s run that resumes at ``committed`` from the window at ``window_step``."""
     return {
         "version": STATE_VERSION,
         "plan": st.plan.name,
         "sources": list(st.source_names),
         "updates": [[at, plan_to_dict(p)] for at, p in st.timeline.updates],
-        "committed": durable,
+        "committed": committed,
         "window_step": window_step,
         "window": window,
-        "topology": {"dp": t.dp, "micro_batches": t.micro_batches, "tokens_per_micro_batch": t.tokens_per_micro_batch,
-                     "max_doc_tokens": t.max_doc_tokens, "cp": t.cp, "cp_min_tokens": t.cp_min_tokens},
+        "topology": topology,
     }
 
 
@@ -60,6 +72,7 @@ def restore(st: "PlannerState", state: dict) -> None:
                          "to add or remove sources, resume with the snapshot's plan and apply a plan update")
     st.streams.set_state(state["window"])
     st.policy.set_state(state["window"], len(st.streams))
+    st.reload = st.streams.passed_units(st.policy.pending)  # their blocks are gone with the process that held them
     st.next_step = int(state["window_step"])
     st.replay_until = int(state["committed"])
     st.progress.restart_at(st.replay_until)
@@ -73,4 +86,3 @@ def switch_topology(st: "PlannerState") -> None:
         st.policy.pending = np.concatenate([st.policy.pending, P.with_age(np.concatenate(undelivered))])
     st.ready.clear()
     st.use_plan(st.final_plan, acked_through=st.replay_until - 1)
-    st.windows.clear()

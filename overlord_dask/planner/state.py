@@ -62,6 +62,7 @@ class PlannerState:
         self.windows = WindowStarts(lambda: {**self.streams.get_state(), **self.policy.get_state()})
         self.pool_workers: dict[str, int] = {}  # workers per loader pool, as the autoscaler last reported (metrics only)
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
+        self.reload: list[list] = []  # units to load again only for their blocks (snapshot.restore)
         if state is not None:
             snapshot.restore(self, state)
 
@@ -128,8 +129,10 @@ class PlannerState:
 
     # ---- loading ------------------------------------------------------------------------------
     def wanted(self) -> list[list]:
-        """Units whose metadata the planner needs next: [source, epoch, unit] each."""
-        return self.streams.wanted(self._weights_ahead(), self.topology.step_tokens, self._window_steps(), self.plan.loading.units_ahead,
+        """Units whose metadata (or, after a restore, blocks) the planner needs next: [source,
+        epoch, unit] each."""
+        reload, self.reload = self.reload, []
+        return reload + self.streams.wanted(self._weights_ahead(), self.topology.step_tokens, self._window_steps(), self.plan.loading.units_ahead,
                                    self.starved_on)
 
     def _window_steps(self) -> int:
@@ -148,6 +151,8 @@ class PlannerState:
         s = self.streams.by_name(source)
         before = s.loads.tokens_per_pass()
         added = s.add_lengths(epoch, unit, lengths, vision)
+        if added or (s.index, epoch, unit) in self.streams.held:  # (a passed unit loaded again for its block)
+            self.streams.doc_lengths[(s.index, epoch, unit)] = np.asarray(lengths, dtype=np.int64)
         if before is None and s.loads.tokens_per_pass() is not None:
             self.streams.check_pass(s, float(self._weights_ahead()[s.index]), self.step_budget, self._window_steps(),
                                     self.topology.tokens_per_micro_batch)
@@ -186,7 +191,7 @@ class PlannerState:
                 continue  # delivered before the restore: only the planner state had to catch up
             entry = self._record(step, ranks, mb_costs, drops)
             steps.append({"step": step, "pieces": P.to_bytes(entry["pieces"]), "slot": P.to_bytes(entry["slot"], "<i4"),
-                          "piece_tokens": self.metrics[step]["piece_tokens"]})
+                          "piece_tokens": self.metrics[step]["piece_tokens"], "loss_tokens": self.metrics[step]["loss_tokens"]})
         if steps:
             self.plan_seconds.append(time.perf_counter() - t0)
             del self.plan_seconds[:-10_000]
@@ -208,7 +213,7 @@ class PlannerState:
             # No unit of the source this window starved on arrived since: it would starve again,
             # after selecting and rolling back its pieces, at every ack and every other source's unit.
             raise Starved(self._starved[0])
-        self.windows.begin(start)
+        self.windows.begin(start, snapshot.topology_dict(self.topology))
         ctx = self.timeline.context_at(start)
         self.streams.apply_context(ctx)
         self.policy.pending = P.recut(self.policy.pending, ctx.piece_tokens)  # waiting pieces take this stage's piece size
@@ -225,7 +230,7 @@ class PlannerState:
         drops = self.streams.drain_drops()
         for k, (ranks, mb_costs) in enumerate(planned):
             self.ready.append((ranks, mb_costs, drops if k == 0 else None))
-        self.windows.prune(self.progress.durable_step)
+        self.windows.prune(self.progress.durable_step - self.plan.checkpoint.keep_steps)
 
     def _inputs(self, source: str) -> tuple:
         """What decides whether the next window starves on ``source`` (its selection stops at
@@ -260,6 +265,10 @@ class PlannerState:
                                step_tokens=self.topology.step_tokens, dp=self.topology.dp,
                                context={"pending": int(len(self.pending)), "weights": tuple(float(x) for x in self.weights_at(step)),
                                         "version": self.timeline.version_at(step), "stage": ctx.stage, "piece_tokens": ctx.piece_tokens})
+        # labels over the whole step that are not -100: per piece its length less one, plus its
+        # last token's where the document goes on; as HF models shift them, the length less one
+        n_tokens, n_pieces = int(P.lengths(pieces).sum()), len(pieces)
+        metrics["loss_tokens"] = (n_tokens - n_pieces + self.streams.cut_pieces(pieces), n_tokens - n_pieces)
         if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
             metrics["pool_workers"] = dict(self.pool_workers)
         return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)

@@ -1,10 +1,12 @@
-"""Window starts: the parts' state at the start of each planned window, for snapshots.
+"""Window starts: the parts' state at the start of each planned window, for snapshots and rewinds.
 
 The planner is a pure function of its parts' state at the start of a window and of the
-(reloaded) unit lengths, so a snapshot holds only that small state and the step the window starts
-at; a restore re-plans from there. A window's state is kept while it holds a step that is not
-durable yet (``progress.Progress.durable_step``): the newest start at or before the durable step
-is what a snapshot writes.
+(reloaded) unit lengths, so a snapshot holds only that small state, the topology the window was
+planned on and the step the window starts at; a restore re-plans from there. A window's state is
+kept while it holds a step that is not durable yet (``progress.Progress.durable_step``) or that
+lies within the retention (``checkpoint.keep_steps``) before it: a training job that restarts
+from an older checkpoint while the service runs on is served from the newest start at or before
+its step (``rewind.py``).
 """
 
 from __future__ import annotations
@@ -16,30 +18,38 @@ from typing import Callable
 class WindowStarts:
     def __init__(self, capture: Callable[[], dict]):
         self.capture = capture  # the parts' get_state, composed
-        self.starts: OrderedDict[int, dict] = OrderedDict()  # first step of a planned window -> state before it
+        # first step of a planned window -> (state before it, the topology it is planned on)
+        self.starts: OrderedDict[int, tuple[dict, dict]] = OrderedDict()
 
-    def begin(self, step: int) -> None:
-        """A window starts planning at ``step``: remember the state it starts from."""
-        self.starts[step] = self.capture()
+    def begin(self, step: int, topology: dict) -> None:
+        """A window starts planning at ``step`` on ``topology``: remember the state it starts from."""
+        self.starts[step] = (self.capture(), topology)
 
     def abandon(self, step: int) -> None:
         """The window at ``step`` could not be planned (it is retried from the same state)."""
         del self.starts[step]
 
-    def prune(self, durable: int) -> None:
-        """Keep the window holding the oldest non-durable step and every later one."""
+    def prune(self, keep_from: int) -> None:
+        """Keep the window holding step ``keep_from`` and every later one."""
         keys = list(self.starts)
         for k, nxt in zip(keys, keys[1:]):
-            if nxt <= durable:
+            if nxt <= keep_from:
                 del self.starts[k]
 
-    def at(self, durable: int, planned_until: int) -> tuple[int, dict]:
-        """``(window step, state)`` for a snapshot at ``durable``: the newest window start at or
-        before it, or the current state if nothing was planned since (at ``planned_until``)."""
-        starts = [k for k in self.starts if k <= durable]
-        if starts:
-            return starts[-1], self.starts[starts[-1]]
-        return planned_until, self.capture()
+    def at(self, step: int) -> tuple[int, dict, dict] | None:
+        """``(window step, state, topology)`` of the newest window start at or before ``step``."""
+        starts = [k for k in self.starts if k <= step]
+        if not starts:
+            return None
+        state, topology = self.starts[starts[-1]]
+        return starts[-1], state, topology
 
-    def clear(self) -> None:
-        self.starts.clear()
+    @property
+    def oldest(self) -> int | None:
+        """The first step of the oldest window kept."""
+        return next(iter(self.starts), None)
+
+    def keep_before(self, step: int, other: "WindowStarts") -> None:
+        """Take ``other``'s starts before ``step`` (a rewound planner keeps the older history)."""
+        older = [(k, v) for k, v in other.starts.items() if k < step]
+        self.starts = OrderedDict(older + [(k, v) for k, v in self.starts.items() if k >= step])

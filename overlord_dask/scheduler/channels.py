@@ -1,21 +1,30 @@
 """Rank channels: how built batches' descriptors reach the trainers, on the scheduler's loop.
 
 Each (rank, cp rank) has a ``distributed.Queue`` (named in ``protocol.py``) that holds the
-descriptors of its built batches (a constructor task's key, its steps, the workers holding it).
-A consumer process opens one stream per run (``overlord_channel``), shared by its ranks, and
-subscribes each of its ranks; descriptors are then pushed to it as constructor tasks finish,
-batched every few ms (``BatchedSend``) in both directions, so the event loop handles a message
-per process and interval, not a request per rank. Only the newest attachment of a rank is
-subscribed (a generation counts attachments): a consumer that died or closed cannot take what
-its successor needs.
+descriptors of its built batches (a constructor task's key, its steps, the workers holding it)
+until they go out. A consumer process opens one stream per run (``overlord_channel``), shared by
+its ranks, and subscribes each consumer on it; descriptors are then pushed to it as constructor
+tasks finish, batched every few ms (``BatchedSend``) in both directions, so the event loop
+handles a message per process and interval, not a request per rank.
+
+A consumer is a (rank, cp rank, replica): the tensor- and pipeline-parallel ranks of one
+data-parallel rank are replicas that receive the same descriptors, each on its own
+subscription, from the one queue of their rank (the batch is built once). Only the newest
+attachment of a consumer is subscribed (a generation counts attachments), so a consumer that
+died or closed cannot take what its successor needs; a subscription starts with every built
+batch the consumer still needs (``backlog``), so nothing queued before it subscribed is lost.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from distributed.batched import BatchedSend
 from distributed.comm import CommClosedError
 
 from ..protocol import CHANNEL_INTERVAL, rank_queue_name
+
+Consumer = tuple[int, int, int]  # (rank, cp rank, replica)
 
 
 def send(bs: BatchedSend, msg: dict) -> bool:
@@ -28,40 +37,61 @@ def send(bs: BatchedSend, msg: dict) -> bool:
 
 
 class RankChannels:
-    def __init__(self, queues, owner: str, run_id: str, dp: int, cp: int):
+    """``backlog(consumer)``: the descriptors a newly subscribed consumer needs (every built batch
+    from its first step on); ``on_leave(consumer)``: a subscribed consumer's process went away."""
+
+    def __init__(self, queues, owner: str, run_id: str, dp: int, cp: int, *, backlog: Callable[[Consumer], list[dict]],
+                 on_leave: Callable[[Consumer], None] = lambda c: None):
         self.queues, self.owner, self.run_id = queues, owner, run_id  # the scheduler's queue extension
-        self.names = {(r, j): rank_queue_name(run_id, r, j) for r in range(dp) for j in range(cp)}
-        for name in self.names.values():
-            queues.create(name=name, client=owner)
-        self.generation: dict[tuple[int, int], int] = {}  # (rank, cp rank) -> generation of its queue
+        self.backlog, self.on_leave = backlog, on_leave
+        self.names: dict[tuple[int, int], str] = {}
+        self._create(dp, cp)
+        self.generation: dict[Consumer, int] = {}  # consumer -> generation of its newest attachment
         self.streams: dict[str, BatchedSend] = {}  # consumer process channel id -> its stream
-        self.subs: dict[tuple[int, int], str] = {}  # (rank, cp rank) -> channel id its descriptors go to
+        self.subs: dict[tuple[int, int], dict[int, str]] = {}  # (rank, cp rank) -> replica -> channel id
         self.put_count = 0  # descriptors put (control-path traffic)
 
+    def _create(self, dp: int, cp: int) -> None:
+        self.names = {(r, j): rank_queue_name(self.run_id, r, j) for r in range(dp) for j in range(cp)}
+        for name in self.names.values():
+            self.queues.create(name=name, client=self.owner)
+
+    def _release(self) -> None:
+        for name in self.names.values():
+            self.queues.release(name=name, client=self.owner)
+
     # ---- descriptors ----------------------------------------------------------------------------
-    def descriptor(self, key: str, task: dict, rank: int, cp_rank: int) -> dict:
-        return {"key": key, "steps": task["steps"], "workers": task["workers"], "gen": self.generation.get((rank, cp_rank), 0),
-                "run_id": self.run_id}
+    def descriptor(self, key: str, task: dict) -> dict:
+        return {"key": key, "steps": task["steps"], "workers": task["workers"], "run_id": self.run_id}
 
     def put(self, rank: int, cp_rank: int, item: dict) -> None:
-        """``item`` (a descriptor, or ``{"error": ...}``) into the rank's queue, and on to its subscriber."""
-        q = self.queues.queues.get(self.names[(rank, cp_rank)])
+        """``item`` (a descriptor, or ``{"error": ...}``) into the rank's queue, and on to its
+        subscribers."""
+        q = self.queues.queues.get(self.names.get((rank, cp_rank), ""))
         if q is not None:
             q.put_nowait({"type": "msgpack", "value": item})
             self.put_count += "error" not in item
             self.drain((rank, cp_rank))
 
     def drain(self, key: tuple[int, int]) -> None:
-        """Move everything waiting in the rank's queue to its subscriber, if it has one."""
-        bs = self.streams.get(self.subs.get(key, ""))
-        q = self.queues.queues.get(self.names[key])
-        if bs is None or q is None or q.empty():
+        """Move everything waiting in the rank's queue to its subscribers, if it has any."""
+        subs = self.subs.get(key)
+        q = self.queues.queues.get(self.names.get(key, ""))
+        if not subs or q is None or q.empty():
             return
         items = []
         while not q.empty():
             items.append(q.get_nowait()["value"])
-        if not send(bs, {"op": "descriptors", "rank": key[0], "cp_rank": key[1], "generation": self.generation.get(key, 0), "items": items}):
-            self.subs.pop(key, None)  # the process went away; whoever attaches next gets them again
+        for replica, channel_id in list(subs.items()):
+            self._send_items((*key, replica), channel_id, items)
+
+    def _send_items(self, consumer: Consumer, channel_id: str, items: list[dict]) -> None:
+        rank, cp_rank, replica = consumer
+        bs = self.streams.get(channel_id)
+        msg = {"op": "descriptors", "rank": rank, "cp_rank": cp_rank, "replica": replica,
+               "generation": self.generation.get(consumer, 0), "items": items}
+        if bs is None or not send(bs, msg):
+            self.subs.get((rank, cp_rank), {}).pop(replica, None)  # the process went away; its successor gets them again
 
     def broadcast(self, msg: dict) -> None:
         """``msg`` to every consumer process's channel."""
@@ -70,11 +100,8 @@ class RankChannels:
 
     # ---- consumer processes ---------------------------------------------------------------------
     async def serve(self, comm, channel_id: str, on_ack) -> None:
-        """A consumer process's stream, until it closes: its ranks' subscriptions and acks in
-        (``on_ack(stream, **ack)``), descriptors out. Batching both ways every few ms means the
-        event loop handles a message per process and interval, not a request per rank (at dp 256
-        that was two RPCs per (chunk, rank), in bursts of hundreds of handler calls in one loop
-        iteration)."""
+        """A consumer process's stream, until it closes: its consumers' subscriptions and acks in
+        (``on_ack(stream, **ack)``), descriptors out."""
         bs = self._open(channel_id, comm)
         try:
             while not comm.closed():
@@ -99,35 +126,70 @@ class RankChannels:
         return bs
 
     def _closed(self, channel_id: str, bs: BatchedSend) -> None:
-        """A consumer process's stream ended: its ranks are unsubscribed."""
+        """A consumer process's stream ended: its consumers are unsubscribed."""
         self.streams.pop(channel_id, None)
-        for key in [k for k, cid in self.subs.items() if cid == channel_id]:
-            del self.subs[key]
+        for key, subs in self.subs.items():
+            for replica in [q for q, cid in subs.items() if cid == channel_id]:
+                del subs[replica]
+                self.on_leave((*key, replica))
         bs.abort()
 
-    def subscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, **_) -> None:
-        """Push (rank, cp rank)'s descriptors to this channel from now on (its newest attachment only)."""
-        key = (rank, cp_rank)
-        if key in self.names and self.generation.get(key, 0) == generation:
-            self.subs[key] = channel_id
-            self.drain(key)
+    def subscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, replica: int = 0, **_) -> None:
+        """Push the consumer's descriptors to this channel from now on (its newest attachment
+        only), starting with every built batch it still needs."""
+        consumer = (rank, cp_rank, replica)
+        if (rank, cp_rank) not in self.names or self.generation.get(consumer, 0) != generation:
+            return
+        self.drain((rank, cp_rank))  # to the replicas subscribed already; this one gets the backlog
+        self.subs.setdefault((rank, cp_rank), {})[replica] = channel_id
+        self._send_items(consumer, channel_id, self.backlog(consumer))
 
-    def unsubscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, **_) -> None:
-        key = (rank, cp_rank)
-        if self.subs.get(key) == channel_id and self.generation.get(key, 0) == generation:
-            del self.subs[key]
+    def unsubscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, replica: int = 0, **_) -> None:
+        subs = self.subs.get((rank, cp_rank), {})
+        if subs.get(replica) == channel_id and self.generation.get((rank, cp_rank, replica), 0) == generation:
+            del subs[replica]
+            self.on_leave((rank, cp_rank, replica))
 
-    def reattach(self, rank: int, cp_rank: int) -> int:
-        """A consumer attaches as (rank, cp rank): a new generation; the previous consumer's
-        subscription ends, and it is told so instead of waiting for batches that now go elsewhere."""
-        gen = self.generation.get((rank, cp_rank), 0) + 1
-        self.generation[(rank, cp_rank)] = gen
-        old = self.streams.get(self.subs.pop((rank, cp_rank), ""))
+    def reattach(self, consumer: Consumer) -> int:
+        """A consumer attaches: a new generation; its previous attachment's subscription ends,
+        and it is told so instead of waiting for batches that now go elsewhere."""
+        rank, cp_rank, replica = consumer
+        gen = self.generation.get(consumer, 0) + 1
+        self.generation[consumer] = gen
+        old = self.streams.get(self.subs.get((rank, cp_rank), {}).pop(replica, ""))
         if old is not None:
-            send(old, {"op": "error", "rank": rank, "cp_rank": cp_rank, "generation": gen - 1,
-                       "message": f"another consumer attached as rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "")
-                       + "; this one no longer receives batches (one consumer per rank)"})
+            who = f"rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "") + (f" replica {replica}" if replica else "")
+            send(old, {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica, "generation": gen - 1,
+                       "message": f"another consumer attached as {who}; this one no longer receives batches (one consumer per rank and replica)"})
         return gen
+
+    def end_all(self, message: str, dp: int | None = None, cp: int | None = None) -> None:
+        """Every subscribed consumer's stream ends with ``message``, no earlier attachment counts
+        any more (their acks are refused), and the queues start empty; with ``dp``/``cp``, for a
+        new topology (a job that came back with another number of ranks)."""
+        for (rank, cp_rank), subs in self.subs.items():
+            for replica, channel_id in subs.items():
+                bs = self.streams.get(channel_id)
+                if bs is not None:
+                    send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica,
+                              "generation": self.generation.get((rank, cp_rank, replica), 0), "message": message})
+        self.subs.clear()
+        for consumer in self.generation:
+            self.generation[consumer] += 1
+        self._release()
+        if dp is not None:
+            self._create(dp, cp or 1)
+        else:
+            self._create(*self._shape())
+
+    def _shape(self) -> tuple[int, int]:
+        ranks = {r for r, _ in self.names}
+        cps = {j for _, j in self.names}
+        return len(ranks), len(cps)
+
+    def current(self, consumer: Consumer, generation: int) -> bool:
+        """Whether ``generation`` is the consumer's newest attachment."""
+        return self.generation.get(consumer, 0) == generation
 
     async def close(self, message: str) -> None:
         """The run stops: every consumer process hears it, the streams close, the queues go."""
@@ -137,5 +199,4 @@ class RankChannels:
                 await bs.close(timeout=2)
             except Exception:
                 pass
-        for name in self.names.values():
-            self.queues.release(name=name, client=self.owner)
+        self._release()

@@ -44,7 +44,7 @@ def chunk_steps(loading, topology: Topology) -> int:
     return max(1, min(max(prefetch // 4, enough), prefetch // 2))
 
 
-def chunk_tasks(steps: list[dict], ledger, topology: Topology, run_id: str) -> list[dict]:
+def chunk_tasks(steps: list[dict], ledger, topology: Topology, run_id: str, rewinds: int = 0) -> list[dict]:
     """Constructor tasks for consecutive ``steps`` (``PlannerState.plan_steps`` output, their
     pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "micro_batches", "units"}``;
     as few groups of ranks as keep each within ``TASK_TOKENS``."""
@@ -61,9 +61,9 @@ def chunk_tasks(steps: list[dict], ledger, topology: Topology, run_id: str) -> l
             pieces, slot = entry["pieces"], entry["slot"]
             mine = (slot[:, 0] >= lo) & (slot[:, 0] < hi)
             parts.append({"step": sp["step"], "pieces": P.to_bytes(pieces[mine], "<i4"), "slot": P.to_bytes(slot[mine], "<i4"),
-                          "piece_tokens": sp["piece_tokens"]})
+                          "piece_tokens": sp["piece_tokens"], "loss_tokens": sp.get("loss_tokens")})
             units.append(P.units(pieces[mine]))
         used = P.unique_rows(np.concatenate(units)) if units else np.zeros((0, 3), np.int64)
-        tasks.append({"key": batch_key(run_id, steps[0]["step"], lo, hi), "steps": parts, "ranks": [lo, hi],
+        tasks.append({"key": batch_key(run_id, steps[0]["step"], lo, hi, rewinds), "steps": parts, "ranks": [lo, hi],
                       "micro_batches": mb, "units": used.tolist()})
     return tasks

@@ -60,6 +60,7 @@ class PlannerThread:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
         self.executor.submit(kernels.warm)  # the balancer's compiled loops, ready (or compiling) while the first units load
         self.state: PlannerState | None = None
+        self.rewinds = 0  # times the run was rewound (a new planner state each time)
         self.observed: dict | None = None  # what /overlord and the Prometheus gauges show (observe.dashboard)
         self.work = Work()
         self.work_ready = asyncio.Event()
@@ -81,6 +82,21 @@ class PlannerThread:
         return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args, **kwargs))
 
     def wake(self) -> None:
+        self._kick.set()
+
+    def replace_state(self, state: PlannerState, chunk_steps: int) -> list[str]:
+        """(planner thread) Plan with ``state`` from now on (a rewind); the work not taken yet
+        is dropped, and the keys of its constructor tasks returned."""
+        self.state, self.chunk_steps = state, chunk_steps
+        self.rewinds += 1
+        return [t["key"] for t in self.work.tasks]
+
+    def restart_work(self, release: list[str]) -> None:
+        """(event loop, after :meth:`replace_state`) Start the submitter's work afresh: it only
+        drops the batches in ``release``."""
+        self.work = Work()
+        self.work.release += release
+        self.work_ready.set()
         self._kick.set()
 
     def add_lengths(self, source: str, epoch: int, unit: int, lengths, vision) -> None:
@@ -119,6 +135,8 @@ class PlannerThread:
                 logger.exception("overlord planner failed")
                 self.on_failure(f"planning failed: {type(err).__name__}: {err}")
                 return
+            if out["rewinds"] != self.rewinds:
+                continue  # planned by a state a rewind has replaced since (the rewind kicks a new round)
             for t in out["tasks"]:
                 self.on_tasks(t["key"], [p["step"] for p in t["steps"]], t["ranks"][0], t["ranks"][1])
             self.work.add(out)
@@ -133,7 +151,7 @@ class PlannerThread:
         st = self.state
         while self._inbox:
             st.add_lengths(*self._inbox.popleft())
-        out = {"tasks": [], "loads": [], "finished": []}
+        out = {"tasks": [], "loads": [], "finished": [], "rewinds": self.rewinds}
         if st.failure:
             return out
         prefetch = st.plan.loading.prefetch_steps
@@ -143,7 +161,7 @@ class PlannerThread:
             if not steps:
                 break
             self._log_stages(steps)
-            out["tasks"] += chunk_tasks(steps, st.ledger, st.final_plan.topology, self.run_id)
+            out["tasks"] += chunk_tasks(steps, st.ledger, st.final_plan.topology, self.run_id, self.rewinds)
         if out["tasks"]:
             # these chunks go to the workers first; the next window is balanced in the next
             # round, off the trainers' path

@@ -31,6 +31,8 @@ from .. import logs
 from ..loading.partition import UnitParts
 from ..loading.signals import LoadSignals
 from ..observe import dashboard, prometheus
+from ..planner.rewind import memory_source as rewind_memory_source
+from ..planner.rewind import rebuild_at
 from ..protocol import Route, load_prefix
 from .channels import RankChannels
 from .chunks import chunk_steps
@@ -52,14 +54,14 @@ class PlannerPlugin(SchedulerPlugin):
 
     def __init__(self, plan, unit_first_ids: dict[str, list[int]], run_id: str, *,
                  checkpoint_url: str | None = None, storage_options: dict | None = None, keep_bases: int = 2,
-                 base_every_steps: int = 1000, base_every_seconds: float = 600.0,
+                 base_every_steps: int = 1000, base_every_seconds: float = 600.0, keep_steps: int = 0, keep_hours: float | None = None,
                  restore: dict | None = None, restore_seq: int = -1):
         self.plan = plan  # a plan.Plan: handed over once, pickled with the plugin
         self.unit_first_ids = unit_first_ids
         self.run_id = run_id
         self.checkpoint_url = checkpoint_url
         self.storage_options = storage_options or {}
-        self.keep_bases = keep_bases
+        self.keep = {"keep_bases": keep_bases, "keep_steps": keep_steps, "keep_hours": keep_hours}
         self.base_every = (base_every_steps, base_every_seconds)
         self.restore_state = restore
         self.seq = restore_seq  # last snapshot sequence number written (or restored)
@@ -76,13 +78,15 @@ class PlannerPlugin(SchedulerPlugin):
         self.routes = Routes(self)
         self.thread = PlannerThread(self.run_id, self.chunk_steps, on_tasks=self.held.add, observe=self._observe, on_failure=self.fail)
         planning = await self.thread.start(plan, self.unit_first_ids, self.restore_state)
-        self.channels = RankChannels(scheduler.extensions["queues"], self.name, self.run_id, plan.topology.dp, plan.topology.cp)
+        self.channels = RankChannels(scheduler.extensions["queues"], self.name, self.run_id, plan.topology.dp, plan.topology.cp,
+                                     backlog=self.routes.backlog, on_leave=self.routes.leave)
+        self._rewinding = asyncio.Lock()
         self.watch = LoopWatch(on_tick=self.thread.idle_tick)
         self._background = [planning, asyncio.create_task(self.watch.run())]
         self.snapshots_loop = None
         if self.checkpoint_url:
             self.snapshots_loop = SnapshotLoop(self.checkpoint_url, self.storage_options, lambda: self.thread.run(self.thread.state.get_state),
-                                               self.run_id, keep_bases=self.keep_bases, base_every_steps=self.base_every[0],
+                                               self.run_id, **self.keep, base_every_steps=self.base_every[0],
                                                base_every_seconds=self.base_every[1], seq=self.seq)
             self._background.append(asyncio.create_task(self.snapshots_loop.run()))
         scheduler.handlers.update(self.routes.table())
@@ -147,9 +151,10 @@ class PlannerPlugin(SchedulerPlugin):
             return
         if finish == "memory":
             if self.held.stored(key):  # built: its ranks' descriptors go out
+                desc = self.channels.descriptor(key, t)
                 for r in range(t["lo"], t["hi"]):
                     for j in range(self.plan.topology.cp):
-                        self.channels.put(r, j, self.channels.descriptor(key, t, r, j))
+                        self.channels.put(r, j, desc)
         elif finish == "erred":
             self.fail(self._error_text(key, t))
 
@@ -178,6 +183,54 @@ class PlannerPlugin(SchedulerPlugin):
         for (r, j) in self.channels.names:
             self.channels.put(r, j, {"error": message})
         self.thread.work_ready.set()
+
+    # ---- a training job restarted from an older checkpoint ----------------------------------------
+    async def rewind(self, rank: int, cp_rank: int, step: int, dp: int) -> dict:
+        """Serve step ``step`` next for ``dp`` ranks if the service has handed out past it for
+        this rank (or runs another dp): the planner is rebuilt from the newest window state kept
+        at or before it, in memory or in the snapshots (``planner/rewind.py``), every attached
+        consumer's stream ends, and the batches built past it are released. Idempotent: the job's
+        other ranks, asking for the same step, find it done."""
+        if step < 0 or dp < 1:
+            return {"error": f"cannot resume at step {step} with dp={dp}: the step must be >= 0 and dp >= 1"}
+        async with self._rewinding:
+            st = self.thread.state
+            topo = st.final_plan.topology
+            if not 0 <= cp_rank < topo.cp or not 0 <= rank < dp:
+                return {"error": f"rank {rank} cp rank {cp_rank} does not exist for dp={dp}, cp={topo.cp}"}
+            i = rank * topo.cp + cp_rank
+            if dp == topo.dp and step >= max(st.replay_until, st.progress.acked[i] + 1):
+                return {"error": None, "rewound": False}
+            source = await self.thread.run(rewind_memory_source, st, step)
+            if source is None and self.snapshots_loop is not None:
+                source = await asyncio.to_thread(self.snapshots_loop.store.window_at, step)
+            if source is None:
+                return {"error": await self._too_old(st, step)}
+            new = await self.thread.run(rebuild_at, st, step, source, dp)
+            cps = chunk_steps(new.final_plan.loading, new.final_plan.topology)
+            dropped = await self.thread.run(self.thread.replace_state, new, cps)
+            self.plan, self.chunk_steps = new.final_plan, cps
+            release = list(self.held.tasks) + dropped
+            self.held.tasks.clear()
+            self.routes.replicas.clear()
+            self.routes.first_step.clear()
+            message = f"the run was rewound to step {step} (a training job restarted from its checkpoint); this consumer's stream ended"
+            self.channels.end_all(message, *((dp, topo.cp) if dp != topo.dp else ()))
+            self.thread.restart_work(release)
+            logs.event("rewind", self.run_id, step, dp=dp, previous_dp=topo.dp, window=source[0])
+            if self.snapshots_loop is not None:
+                await self.snapshots_loop.write(force=True)  # a base at the new durable step
+            return {"error": None, "rewound": True}
+
+    async def _too_old(self, st, step: int) -> str:
+        oldest = [s for s in (st.windows.oldest, st.replay_until) if s is not None]
+        if self.snapshots_loop is not None:
+            stored = await asyncio.to_thread(self.snapshots_loop.store.oldest_window_step)
+            oldest += [stored] if stored is not None else []
+        keep = st.plan.checkpoint
+        where = "checkpoint.keep_steps" + (" or checkpoint.keep_hours (bases in the snapshot location)" if self.snapshots_loop is not None else "")
+        return (f"cannot resume at step {step}: the service can serve steps from {min(oldest)} on, not earlier "
+                f"(it keeps {keep.keep_steps} steps back); raise {where} to keep more")
 
 
 def _freeze_heap() -> None:

@@ -4,20 +4,30 @@ Names come from ``protocol.Route``; callers go through ``client.PlannerClient``.
 unless noted:
 
 - ``overlord_info()``: topology and names a consumer needs to attach.
-- ``overlord_attach(rank, cp_rank)``: a consumer joins; answers the first step it gets (the one
-  after the rank's last acknowledged step) and its queue's new generation. Descriptors of built
-  batches from that step on are queued again under the new generation, so a trainer that
-  restarted (or a second consumer after a first one died) loses and repeats nothing.
+- ``overlord_attach(rank, cp_rank, replica)``: a consumer joins; answers the first step it gets
+  (the one after its last acknowledged step; a new replica starts where its rank is) and its
+  new generation. Its subscription then starts with every built batch from that step on, so a
+  trainer that restarted (or a second consumer after a first one died) loses and repeats
+  nothing. Replicas (tensor- and pipeline-parallel ranks of one data-parallel rank) share the
+  rank's stream.
+- ``overlord_rewind(rank, cp_rank, replica, step, dp)``: a training job restarted from its
+  checkpoint at ``step``, with ``dp`` data-parallel ranks: if the service has handed out past it
+  for this rank, or runs another ``dp``, the planner is rebuilt to hand out ``step`` next for
+  ``dp`` ranks (``planner/rewind.py``); every attached consumer's stream ends. Idempotent: the
+  job's other ranks find it done. Refused, naming the oldest step it can serve, beyond the
+  retention (``checkpoint.keep_steps``, ``keep_hours``).
 - ``overlord_channel(channel_id, run_id)`` (a stream, one per consumer process and run): the
-  consumer sends ``{"op": "subscribe"|"unsubscribe", rank, cp_rank, generation}`` and one-way
-  ``{"op": "ack", rank, step, cp_rank, durable, wait_s, since_s}``; the scheduler pushes
-  ``{"op": "descriptors", rank, cp_rank, generation, items}`` as batches are built,
-  ``{"op": "worker_lost", address}`` and ``{"op": "error", rank, cp_rank, generation, message}``
-  (``rank`` None: every rank of the channel). Both ways batched every few ms (``channels.py``).
-- ``overlord_ack(rank, step, cp_rank, durable, wait_s, since_s)``: consumed every step up to
-  ``step`` (and, with ``durable``, saved it in the trainer's checkpoint); the request/response
-  form, for ``commit()`` and ``state_dict()``, which wait for it. ``wait_s``/``since_s``: the
-  trainer's time in ``next()`` and its time since it attached.
+  consumer sends ``{"op": "subscribe"|"unsubscribe", rank, cp_rank, replica, generation}`` and
+  one-way ``{"op": "ack", rank, step, cp_rank, replica, generation, durable, wait_s, since_s}``;
+  the scheduler pushes ``{"op": "descriptors", rank, cp_rank, replica, generation, items}`` as
+  batches are built, ``{"op": "worker_lost", address}`` and ``{"op": "error", rank, cp_rank,
+  replica, generation, message}`` (``rank`` None: every consumer of the channel). Both ways
+  batched every few ms (``channels.py``).
+- ``overlord_ack(rank, step, cp_rank, durable, wait_s, since_s, replica, generation)``: consumed
+  every step up to ``step`` (and, with ``durable``, saved it in the trainer's checkpoint); the
+  request/response form, for ``commit()`` and ``state_dict()``, which wait for it.
+  ``wait_s``/``since_s``: the trainer's time in ``next()`` and its time since it attached. An ack
+  of an attachment that is no longer the newest is refused.
 - ``overlord_where(key, timeout, run_id)``: the workers holding a built batch (waits while it is
   rebuilt); ``other_run`` for a descriptor of a run this scheduler no longer serves.
 - ``overlord_work(timeout)``: the submitter's long poll: loads and constructor tasks to submit,
@@ -45,7 +55,8 @@ from ..errors import PlanError
 from ..loading.signals import pool_signals
 from ..plan.loading import plan_from_dict, plan_to_dict
 from ..protocol import Route
-from .channels import send
+from .channels import Consumer, send
+from .replicas import ReplicaAcks
 
 
 class Routes:
@@ -54,14 +65,16 @@ class Routes:
     def __init__(self, plugin):
         self.p = plugin
         self.acks = 0
+        self.replicas = ReplicaAcks()
         self.rank_wait: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, cp rank) -> (seconds waiting, seconds since it attached)
         self.scaling: dict | None = None  # the autoscaler's last decisions and history, as it reported them
         self.stop_requested = False
+        self.first_step: dict[Consumer, int] = {}  # each attached consumer's first step (its backlog starts there)
 
     def table(self) -> dict:
         """Request/response routes (``scheduler.handlers``)."""
         return {
-            Route.INFO: self.info, Route.ATTACH: self.attach, Route.CHANNEL: self.channel, Route.ACK: self.ack,
+            Route.INFO: self.info, Route.ATTACH: self.attach, Route.REWIND: self.rewind, Route.CHANNEL: self.channel, Route.ACK: self.ack,
             Route.WHERE: self.where, Route.WORK: self.work, Route.UPDATE: self.update, Route.POOLS: self.pools,
             Route.REQUEST_STOP: self.request_stop, Route.FAIL: self.fail, Route.STATUS: self.status,
             Route.METRICS: self.metrics, Route.LEDGER: self.ledger, Route.PLANS: self.plans,
@@ -81,22 +94,41 @@ class Routes:
                 "chunk_steps": self.p.chunk_steps, "sources": list(self.state.source_names), "plan_version": self.state.plan_version,
                 "commit": self.state.progress.commit_mode}
 
-    def attach(self, rank: int, cp_rank: int = 0) -> dict:
-        """A consumer joins as (rank, cp rank): it starts after the rank's last acknowledged step;
-        descriptors of built batches from there are queued again under a new generation."""
+    def attach(self, rank: int, cp_rank: int = 0, replica: int = 0) -> dict:
+        """A consumer joins as (rank, cp rank, replica): it starts after its last acknowledged
+        step (a new replica where its rank is), under a new generation."""
         st, topo = self.state, self.state.final_plan.topology
-        if not 0 <= rank < topo.dp or not 0 <= cp_rank < topo.cp:
+        if not 0 <= rank < topo.dp or not 0 <= cp_rank < topo.cp or replica < 0:
             return {"error": f"rank {rank} cp rank {cp_rank} does not exist: the plan has dp={topo.dp}, cp={topo.cp}"}
         i = rank * st.topology.cp + cp_rank
-        first = max(st.replay_until, st.progress.acked[i] + 1 if i < len(st.progress.acked) else 0)
-        channels = self.p.channels
-        gen = channels.reattach(rank, cp_rank)
-        for key, t in self.p.held.tasks.items():
-            if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first:
-                channels.put(rank, cp_rank, channels.descriptor(key, t, rank, cp_rank))
-        if gen > 1:  # a consumer came back (or another replaced it): its rank goes on from `first`
-            logs.event("rank_rewind", self.p.run_id, first, rank=rank, cp_rank=cp_rank, generation=gen)
+        rank_acked = st.progress.acked[i] if i < len(st.progress.acked) else -1
+        rank_durable = st.progress.durable[i] if i < len(st.progress.durable) else -1
+        consumer = (rank, cp_rank, replica)
+        first = max(st.replay_until, self.replicas.attach(consumer, rank_acked, rank_durable) + 1)
+        self.first_step[consumer] = first
+        gen = self.p.channels.reattach(consumer)
+        if gen > 1:  # a consumer came back (or another replaced it): it goes on from `first`
+            logs.event("rank_rewind", self.p.run_id, first, rank=rank, cp_rank=cp_rank, replica=replica, generation=gen)
         return {"error": None, "first_step": first, "generation": gen}
+
+    def backlog(self, consumer: Consumer) -> list[dict]:
+        """What a newly subscribed consumer needs: every built batch of its rank from its first
+        step on (and the run's failure, if it failed)."""
+        rank, cp_rank, _ = consumer
+        first = self.first_step.get(consumer, 0)
+        out = [self.p.channels.descriptor(key, t) for key, t in self.p.held.tasks.items()
+               if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first]
+        if self.state.failure:
+            out.append({"error": self.state.failure})
+        return out
+
+    def leave(self, consumer: Consumer) -> None:
+        """A consumer's process went away: it no longer holds its rank's other replicas back."""
+        self.replicas.leave(consumer)
+
+    async def rewind(self, rank: int, step: int, dp: int, cp_rank: int = 0, replica: int = 0) -> dict:
+        """A training job restarted from its checkpoint at ``step`` with ``dp`` ranks."""
+        return await self.p.rewind(rank, cp_rank, step, dp)
 
     async def channel(self, comm, channel_id: str, run_id: str, **_) -> None:
         """A consumer process's stream (one per process and run, shared by its ranks)."""
@@ -106,20 +138,29 @@ class Routes:
         await self.p.channels.serve(comm, channel_id, self._channel_ack)
 
     def _channel_ack(self, bs, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
-                     since_s: float | None = None, **_) -> None:
-        resp = self.ack(rank, step, cp_rank, durable, wait_s, since_s)
+                     since_s: float | None = None, replica: int = 0, generation: int | None = None, **_) -> None:
+        resp = self.ack(rank, step, cp_rank, durable, wait_s, since_s, replica, generation)
         if resp["error"]:
-            send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "message": resp["error"]})
+            send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica, "generation": generation,
+                      "message": resp["error"]})
 
     def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
-            since_s: float | None = None) -> dict:
+            since_s: float | None = None, replica: int = 0, generation: int | None = None) -> dict:
         st = self.state
         self.acks += 1
+        consumer = (rank, cp_rank, replica)
+        if generation is not None and not self.p.channels.current(consumer, generation):
+            return {"committed": st.committed, "error": f"rank {rank}: this consumer's attachment (generation {generation}) was "
+                                                         "replaced or the run was rewound; its acknowledgement is ignored"}
         if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
             self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
         before, before_durable = st.committed, st.progress.durable_step
         try:
-            committed = st.ack(rank, step, cp_rank, durable)
+            st.progress.check(rank, step, cp_rank, st.next_step)
+            acked, saved = self.replicas.ack(consumer, step, durable)
+            committed = st.ack(rank, acked, cp_rank)
+            if saved >= 0:
+                committed = st.ack(rank, saved, cp_rank, durable=True)
         except ValueError as err:
             return {"committed": st.committed, "error": str(err)}
         if st.progress.durable_step > before_durable and self.p.snapshots_loop is not None:
@@ -181,7 +222,7 @@ class Routes:
         st = await self.p.thread.run(self.state.status)
         snaps = self.p.snapshots_loop
         return {**st, "loop": self.loop(), "chunk_steps": self.p.chunk_steps, **self.p.held.figures(), **self.p.held.block_figures(),
-                "channels": len(self.p.channels.streams), "subscribed": len(self.p.channels.subs),
+                "channels": len(self.p.channels.streams), "subscribed": sum(len(s) for s in self.p.channels.subs.values()),
                 "snapshot_error": snaps.error if snaps is not None else None,
                 "stop_requested": self.stop_requested, "rank_wait_share": self.wait_shares(), **self.counters()}
 

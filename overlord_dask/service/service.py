@@ -118,8 +118,8 @@ def _snapshots(plan: Plan) -> tuple[tuple | None, dict]:
     store = SnapshotStore(url, ck.storage_options)
     store.check_writable()
     loaded = store.load() if ck.resume else None
-    snap = {"checkpoint_url": url, "storage_options": ck.storage_options, "keep_bases": ck.keep_bases,
-            "base_every_steps": ck.base_every_steps, "base_every_seconds": ck.base_every_seconds}
+    snap = {"checkpoint_url": url, "storage_options": ck.storage_options, "keep_bases": ck.keep_bases, "keep_steps": ck.keep_steps,
+            "keep_hours": ck.keep_hours, "base_every_steps": ck.base_every_steps, "base_every_seconds": ck.base_every_seconds}
     if loaded is not None:
         snap["restore"], snap["restore_seq"] = loaded
     return loaded, snap

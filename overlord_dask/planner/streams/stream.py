@@ -245,7 +245,7 @@ class SourceStream:
         """Loaded units no longer needed for planning: wholly behind the (trailing) cursor, or,
         while reading by length class, between the cursors and far from the trailing one
         (evicted: loaded again when the trailing cursor gets near)."""
-        done = [key for key in self.lengths if self._behind(*key)]
+        done = [key for key in self.lengths if self.behind(*key)]
         if self.split:
             te, tp = self.trailing()[:2]
             le, lp = self.leading()[:2]
@@ -259,7 +259,8 @@ class SourceStream:
             self.ordering.forget(key)
         return done
 
-    def _behind(self, epoch: int, unit: int) -> bool:
+    def behind(self, epoch: int, unit: int) -> bool:
+        """Whether the (trailing) cursor has passed the unit."""
         te, tp = self.trailing()[:2]
         return epoch < te or (epoch == te and self.ordering.position(epoch, unit) < tp)
 
@@ -279,7 +280,7 @@ class SourceStream:
         encoder cost); idempotent (a recomputed load is ignored)."""
         key = (epoch, unit)
         self.loads.requested.discard(key)
-        if key in self.lengths or self._behind(epoch, unit):
+        if key in self.lengths or self.behind(epoch, unit):
             return False  # a duplicate, or a unit the cursor has already passed
         lengths = np.asarray(lengths, dtype=np.int64)
         images = vision is not None and bool(np.any(vision))

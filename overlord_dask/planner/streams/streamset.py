@@ -25,6 +25,8 @@ class StreamSet:
         self.names: list[str] = []
         self.dropped = np.zeros((0, 2), dtype=np.int64)  # documents, tokens skipped by a drop policy, per source
         self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by planned pieces
+        # (source, epoch, unit) -> document lengths in file order, while planned pieces may reference the unit
+        self.doc_lengths: dict[tuple[int, int, int], np.ndarray] = {}
 
     def add(self, name: str, first_ids) -> SourceStream:
         """A new source (at the next index), given its units' first sample ids."""
@@ -119,6 +121,30 @@ class StreamSet:
                 out[sel] += cost.encoder * self.streams[int(i)].piece_vision(rows[sel][:, P.EPOCH : P.STOP + 1])
         return out
 
+    def passed_units(self, rows: np.ndarray) -> list[list]:
+        """Units that ``rows`` (pieces waiting to be placed, restored from a snapshot) reference
+        but the cursors have passed: ``[source name, epoch, unit]``, to load again for their
+        blocks (the planner needs no metadata of them: the rows hold it). They count as held
+        until no waiting piece references them."""
+        out = []
+        for i, e, u in P.unique_rows(P.units(rows)).tolist() if len(rows) else []:
+            if self.streams[i].behind(e, u):
+                self.held.add((i, e, u))
+                out.append([self.names[i], e, u])
+        return out
+
+    def cut_pieces(self, rows: np.ndarray) -> int:
+        """How many of ``rows`` end before their document does (a split document's pieces but
+        its last): their last token's label is the document's next token."""
+        if not len(rows):
+            return 0
+        units, inverse = P.unique_rows(P.units(rows), return_inverse=True)
+        cut = 0
+        for k, (i, e, u) in enumerate(units.tolist()):
+            mine = rows[inverse == k]
+            cut += int(np.count_nonzero(mine[:, P.STOP] < self.doc_lengths[(i, e, u)][mine[:, P.DOC]]))
+        return cut
+
     def finished_units(self, in_use: list[np.ndarray]) -> list[list]:
         """Units the cursors have passed that no piece in ``in_use`` (planned rows not handed out
         yet) references: ``[source name, epoch, unit]`` whose blocks no later step needs."""
@@ -132,6 +158,7 @@ class StreamSet:
         self.held.difference_update(done)
         for i, e, u in done:
             self.streams[i].vision.pop((e, u), None)
+            self.doc_lengths.pop((i, e, u), None)
         return [[self.names[i], e, u] for i, e, u in sorted(done)]
 
     # ---- ids ------------------------------------------------------------------------------------

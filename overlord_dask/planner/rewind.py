@@ -1,0 +1,47 @@
+"""Rewinding the planner: a training job restarts from a checkpoint older than what the service
+has handed out, while the service runs on, with the same or another number of ranks.
+
+The planner is a pure function of its parts' state at a window start and of the unit lengths,
+so the planner at any kept window start (``windows.WindowStarts``, or a snapshot in storage)
+re-plans the same steps again: a new ``PlannerState`` is restored from that window, replays
+silently up to the job's step, and hands out from there; with another ``dp`` it switches to it
+at that step, as a restore with another topology does (``snapshot.switch_topology``). Per-source
+positions are topology-free, so exactly-once holds either way, and with the same ``dp`` the
+steps come out token-identical to the first time.
+"""
+
+from __future__ import annotations
+
+from ..plan.models import Plan
+from . import snapshot
+from .state import PlannerState
+
+
+def with_dp(plan: Plan, dp: int) -> Plan:
+    """``plan`` for ``dp`` data-parallel ranks (the rest of the topology as it is)."""
+    if plan.topology.dp == dp:
+        return plan
+    return plan.model_copy(update={"topology": plan.topology.model_copy(update={"dp": dp})})
+
+
+def rebuild_at(st: PlannerState, step: int, source: tuple[int, dict, dict], dp: int | None = None) -> PlannerState:
+    """A planner that hands out ``step`` next, restored from ``source`` (``(window step, state,
+    topology)`` at or before ``step``) with ``st``'s plan versions, for ``dp`` ranks (default:
+    as now). The ledger's history and the window starts before ``step`` carry over, so the
+    views stay continuous and a later rewind can go back as far as this one could."""
+    window_step, window, topology = source
+    if window_step > step:
+        raise ValueError(f"cannot rebuild step {step} from the window at step {window_step}")
+    plan = with_dp(st.final_plan, dp or st.final_plan.topology.dp)
+    state = snapshot.state_at(st, step, window_step, window, topology)
+    first_ids = {s.name: s.first_ids for s in st.streams}
+    new = PlannerState(plan, first_ids, history_steps=st.ledger.history_steps, state=state, updates=st.timeline.updates)
+    new.ledger.keep_before(step, st.ledger)
+    new.windows.keep_before(window_step, st.windows)
+    new.pool_workers = dict(st.pool_workers)
+    return new
+
+
+def memory_source(st: PlannerState, step: int) -> tuple[int, dict, dict] | None:
+    """The newest window start kept in memory at or before ``step``."""
+    return st.windows.at(step)
