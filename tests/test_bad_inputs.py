@@ -256,7 +256,7 @@ def case_dp_mismatch(tmp_path, cluster):
     plan = _text_source(tmp_path, texts=["some text"] * 300, topology={"dp": 2})
     with Service.start(plan, cluster=cluster) as service:
         with pytest.raises(OverlordError) as exc:
-            connect(service.address, 0, dp=8)
+            connect(service.address, 0, dp=8).next_batch()  # no checkpoint re-planned the run for dp=8
     return str(exc.value)
 
 

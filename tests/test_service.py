@@ -141,8 +141,9 @@ def test_rank_that_does_not_exist(cluster, small_plan):
     with Service.start(small_plan(), cluster=cluster) as service:
         with pytest.raises(RankError, match=r"rank 3 does not exist: the service at .* has dp=3 ranks \(0..2\)"):
             connect(service.address, 3)
+        other_dp = connect(service.address, 0, dp=4)  # a job back with another dp: its checkpoint re-plans (load_state_dict)
         with pytest.raises(RankError, match="consumer asked for dp=4, but the service at .* runs dp=3"):
-            connect(service.address, 0, dp=4)
+            other_dp.next_batch()  # ... without one, its first batch says what is wrong
 
 
 def test_a_run_lowers_the_gil_switch_interval_of_the_scheduler_process_and_restores_it(cluster, small_plan):

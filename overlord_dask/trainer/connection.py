@@ -42,6 +42,8 @@ class ProcessIO:
         self.pid = os.getpid()
         self.channels: dict[tuple[str, str], Channel] = {}
         self.lost_workers: dict[str, asyncio.Event] = {}  # address -> set once the scheduler says it is gone
+        self.inflight: dict[tuple, asyncio.Future] = {}  # fetches in flight, shared by identical requests (fetch.fetch_shared)
+        self.fetches_shared = 0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="overlord-consumer-io", daemon=True)
         self.thread.start()
@@ -78,6 +80,17 @@ class ProcessIO:
     def planner(self, address: str) -> PlannerClient:
         """The planner's routes at ``address``, over this process's connection pool."""
         return PlannerClient(self.pool(address))
+
+    def service_info(self, address: str, timeout: float) -> dict:
+        """(a trainer thread) The run's ``overlord_info`` at ``address``; ServiceError naming the
+        address where no overlord service answers."""
+        try:
+            info = self.run(self.planner(address).info(), timeout=min(timeout, 60))
+        except Exception as err:
+            raise ServiceError(f"no overlord service at {address}: {err}") from None
+        if not isinstance(info, dict):  # the scheduler answers None for an unknown route
+            raise ServiceError(f"no overlord service at {address}: the scheduler runs no overlord planner")
+        return info
 
     async def call_worker(self, address: str, request: Callable[[object], Awaitable], abort: asyncio.Event | None = None):
         """``request(rpc)`` to a worker, given up the moment the worker is reported gone (or
@@ -119,7 +132,7 @@ class Channel:
 
         self.io, self.address, self.run_id = io, address, run_id
         self.id = f"overlord-channel-{uuid.uuid4().hex}"
-        self.streams: dict[tuple[int, int], dict[int, "RankIO"]] = {}  # (rank, cp rank) -> generation -> stream
+        self.streams: dict[tuple[int, int, int], dict[int, "RankIO"]] = {}  # (rank, cp rank, replica) -> generation -> stream
         self.closed = False
         self._opened = io.spawn(self._open())
 
@@ -172,10 +185,10 @@ class Channel:
                 stream.lost(why)
 
     def _targets(self, msg: dict) -> list:
-        """The streams a message is for: every stream (rank None), or one rank's, of the message's
-        generation (a rank re-attached in this process has two for a moment)."""
+        """The streams a message is for: every stream (rank None), or one consumer's, of the
+        message's generation (a consumer re-attached in this process has two for a moment)."""
         if msg.get("rank") is None:
             return [s for gens in self.streams.values() for s in gens.values()]
-        gens = self.streams.get((msg["rank"], msg.get("cp_rank", 0)), {})
+        gens = self.streams.get((msg["rank"], msg.get("cp_rank", 0), msg.get("replica", 0)), {})
         gen = msg.get("generation")
         return list(gens.values()) if gen is None else [gens[gen]] if gen in gens else []

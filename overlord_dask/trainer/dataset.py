@@ -1,7 +1,7 @@
-"""``OverlordDataset``: one rank's stream as a ``torch.utils.data.IterableDataset``.
+"""``OverlordDataset``: one consumer's stream as a ``torch.utils.data.IterableDataset``.
 
 In its own module so that importing ``overlord_dask`` (as every Dask worker does to run a load
-or constructor task) does not import torch: that cost each worker several seconds at start and
+or constructor task) does not import torch: that would cost each worker seconds at start and
 hundreds of MB for nothing. ``overlord_dask.OverlordDataset`` imports it on first use.
 """
 
@@ -9,23 +9,40 @@ from __future__ import annotations
 
 from torch.utils.data import IterableDataset
 
+from .place import place
 from .stream import RankStream
 
 
 class OverlordDataset(IterableDataset):
-    """``torch.utils.data.IterableDataset`` of one rank's packed micro-batches (torch tensors).
+    """``torch.utils.data.IterableDataset`` of one consumer's packed micro-batches (torch tensors).
 
-    Use with ``DataLoader(ds, batch_size=None, num_workers=0)``: batches are already built by the
-    service and fetched ahead in the background, so DataLoader workers would only split (and
-    break) the rank's ordered stream. ``pin_memory=True`` pins them for CUDA trainers.
+    Where the trainer sits: ``rank`` and ``dp`` (its data-parallel rank and the number of them),
+    or a ``device_mesh`` (``torch.distributed.DeviceMesh`` with named dimensions: ``dp_dims``
+    are data-parallel, default every dimension named like ``dp``/``dp_shard``/``dp_replicate``;
+    ``cp_dim`` is context-parallel; every other dimension, tensor or pipeline parallelism, makes
+    replicas that receive the same batches), or neither: ``RANK`` and ``WORLD_SIZE`` from the
+    launcher (torchrun, srun), every process its own data-parallel rank. ``replica`` numbers a
+    tensor- or pipeline-parallel rank by hand.
+
+    ``labels`` (``"shifted"``, or ``"hf"`` for models that shift them themselves),
+    ``loss_mask`` and ``batch_dim`` (``[1, C]`` tensors) choose what the model receives
+    (``trainer/batches.py``). Use with ``DataLoader(ds, batch_size=None, num_workers=0)``:
+    batches are already built by the service and fetched ahead in the background, so
+    DataLoader workers would only split (and break) the ordered stream. ``pin_memory=True``
+    pins them for CUDA trainers. ``state_dict()`` / ``load_state_dict()`` follow torchdata's
+    ``StatefulDataLoader`` and DCP's ``Stateful``.
     """
 
-    def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, timeout: float = 600.0,
-                 prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False, reconnect_timeout: float = 120.0):
+    def __init__(self, address: str, rank: int | None = None, dp: int | None = None, *, device_mesh=None,
+                 dp_dims: tuple[str, ...] | None = None, cp_dim: str = "cp", cp_rank: int | None = None, replica: int | None = None,
+                 labels: str = "shifted", loss_mask: bool = False, batch_dim: bool = False, timeout: float = 600.0,
+                 prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False,
+                 reconnect_timeout: float = 120.0):
         super().__init__()
-        self.address, self.rank, self.dp, self.cp_rank, self.timeout = address, rank, dp, cp_rank, timeout
+        p = place(rank, dp, cp_rank=cp_rank, replica=replica, device_mesh=device_mesh, dp_dims=dp_dims, cp_dim=cp_dim)
+        self.address, self.rank, self.dp, self.cp_rank, self.replica, self.timeout = address, p.rank, p.dp, p.cp_rank, p.replica, timeout
         self.options = {"prefetch_steps": prefetch_steps, "prefetch_bytes": prefetch_bytes, "pin_memory": pin_memory,
-                        "reconnect_timeout": reconnect_timeout}
+                        "reconnect_timeout": reconnect_timeout, "labels": labels, "loss_mask": loss_mask, "batch_dim": batch_dim}
         self._stream: RankStream | None = None
 
     def __iter__(self):
@@ -42,7 +59,8 @@ class OverlordDataset(IterableDataset):
     @property
     def stream(self) -> RankStream:
         if self._stream is None:
-            self._stream = RankStream(self.address, self.rank, self.dp, cp_rank=self.cp_rank, timeout=self.timeout, as_torch=True, **self.options)
+            self._stream = RankStream(self.address, self.rank, self.dp, cp_rank=self.cp_rank, replica=self.replica, timeout=self.timeout,
+                                      as_torch=True, **self.options)
         return self._stream
 
     def state_dict(self) -> dict:

@@ -20,6 +20,20 @@ from ..errors import ServiceError
 HEDGE_S = 2.0  # a worker that has not answered a fetch in this long may be hung: try the batch's other holders (doubles per retry)
 
 
+async def fetch_shared(io, address: str, request: tuple, call, abort: asyncio.Event | None = None):
+    """``call(rpc)`` to the worker at ``address``, once for every identical ``request`` in flight in
+    this process: the replicas of a rank (its tensor- and pipeline-parallel ranks) in one process
+    ask for the same batches at about the same time, and share one transfer."""
+    key = (address, *request)
+    shared = io.inflight.get(key)
+    if shared is None:
+        shared = io.inflight[key] = asyncio.ensure_future(io.call_worker(address, call, abort=abort))
+        shared.add_done_callback(lambda _: io.inflight.pop(key, None))
+    else:
+        io.fetches_shared += 1
+    return await asyncio.shield(shared)  # one waiter giving up (a hedge) leaves the others theirs
+
+
 async def fetch_batches(io, planner: PlannerClient, desc: dict, steps: list[int], *, rank: int, cp_rank: int | None,
                         timeout: float, abort: asyncio.Event, address: str) -> list[dict]:
     """Rank ``rank``'s batches of ``steps`` (wire form) from the task ``desc`` names. ``io`` is the
@@ -33,7 +47,8 @@ async def fetch_batches(io, planner: PlannerClient, desc: dict, steps: list[int]
     while True:
         for addr in addresses:
             try:
-                resp = await asyncio.wait_for(io.call_worker(addr, lambda rpc: fetch(rpc, desc["key"], rank, steps, cp_rank), abort=abort), hedge)
+                resp = await asyncio.wait_for(fetch_shared(io, addr, (desc["key"], rank, cp_rank, tuple(steps)),
+                                                           lambda rpc: fetch(rpc, desc["key"], rank, steps, cp_rank), abort), hedge)
             except asyncio.TimeoutError:
                 slow.add(addr)  # a hung worker is only removed after the worker TTL: use a shadow meanwhile
                 hedge *= 2

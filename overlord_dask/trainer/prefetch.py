@@ -19,6 +19,7 @@ from ..protocol import resolve_address
 from ..wire import DTYPES, decode_batch, nbytes
 from .connection import Channel, ProcessIO
 from .fetch import fetch_batches
+from .batches import shape
 from .handover import HandOver
 from .tensors import TORCH_DTYPES, to_torch
 
@@ -27,11 +28,13 @@ class RankIO:
     """(IO loop) The background side of one rank's stream."""
 
     def __init__(self, io: ProcessIO, hand: HandOver, *, where: str, address: str, info: dict, rank: int, cp_rank: int | None,
-                 generation: int, first_step: int, timeout: float, reconnect_timeout: float, as_torch: bool, pin_memory: bool):
+                 replica: int, generation: int, first_step: int, timeout: float, reconnect_timeout: float, as_torch: bool,
+                 pin_memory: bool, batch_options: dict | None = None):
         self.io, self.hand = io, hand
         self.where, self.address, self.planner = where, address, io.planner(address)
-        self.info, self.rank, self.cp_rank, self.generation = info, rank, cp_rank, generation
+        self.info, self.rank, self.cp_rank, self.replica, self.generation = info, rank, cp_rank, replica, generation
         self.timeout, self.reconnect_timeout, self.as_torch, self.pin_memory = timeout, reconnect_timeout, as_torch, pin_memory
+        self.batch_options = batch_options or {}  # batches.shape: label convention, loss mask, layout
         self.closed = False
         self._descs: dict[int, dict] = {}  # step -> descriptor naming it
         self._fetch_next = first_step
@@ -53,11 +56,15 @@ class RankIO:
         self._subscribe()
         return [asyncio.ensure_future(self._prefetch()), asyncio.ensure_future(self._acker())]
 
+    @property
+    def consumer(self) -> tuple[int, int, int]:
+        return self.rank, self.cp_rank or 0, self.replica
+
     def _subscribe(self) -> None:
-        """Receive this rank's messages on ``self.channel`` (as this generation)."""
-        key = (self.rank, self.cp_rank or 0)
-        self.channel.streams.setdefault(key, {})[self.generation] = self
-        self.channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
+        """Receive this consumer's messages on ``self.channel`` (as this generation)."""
+        self.channel.streams.setdefault(self.consumer, {})[self.generation] = self
+        self.channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": self.cp_rank or 0, "replica": self.replica,
+                           "generation": self.generation})
 
     def wake(self, room: bool, ack: bool) -> None:
         """The trainer took steps (``room``) or finished a chunk (``ack``)."""
@@ -93,7 +100,7 @@ class RankIO:
                     await self.connected.wait()
                     continue
                 for s, b in zip(steps, batches):
-                    b = decode_batch(b, TORCH_DTYPES if self.as_torch else DTYPES)
+                    b = shape(decode_batch(b, TORCH_DTYPES if self.as_torch else DTYPES), **self.batch_options)
                     if self.as_torch:
                         b = {**b, "micro_batches": [to_torch(mb, self.pin_memory) for mb in b["micro_batches"]]}
                     h.put(s, b, nbytes(b))
@@ -121,8 +128,6 @@ class RankIO:
             if "error" in desc:
                 self.hand.fail(f"the overlord service failed: {desc['error']}")
                 return
-            if desc.get("gen", 0) != self.generation:
-                continue  # queued before this consumer attached
             for s in desc["steps"]:
                 if s >= self._fetch_next:
                     self._descs[s] = desc
@@ -157,12 +162,13 @@ class RankIO:
                 durable = self.info.get("commit", "ack") == "ack"
             if step <= self._acked_sent and not (durable and step > self._durable_sent):
                 return
-            msg = {"rank": self.rank, "step": step, "cp_rank": self.cp_rank or 0, "durable": durable, "wait_s": round(h.wait_total, 4),
-                   "since_s": round(time.perf_counter() - h.t_created, 4)}
+            msg = {"rank": self.rank, "step": step, "cp_rank": self.cp_rank or 0, "replica": self.replica, "generation": self.generation,
+                   "durable": durable, "wait_s": round(h.wait_total, 4), "since_s": round(time.perf_counter() - h.t_created, 4)}
             if wait:
                 if not self.connected.is_set():  # commit() or state_dict() while the service restarts
                     await asyncio.wait_for(self.connected.wait(), self.reconnect_timeout + 10)
                     msg["step"] = step = min(h.consumed, self._max_seen)
+                    msg["generation"] = self.generation
                 resp = await self.planner.ack(**msg)
                 if resp.get("error"):
                     raise ServiceError(resp["error"])
@@ -197,7 +203,7 @@ class RankIO:
                     self.address, self.planner = address, self.io.planner(address)
                 info = await asyncio.wait_for(self.planner.info(), max(0.5, min(5.0, deadline - time.monotonic())))
                 if isinstance(info, dict):
-                    att = await self.planner.attach(self.rank, self.cp_rank or 0)
+                    att = await self.planner.attach(self.rank, self.cp_rank or 0, self.replica)
                     if att.get("error"):
                         self.hand.fail(f"rank {self.rank}: reattaching to the restarted service failed: {att['error']}")
                         return
@@ -254,7 +260,7 @@ class RankIO:
             pass
 
     def _unsubscribe(self) -> None:
-        key = (self.rank, self.cp_rank or 0)
+        key = self.consumer
         gens = self.channel.streams.get(key, {})
         if gens.get(self.generation) is self:
             del gens[self.generation]
@@ -262,6 +268,7 @@ class RankIO:
                 self.channel.streams.pop(key, None)
             if not self.channel.closed:
                 try:
-                    self.channel.send({"op": "unsubscribe", "rank": self.rank, "cp_rank": key[1], "generation": self.generation})
+                    self.channel.send({"op": "unsubscribe", "rank": self.rank, "cp_rank": key[1], "replica": self.replica,
+                                       "generation": self.generation})
                 except Exception:  # the channel is closing: the scheduler drops the subscription anyway
                     pass

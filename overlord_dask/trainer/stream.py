@@ -52,6 +52,7 @@ from ..allocator import keep_freed_memory
 from ..errors import RankError, ServiceError
 from ..protocol import resolve_address
 from .connection import ProcessIO
+from . import batches, place
 from .handover import HandOver
 from .prefetch import RankIO
 
@@ -61,69 +62,87 @@ STATE_VERSION = 1
 class RankStream:
     """Iterator over one rank's micro-batches (numpy by default, torch with ``as_torch=True``).
 
+    A consumer is a data-parallel ``rank`` (of ``dp``; default: the service's), a ``cp_rank``
+    where the run uses context parallelism, and a ``replica``: tensor- and pipeline-parallel
+    ranks of one data-parallel rank each open a stream with their own replica number and receive
+    the identical batches (the service builds them once). The stream attaches to the service
+    and starts fetching ahead when it is made; a job restarted from an older checkpoint, or with
+    another number of ranks, is served from its checkpoint by ``load_state_dict``.
+
     ``prefetch_steps`` (default: the plan's ``loading.prefetch_steps``) and ``prefetch_bytes``
     bound the batches held here ahead of the trainer (at least one step is always allowed, so a
     step larger than the byte bound cannot stall). ``pin_memory`` pins torch tensors for fast
     host-to-GPU copies (ignored with a warning where no accelerator is present, as
-    ``torch.utils.data.DataLoader`` does)."""
+    ``torch.utils.data.DataLoader`` does). ``labels``, ``loss_mask`` and ``batch_dim`` choose the
+    label convention and layout (``batches.py``)."""
 
-    def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, timeout: float = 600.0,
-                 as_torch: bool = False, prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False,
-                 reconnect_timeout: float = 120.0):
-        where = address  # an address, or a scheduler file read again on every reconnect
-        address = resolve_address(address)
-        self.rank = int(rank)
-        self.cp_rank = cp_rank
+    def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, replica: int = 0,
+                 timeout: float = 600.0, as_torch: bool = False, prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30,
+                 pin_memory: bool = False, reconnect_timeout: float = 120.0, labels: str = "shifted", loss_mask: bool = False,
+                 batch_dim: bool = False):
+        self._where = address  # an address, or a scheduler file read again on every reconnect
+        self._address = resolve_address(address)
+        self.rank, self.dp, self.cp_rank, self.replica = int(rank), dp, cp_rank, int(replica)
         self.timeout = timeout
         self.as_torch = as_torch
+        self._options = {"prefetch_steps": prefetch_steps, "prefetch_bytes": prefetch_bytes, "reconnect_timeout": reconnect_timeout}
         keep_freed_memory()  # decoded batches reuse freed memory instead of faulting in fresh pages (allocator.py)
         self.io = ProcessIO.get()
         self._closed = False
-        try:
-            info = self.io.run(self.io.planner(address).info(), timeout=min(timeout, 60))
-        except Exception as err:
-            raise ServiceError(f"no overlord service at {address}: {err}") from None
-        if not isinstance(info, dict):  # the scheduler answers None for an unknown route
-            raise ServiceError(f"no overlord service at {address}: the scheduler runs no overlord planner")
-        world = info["dp"]
-        if dp is not None and dp != world:
-            raise RankError(f"consumer asked for dp={dp}, but the service at {address} runs dp={world}")
-        if not 0 <= self.rank < world:
-            raise RankError(f"rank {self.rank} does not exist: the service at {address} has dp={world} ranks (0..{world - 1})")
-        cp = info.get("cp", 1)
-        if cp > 1 and self.cp_rank is None:
-            raise RankError(f"the service at {address} runs context parallelism cp={cp}: pass cp_rank (0..{cp - 1})")
-        if self.cp_rank is not None and not 0 <= self.cp_rank < cp:
-            raise RankError(f"cp rank {self.cp_rank} does not exist: the service at {address} has cp={cp} (0..{cp - 1})")
-        if cp == 1:
-            self.cp_rank = None
-        self.micro_batches = info["micro_batches"]
-        att = self.io.run(self.io.planner(address).attach(self.rank, self.cp_rank or 0), timeout=60)
-        if att.get("error"):
-            raise ServiceError(att["error"])
-        self.next_step = int(att["first_step"])  # first step not yet handed to the trainer
-        self._attached_at = self.next_step
+        self._info = self.io.service_info(self._address, timeout)
+        self.cp_rank = place.check(self._info, self._address, place.Place(self.rank, dp, cp_rank, self.replica))
+        batches.check_options(labels, self._info.get("cp", 1))
+        self._batch_options = {"labels": labels, "loss_mask": loss_mask, "batch_dim": batch_dim}
+        self._pin = pin_memory and self._can_pin()
+        self.micro_batches = self._info["micro_batches"]
+        self.next_step: int | None = None  # first step not yet handed to the trainer (known once attached)
         self._unacked: int | None = None  # last step handed over, not yet finished by the trainer
         self.wait_s: list[float] = []  # seconds next_batch waited for each step
-        self.hand = HandOver(self.next_step, max(1, prefetch_steps or info.get("prefetch_steps", 4)), prefetch_bytes)
-        self.rio = RankIO(self.io, self.hand, where=where, address=address, info=info, rank=self.rank, cp_rank=self.cp_rank,
-                          generation=int(att["generation"]), first_step=self.next_step, timeout=timeout,
-                          reconnect_timeout=reconnect_timeout, as_torch=as_torch, pin_memory=pin_memory and self._can_pin())
+        self.hand: HandOver | None = None
+        self.rio: RankIO | None = None
+        if self.dp is None or self.dp == self._info["dp"]:
+            self._attach()  # batches are fetched ahead from now on; another dp waits for the job's checkpoint
+
+    def _ensure_attached(self) -> None:
+        if self.rio is not None:
+            return
+        if self._closed:
+            raise ServiceError(f"rank {self.rank}: the stream is closed")
+        world = self._info["dp"]
+        if self.dp is not None and self.dp != world:
+            raise RankError(f"consumer asked for dp={self.dp}, but the service at {self._address} runs dp={world} (a job that comes "
+                            "back with another number of ranks calls load_state_dict with its checkpoint first: the service then "
+                            "re-plans from that step for its dp)")
+        self._attach()
+
+    def _attach(self) -> None:
+        """Join the service as this consumer: it starts after the consumer's last acknowledged step."""
+        planner = self.io.planner(self._address)
+        att = self.io.run(planner.attach(self.rank, self.cp_rank or 0, self.replica), timeout=60)
+        if att.get("error"):
+            raise ServiceError(att["error"])
+        self.next_step = int(att["first_step"])
+        prefetch = max(1, self._options["prefetch_steps"] or self._info.get("prefetch_steps", 4))
+        self.hand = HandOver(self.next_step, prefetch, self._options["prefetch_bytes"])
+        self.rio = RankIO(self.io, self.hand, where=self._where, address=self._address, info=self._info, rank=self.rank,
+                          cp_rank=self.cp_rank, replica=self.replica, generation=int(att["generation"]), first_step=self.next_step,
+                          timeout=self.timeout, reconnect_timeout=self._options["reconnect_timeout"], as_torch=self.as_torch,
+                          pin_memory=self._pin, batch_options=self._batch_options)
 
     @property
     def address(self) -> str:
         """The service's address (a restarted service may be found at another one)."""
-        return self.rio.address
+        return self.rio.address if self.rio is not None else self._address
 
     @property
     def info(self) -> dict:
         """The service's ``overlord_info`` (of the run it is attached to now)."""
-        return self.rio.info
+        return self.rio.info if self.rio is not None else self._info
 
     @property
     def channel(self):
         """The process's channel to the service that this rank receives on (``connection.Channel``)."""
-        return self.rio.channel
+        return self.rio.channel if self.rio is not None else None
 
     @staticmethod
     def _can_pin() -> bool:
@@ -150,6 +169,7 @@ class RankStream:
 
     def next_batch(self) -> dict:
         """The next step's batch for this rank; the previous step counts as consumed."""
+        self._ensure_attached()
         chunk_done = self._finish_previous()
         batch, waited = self.hand.take(self.next_step, self.timeout, chunk_done, self._wake_io)
         if batch is None:
@@ -161,7 +181,7 @@ class RankStream:
 
     def buffered(self) -> int:
         """Steps fetched ahead and waiting for the trainer."""
-        return self.hand.buffered()
+        return self.hand.buffered() if self.hand is not None else 0
 
     def _wake_io(self, room: bool, ack: bool) -> None:
         """Let the prefetcher fetch into the room there is (``room``) and with ``ack`` send the
@@ -179,6 +199,7 @@ class RankStream:
     def commit(self) -> None:
         """Acknowledge every step yielded so far (the trainer is done with them); returns once
         the service has the acknowledgement."""
+        self._ensure_attached()
         self._finish_previous()
         self._flush()
 
@@ -202,27 +223,44 @@ class RankStream:
     # ---- state (torchdata StatefulDataLoader style) -------------------------------------------
     def state_dict(self) -> dict:
         """Small and topology-free: the next step this trainer needs. Save it with the trainer's
-        own checkpoint; ``load_state_dict`` on a new stream (even after the service restarted from
-        its snapshot) skips the steps the trainer had already consumed. With the plan's
-        ``checkpoint.commit: checkpoint`` this call also makes those steps durable in the
-        service's snapshots, so a whole-system restart resumes exactly at this checkpoint."""
+        own checkpoint; ``load_state_dict`` on a new stream resumes there, also when the service
+        has handed out far past it, restarted from its snapshot, or the job comes back with
+        another number of ranks. This call waits until the service has every acknowledgement up
+        to it; with the plan's ``checkpoint.commit: checkpoint`` it also makes those steps
+        durable in the service's snapshots."""
+        self._ensure_attached()
         self._finish_previous()
         self._flush(durable=True)
         return {"version": STATE_VERSION, "next_step": self.next_step}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a trainer checkpoint: steps before ``next_step`` are skipped (and
-        acknowledged). A trainer that restarted alone while the service kept running gets its
-        unacknowledged steps again: attaching already rewound its queue."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"consumer state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
-        target = int(state["next_step"])
-        if target < self._attached_at:
-            raise ServiceError(
-                f"rank {self.rank}: the checkpoint resumes at step {target}, but the service already has every step up to "
-                f"{self._attached_at - 1} acknowledged by this rank and cannot send them again; resume from a newer trainer "
-                "checkpoint, or run the plan with checkpoint.commit: checkpoint so steps become final only when trainers save"
-            )
+        """Continue from a trainer checkpoint (``state_dict()``'s), whatever the service has
+        handed out since: where it is past that step for this rank, or runs another number of
+        ranks than this stream's ``dp``, the service goes back to it (the whole job's ranks
+        restart from the same checkpoint; their other streams find it done) and delivers from
+        there exactly what it delivered the first time (with the same dp), nothing before it and
+        nothing skipped. Where the service is behind it, the steps in between are skipped and
+        acknowledged. A step older than the service keeps (``checkpoint.keep_steps``) is refused,
+        naming the oldest it can serve."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"consumer state version {got!r} is not supported (expected {STATE_VERSION})")
+        target = state.get("next_step")
+        if not isinstance(target, int) or isinstance(target, bool) or target < 0:
+            raise ValueError(f"consumer state next_step must be a step number >= 0, got {target!r}")
+        dp = self.dp if self.dp is not None else self._info["dp"]
+        if self.rio is None or dp != self._info["dp"] or target < self.next_step:
+            if self.rio is not None:  # the service may have to go back: this attachment ends, a new one starts from target
+                self.rio.stop(wait=10)
+                self.rio, self.hand, self._unacked = None, None, None
+            planner = self.io.planner(self._address)
+            resp = self.io.run(planner.rewind(self.rank, target, dp, self.cp_rank or 0, self.replica), timeout=120)
+            if resp.get("error"):
+                raise ServiceError(f"rank {self.rank}: {resp['error']}")
+            if resp.get("rewound") or dp != self._info["dp"]:
+                self._info = self.io.service_info(self._address, self.timeout)
+                self.micro_batches = self._info["micro_batches"]
+            self._ensure_attached()
         if target > self.next_step:
             self.next_step = target
             self.hand.skip_to(target)
@@ -231,7 +269,7 @@ class RankStream:
     def close(self) -> None:
         if self._closed:
             return
-        if self.hand.error is None and self.rio.connected.is_set():
+        if self.rio is not None and self.hand.error is None and self.rio.connected.is_set():
             try:  # steps the trainer finished are consumed; the one it holds now is not (it may have died with it)
                 self.io.run(self.rio.send_ack(), timeout=10)
             except Exception:  # the service may be gone; nothing to keep
@@ -259,5 +297,6 @@ class RankStream:
 
 
 def connect(address: str, rank: int, dp: int | None = None, **kwargs) -> RankStream:
-    """Attach to a running service as trainer ``rank`` (plain iterator of numpy micro-batches)."""
+    """A stream of a running service for trainer ``rank`` (a plain iterator of numpy
+    micro-batches; ``RankStream``'s keyword arguments)."""
     return RankStream(address, rank, dp, **kwargs)

@@ -315,7 +315,7 @@ def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict
                 mbs.append({"capacity": capacity, "tokens": tokens[tb[k] : tb[k + 1]], "pieces": table[pb[k] : pb[k + 1]],
                             "num_tokens": tb[k + 1] - tb[k]})
                 k += 1
-            per_rank[rank] = {"step": sp["step"], "rank": rank, "micro_batches": mbs}
+            per_rank[rank] = {"step": sp["step"], "rank": rank, "micro_batches": mbs, "loss_tokens": sp.get("loss_tokens")}
     return out
 
 
@@ -337,10 +337,11 @@ def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: in
         out[sp["step"]] = {}
         for rank, mbs in zip(ranks, per_rank):
             if cp > 1:
-                out[sp["step"]][rank] = build_rank_batch(sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal)
+                batch = build_rank_batch(sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal)
             else:
-                out[sp["step"]][rank] = {"step": sp["step"], "rank": rank, "micro_batches": [
+                batch = {"step": sp["step"], "rank": rank, "micro_batches": [
                     wire_micro_batch(mb, blocks, capacity, sp["piece_tokens"], multimodal) for mb in mbs]}
+            out[sp["step"]][rank] = {**batch, "loss_tokens": sp.get("loss_tokens")}
     return BuiltChunk(cp == 1, out)
 
 
