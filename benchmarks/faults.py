@@ -29,6 +29,12 @@ Scenarios:
   loads the saved state and goes on: it gets the lost step again, then its normal stream, while
   rank 0 never stops. ``stall_max_s`` is the restarted rank's time from its new stream to its
   first batch.
+- ``job_restart_from_checkpoint_k<k>``: every rank runs to a step, keeping its ``state_dict``
+  from ``k`` steps before (``--restart-ks``, default 1, 17, 200), and dies there; the job restarts
+  every rank from that checkpoint while the service runs on. ``stall_max_s`` is a restarted rank's
+  time to its first batch; ``identical`` compares what the trainers kept (the first life before
+  the checkpoint, the second from it) with an uninterrupted run, and ``repeats_first_life`` says
+  the second life delivered the steps after the checkpoint as the first had.
 - ``service_restart``: SIGKILL the whole service (``overlord serve --port``: scheduler, planner,
   workers) mid-run and start it again at the same address from its snapshot; the trainers' streams
   (the same objects) reconnect and go on.
@@ -245,6 +251,55 @@ def _trainer_restart(plan, cluster, steps: int, compute_s: float, fault_at: int)
     return got, max(stall, default=0.0)
 
 
+def _job_restart(plan, cluster, kill_at: int, k: int, total: int, compute_s: float) -> tuple[dict, dict, float]:
+    """Every rank runs to step ``kill_at`` keeping its ``state_dict`` of step ``kill_at - k``, and
+    dies there (its stream dropped, nothing more acknowledged); the job restarts every rank from
+    that checkpoint while the service runs on and goes to step ``total``. Returns (pieces per
+    (rank, step) of the run as the trainers kept it: the first life before the checkpoint, the
+    second from it), (pieces per (rank, step) of the first life from the checkpoint on: what the
+    second must repeat), and the longest a restarted rank waited for its first batch."""
+    from overlord_dask import Service, connect
+    from overlord_dask.observe.figures import delivered_identities, delivered_record
+
+    kept, first_life, stall = {}, {}, []
+
+    def ids(b):
+        return sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
+
+    with Service.start(plan, cluster=cluster) as service:
+        saved = {}
+
+        def first(r):
+            stream = connect(service.address, r, timeout=120, prefetch_steps=1)
+            while stream.next_step < kill_at:
+                if stream.next_step == kill_at - k:
+                    saved[r] = stream.state_dict()  # the job's checkpoint, k steps before it dies
+                b = stream.next_batch()
+                (kept if b["step"] < kill_at - k else first_life)[(r, b["step"])] = ids(b)
+                time.sleep(compute_s)
+            stream.rio.stop(wait=10)  # the process dies: no acknowledgement of what it held
+
+        def second(r):
+            t0 = time.perf_counter()
+            stream = connect(service.address, r, timeout=120, prefetch_steps=1)
+            stream.load_state_dict(saved[r])
+            for i in range(total - (kill_at - k)):
+                b = stream.next_batch()
+                if i == 0:
+                    stall.append(time.perf_counter() - t0)
+                kept[(r, b["step"])] = ids(b)
+                time.sleep(compute_s)
+            stream.close()
+
+        for fn in (first, second):
+            threads = [threading.Thread(target=fn, args=(r,)) for r in range(plan.topology.dp)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    return kept, first_life, max(stall, default=0.0)
+
+
 def _bad_inputs() -> tuple[int, int]:
     """(cases in the catalogue, cases that pass): the catalogue test, run as CI runs it."""
     from tests.test_bad_inputs import CASES
@@ -268,6 +323,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--slow-seconds", type=float, default=60.0, help="how long the slow trainer runs (10x --compute-ms per step)")
     ap.add_argument("--data", default="demo-data")
     ap.add_argument("--no-catalogue", action="store_true", help="skip running the bad-input catalogue")
+    ap.add_argument("--restart-ks", type=int, nargs="*", default=[1, 17, 200],
+                    help="job_restart_from_checkpoint: how many steps old the checkpoint is (none: skip)")
     args = ap.parse_args(argv)
 
     from overlord_dask.service.demo import generate_demo_corpus
@@ -299,6 +356,18 @@ def main(argv=None) -> dict:
         got, stall = _trainer_restart(_plan(args.data, args.dp, 1), cluster, args.steps, compute_s, args.fault_at)
         rows.append({"scenario": "trainer_restart", "stall_max_s": round(stall, 3), "baseline_wait_max_s": round(base_wait, 3),
                      "batches_shadowed": "", **_compare(reference, got)})
+        if args.restart_ks:
+            tail = 5  # steps run after the restart, past the step the job died at
+            kill_ats = {k: max(args.fault_at, k + 1) for k in args.restart_ks}
+            total = max(kill_ats.values()) + tail
+            long_ref = _service_run(_plan(args.data, args.dp, 1), cluster, total, compute_s)[0] if total > args.steps else reference
+            for k in args.restart_ks:
+                kept, first_life, stall = _job_restart(_plan(args.data, args.dp, 1), cluster, kill_ats[k], k, kill_ats[k] + tail, compute_s)
+                ref = {key: v for key, v in long_ref.items() if key[1] < kill_ats[k] + tail}
+                again = all(kept[key] == v for key, v in first_life.items())
+                rows.append({"scenario": f"job_restart_from_checkpoint_k{k}", "stall_max_s": round(stall, 3),
+                             "baseline_wait_max_s": round(base_wait, 3), "batches_shadowed": "", **_compare(ref, kept),
+                             "repeats_first_life": again})
         slow_steps = max(args.steps, round(args.slow_seconds / (10 * compute_s)))
         slow_ref = reference if slow_steps == args.steps else _service_run(_plan(args.data, args.dp, 1), cluster, slow_steps, compute_s)[0]
         got, after, _, mem = _service_run(_plan(args.data, args.dp, 1), cluster, slow_steps, compute_s, slow={1: 10})
@@ -317,7 +386,8 @@ def main(argv=None) -> dict:
         print(json.dumps(out))
     else:
         print_rows(rows, ["scenario", "stall_max_s", "baseline_wait_max_s", "batches_shadowed", "batch_bytes_max", "shadow_bytes_max",
-                          "block_bytes_max", "block_shadow_bytes_max", "rss_growth_mb", "identical", "duplicates", "missing"])
+                          "block_bytes_max", "block_shadow_bytes_max", "rss_growth_mb", "identical", "duplicates", "missing",
+                          "repeats_first_life"])
         print(f"bad inputs: {clear} of {cases} get their clear error or handling (tests/test_bad_inputs.py)")
     return out
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Create ./.venv and install overlord-dask into it, from scratch.
-#   scripts/install.sh          the service, CLI and demo
+#   scripts/install.sh          the service, CLI and demo (the `service` extra)
 #   scripts/install.sh --test   the same plus everything the test suite needs
+# (a trainer node needs only `pip install overlord-dask` beside its torch)
 # torch is installed first and pinned (`torch==2.13.0`, a CPU wheel): an unpinned torch pulls gigabytes of
 # CUDA packages, so nothing below may ask for torch without the pin already satisfied.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=""
-if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
+extras="[service]"
+if [ "${1:-}" = "--test" ]; then extras="[service,test]"; fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi

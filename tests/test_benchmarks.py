@@ -96,9 +96,10 @@ def test_faults_benchmark_runs(capsys, corpus):
     import faults
 
     out = faults.main(["--steps", "12", "--fault-at", "5", "--compute-ms", "20", "--slow-seconds", "1", "--no-catalogue", "--data", str(corpus),
-                       "--json"])
+                       "--restart-ks", "1", "3", "--json"])
     assert set(out["scenarios"]) == {"worker_kill_shadows", "worker_kill_no_shadows", "worker_hung_shadows", "trainer_restart", "slow_trainer",
-                                     "service_restart"}
+                                     "service_restart", "job_restart_from_checkpoint_k1", "job_restart_from_checkpoint_k3"}
+    assert all(out["scenarios"][f"job_restart_from_checkpoint_k{k}"]["repeats_first_life"] for k in (1, 3))
     assert out["scenarios"]["slow_trainer"]["rss_growth_mb"] < 200
     for name, row in out["scenarios"].items():
         assert {"stall_max_s", "duplicates", "missing", "identical"} <= set(row), name

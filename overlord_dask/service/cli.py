@@ -24,6 +24,9 @@ import numpy as np
 from ..errors import OverlordError, ServiceError
 
 
+SERVICE_MODULES = {"pyarrow", "zarr", "pydantic", "yaml", "numba", "PIL", "prometheus_client", "tqdm", "fsspec"}
+"""What the 'service' extra brings (pyproject.toml): a trainer-only install lacks them."""
+
 _IDENTITY_FIELDS = ("source_ids", "epochs", "sample_ids", "piece_starts", "cu_seqlens")  # report.delivered_record's inputs
 
 
@@ -352,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     except OverlordError as err:
         print(f"overlord: error: {err}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] in SERVICE_MODULES:  # a trainer-only install
+            print(f"overlord: error: the service needs the 'service' extra: pip install 'overlord-dask[service]' "
+                  f"(missing: {err.name})", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":
