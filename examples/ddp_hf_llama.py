@@ -75,6 +75,7 @@ def main() -> None:
     ds.close()
     if log:
         log.close()
+    dist.barrier()  # no collective of any rank still in flight when the process groups go
     dist.destroy_process_group()
 
 

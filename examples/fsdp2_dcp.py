@@ -115,6 +115,7 @@ def main() -> None:
         if state.step >= args.steps:
             break
     ds.close()
+    dist.barrier()  # no collective of any rank still in flight when the process groups go
     dist.destroy_process_group()
 
 

@@ -74,6 +74,7 @@ def main() -> None:
             if mb["step"] + 1 >= args.steps:
                 break
     ds.close()
+    dist.barrier()  # no collective of any rank still in flight when the process groups go
     dist.destroy_process_group()
 
 
