@@ -31,3 +31,51 @@ def read_source(plan, name: str) -> list[np.ndarray]:
         else:
             docs += [np.asarray(v if v is not None else [], dtype=np.int32) for v in col.to_pylist()]
     return docs
+
+
+# ---- the other formats, read with their own libraries or by hand (tests/test_formats.py) -----------------
+def jsonl_records(path: str) -> list[tuple[int, dict]]:
+    """(byte offset of the line in the decompressed file, record) per non-blank line."""
+    import gzip
+    import json
+
+    import zstandard
+
+    raw = open(path, "rb").read()
+    if path.endswith(".gz"):
+        raw = gzip.decompress(raw)
+    elif path.endswith(".zst"):
+        raw = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True).read()
+    out, pos = [], 0
+    for line in raw.split(b"\n"):
+        if line.strip():
+            out.append((pos, json.loads(line)))
+        pos += len(line) + 1
+    return out
+
+
+def webdataset_samples(paths: list[str]) -> list[list[tuple[str, dict]]]:
+    """Per shard, its samples as (key, {extension: bytes}), grouped with the webdataset library."""
+    import webdataset as wds
+
+    shards = []
+    for p in paths:
+        it = wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander([{"url": p, "stream": open(p, "rb")}]))
+        shards.append([(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for s in it])
+    return shards
+
+
+def megatron_docs(prefix: str) -> list[np.ndarray]:
+    """Every document of a Megatron indexed dataset, with megatron-core's own reader."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)  # our test files hold one sequence per document
+    return [np.array(ds[i]) for i in range(len(ds))]  # copies: the views die with the reader's memory map
+
+
+def tokens_of(texts: list) -> list[np.ndarray]:
+    """The byte tokenizer's documents for texts (None: an empty document)."""
+    import pyarrow as pa
+
+    t, o = byte_tokenize(pa.array([x if x is not None else "" for x in texts], pa.string()))
+    return [t[o[i]: o[i + 1]] for i in range(len(o) - 1)]

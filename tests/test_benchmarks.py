@@ -172,3 +172,14 @@ def test_throughput_benchmark_with_a_trained_bpe(capsys, corpus):
             assert len(r["raw_passes"]) == 4 and abs(r["raw_tokens_per_s"] - float(np.median(r["raw_passes"]))) <= 0.2
     assert out["bpe"]["vocab"] == 400
     assert '"throughput"' in capsys.readouterr().out
+
+
+def test_formats_benchmark_runs(capsys, tmp_path):
+    import formats
+
+    out = formats.main(["--mb", "1", "--files", "2", "--tokens", "200000", "--data", str(tmp_path), "--json"])
+    assert set(out["formats"]) == {"parquet", "jsonl.zst", "arrow", "webdataset", "megatron"}
+    for fmt, figures in out["formats"].items():
+        assert set(figures) == {"index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s"}, fmt
+        assert all(v > 0 for v in figures.values()), (fmt, figures)
+    assert '"formats"' in capsys.readouterr().out

@@ -75,11 +75,12 @@ def test_unknown_field_names_file_source_and_field(tmp_path):
     assert "plan.yaml" in msg and "sources[0](web).txt_field" in msg and "unknown field" in msg
 
 
-def test_bad_enum_lists_allowed_values(tmp_path):
+def test_unknown_format_lists_the_registered_ones(tmp_path):
     data = _base()
     data["sources"][1]["format"] = "csv"
     msg = _error(data, tmp_path)
-    assert "sources[1](books).format" in msg and "'parquet' or 'zarr'" in msg and "'csv'" in msg
+    assert "sources[1](books).format" in msg and "'csv'" in msg
+    assert "['arrow', 'jsonl', 'megatron', 'parquet', 'webdataset', 'zarr']" in msg and "module:Class" in msg
 
 
 def test_missing_required_and_out_of_range(tmp_path):

@@ -37,7 +37,7 @@ class LoadTask:
 
 def partition(wanted: list, n_docs, seconds_per_doc: dict, target: float | None) -> list[LoadTask]:
     """Cut ``wanted`` ([source, epoch, unit] in request order) into load tasks. ``n_docs(source,
-    unit)`` gives a unit's documents; ``seconds_per_doc`` the measured cost per source."""
+    unit)`` gives a unit's documents (None: not known before it is loaded); ``seconds_per_doc`` the measured cost per source."""
     out: list[LoadTask] = []
     open_group: dict[str, tuple[LoadTask, float]] = {}  # source -> the group being filled, its estimate
     for source, epoch, unit in wanted:
@@ -46,6 +46,9 @@ def partition(wanted: list, n_docs, seconds_per_doc: dict, target: float | None)
             out.append(LoadTask(source, [(epoch, unit)]))
             continue
         n = n_docs(source, unit)
+        if n is None:  # counted only when loaded (a jsonl byte range, a shard): one task
+            out.append(LoadTask(source, [(epoch, unit)]))
+            continue
         est = n * spd
         if est > 2 * target and n > 1:
             k = min(MAX_PARTS, n, math.ceil(est / target))
@@ -78,10 +81,11 @@ class UnitParts:
     def __init__(self) -> None:
         self._units: OrderedDict = OrderedDict()
 
-    def add(self, key: tuple, part, lens: np.ndarray, vision: np.ndarray | None):
+    def add(self, key: tuple, part, lens: np.ndarray, vision: np.ndarray | None, dropped: int = 0):
+        """The unit's lengths, image tokens and dropped records once ``part`` completes it, else None."""
         lo, hi, n = part
         parts = self._units.setdefault(key, {})
-        parts[lo] = (hi, lens, vision)
+        parts[lo] = (hi, lens, vision, dropped)
         chain, pos = [], 0
         while pos < n and pos in parts:
             chain.append(parts[pos])
@@ -93,4 +97,4 @@ class UnitParts:
         del self._units[key]
         lens = np.concatenate([c[1] for c in chain])
         vision = None if chain[0][2] is None else np.concatenate([c[2] for c in chain])
-        return lens, vision
+        return lens, vision, sum(c[3] for c in chain)

@@ -40,6 +40,8 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
     window = window_figures(recent, len(names))
     d_share, w_share = window["delivered_share"], window["declared_share"]
     acked = list(state.progress.acked)
+    lost = extra.get("losses", {})
+    records = lost.get("records", {})
     sources = []
     for i, s in enumerate(state.streams):
         sources.append({
@@ -49,6 +51,8 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
             "declared_share": float(w_share[i]) if i < len(w_share) else 0.0,
             "epoch": int(s.epoch), "loads_pending": len(s.loads.requested), "units_loaded": len(s.lengths),
             "seconds_per_token": signals.seconds_per_token(s.name),
+            "records_read": records.get(s.name, {}).get("read", 0), "records_dropped": records.get(s.name, {}).get("dropped", 0),
+            "units_quarantined": sum(q["source"] == s.name for q in lost.get("quarantined", [])),
         })
     return {
         "run_id": run_id, "name": state.final_plan.name, "dp": state.topology.dp, "planned": state.next_step, "committed": committed,
@@ -132,6 +136,7 @@ td,th{{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:right}} h
 <h2>Sources</h2>{_table(snap['sources'])}
 <h2>Ranks</h2>{_table(lag)}
 <h2>Loader pools</h2>{_table(pools)}
+<h2>Quarantined units</h2>{_table([{k: q[k] for k in ("source", "unit", "step", "reason")} for q in snap.get("losses", {}).get("quarantined", [])])}
 <h2>Snapshots, event loop, control path</h2>{_table([{'last snapshot': snap['last_snapshot'], 'loop block max ms': snap['loop'].get('block_max_ms'),
                                               **snap.get('counters', {})}])}
 </body></html>"""

@@ -24,10 +24,37 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from . import formats
 from .base import Strict, import_callable
 from .schedule import Context, Schedule, Stage, weight_at
 
-SourceFormat = Literal["parquet", "zarr"]
+
+class Prepare(Strict):
+    """One step of preparing a source's records before they are tokenized, on the loader workers
+    (formats that read records: parquet, jsonl, arrow, webdataset). Exactly one of ``record`` and
+    ``batch``. A dropped record stays in its place as an empty document (its sample id and the
+    order of the others unchanged) and is counted per source (``status()``, the dashboard)."""
+
+    record: str | None = None
+    """``module:callable`` taking one record (a dict of every column) and returning it, changed or
+    not, or None to drop it: keep ``lang == "en"``, strip boilerplate."""
+    batch: str | None = None
+    """``module:callable`` taking a ``pyarrow.Table`` of the unit's records and returning one: it
+    may change columns and drop rows, and keeps the ``_row`` column it is given (each kept row's
+    position in the unit)."""
+    kwargs: dict = Field(default_factory=dict)
+    """Keyword arguments the callable is called with (after the record or table)."""
+
+    @model_validator(mode="after")
+    def _one(self) -> "Prepare":
+        if (self.record is None) == (self.batch is None):
+            raise ValueError("a prepare step names exactly one of record or batch (a module:callable)")
+        import_callable(self.record or self.batch)
+        return self
+
+    @property
+    def function(self) -> str:
+        return self.record or self.batch
 
 
 class Pool(Strict):
@@ -60,8 +87,10 @@ class Source(Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
     """Stable name; seeds and sample ids derive from it, never from the source's list position."""
-    format: SourceFormat
-    """`parquet` (one or many files) or `zarr` (a group with a flat token array and document offsets)."""
+    format: str
+    """A registered format (``parquet``, ``zarr``, ``jsonl``, ``arrow``, ``webdataset``,
+    ``megatron``, or one a package registers) or a reader class as ``module:Class``
+    (``overlord_dask.sources.formats.Format``)."""
     url: str
     """fsspec URL, path or glob (`s3://b/web/*.parquet`, `data/web/*.parquet`). A relative path is
     resolved against the plan file's folder."""
@@ -74,9 +103,11 @@ class Source(Strict):
     """The source leaves the mix at this step (weight 0 from then on). Its position is kept: a
     later plan update that brings it back continues where it stopped."""
     text_field: str | None = None
-    """parquet: a string column, tokenized by `tokenizer`."""
+    """Record formats: the string column (key, for jsonl; member extension, for webdataset, e.g.
+    ``txt``) tokenized by `tokenizer`."""
     tokens_field: str | None = None
-    """parquet: a list<int> column of token ids. zarr: the name of the flat token array (default `tokens`)."""
+    """Record formats: a list<int> column (key) of token ids. zarr: the name of the flat token
+    array (default `tokens`)."""
     offsets_field: str = "offsets"
     """zarr: the int64 array of document start offsets, length n_docs + 1."""
     tokenizer: str = "byte"
@@ -85,11 +116,16 @@ class Source(Strict):
     or `module:callable` mapping a list of strings to a list of token-id sequences."""
     transform: str | None = None
     """Optional `module:callable` applied to each loaded sample block (filter, truncate, remap)."""
+    prepare: list[Prepare] = Field(default_factory=list)
+    """Record formats: steps applied to each unit's records, in order, before tokenizing
+    (:class:`Prepare`)."""
     storage_options: dict = Field(default_factory=dict)
     """Passed to fsspec (e.g. `endpoint_url` and credentials for S3)."""
     images_field: str | None = None
     """Multimodal. zarr: an array ``[n_images, patches, patch_dim]`` of image patch tensors.
-    parquet: a ``list<binary>`` column of encoded images (PNG, JPEG, anything Pillow reads), decoded
+    webdataset: the image members' extensions, comma-separated (``jpg,png``), placed before the
+    text in member order.
+    parquet, arrow: a ``list<binary>`` column of encoded images (PNG, JPEG, anything Pillow reads), decoded
     on the loader workers, resized to ``image_size`` and cut into ``patch_size`` patches. Each
     image becomes ``patches`` placeholder tokens (``image_token_id``) in its document's token
     stream, so a sample's length counts its image tokens; the batch carries the patches and the
@@ -110,6 +146,11 @@ class Source(Strict):
     """The worker pool this source's load tasks run on (``loading.autoscale`` sizes pools it does
     not fix). None: the source's own pool while autoscaling, else any worker."""
 
+    @field_validator("format")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        return formats.check(name)
+
     @field_validator("weight")
     @classmethod
     def _non_negative(cls, w):
@@ -121,17 +162,19 @@ class Source(Strict):
     def _fields_fit_format(self) -> "Source":
         if self.stop_step is not None and self.stop_step <= self.start_step:
             raise ValueError(f"source {self.name!r}: stop_step={self.stop_step} must be after start_step={self.start_step}")
-        if self.format == "parquet":
+        if self.format in formats.RECORDS:
             if (self.text_field is None) == (self.tokens_field is None):
                 raise ValueError(
-                    f"parquet source {self.name!r} needs exactly one of text_field or tokens_field "
+                    f"{self.format} source {self.name!r} needs exactly one of text_field or tokens_field "
                     f"(got text_field={self.text_field!r}, tokens_field={self.tokens_field!r})"
                 )
             if self.images_field is not None and self.image_size % self.patch_size:
                 raise ValueError(f"source {self.name!r}: image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
-        else:
+        elif self.format in formats.TOKENS:
             if self.text_field is not None:
-                raise ValueError(f"zarr source {self.name!r} stores token ids; text_field is not allowed")
+                raise ValueError(f"{self.format} source {self.name!r} stores token ids; text_field is not allowed")
+            if self.prepare:
+                raise ValueError(f"{self.format} source {self.name!r} stores token ids, not records: prepare is not allowed")
         return self
 
     @property
@@ -148,8 +191,14 @@ class Source(Strict):
     def data_key(self) -> tuple:
         """What fixes the source's documents and their order; a plan update may not change it."""
         return (self.format, self.url, self.text_field, self.tokens_field, self.offsets_field, self.tokenizer, self.transform,
+                tuple((p.record, p.batch, tuple(sorted(p.kwargs.items()))) for p in self.prepare),
                 self.images_field, self.image_offsets_field, self.image_positions_field, self.image_token_id,
                 self.image_size, self.patch_size)
+
+    @property
+    def images_exts(self) -> tuple[str, ...]:
+        """webdataset: the image members' extensions named by ``images_field``."""
+        return tuple(e.strip().lower().lstrip(".") for e in (self.images_field or "").split(",") if e.strip())
 
     @property
     def pool_name(self) -> str:
@@ -261,7 +310,9 @@ class Loading(Strict):
     unit_rows: int = Field(default=4096, ge=1)
     """parquet: at most this many rows per load unit (a unit is one row group or a part of one)."""
     unit_tokens: int = Field(default=1 << 20, ge=1)
-    """zarr: about this many tokens per load unit (rounded to whole documents)."""
+    """zarr, megatron: about this many tokens per load unit (rounded to whole documents)."""
+    unit_bytes: int = Field(default=8 << 20, ge=1)
+    """jsonl (uncompressed, or zstd in frames): about this many bytes per load unit (whole lines)."""
     task_seconds: float | None = Field(default=0.5, gt=0, le=3600)
     """Auto-partitioning: load tasks are cut to about this many seconds of measured CPU. A unit
     that would take over twice as long is read as several parts in parallel; units that take
@@ -275,7 +326,12 @@ class Loading(Strict):
     units, and a text source asks for about a million tokens' worth of units at a time, which one
     task reads (``planner/lookahead.py``)."""
     retries: int = Field(default=2, ge=0, le=16)
-    """Attempts per load unit before the run fails with the unit's file named."""
+    """Attempts per load unit before ``on_corrupt`` decides."""
+    on_corrupt: Literal["fail", "quarantine"] = "fail"
+    """A unit that still cannot be read after its retries (a corrupt file, a malformed record):
+    ``fail`` stops the run with the unit, file and reason named; ``quarantine`` loads it as empty,
+    records it (``status()["quarantined"]``, the dashboard, an ``event=quarantine`` log line) and
+    goes on. Never a silent skip."""
     batch_steps: int | None = Field(default=None, ge=1, le=1024)
     """Steps handed out together: one constructor task per group of ranks and one queue item per
     rank name this many consecutive steps, and trainers acknowledge once per such chunk (the
@@ -342,6 +398,10 @@ class Checkpoint(Strict):
     """... or after this many seconds, whichever comes first."""
     resume: bool = True
     """Start from the newest snapshot at `url` when there is one."""
+    on_code_change: Literal["refuse", "accept"] = "refuse"
+    """A resumed run whose sources' ``prepare`` functions changed since the snapshot (their code,
+    not only their names) would deliver other documents from the resume point on: ``refuse``
+    stops the start, naming the function; ``accept`` goes on and logs ``event=code_changed``."""
     commit: Literal["ack", "checkpoint"] = "ack"
     """When a step is durable (what a snapshot resumes from): `ack`, once every rank has consumed
     it; `checkpoint`, once every rank's trainer has saved its state (``stream.state_dict()``).

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import pieces as P
+from ..plan.code import identities
 from ..plan.loading import plan_from_dict, plan_to_dict
 from ..plan.models import Plan
 
@@ -60,6 +61,7 @@ def state_at(st: "PlannerState", committed: int, window_step: int, window: dict,
         "window_step": window_step,
         "window": window,
         "topology": topology,
+        "code": identities(st.timeline.source(n) for n in st.source_names),
     }
 
 

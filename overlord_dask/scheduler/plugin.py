@@ -29,6 +29,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import logs
 from ..loading.partition import UnitParts
+from ..loading.losses import DataLosses
 from ..loading.signals import LoadSignals
 from ..observe import dashboard, prometheus
 from ..planner.rewind import memory_source as rewind_memory_source
@@ -74,6 +75,7 @@ class PlannerPlugin(SchedulerPlugin):
         self.chunk_steps = chunk_steps(plan.loading, plan.topology)
         self.signals = LoadSignals()  # measured load costs and step rate, for the pool autoscaler
         self.parts = UnitParts()  # lengths of units loaded in parts, until every part arrived
+        self.losses = DataLosses()  # records dropped by prepare steps, units quarantined
         self.held = HeldBatches(scheduler, plan.loading.shadows, plan.loading.shadow_blocks, load_prefix(self.run_id))
         self.routes = Routes(self)
         self.thread = PlannerThread(self.run_id, self.chunk_steps, on_tasks=self.held.add, observe=self._observe, on_failure=self.fail)
@@ -137,7 +139,8 @@ class PlannerPlugin(SchedulerPlugin):
         """(planner thread) The dashboard's view of the run."""
         return dashboard.snapshot(self.thread.state, self.signals, run_id=self.run_id, scaling=self.routes.scaling,
                                   snapshots=self.routes.snapshots(), loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)},
-                                  extra={"counters": self.routes.counters(), "rank_wait_share": self.routes.wait_shares()})
+                                  extra={"counters": self.routes.counters(), "rank_wait_share": self.routes.wait_shares(),
+                                         "losses": self.losses.status()})
 
     # ---- task events (scheduler transitions, on the event loop) --------------------------------
     def transition(self, key, start, finish, *args, **kwargs) -> None:

@@ -221,7 +221,7 @@ class Routes:
     async def status(self) -> dict:
         st = await self.p.thread.run(self.state.status)
         snaps = self.p.snapshots_loop
-        return {**st, "loop": self.loop(), "chunk_steps": self.p.chunk_steps, **self.p.held.figures(), **self.p.held.block_figures(),
+        return {**st, **self.p.losses.status(), "loop": self.loop(), "chunk_steps": self.p.chunk_steps, **self.p.held.figures(), **self.p.held.block_figures(),
                 "channels": len(self.p.channels.streams), "subscribed": sum(len(s) for s in self.p.channels.subs.values()),
                 "snapshot_error": snaps.error if snaps is not None else None,
                 "stop_requested": self.stop_requested, "rank_wait_share": self.wait_shares(), **self.counters()}
@@ -261,16 +261,20 @@ class Routes:
 
     # ---- the workers' stream ----------------------------------------------------------------------------
     def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None,
-                seconds: float = 0.0, nbytes: int = 0, part: list | None = None, **_) -> None:
+                seconds: float = 0.0, nbytes: int = 0, part: list | None = None, dropped: int = 0,
+                quarantined: str | None = None, **_) -> None:
         """A load task's unit metadata (one-way, from the worker's stream); repeats are ignored."""
         if run_id != self.p.run_id:
             return
         v = None if vision is None else np.frombuffer(vision, dtype="<i8")
         lens = np.frombuffer(lengths, dtype="<i8")
         self.p.signals.loaded(source, seconds, int(lens.sum()), nbytes, len(lens))
+        if quarantined and self.p.losses.quarantine(source, unit, quarantined, self.state.committed):
+            logs.event("quarantine", self.p.run_id, self.state.committed, source=source, unit=unit, reason=quarantined)
         if part is not None:  # auto-partitioning: the unit counts once all its parts are in
-            whole = self.p.parts.add((source, epoch, unit), part, lens, v)
+            whole = self.p.parts.add((source, epoch, unit), part, lens, v, dropped)
             if whole is None:
                 return
-            lens, v = whole
+            lens, v, dropped = whole
+        self.p.losses.loaded(source, unit, len(lens), dropped)
         self.p.thread.add_lengths(source, epoch, unit, lens, v)

@@ -286,16 +286,23 @@ def cmd_validate(args) -> int:
         for w in warnings:
             print(f"overlord: warning: {w}", file=sys.stderr, flush=True)
         print(json.dumps({"plan": path, "name": plan.name, "ok": True,
-                          "sources": {k: {"units": len(v), "documents": sum(u.n_docs for u in v)} for k, v in units.items()},
+                          "sources": {k: _counts(v) for k, v in units.items()},
                           "warnings": warnings}), flush=True)
     return 2 if failed else 0
 
 
+def _counts(units) -> dict:
+    """A source's units and documents (None where the format counts them only when loading:
+    jsonl byte ranges, webdataset shards)."""
+    counts = [u.n_docs for u in units]
+    return {"units": len(units), "documents": None if None in counts else sum(counts)}
+
+
 def _layout_warnings(plan) -> list[str]:
     """Sources whose storage layout makes loading slower than it needs to be (the plan is valid)."""
-    from ..sources import zarr_source
+    from ..sources import layout_warnings
 
-    return [w for src in plan.sources if src.format == "zarr" for w in zarr_source.layout_warnings(src, plan)]
+    return [w for src in plan.sources for w in layout_warnings(src, plan)]
 
 
 def _positive(text: str) -> int:

@@ -20,16 +20,19 @@ service with ``Service.attach(address)`` to inspect it or change its plan::
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
 from distributed import Client
 
+from .. import logs
 from ..allocator import KeepFreedMemory
 from ..client import BlockingPlannerClient
 from ..errors import PlanError, ServiceError
 from ..loading.pools import plan_pools, pool_resource, pool_sizes, set_sizes
 from ..plan.base import resolve_url
+from ..plan.code import changed, identities
 from ..plan.loading import plan_from_dict, plan_to_dict
 from ..plan.models import Plan
 from ..plan.timeline import PlanTimeline
@@ -125,6 +128,22 @@ def _snapshots(plan: Plan) -> tuple[tuple | None, dict]:
     return loaded, snap
 
 
+def _check_code(plan: Plan, timeline: PlanTimeline, state: dict) -> None:
+    """Refuse (or, with ``checkpoint.on_code_change: accept``, log) a resume whose prepare or
+    transform functions changed since the snapshot (``plan/code.py``)."""
+    now = identities(timeline.source(n) for n in timeline.source_names)
+    diff = changed(state.get("code") or {}, now)
+    if not diff:
+        return
+    step = state.get("committed")
+    if plan.checkpoint.on_code_change == "refuse":
+        raise PlanError(f"the code of {', '.join(diff)} changed since the snapshot of step {step}: resuming would yield other documents "
+                        "from there on than the run delivered before. Restore the function, start a new run (a new checkpoint url), "
+                        "or set checkpoint.on_code_change: accept")
+    logs.event("code_changed", plan.name, step, functions=";".join(diff))
+    logging.getLogger(__name__).warning("resuming at step %s with changed code: %s (checkpoint.on_code_change: accept)", step, ", ".join(diff))
+
+
 class Service(ServiceViews):
     """A running overlord service: start, attach, update, inspect (``views.ServiceViews``), stop."""
 
@@ -164,6 +183,8 @@ class Service(ServiceViews):
         loaded, snap = _snapshots(plan)
         # every plan version in the snapshot (live updates before a restart), and their sources
         timeline = PlanTimeline(plan, decode_updates(loaded[0]) if loaded else [])
+        if loaded:
+            _check_code(plan, timeline, loaded[0])
         units = index_timeline(timeline)
         owned = None
         if cluster is None and address is None:

@@ -1,25 +1,30 @@
-"""Source formats: finding load units from metadata, and loading one unit into a sample block.
+"""Reading sources: finding load units from metadata, and loading one unit into a sample block.
 
-Data flow: plan.Source --discover()--> [LoadUnit, ...] (metadata only, in the service)
-           LoadUnit --load()--> SampleBlock (on a worker; stays there) --lengths()--> planner
+Data flow: plan.Source --Format.discover()--> [LoadUnit, ...] (metadata only, in the service)
+           LoadUnit --Format.read()--> records --prepare, tokenize--> SampleBlock (on a worker;
+           stays there) --lengths()--> planner
+Formats are classes behind names (``formats.py``, ``plan/formats.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import SourceError
-from ..plan.models import Plan, Source
-from . import parquet, zarr_source
-from .blocks import SampleBlock
 from ..plan.base import import_callable
+from ..plan.models import Plan, Source
+from .blocks import SampleBlock
+from .formats import UNKNOWN_BASE, Format, get_format
+from .records import to_block
 from .tokenizers import resolve_tokenizer
 from .units import LoadUnit
-
-FORMATS = {"parquet": parquet, "zarr": zarr_source}
 
 
 def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
     """All load units of a source in canonical order; raises SourceError naming the culprit."""
+    fmt = get_format(source.format)
     try:
+        fmt.check(source)
         if source.text_field:
             resolve_tokenizer(source.tokenizer, plan.base_dir)
         if source.transform:
@@ -27,7 +32,7 @@ def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
     except ValueError as err:
         raise SourceError(f"source {source.name!r}: {err}") from None
     try:
-        units = FORMATS[source.format].discover(source, plan)
+        units = fmt.discover(source, plan)
     except SourceError:
         raise
     except Exception as err:  # an unreachable store, bad credentials, a damaged footer: one line naming the source
@@ -38,14 +43,41 @@ def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
     return units
 
 
-def load_unit(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
-    """Read one unit and apply the source's transform. Runs inside a Dask task on a worker."""
-    block = FORMATS[source.format].load(source, plan, unit)
+@dataclass(slots=True)
+class Loaded:
+    """A loaded unit: its block, and how many of its records the source's prepare steps dropped."""
+
+    block: SampleBlock
+    dropped: int = 0
+
+
+def read_unit(source: Source, plan: Plan, unit: LoadUnit) -> Loaded:
+    """Read one unit, prepare and tokenize its records, apply the source's transform. Runs inside
+    a Dask task on a worker."""
+    fmt = get_format(source.format)
+    out = fmt.read(source, plan, unit)
+    loaded = Loaded(*to_block(source, plan, unit, out)) if fmt.records else Loaded(out)
+    if not isinstance(loaded.block, SampleBlock):
+        raise SourceError(f"format {source.format!r} read {unit.describe()} as {type(out).__name__}, expected a SampleBlock")
+    if unit.n_docs is not None and len(loaded.block) != unit.n_docs:
+        raise SourceError(f"{unit.describe()}: read {len(loaded.block)} documents, the index found {unit.n_docs} "
+                          "(the file changed since the source was indexed?)")
     if source.transform:
-        block = import_callable(source.transform)(block)
+        block = import_callable(source.transform)(loaded.block)
         if not isinstance(block, SampleBlock):
             raise SourceError(f"source {source.name!r}: transform {source.transform!r} returned {type(block).__name__}, expected SampleBlock")
-    return block
+        loaded.block = block
+    return loaded
 
 
-__all__ = ["FORMATS", "LoadUnit", "SampleBlock", "discover_units", "load_unit"]
+def load_unit(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
+    """The block of one unit (``read_unit`` without the count of dropped records)."""
+    return read_unit(source, plan, unit).block
+
+
+def layout_warnings(source: Source, plan: Plan) -> list[str]:
+    """The format's advice on the source's files (``overlord validate``)."""
+    return get_format(source.format).warnings(source, plan)
+
+
+__all__ = ["UNKNOWN_BASE", "Format", "LoadUnit", "Loaded", "SampleBlock", "discover_units", "layout_warnings", "load_unit", "read_unit"]

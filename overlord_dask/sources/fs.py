@@ -1,6 +1,8 @@
-"""Resolving a source's fsspec URL or glob into a filesystem and a sorted list of paths."""
+"""Resolving a source's fsspec URL, glob or brace pattern into a filesystem and a list of paths."""
 
 from __future__ import annotations
+
+import re
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -10,6 +12,33 @@ from ..plan.base import resolve_url
 from ..plan.models import Source
 
 _GLOB_CHARS = "*?["
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Shell-style brace expansion, in order: ``shard-{000..099}.tar`` (numeric ranges keep the
+    zero padding of their first bound) and ``{train,val}/x`` (alternatives), nested or not: the
+    shard patterns of webdataset, accepted by every format."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    body = m.group(1)
+    r = _RANGE.match(body)
+    if r:
+        lo, hi = int(r.group(1)), int(r.group(2))
+        width = len(r.group(1)) if r.group(1).startswith("0") else 0
+        step = 1 if hi >= lo else -1
+        items = [str(i).zfill(width) for i in range(lo, hi + step, step)]
+    elif "," in body:
+        items = body.split(",")
+    else:  # a literal {…}: leave it, expand what follows
+        head, tail = pattern[: m.end()], pattern[m.end():]
+        return [head + t for t in expand_braces(tail)]
+    out: list[str] = []
+    for item in items:
+        out += expand_braces(pattern[: m.start()] + item + pattern[m.end():])
+    return out
 
 
 def source_url(source: Source, base_dir: str | None) -> str:
@@ -29,23 +58,36 @@ def source_fs(source: Source, base_dir: str | None) -> tuple[fsspec.AbstractFile
     url = source_url(source, base_dir)
     try:
         return url_to_fs(url, **source.storage_options)
-    except (ImportError, ValueError) as err:
+    except ImportError as err:
+        from fsspec.utils import get_protocol
+
+        extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure", "hf": "hf"}.get(get_protocol(url))
+        hint = f" (install overlord-dask[{extra}])" if extra else ""
+        raise SourceError(f"source {source.name!r}: cannot open filesystem for {url!r}: {err}{hint}") from None
+    except ValueError as err:
         raise SourceError(f"source {source.name!r}: cannot open filesystem for {url!r}: {err}") from None
 
 
-def list_files(source: Source, base_dir: str | None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
-    """Files of a parquet source in a stable (sorted) order; errors name the source and URL."""
+def list_files(source: Source, base_dir: str | None, suffixes: tuple[str, ...] = (".parquet",)) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    """A source's files in a stable order: a folder's files ending in ``suffixes`` (sorted), a
+    glob's matches (sorted), a brace pattern's expansions (in their order), or one file. Errors
+    name the source and URL."""
     fs, path = source_fs(source, base_dir)
-    if any(c in path for c in _GLOB_CHARS):
-        files = sorted(p for p in fs.glob(path) if not fs.isdir(p))
-        if not files:
-            raise SourceError(f"source {source.name!r}: no files match {source_url(source, base_dir)!r}")
-        return fs, files
-    if not fs.exists(path):
-        raise SourceError(f"source {source.name!r}: file not found: {source_url(source, base_dir)!r}")
-    if fs.isdir(path):
-        files = sorted(p for p in fs.find(path) if p.endswith(".parquet"))
-        if not files:
-            raise SourceError(f"source {source.name!r}: folder {path!r} holds no .parquet files")
-        return fs, files
-    return fs, [path]
+    url = source_url(source, base_dir)
+    files: list[str] = []
+    for one in expand_braces(path):
+        if any(c in one for c in _GLOB_CHARS):
+            found = sorted(p for p in fs.glob(one) if not fs.isdir(p))
+            if not found:
+                raise SourceError(f"source {source.name!r}: no files match {url!r}")
+            files += found
+        elif not fs.exists(one):
+            raise SourceError(f"source {source.name!r}: file not found: {one!r}" + (f" (from {url!r})" if one != path else ""))
+        elif fs.isdir(one):
+            found = sorted(p for p in fs.find(one) if p.endswith(suffixes))
+            if not found:
+                raise SourceError(f"source {source.name!r}: folder {one!r} holds no {', '.join(suffixes)} files")
+            files += found
+        else:
+            files.append(one)
+    return fs, list(dict.fromkeys(files))

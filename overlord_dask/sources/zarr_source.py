@@ -20,6 +20,7 @@ import zarr
 from ..errors import SourceError
 from ..plan.models import Plan, Source
 from .blocks import SampleBlock, check_tokens
+from .formats import Format
 from .fs import source_fs, source_url
 from .images import with_image_tokens
 from .units import LoadUnit
@@ -73,7 +74,21 @@ def _loading_group(source: Source, plan: Plan):
     return group, path
 
 
-def discover(source: Source, plan: Plan) -> list[LoadUnit]:
+class ZarrFormat(Format):
+    name = "zarr"
+    records = False
+
+    def discover(self, source: Source, plan: Plan) -> list[LoadUnit]:
+        return _discover(source, plan)
+
+    def read(self, source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
+        return _load(source, plan, unit)
+
+    def warnings(self, source: Source, plan: Plan) -> list[str]:
+        return layout_warnings(source, plan)
+
+
+def _discover(source: Source, plan: Plan) -> list[LoadUnit]:
     group, path = _open_group(source, plan)
     tokens, offsets_arr = group[source.token_array], group[source.offsets_field]
     if not np.issubdtype(tokens.dtype, np.integer):
@@ -125,7 +140,7 @@ def _check_images(source: Source, group, n_docs: int) -> None:
         raise SourceError(f"{where}: {source.image_positions_field!r} needs one entry per image ({images.shape[0]}), got shape {img_pos.shape}")
 
 
-def load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
+def _load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
     group, _ = _loading_group(source, plan)
     try:
         offsets = np.asarray(group[source.offsets_field][unit.start : unit.stop + 1], dtype=np.int64)

@@ -8,6 +8,12 @@ polling. A recomputed load (after a lost worker) reports again; the planner igno
 Task keys (``protocol.load_key`` plus the submitter's request number) name one request, so a
 recomputation after a lost worker produces the same block under the same name, and a unit asked
 for again (evicted, then needed) runs, and reports its lengths, again.
+
+A unit that cannot be read fails its task (Dask retries it ``loading.retries`` times, then the
+run stops naming the unit), unless the plan says ``loading.on_corrupt: quarantine``: then the task
+itself tries ``retries + 1`` times and, failing, keeps an empty block for the unit (its documents,
+if counted, as empty documents: sample ids keep their meaning) and reports the reason with its
+lengths; the planner records it (``status()["quarantined"]``) and logs ``event=quarantine``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from dataclasses import replace
 from ..client import lengths_report
 from ..errors import SourceError
 from ..plan.loading import plan_from_dict
-from ..sources import load_unit
+import numpy as np
+
+from ..sources import Loaded, read_unit
 from ..sources.blocks import SampleBlock
 from ..sources.units import LoadUnit
 
@@ -44,14 +52,32 @@ def load_block(plan_dict: dict, cache_key: str, unit: dict, run_id: str | None =
     if part is not None:  # the same documents a whole-unit load reads, from lo to hi
         u = replace(u, start=u.start + part[0], stop=u.start + part[1], first_id=u.first_id + part[0])
     t0 = time.thread_time()  # CPU, not wall: on a crowded machine wall time grows with the workers added
-    try:
-        block = load_unit(plan.source(u.source), plan, u)
-    except Exception as err:  # name the unit and its file: the run's error must say where to look
-        raise SourceError(f"loading {u.describe()}: {type(err).__name__}: {err}") from None
+    loaded, reason = _read(plan, u)
     if run_id is not None:
-        report_lengths(run_id, u.source, epoch, u.index, block, time.thread_time() - t0,
-                       None if part is None else (part[0], part[1], whole.n_docs))
-    return block
+        report_lengths(run_id, u.source, epoch, u.index, loaded, time.thread_time() - t0,
+                       None if part is None else (part[0], part[1], whole.n_docs), reason)
+    return loaded.block
+
+
+QUARANTINE_BACKOFF_S = 0.5  # wait before attempt k + 1: k times this
+
+
+def _read(plan, u: LoadUnit) -> tuple[Loaded, str | None]:
+    """The unit read, or (``on_corrupt: quarantine``, after its attempts) an empty block and why."""
+    source = plan.source(u.source)
+    attempts = plan.loading.retries + 1 if plan.loading.on_corrupt == "quarantine" else 1
+    for k in range(attempts):
+        try:
+            return read_unit(source, plan, u), None
+        except Exception as err:  # name the unit and its file: the run's error must say where to look
+            reason = f"loading {u.describe()}: {type(err).__name__}: {err}"
+            if attempts == 1:
+                raise SourceError(reason) from None
+            if k + 1 < attempts:
+                time.sleep(QUARANTINE_BACKOFF_S * (k + 1))
+    n = u.n_docs or 0
+    empty = SampleBlock(u.source, np.zeros(0, np.int32), np.zeros(n + 1, np.int64), np.arange(u.first_id, u.first_id + n, dtype=np.int64))
+    return Loaded(empty), reason
 
 
 def load_group(plan_dict: dict, cache_key: str, units: list[dict], run_id: str | None = None, epochs: list[int] | None = None) -> tuple:
@@ -60,10 +86,11 @@ def load_group(plan_dict: dict, cache_key: str, units: list[dict], run_id: str |
     return tuple(load_block(plan_dict, cache_key, u, run_id, e) for u, e in zip(units, epochs))
 
 
-def report_lengths(run_id: str, source: str, epoch: int, unit: int, block: SampleBlock, seconds: float = 0.0,
-                   part: tuple[int, int, int] | None = None) -> None:
+def report_lengths(run_id: str, source: str, epoch: int, unit: int, loaded: Loaded, seconds: float = 0.0,
+                   part: tuple[int, int, int] | None = None, quarantined: str | None = None) -> None:
     """Send a loaded unit's metadata to the planner through the worker's scheduler stream, with
-    what loading it cost (CPU seconds, bytes): the autoscaler sizes the source's pool from it.
+    what loading it cost (CPU seconds, bytes): the autoscaler sizes the source's pool from it;
+    the records its prepare steps dropped, and why it was quarantined, if it was.
     ``part = (lo, hi, unit documents)``: the block holds only those documents of the unit."""
     from distributed import get_worker
 
@@ -71,8 +98,9 @@ def report_lengths(run_id: str, source: str, epoch: int, unit: int, block: Sampl
         worker = get_worker()
     except ValueError:  # not inside a worker (a direct call): nobody to tell
         return
+    block = loaded.block
     vision = block.vision_tokens()
     msg = lengths_report(run_id, source, epoch, unit, block.lengths().astype("<i8").tobytes(),
                          None if vision is None else vision.astype("<i8").tobytes(), seconds, block.nbytes,
-                         None if part is None else list(part))
+                         None if part is None else list(part), loaded.dropped, quarantined)
     worker.loop.add_callback(worker.batched_send, msg)  # tasks run in a thread; the stream lives on the loop

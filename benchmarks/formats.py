@@ -1,0 +1,199 @@
+"""The same corpus in every format the service reads, each next to the reader its users run today.
+
+    python benchmarks/formats.py                  # readable table (a corpus of about --mb MB of text)
+    python benchmarks/formats.py --json --mb 200 --tokens 100000000
+
+One corpus (``--mb`` MB of text, ``benchmarks/format_corpus.py``) written as parquet, jsonl.zst
+(frames of 1 MB), an HF ``save_to_disk`` Arrow folder, webdataset shards and Megatron ``.bin/.idx``
+(pre-tokenized with the byte tokenizer the others are tokenized with on the fly). Per format:
+
+- ``index_s``: indexing the source (what every service start pays: ``discover_units``);
+- ``first_batch_s``: from ``Service.start`` (2 worker processes) to the first batch at a rank;
+- ``tokens_per_s``: documents' tokens delivered by the service to ``--dp`` ranks (threads that
+  only take batches), over ``--tokens`` tokens after the first batch;
+- ``peer_tokens_per_s``: the format's usual reader in the same run, one process, producing the same
+  documents' byte-tokenized ids over the same number of tokens: HF ``datasets`` streaming for
+  parquet, jsonl and Arrow (``load_dataset(..., streaming=True)``), the ``webdataset`` library's
+  ``WebDataset`` for the shards, a plain memory-mapped read of ``.bin`` by the ``.idx`` for Megatron.
+
+The peers hand out documents; the service hands out packed, balanced, resumable batches on several
+processes: the ratio says what that costs or gains per format on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.format_corpus import make_records, source_for, write  # noqa: E402
+from benchmarks.output import emit_rows  # noqa: E402
+
+FORMATS = ("parquet", "jsonl.zst", "arrow", "webdataset", "megatron")
+WORDS_PER_DOC = 80  # about 450 bytes of text per record (lognormal lengths)
+
+
+def _plan(root: Path, fmt: str, url: str, dp: int, tokens_per_mb: int):
+    from overlord_dask.plan import plan_from_dict
+
+    return plan_from_dict({"name": f"formats-{fmt.replace('.', '-')}", "base_dir": str(root), "seed": 1,
+                           "sources": [source_for(fmt, url)],
+                           "topology": {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": tokens_per_mb},
+                           "loading": {"prefetch_steps": 8}}, where="<benchmark plan>")
+
+
+def _index_s(plan) -> tuple[float, int]:
+    from overlord_dask.sources import discover_units
+
+    t0 = time.perf_counter()
+    units = discover_units(plan.sources[0], plan)
+    return time.perf_counter() - t0, len(units)
+
+
+def _service(plan, dp: int, tokens: int) -> tuple[float, float]:
+    """(first batch seconds, delivered tokens per second after it)."""
+    from overlord_dask import Service, connect
+
+    t0 = time.perf_counter()
+    first, counts, done = [], [0] * dp, threading.Event()
+    with Service.start(plan, n_workers=2) as service:
+        def rank(r):
+            with connect(service.address, r, timeout=600) as s:
+                b = s.next_batch()
+                first.append(time.perf_counter())
+                while not done.is_set():
+                    counts[r] += sum(int(mb["num_tokens"]) for mb in b["micro_batches"])
+                    if sum(counts) >= tokens:
+                        done.set()
+                        break
+                    b = s.next_batch()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(dp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        t_end = time.perf_counter()
+    start = min(first)
+    return start - t0, sum(counts) / max(t_end - start, 1e-9)
+
+
+def _tokenize(texts: list[str]) -> int:
+    import pyarrow as pa
+
+    from overlord_dask.sources.tokenizers import byte_tokenize
+
+    toks, _ = byte_tokenize(pa.array(texts, pa.string()))
+    return len(toks)
+
+
+def _stream_texts(texts, tokens: int, batch: int = 1000) -> float:
+    """Tokens per second of byte-tokenizing ``texts`` (an iterator) in batches until ``tokens``."""
+    t0, n, buf = time.perf_counter(), 0, []
+    for t in texts:
+        buf.append(t)
+        if len(buf) == batch:
+            n += _tokenize(buf)
+            buf = []
+            if n >= tokens:
+                break
+    if buf and n < tokens:
+        n += _tokenize(buf)
+    return n / (time.perf_counter() - t0)
+
+
+def _peer(root: Path, fmt: str, url: str, tokens: int) -> tuple[str, float]:
+    if fmt in ("parquet", "jsonl.zst"):
+        import datasets
+
+        datasets.disable_progress_bars()
+        files = sorted(str(p) for p in (root / url).iterdir())
+        ds = datasets.load_dataset("parquet" if fmt == "parquet" else "json", data_files=files, split="train", streaming=True)
+        return "datasets streaming", _stream_texts((r["text"] for r in ds), tokens)
+    if fmt == "arrow":
+        import datasets
+
+        files = sorted(str(p) for p in (root / url).glob("*.arrow"))
+        ds = datasets.load_dataset("arrow", data_files=files, split="train", streaming=True)
+        return "datasets streaming", _stream_texts((r["text"] for r in ds), tokens)
+    if fmt == "webdataset":
+        import webdataset as wds
+
+        shards = sorted(str(p) for p in (root / "wds").glob("*.tar"))
+        ds = wds.WebDataset(shards, shardshuffle=False).decode()
+        return "webdataset.WebDataset", _stream_texts((s["txt"] for s in ds), tokens)
+    return "memory map (.bin by .idx)", _megatron_mmap(root / url, tokens)
+
+
+def _megatron_mmap(folder: Path, tokens: int) -> float:
+    """Documents of every ``.bin`` by the offsets in its ``.idx``, memory-mapped (what Megatron's
+    own ``IndexedDataset`` does), touched once each: tokens per second."""
+    import struct
+
+    t0, n = time.perf_counter(), 0
+    for idx in sorted(folder.glob("*.idx")):
+        raw = idx.read_bytes()
+        seqs = struct.unpack_from("<Q", raw, 18)[0]
+        sizes = np.frombuffer(raw, np.int32, seqs, 34)
+        pointers = np.frombuffer(raw, np.int64, seqs, 34 + 4 * seqs)
+        data = np.memmap(str(idx)[:-4] + ".bin", dtype=np.uint16, mode="r")
+        for p, s in zip(pointers // 2, sizes):
+            n += int(np.asarray(data[p: p + s], dtype=np.int32).size)
+            if n >= tokens:
+                return n / (time.perf_counter() - t0)
+    return n / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--mb", type=float, default=200.0, help="MB of text in the corpus")
+    ap.add_argument("--files", type=int, default=8, help="files (shards) per format")
+    ap.add_argument("--tokens", type=int, default=100_000_000, help="tokens each system delivers for its tokens/s")
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--tokens-per-mb", type=int, default=65536, help="tokens per micro-batch (2 per rank and step)")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--data", default=None, help="folder for the corpus (default: a temporary one, removed after)")
+    args = ap.parse_args(argv)
+    root = Path(args.data or tempfile.mkdtemp(prefix="overlord-formats-"))
+    os.environ.setdefault("OVERLORD_CACHE_DIR", str(root / "cache"))
+    try:
+        t0 = time.perf_counter()
+        n = max(100, int(args.mb * 1e6 / (WORDS_PER_DOC * 5.6)))
+        records = make_records(n, seed=1, mean_words=WORDS_PER_DOC)
+        text_mb = sum(len(r["text"].encode()) for r in records) / 1e6
+        rows = []
+        for fmt in args.formats.split(","):
+            tw = time.perf_counter()
+            url = write(root, records, fmt, files=args.files)
+            write_s = time.perf_counter() - tw
+            plan = _plan(root, fmt, url, args.dp, args.tokens_per_mb)
+            index_s, units = _index_s(plan)
+            first_s, tps = _service(plan, args.dp, args.tokens)
+            peer, peer_tps = _peer(root, fmt, url, args.tokens)
+            size = sum(p.stat().st_size for p in (root / url.split("/")[0]).rglob("*") if p.is_file())
+            rows.append({"format": fmt, "files_mb": round(size / 1e6, 1), "write_s": round(write_s, 1), "units": units,
+                         "index_s": round(index_s, 3), "first_batch_s": round(first_s, 2), "tokens_per_s": round(tps),
+                         "peer": peer, "peer_tokens_per_s": round(peer_tps), "ratio": round(tps / peer_tps, 2)})
+        out = {"benchmark": "formats", "records": n, "text_mb": round(text_mb, 1), "dp": args.dp, "tokens": args.tokens,
+               "cpus": os.cpu_count(), "total_s": round(time.perf_counter() - t0, 1), "rows": rows,
+               "formats": {r["format"]: {k: r[k] for k in ("index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s")} for r in rows}}
+    finally:
+        if args.data is None:
+            shutil.rmtree(root, ignore_errors=True)
+    emit_rows({k: v for k, v in out.items() if k != "formats"} if not args.json else out, args.json,
+              ["format", "files_mb", "write_s", "units", "index_s", "first_batch_s", "tokens_per_s", "peer", "peer_tokens_per_s", "ratio"])
+    return out
+
+
+if __name__ == "__main__":
+    main()
