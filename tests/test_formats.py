@@ -9,12 +9,11 @@ the readers (``tests/reference.py``: ``json``/``gzip``/``zstandard``, HF ``datas
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 import struct
 import sys
-from dataclasses import replace
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ import pytest
 from benchmarks.format_corpus import make_records, source_for, write, write_megatron
 from overlord_dask import Service, connect
 from overlord_dask.errors import PlanError, SourceError
-from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities
+from overlord_dask.observe.figures import exactly_once, planned_identities
 from overlord_dask.plan import plan_from_dict
 from overlord_dask.sources import UNKNOWN_BASE, Format, discover_units, load_unit, read_unit
 from overlord_dask.sources.blocks import SampleBlock
@@ -357,10 +356,15 @@ def test_dropped_records_are_counted_in_status_and_the_dashboard(fc, cluster):
         run_ranks(consume, range(2))
         service.wait_for_step(steps, timeout=60)
         status = service.status()
-        page = service.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["overlord-planner"].observed)
-    per = status["records"]["jsonl"]
-    assert per["read"] == N_RECORDS and per["dropped"] == sum(k is None for k in kept)
-    row = next(s for s in page["sources"] if s["source"] == "jsonl")
+        per = status["records"]["jsonl"]
+        assert per["read"] == N_RECORDS and per["dropped"] == sum(k is None for k in kept)
+        deadline = time.monotonic() + 30
+        while True:  # the dashboard's view is refreshed by the planner thread every few seconds
+            page = service.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["overlord-planner"].observed)
+            row = next(s for s in page["sources"] if s["source"] == "jsonl")
+            if row["records_dropped"] == per["dropped"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     assert row["records_dropped"] == per["dropped"] and row["records_read"] == N_RECORDS
 
 
