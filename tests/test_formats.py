@@ -641,3 +641,20 @@ def test_jsonl_on_s3(fc, s3_server):
         _, docs, _ = _units_in_order(plan)
         want = reference_docs(root, fmt, urls[fmt])
         assert len(docs) == len(want) and all(np.array_equal(np.asarray(a), b) for a, b in zip(docs, want)), fmt
+
+
+def test_token_id_fields_of_jsonl_and_webdataset(tmp_path):
+    """Pre-tokenized records: a JSON list of ids (jsonl), a JSON or .npy member (webdataset)."""
+    import webdataset as wds
+
+    docs = [list(range(i, i + i % 7)) for i in range(60)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"ids": d, "other": {"nested": [1, 2]}}) + "\n" for d in docs))
+    for ext, encode in (("ids.json", json.dumps), ("ids.npy", lambda d: np.array(d, np.int64))):
+        with wds.TarWriter(str(tmp_path / f"{ext}.tar")) as w:
+            for i, d in enumerate(docs):
+                w.write({"__key__": f"{i:04d}", ext: encode(d)})
+    sources = [{"name": "j", "format": "jsonl", "url": "t.jsonl", "tokens_field": "ids"}]
+    sources += [{"name": "w", "format": "webdataset", "url": f"{ext}.tar", "tokens_field": ext} for ext in ("ids.json", "ids.npy")]
+    for src in sources:
+        _, got, _ = _units_in_order(make_plan(tmp_path, src, loading={"unit_bytes": 500}))
+        assert [np.asarray(g).tolist() for g in got] == docs, src["url"]
