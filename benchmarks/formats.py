@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
             peer, peer_tps = _peer(root, fmt, url, args.tokens)
             size = sum(p.stat().st_size for p in (root / url.split("/")[0]).rglob("*") if p.is_file())
             rows.append({"format": fmt, "files_mb": round(size / 1e6, 1), "write_s": round(write_s, 1), "units": units,
-                         "index_s": round(index_s, 3), "first_batch_s": round(first_s, 2), "tokens_per_s": round(tps),
+                         "index_s": float(f"{index_s:.3g}"), "first_batch_s": float(f"{first_s:.3g}"), "tokens_per_s": round(tps),
                          "peer": peer, "peer_tokens_per_s": round(peer_tps), "ratio": round(tps / peer_tps, 2)})
         out = {"benchmark": "formats", "records": n, "text_mb": round(text_mb, 1), "dp": args.dp, "tokens": args.tokens,
                "cpus": os.cpu_count(), "total_s": round(time.perf_counter() - t0, 1), "rows": rows,
