@@ -447,7 +447,11 @@ def test_a_malformed_json_line_is_named_by_file_and_line(tmp_path):
     raw = ("\n".join(lines) + "\n").encode()
     (tmp_path / "a.jsonl").write_bytes(raw)
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(raw))
-    for name in ("a.jsonl", "b.jsonl.gz"):
+    import zstandard
+
+    c = zstandard.ZstdCompressor()
+    (tmp_path / "c.jsonl.zst").write_bytes(b"".join(c.compress(raw[a: a + 1500]) for a in range(0, len(raw), 1500)))
+    for name in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst"):
         plan = make_plan(tmp_path, {"name": "j", "format": "jsonl", "url": name, "text_field": "text"}, loading={"unit_bytes": 2000})
         with pytest.raises(SourceError, match=rf"malformed JSON in .*{name}, line 322: Unterminated string"):
             _read_all(plan)

@@ -36,6 +36,7 @@ from ..errors import SourceError
 from ..plan import formats as names
 from ..plan.base import import_callable
 from ..plan.models import Plan, Source
+from .records import fields
 from .units import LoadUnit
 
 UNKNOWN_BASE = 1 << 32
@@ -68,12 +69,7 @@ class Format(ABC):
     def columns(self, source: Source) -> list[str] | None:
         """The columns ``read`` needs: the plan's fields, or every column (None) when the source
         prepares its records (a prepare step may read any column)."""
-        if source.prepare:
-            return None
-        cols = [source.text_field or source.tokens_field]
-        if source.images_field:
-            cols += [source.images_field, source.image_positions_field]
-        return cols
+        return None if source.prepare else fields(source)
 
 
 @functools.lru_cache(maxsize=None)

@@ -80,7 +80,7 @@ class JsonlFormat(Format):
         kind = compression(unit.path)
         try:
             with fs.open(unit.path, "rb") as f:
-                data, lead = _unit_bytes(f, kind, unit)
+                data = _unit_bytes(f, kind, unit)
         except FileNotFoundError:
             raise SourceError(f"{unit.describe()}: file not found") from None
         lines = data.split(b"\n")
@@ -91,7 +91,7 @@ class JsonlFormat(Format):
             lo = unit.start - unit.span[2]
             keep = keep[lo: lo + unit.n_docs]
         records = b"\n".join(lines[i] for i in keep)
-        return _parse(source, unit, records, lambda row: _line_number(fs, kind, unit, lead, keep[row]))
+        return _parse(source, unit, records, lambda row: _line_number(fs, kind, unit, keep[row]))
 
 
 def _file_units(fs, path: str, step: int, source: Source) -> list[tuple[str, int, int, tuple]]:
@@ -164,20 +164,23 @@ def _line_index(fs, path: str, kind: str, size: int, step: int) -> list[tuple[in
     return units
 
 
-def _unit_bytes(f, kind: str | None, unit: LoadUnit) -> tuple[bytes, int]:
-    """The unit's lines (whole, from the first it owns through the last) and how many lines of
-    the file come before them (-1: unknown, count them if an error needs a line number)."""
+def _slice(chunks: Iterator[bytes], lo: int, hi: int) -> Iterator[bytes]:
+    """The bytes ``[lo, hi)`` of a stream of chunks (read no further than ``hi``)."""
+    pos = 0
+    for chunk in chunks:
+        a, b = max(lo - pos, 0), min(hi - pos, len(chunk))
+        if a < b:
+            yield chunk[a:b]
+        pos += len(chunk)
+        if pos >= hi:
+            return
+
+
+def _unit_bytes(f, kind: str | None, unit: LoadUnit) -> bytes:
+    """The unit's lines: whole, from the first it owns through the last."""
     span = unit.span
     if unit.stop >= 0:  # line index: decompress from the start, keep [lo, hi)
-        out, pos = [], 0
-        for chunk in decompressed(f, kind, unit.path):
-            a, b = max(span[0] - pos, 0), min(span[1] - pos, len(chunk))
-            if a < b:
-                out.append(chunk[a:b])
-            pos += len(chunk)
-            if pos >= span[1]:
-                break
-        return b"".join(out), -1
+        return b"".join(_slice(decompressed(f, kind, unit.path), span[0], span[1]))
     if kind is None:
         lo, hi = span
         f.seek(max(lo - 1, 0))
@@ -193,7 +196,7 @@ def _unit_bytes(f, kind: str | None, unit: LoadUnit) -> tuple[bytes, int]:
     if not starts_line:  # the first line began before the unit: its owner reads it
         cut = data.find(b"\n")
         data = b"" if cut < 0 else data[cut + 1:]
-    return data, -1
+    return data
 
 
 def _plain_chunks(f) -> Iterator[bytes]:
@@ -280,29 +283,18 @@ def _reason(records: bytes, row: int | None, err: Exception) -> str:
     return f"{_ROW.sub('', str(err).removeprefix('JSON parse error: ')).strip()}: {line[:80]!r}"
 
 
-def _line_number(fs, kind, unit: LoadUnit, lead: int, line: int) -> int:
+def _line_number(fs, kind, unit: LoadUnit, line: int) -> int:
     """The 1-based line number in the file of the unit's ``line`` (0-based among its lines):
-    counting the newlines before the unit's first line (read again, on this error path only)."""
-    if lead < 0:
-        lead = 0
-        with fs.open(unit.path, "rb") as f:
-            if unit.stop >= 0:
-                stop_at = unit.span[0]
-                pos = 0
-                for chunk in decompressed(f, kind, unit.path):
-                    lead += chunk[: max(stop_at - pos, 0)].count(b"\n")
-                    pos += len(chunk)
-                    if pos >= stop_at:
-                        break
-            else:
-                end = unit.span[0]
-                prefix = b"".join(decompressed(f, kind, unit.path, 0, end)) if kind else _read_prefix(f, end)
-                lead = prefix.count(b"\n")
-                if prefix and not prefix.endswith(b"\n"):  # the unit's first line began in the prefix: not the unit's
-                    lead += 1
-    return lead + line + 1
-
-
-def _read_prefix(f, end: int) -> bytes:
-    f.seek(0)
-    return f.read(end)
+    the lines that begin before the unit's first line are counted (read again, on this error
+    path only)."""
+    with fs.open(unit.path, "rb") as f:
+        if unit.stop >= 0:  # line index: the decompressed bytes before the unit
+            prefix = _slice(decompressed(f, kind, unit.path), 0, unit.span[0])
+        else:  # the bytes (plain) or whole frames (zstd) before the unit's range
+            prefix = decompressed(f, kind, unit.path, 0, unit.span[0])
+        before, last = 0, b"\n"
+        for chunk in prefix:
+            if chunk:
+                before += chunk.count(b"\n")
+                last = chunk[-1:]
+    return before + (last != b"\n") + line + 1  # a line cut by the unit's start is the previous unit's

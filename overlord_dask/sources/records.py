@@ -24,11 +24,15 @@ from .units import LoadUnit
 ROW = "_row"  # the column a batch prepare step keeps: each row's position in the unit
 
 
+def fields(source: Source) -> list[str]:
+    """The columns a record source's plan reads: its text or tokens, and its images and their positions."""
+    return [source.text_field or source.tokens_field] + ([source.images_field, source.image_positions_field] if source.images_field else [])
+
+
 def check_schema(source: Source, where: str, schema: pa.Schema) -> None:
     """SourceError naming the source, ``where`` (a file) and the field, for a missing column or a
     column of the wrong type."""
-    fields = [source.text_field or source.tokens_field] + ([source.images_field, source.image_positions_field] if source.images_field else [])
-    for col in fields:
+    for col in fields(source):
         if col not in schema.names:
             raise SourceError(f"source {source.name!r}: column {col!r} not found in {where}; available columns: {schema.names}")
     if source.images_field:
