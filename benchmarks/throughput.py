@@ -19,7 +19,7 @@ the trainers' pace: with them counted, an 80-step run with 32 prefetched oversta
 The same run then repeats both with a real tokenizer (``--tokenizer both``, the default): a
 byte-level BPE (Hugging Face ``tokenizers``, ``--bpe-vocab`` ids) trained in this process on the
 demo's web text at the start (no download), saved next to the corpus and named in a copy of the
-demo plan as ``tokenizer: hf:PATH`` for the ``web`` source; the raw loop tokenizes with it too.
+demo plan as its tokenizer folder (``tokenizer: PATH``) for the ``web`` source; the raw loop tokenizes with it too.
 Its figures are under ``"bpe"``.
 
 Baseline, in the same run (``--baseline-workers 2``, 0 to skip): the per-rank loader users would
@@ -104,7 +104,7 @@ def _read_source(plan, src, budget: float) -> int:
             if got >= budget:
                 break
         return got
-    tokenize = resolve_tokenizer(src.tokenizer, plan.base_dir) if src.text_field else None
+    tokenize = resolve_tokenizer(plan.tokenizer_of(src), plan.base_dir) if src.text_field else None
     for path in sorted(glob.glob(url)):
         pf = pq.ParquetFile(path)
         for rg in range(pf.num_row_groups):
@@ -123,12 +123,12 @@ def bpe_plan(data_dir: str, vocab: int, docs: int) -> tuple[str, float]:
     from overlord_dask.service.demo import PLAN_FILE, demo_texts, train_bpe
 
     t0 = time.perf_counter()
-    tok = train_bpe(demo_texts(data_dir, docs), os.path.join(data_dir, f"bpe-{vocab}.json"), vocab_size=vocab)
+    tok = train_bpe(demo_texts(data_dir, docs), os.path.join(data_dir, f"bpe-{vocab}"), vocab_size=vocab)
     trained = time.perf_counter() - t0
     data = yaml.safe_load(PLAN_FILE.read_text())
     for src in data["sources"]:
         if src.get("text_field"):
-            src["tokenizer"] = f"hf:{tok.name}"
+            src["tokenizer"] = tok.name
     path = os.path.join(data_dir, "demo-bpe.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(data, f)
@@ -167,7 +167,7 @@ def per_rank_baseline(args, plan, steps: int) -> dict:
     res, raw_rate, passes = bracketed(
         lambda: _run_procs(mp.get_context("spawn"), _baseline_trainer,
                            lambda r: (files, r, topo.dp, steps, 0.0, topo.micro_batches, topo.tokens_per_micro_batch, args.baseline_workers),
-                           topo.dp, tokenizer=src.tokenizer, base_dir=plan.base_dir),
+                           topo.dp, tokenizer=plan.tokenizer_of(src), base_dir=plan.base_dir),
         plan, steps * topo.step_tokens, args.raw_repeats, [src])
     s0 = steady_from(steps, 0)
     stream_s = max(r["ends"][-1] for r in res) - min(r["ends"][s0 - 1] for r in res)

@@ -127,7 +127,7 @@ class PackedWeb(torch.utils.data.IterableDataset):
     ``tokenizer`` spec resolved against ``base_dir``) and packed first-fit into micro-batches;
     each DataLoader worker reads its own share of the rank's row groups."""
 
-    def __init__(self, files: list[str], capacity: int, rank: int, world: int, tokenizer: str = "byte", base_dir: str | None = None):
+    def __init__(self, files: list[str], capacity: int, rank: int, world: int, tokenizer="byte", base_dir: str | None = None):
         super().__init__()
         self.files, self.capacity, self.rank, self.world = files, capacity, rank, world
         self.tokenizer, self.base_dir = tokenizer, base_dir
@@ -161,7 +161,7 @@ class PackedWeb(torch.utils.data.IterableDataset):
 
 
 def _baseline_trainer(files: list[str], rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, capacity: int,
-                      workers: int, start, out, tokenizer: str = "byte", base_dir: str | None = None, model_spec: dict | None = None) -> None:
+                      workers: int, start, out, tokenizer="byte", base_dir: str | None = None, model_spec: dict | None = None) -> None:
     model, synthetic_s = _model(model_spec, rank, capacity, micro_batches)
     t0 = time.perf_counter()
     loader = torch.utils.data.DataLoader(PackedWeb(files, capacity, rank, dp, tokenizer, base_dir), batch_size=None, num_workers=workers,

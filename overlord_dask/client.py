@@ -100,10 +100,12 @@ def channel_open(channel_id: str, run_id: str) -> dict:
 
 
 def lengths_report(run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None, seconds: float,
-                   nbytes: int, part: list | None, dropped: int = 0, quarantined: str | None = None) -> dict:
-    """A load task's one-way report on its worker's stream (``Route.LENGTHS``)."""
+                   nbytes: int, part: list | None, dropped: int = 0, quarantined: str | None = None, masked: bytes | None = None) -> dict:
+    """A load task's one-way report on its worker's stream (``Route.LENGTHS``); ``masked``: the
+    unit's masked runs (``runs.py``), where the loss ignores some of its tokens."""
     return {"op": Route.LENGTHS, "run_id": run_id, "source": source, "epoch": epoch, "unit": unit, "lengths": lengths,
-            "vision": vision, "seconds": seconds, "nbytes": nbytes, "part": part, "dropped": dropped, "quarantined": quarantined}
+            "vision": vision, "seconds": seconds, "nbytes": nbytes, "part": part, "dropped": dropped, "quarantined": quarantined,
+            "masked": masked}
 
 
 async def fetch(rpc, key: str, rank: int, steps: list[int], cp_rank: int | None) -> dict:

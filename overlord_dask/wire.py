@@ -9,6 +9,10 @@ vocabulary under 65,536) plus one label per piece, and :func:`decode` rebuilds e
 ``worker.constructors.pack_micro_batch`` makes (tested field by field). Every other integer array
 travels narrowed as well; the consumer restores the dtypes in ``DTYPES``.
 
+Where the loss ignores some tokens (chat turns, masked labels) the micro-batch also carries
+``"mask"``: one bit per real token (:func:`pack_mask`), 0 where that token is not a target, and
+the rebuilt labels are -100 there. A micro-batch where every token is a target carries no mask.
+
 Context-parallel slices are not derivable this way (zigzag chunks): they travel whole, narrowed.
 
 A batch travels as one buffer (:func:`pack_batch`: pickle protocol 5, arrays in-band), not as a
@@ -75,6 +79,11 @@ def piece_table(lengths: np.ndarray, last_labels: np.ndarray, fields: dict) -> n
     return narrow(np.stack([lengths, last_labels, *(fields[k] for k in PIECE_FIELDS)], axis=1).astype(np.int64, copy=False))
 
 
+def pack_mask(mask: np.ndarray) -> np.ndarray:
+    """A token mask (0/1 per token) as bits: an eighth of a byte per token on the wire."""
+    return np.packbits(np.asarray(mask, dtype=bool))
+
+
 def encode(mb: dict) -> dict:
     """Wire form of one micro-batch (a CP slice or a full micro-batch)."""
     out = {}
@@ -98,7 +107,7 @@ def encode(mb: dict) -> dict:
     return out
 
 
-def decode(w: dict, dtypes: dict = DTYPES) -> dict:
+def decode(w: dict, dtypes: dict = DTYPES, pad_id: int = PAD_ID) -> dict:
     """The micro-batch :func:`encode` was given, with the consumer-facing ``dtypes`` (the
     torch consumer asks for int64 ids straight away: converting afterwards copied every
     token array once more, the largest cost on the trainer's side).
@@ -121,11 +130,14 @@ def decode(w: dict, dtypes: dict = DTYPES) -> dict:
             cu, last = w["cu_seqlens"], w["last_labels"]
         ids = np.empty(C, dtype=dtypes["input_ids"])
         ids[:n] = tokens
-        ids[n:] = PAD_ID
+        ids[n:] = pad_id
         labels = np.empty(C, dtype=dtypes["labels"])
         m = max(n - 1, 0)
         labels[:m] = tokens[1:n]
         labels[m:] = IGNORE_INDEX
+        if "mask" in w and m:
+            targets = np.unpackbits(w["mask"], count=n).view(bool)
+            labels[:m][~targets[1:n]] = IGNORE_INDEX  # the loss ignores these targets
         if len(cu) > 1:
             labels[cu[1:].astype(np.intp) - 1] = last
         pdt = dtypes["position_ids"]
@@ -139,7 +151,7 @@ def decode(w: dict, dtypes: dict = DTYPES) -> dict:
             for i, k in enumerate(PIECE_FIELDS):
                 out[k] = table[:, 2 + i].astype(dtypes[k])  # a contiguous copy of the column
     for k, v in w.items():
-        if k in ("tokens", "last_labels", "capacity", "pieces"):
+        if k in ("tokens", "last_labels", "capacity", "pieces", "mask"):
             continue
         out[k] = v.astype(dtypes[k]) if k in dtypes and isinstance(v, np.ndarray) else v
     return out
@@ -163,7 +175,9 @@ def encode_batch(batch: dict) -> dict:
 
 
 def decode_batch(batch: dict, dtypes: dict = DTYPES) -> dict:
-    return {**batch, "micro_batches": [decode(mb, dtypes) for mb in batch["micro_batches"]]}
+    """A batch's micro-batches decoded; padded with the batch's ``pad_id`` (the plan tokenizer's)."""
+    pad = batch.get("pad_id", PAD_ID)
+    return {**batch, "micro_batches": [decode(mb, dtypes, pad) for mb in batch["micro_batches"]]}
 
 
 def pack_batch(batch: dict) -> bytes:

@@ -183,3 +183,13 @@ def test_formats_benchmark_runs(capsys, tmp_path):
         assert set(figures) == {"index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s"}, fmt
         assert all(v > 0 for v in figures.values()), (fmt, figures)
     assert '"formats"' in capsys.readouterr().out
+
+
+def test_sft_benchmark_checks_every_label_against_transformers(capsys, tmp_path):
+    import sft
+
+    out = sft.main(["--convs", "300", "--steps", "6", "--warmup", "2", "--check-steps", "3", "--tokens", "2048", "--compute-ms", "5",
+                    "--data", str(tmp_path), "--json"])
+    assert out["mask_mismatches"] == 0 and out["pieces_checked"] > 10
+    assert out["tokens_per_s"] > 0 and out["peer_tokens_per_s"] > 0 and 0 <= out["wait_share"] <= 1 and 0 <= out["peer_wait_share"] <= 1
+    assert '"sft"' in capsys.readouterr().out

@@ -16,6 +16,7 @@ from overlord_dask.plan import plan_from_dict
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities, window_mix_errors
 from overlord_dask.sources import discover_units, load_unit
+from overlord_dask.sources.tokenizers import image_token_id
 
 from .harness import run_ranks
 
@@ -97,7 +98,7 @@ def test_multimodal_pipeline_delivers_images_with_their_placeholders(corpus, clu
     got, _, _ = run(plan, cluster, 10)
     g = zarr.open_group(str(Path(corpus) / "captions.zarr"), mode="r")
     images, img_off, img_pos = g["images"][:], g["image_offsets"][:], g["image_positions"][:]
-    token_id, P = plan.sources[1].image_token_id, images.shape[1]
+    token_id, P = image_token_id(plan.sources[1], plan), images.shape[1]
     seen = 0
     for bs in got.values():
         for b in bs:
@@ -136,8 +137,8 @@ def test_multimodal_cp_slices_keep_each_patch_with_its_placeholder(corpus):
     ref = encode(mb)  # a constructor's stored form, image fields included
     assert set(wire) == set(ref) and all(np.array_equal(wire[k], ref[k]) and getattr(wire[k], "dtype", None) == getattr(ref[k], "dtype", None) for k in ref)
     for sl in cp_slices(mb, 2, 8):
-        assert np.all(sl["input_ids"][sl["image_positions"]] == src.image_token_id)
-        assert len(sl["image_positions"]) == int((sl["input_ids"][: sl["num_tokens"]] == src.image_token_id).sum())
+        assert np.all(sl["input_ids"][sl["image_positions"]] == image_token_id(src, plan))
+        assert len(sl["image_positions"]) == int((sl["input_ids"][: sl["num_tokens"]] == image_token_id(src, plan)).sum())
     total = sum(len(sl["image_positions"]) for sl in cp_slices(mb, 2, 8))
     assert total == len(mb["image_positions"])
 
@@ -187,19 +188,20 @@ def test_parquet_photos_are_decoded_on_load_and_parts_concat_to_the_whole(corpus
     unit = discover_units(src, plan)[0]
     block = load_unit(src, plan, unit)
     row = pq.ParquetFile(unit.path).read_row_group(unit.part).slice(unit.start, 1).to_pylist()[0]
-    want = np.asarray(Image.open(io.BytesIO(row["images"][0])).convert("RGB").resize((src.image_size,) * 2, Image.BILINEAR))
+    want = np.asarray(Image.open(io.BytesIO(row["images"][0])).convert("RGB").resize((src.image_size,) * 2, Image.BICUBIC))
     P = (src.image_size // src.patch_size) ** 2
-    assert block.images.shape[1:] == (P, src.patch_size ** 2 * 3)
-    assert np.array_equal(block.images[0], patchify(want, src.patch_size))
+    assert block.images.shape[1:] == (src.patch_size ** 2 * 3,) and block.image_patches[1] == P  # patches of every image back to back
+    assert np.array_equal(block.images[:P], patchify(want, src.patch_size))
     doc = block.doc(0)  # each image's placeholders sit at its position in the caption
     starts = block.image_starts[block.image_offsets[0] : block.image_offsets[1]]
-    assert all(np.all(doc[s : s + P] == src.image_token_id) for s in starts)
-    assert int((doc == src.image_token_id).sum()) == P * len(row["images"])
+    token_id = image_token_id(src, plan)
+    assert all(np.all(doc[s : s + P] == token_id) for s in starts)
+    assert int((doc == token_id).sum()) == P * len(row["images"])
     # the same unit loaded in three parts (auto-partitioning) is the same block once concatenated
     d, n = plan_to_dict(plan), unit.n_docs
     parts = [load_block(d, "t", unit.to_dict(), part=(a, b)) for a, b in ((0, n // 3), (n // 3, n // 2), (n // 2, n))]
     joined = SampleBlock.concat(parts)
-    for f in ("tokens", "offsets", "sample_ids", "images", "image_offsets", "image_starts"):
+    for f in ("tokens", "offsets", "sample_ids", "images", "image_offsets", "image_starts", "image_patches"):
         assert np.array_equal(getattr(joined, f), getattr(block, f)), f
 
 
@@ -210,7 +212,7 @@ def test_photos_pipeline_runs(corpus, cluster):
         for b in batches:
             for mb in b["micro_batches"]:
                 check_micro_batch(mb, plan.topology.tokens_per_micro_batch)
-                assert np.all(mb["input_ids"][mb["image_positions"]] == plan.sources[2].image_token_id)
+                assert np.all(mb["input_ids"][mb["image_positions"]] == image_token_id(plan.sources[2], plan))
     assert any(len(mb["image_positions"]) for b in got[0] for mb in b["micro_batches"])
     # the plan's pools ran on workers added to the lent cluster; closing the service took them away
     assert not any(str(name).startswith("overlord-pool-") for name in cluster.worker_spec)

@@ -106,7 +106,7 @@ def test_parquet_needs_exactly_one_field(tmp_path):
     data = _base()
     data["sources"][0]["tokens_field"] = "ids"
     msg = _error(data, tmp_path)
-    assert "sources[0](web)" in msg and "exactly one of text_field or tokens_field" in msg
+    assert "sources[0](web)" in msg and "exactly one of text_field, tokens_field or messages_field" in msg
 
 
 def test_duplicate_source_names(tmp_path):

@@ -148,7 +148,7 @@ def test_zarr_missing_array_and_bad_offsets(tmp_path):
 def test_unknown_tokenizer_and_transform(tmp_path):
     _write_text(tmp_path / "a.parquet", ["x"])
     plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", tokenizer="sentencepiece")
-    with pytest.raises(SourceError, match="source 's': unknown tokenizer: 'sentencepiece' is neither a built-in name"):
+    with pytest.raises(SourceError, match="source 's': tokenizer file not found: .*sentencepiece.* \\(a tokenizer is `byte`"):
         discover_units(plan.sources[0], plan)
     plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", transform="no_such_module:fn")
     with pytest.raises(SourceError, match="cannot import 'no_such_module:fn': module 'no_such_module'"):
@@ -180,12 +180,12 @@ def test_hf_bpe_tokenizer_file(tmp_path):
     from overlord_dask.service.demo import train_bpe
 
     texts = [f"the {w} sat on the mat number {i}" for i, w in enumerate(["cat", "dog", "ému", "日本"] * 20)] + [None, ""]
-    train_bpe([t for t in texts if t], tmp_path / "tok.json", vocab_size=300)
+    train_bpe([t for t in texts if t], tmp_path / "tok", vocab_size=300)
     _write_text(tmp_path / "a.parquet", texts)
-    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", tokenizer="hf:tok.json")
+    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", tokenizer="tok")
     blocks = [load_unit(plan.sources[0], plan, u) for u in discover_units(plan.sources[0], plan)]
     got = [list(b.doc(i)) for b in blocks for i in range(len(b))]
-    tok = Tokenizer.from_file(str(tmp_path / "tok.json"))
+    tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
     eos = tok.token_to_id("</s>")
     assert eos == EOS_ID
     assert got == [tok.encode(t or "", add_special_tokens=False).ids + [eos] for t in texts]
@@ -257,7 +257,6 @@ def test_blocks_keep_ids_in_the_narrowest_dtype_and_packing_widens_them():
     """A block keeps uint16 ids where every id fits (half the memory on its worker and half the
     bytes to every worker that builds from it), int32 otherwise; an image placeholder id past
     uint16 inserted into narrowed text is kept whole; packed micro-batches carry int32 ids."""
-    from types import SimpleNamespace
 
     from overlord_dask.worker.constructors import pack_micro_batch
     from overlord_dask.protocol import block_key
@@ -270,8 +269,7 @@ def test_blocks_keep_ids_in_the_narrowest_dtype_and_packing_widens_them():
     assert small.doc(0).tolist() == [5, 65535] and wide.doc(0).tolist() == [70000, 3]
     with pytest.raises(ValueError, match="source 's'"):
         SampleBlock("s", np.array([-1, 4]), np.array([0, 2]), np.array([0]))
-    src = SimpleNamespace(name="mm", image_token_id=100_000)
-    mm = with_image_tokens(src, "unit", small.tokens, small.offsets, small.sample_ids, np.zeros((1, 2, 3), np.uint8),
+    mm = with_image_tokens("mm", 100_000, "unit", small.tokens, small.offsets, small.sample_ids, [np.zeros((2, 3), np.uint8)],
                            np.array([0, 1, 1]), np.array([1]))
     assert mm.tokens.dtype == np.int32 and mm.doc(0).tolist() == [5, 100_000, 100_000, 65535]
     blocks = {block_key(0, 0, 0): small, block_key(1, 0, 0): wide}

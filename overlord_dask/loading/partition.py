@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import runs
+
 MAX_PARTS = 16  # a unit is never cut into more parts than this
 MAX_GROUP = 8  # nor more units read by one task than this
 
@@ -81,11 +83,12 @@ class UnitParts:
     def __init__(self) -> None:
         self._units: OrderedDict = OrderedDict()
 
-    def add(self, key: tuple, part, lens: np.ndarray, vision: np.ndarray | None, dropped: int = 0):
-        """The unit's lengths, image tokens and dropped records once ``part`` completes it, else None."""
+    def add(self, key: tuple, part, lens: np.ndarray, vision: np.ndarray | None, dropped: int = 0, masked: np.ndarray | None = None):
+        """The unit's lengths, image tokens, dropped records and masked runs once ``part``
+        completes it, else None."""
         lo, hi, n = part
         parts = self._units.setdefault(key, {})
-        parts[lo] = (hi, lens, vision, dropped)
+        parts[lo] = (hi, lens, vision, dropped, masked)
         chain, pos = [], 0
         while pos < n and pos in parts:
             chain.append(parts[pos])
@@ -97,4 +100,4 @@ class UnitParts:
         del self._units[key]
         lens = np.concatenate([c[1] for c in chain])
         vision = None if chain[0][2] is None else np.concatenate([c[2] for c in chain])
-        return lens, vision, sum(c[3] for c in chain)
+        return lens, vision, sum(c[3] for c in chain), runs.concat([(c[4], len(c[1])) for c in chain])

@@ -43,3 +43,48 @@ def identities(sources) -> dict[str, str]:
 def changed(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
     """The functions whose code differs between a snapshot's record and now (both named)."""
     return sorted(k for k in recorded.keys() & now.keys() if recorded[k] != now[k])
+
+
+def references(value) -> set[str]:
+    """Every ``module:callable`` string in a plan (as its plain dict)."""
+    from .text import _MODULE
+
+    out: set[str] = set()
+    if isinstance(value, dict):
+        for v in value.values():
+            out |= references(v)
+    elif isinstance(value, list):
+        for v in value:
+            out |= references(v)
+    elif isinstance(value, str):
+        mod, colon, attr = value.partition(":")
+        if colon and _MODULE.match(mod) and _MODULE.match(attr):
+            out.add(value)
+    return out
+
+
+def local_code(plan_dict: dict, base_dir: str | None) -> list[str]:
+    """Files of the plan-local code its references need (modules and packages in the plan's
+    folder, not installed): what the service uploads to the scheduler and every worker, present
+    and future, so that user code next to a plan needs no install on the cluster. A package is
+    given as its folder (the caller zips it)."""
+    import importlib.util
+    import os
+
+    if not base_dir:
+        return []
+    root = os.path.realpath(base_dir)
+    out: list[str] = []
+    for ref in sorted(references(plan_dict)):
+        top = ref.partition(":")[0].split(".")[0]
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        origin = spec.origin if spec is not None else None
+        if origin is None or not os.path.realpath(origin).startswith(root + os.sep):
+            continue  # installed (or built in): the cluster's environment has it
+        path = os.path.dirname(origin) if spec.submodule_search_locations else origin
+        if path not in out:
+            out.append(path)
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,9 @@ def plan_from_dict(data: Any, *, where: str = "<dict>", base_dir: str | os.PathL
         raise PlanError(f"{where}: a plan must be a mapping with keys like 'sources' and 'topology', got {type(data).__name__}")
     if base_dir is not None and "base_dir" not in data:
         data = {**data, "base_dir": str(base_dir)}
+    folder = data.get("base_dir")
+    if isinstance(folder, str) and os.path.isdir(folder) and folder not in sys.path:
+        sys.path.append(folder)  # plan-local code (`module:callable` next to the plan) imports; installed modules still win
     try:
         return Plan.model_validate(data)
     except ValidationError as err:

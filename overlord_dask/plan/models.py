@@ -27,6 +27,7 @@ from pydantic import Field, field_validator, model_validator
 from . import formats
 from .base import Strict, import_callable
 from .schedule import Context, Schedule, Stage, weight_at
+from .text import Tokenizer
 
 
 class Prepare(Strict):
@@ -110,10 +111,32 @@ class Source(Strict):
     array (default `tokens`)."""
     offsets_field: str = "offsets"
     """zarr: the int64 array of document start offsets, length n_docs + 1."""
-    tokenizer: str = "byte"
-    """For `text_field`: `byte` (UTF-8 bytes, built in), `hf:PATH` (a Hugging Face `tokenizers`
-    file such as a trained BPE's `tokenizer.json`; relative to the plan's folder or an fsspec URL)
-    or `module:callable` mapping a list of strings to a list of token-id sequences."""
+    tokenizer: Tokenizer | None = None
+    """For `text_field` and `messages_field`: the model's tokenizer (:class:`~overlord_dask.plan.text.Tokenizer`:
+    `byte`, a tokenizer folder or file, `tiktoken:NAME`, `module:callable`, or a mapping with
+    overrides). Default: the plan's `tokenizer`."""
+    add_bos: bool | None = None
+    """Begin each document with the tokenizer's BOS (default: the tokenizer's policy; chat sources: no,
+    their template writes the boundaries)."""
+    add_eos: bool | None = None
+    """End each document with the tokenizer's EOS (default: yes; chat sources: no)."""
+    messages_field: str | None = None
+    """Record formats: a chat column, a list of ``{role, content}`` messages per record, rendered
+    with the tokenizer's chat template; only the turns of ``train_roles`` are trained on (the
+    others get labels -100)."""
+    train_roles: list[str] = Field(default_factory=lambda: ["assistant"], min_length=1)
+    """Chat sources: the roles whose turns the loss sees."""
+    roles: list[str] = Field(default_factory=lambda: ["system", "user", "assistant", "tool"])
+    """Chat sources: the roles a message may have; another is an error naming the record."""
+    labels_field: str | None = None
+    """With `tokens_field`: a list<int> column of labels aligned with the tokens; -100 marks a
+    token the loss ignores (other values must equal the token: the trainer shifts)."""
+    loss_mask_field: str | None = None
+    """With `tokens_field`: a list<int|bool> column aligned with the tokens, 0 where the loss ignores a token."""
+    on_bad_record: Literal["error", "drop"] = "error"
+    """A record that cannot become a document (an unknown role, no trainable turn, an image count
+    that differs from its placeholders, an undecodable image): ``error`` stops with its source,
+    file and sample id; ``drop`` keeps it as an empty document and counts it as dropped."""
     transform: str | None = None
     """Optional `module:callable` applied to each loaded sample block (filter, truncate, remap)."""
     prepare: list[Prepare] = Field(default_factory=list)
@@ -135,13 +158,30 @@ class Source(Strict):
     image_positions_field: str = "image_positions"
     """Multimodal: the text-token offset in its document where each image goes. zarr: int64
     ``[n_images]``; parquet: a ``list<int>`` column, one entry per image of the row."""
-    image_token_id: int = Field(default=259, ge=0)
-    """Placeholder token id of an image patch (the byte tokenizer uses 0..258)."""
+    image_placeholders: bool = False
+    """Record formats, multimodal: images go where the text has the tokenizer's ``image_token``
+    (``<image>``, the LLaVA / Energon convention), one placeholder per image of the record, instead
+    of an ``image_positions_field`` column."""
+    image_token_id: int | None = Field(default=None, ge=0)
+    """Placeholder token id of an image patch; default: the tokenizer's id of its ``image_token``
+    (the byte tokenizer: 259)."""
     image_size: int = Field(default=32, ge=1, le=4096)
-    """parquet, multimodal: decoded images are resized to ``image_size`` × ``image_size`` RGB."""
+    """parquet, arrow, webdataset, multimodal: decoded images are resized to ``image_size`` ×
+    ``image_size`` RGB (each tile, with ``image_tiles`` > 1)."""
     patch_size: int = Field(default=8, ge=1, le=1024)
-    """parquet, multimodal: side of a square patch; an image is ``(image_size / patch_size)²``
-    patches of ``patch_size² · 3`` bytes."""
+    """Side of a square patch; a tile is ``(image_size / patch_size)²`` patches of
+    ``patch_size² · 3`` values."""
+    image_tiles: int = Field(default=1, ge=1, le=64)
+    """Above 1: any-resolution tiling. An image keeps its aspect ratio: it is resized into the grid
+    of at most this many ``image_size`` tiles that fits it best, cut into tiles, and preceded by a
+    thumbnail tile of the whole image; its number of patches then depends on its shape."""
+    image_mean: list[float] | None = Field(default=None, min_length=3, max_length=3)
+    """Normalise pixels: ``(x / 255 - mean) / std`` per channel (float16 patches); None: raw uint8 patches."""
+    image_std: list[float] | None = Field(default=None, min_length=3, max_length=3)
+    image_processor: str | None = None
+    """A Hugging Face image processor folder (``preprocessor_config.json``; local or relative to the
+    plan's folder) that decodes, resizes, tiles and normalises instead; its tiles are cut into
+    ``patch_size`` patches."""
     pool: Pool | None = None
     """The worker pool this source's load tasks run on (``loading.autoscale`` sizes pools it does
     not fix). None: the source's own pool while autoscaling, else any worker."""
@@ -163,13 +203,22 @@ class Source(Strict):
         if self.stop_step is not None and self.stop_step <= self.start_step:
             raise ValueError(f"source {self.name!r}: stop_step={self.stop_step} must be after start_step={self.start_step}")
         if self.format in formats.RECORDS:
-            if (self.text_field is None) == (self.tokens_field is None):
+            if sum(f is not None for f in (self.text_field, self.tokens_field, self.messages_field)) != 1:
                 raise ValueError(
-                    f"{self.format} source {self.name!r} needs exactly one of text_field or tokens_field "
-                    f"(got text_field={self.text_field!r}, tokens_field={self.tokens_field!r})"
+                    f"{self.format} source {self.name!r} needs exactly one of text_field, tokens_field or messages_field "
+                    f"(got text_field={self.text_field!r}, tokens_field={self.tokens_field!r}, messages_field={self.messages_field!r})"
                 )
             if self.images_field is not None and self.image_size % self.patch_size:
                 raise ValueError(f"source {self.name!r}: image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
+            if (self.labels_field or self.loss_mask_field) and not self.tokens_field:
+                raise ValueError(f"source {self.name!r}: labels_field and loss_mask_field go with tokens_field")
+            if self.labels_field and self.loss_mask_field:
+                raise ValueError(f"source {self.name!r}: give one of labels_field and loss_mask_field")
+            if (self.image_mean is None) != (self.image_std is None):
+                raise ValueError(f"source {self.name!r}: image_mean and image_std go together")
+            unknown = sorted(set(self.train_roles) - set(self.roles))
+            if unknown:
+                raise ValueError(f"source {self.name!r}: train_roles {unknown} are not among roles {self.roles}")
         elif self.format in formats.TOKENS:
             if self.text_field is not None:
                 raise ValueError(f"{self.format} source {self.name!r} stores token ids; text_field is not allowed")
@@ -190,10 +239,13 @@ class Source(Strict):
     @property
     def data_key(self) -> tuple:
         """What fixes the source's documents and their order; a plan update may not change it."""
-        return (self.format, self.url, self.text_field, self.tokens_field, self.offsets_field, self.tokenizer, self.transform,
+        return (self.format, self.url, self.text_field, self.tokens_field, self.offsets_field,
+                None if self.tokenizer is None else self.tokenizer.model_dump_json(), self.transform,
                 tuple((p.record, p.batch, tuple(sorted(p.kwargs.items()))) for p in self.prepare),
                 self.images_field, self.image_offsets_field, self.image_positions_field, self.image_token_id,
-                self.image_size, self.patch_size)
+                self.image_size, self.patch_size, self.add_bos, self.add_eos, self.messages_field, tuple(self.train_roles),
+                self.labels_field, self.loss_mask_field, self.image_placeholders, self.image_tiles,
+                tuple(self.image_mean or ()), tuple(self.image_std or ()), self.image_processor)
 
     @property
     def images_exts(self) -> tuple[str, ...]:
@@ -420,6 +472,9 @@ class Plan(Strict):
     """Seeds every source's order (with the source's name, the epoch and the unit): the same plan and seed give the same stream."""
     sources: list[Source] = Field(min_length=1)
     """The data sources and their weights."""
+    tokenizer: Tokenizer = Field(default_factory=Tokenizer)
+    """The model's tokenizer (:class:`~overlord_dask.plan.text.Tokenizer`), for every text and chat
+    source that names none; its pad id pads the micro-batches."""
     topology: Topology
     """The trainers' layout and micro-batch size."""
     cost: CostModel = Field(default_factory=CostModel)
@@ -589,6 +644,16 @@ class Plan(Strict):
         from .display import plan_html
 
         return plan_html(self)
+
+    def tokenizer_of(self, source: Source) -> Tokenizer:
+        """The tokenizer a source's text is encoded with: its own, else the plan's."""
+        return source.tokenizer or self.tokenizer
+
+    @property
+    def loss_masks(self) -> bool:
+        """Whether any source marks tokens the loss ignores (chat turns, label or mask columns):
+        then the micro-batches carry a mask."""
+        return any(s.messages_field or s.labels_field or s.loss_mask_field for s in self.sources)
 
     def source(self, name: str) -> Source:
         for s in self.sources:

@@ -144,15 +144,16 @@ class PlannerState:
         t0 = self.planned_until
         return self.timeline.max_mix_over(t0, t0 + 2 * self._window_steps() + 1)
 
-    def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
-        """A loaded unit's document lengths (and image tokens per document); False if not needed
+    def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None,
+                    masked: np.ndarray | None = None) -> bool:
+        """A loaded unit's document lengths (image tokens per document, masked runs); False if not needed
         (a duplicate, or a unit planning has passed). Checks, once a whole pass of the source has
         arrived, that it is not far smaller than what a window takes from it."""
         s = self.streams.by_name(source)
         before = s.loads.tokens_per_pass()
         added = s.add_lengths(epoch, unit, lengths, vision)
         if added or (s.index, epoch, unit) in self.streams.held:  # (a passed unit loaded again for its block)
-            self.streams.doc_lengths[(s.index, epoch, unit)] = np.asarray(lengths, dtype=np.int64)
+            self.streams.keep_lengths((s.index, epoch, unit), lengths, masked)
         if before is None and s.loads.tokens_per_pass() is not None:
             self.streams.check_pass(s, float(self._weights_ahead()[s.index]), self.step_budget, self._window_steps(),
                                     self.topology.tokens_per_micro_batch)
@@ -265,10 +266,7 @@ class PlannerState:
                                step_tokens=self.topology.step_tokens, dp=self.topology.dp,
                                context={"pending": int(len(self.pending)), "weights": tuple(float(x) for x in self.weights_at(step)),
                                         "version": self.timeline.version_at(step), "stage": ctx.stage, "piece_tokens": ctx.piece_tokens})
-        # labels over the whole step that are not -100: per piece its length less one, plus its
-        # last token's where the document goes on; as HF models shift them, the length less one
-        n_tokens, n_pieces = int(P.lengths(pieces).sum()), len(pieces)
-        metrics["loss_tokens"] = (n_tokens - n_pieces + self.streams.cut_pieces(pieces), n_tokens - n_pieces)
+        metrics["loss_tokens"] = self.streams.loss_tokens(pieces)
         if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
             metrics["pool_workers"] = dict(self.pool_workers)
         return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)

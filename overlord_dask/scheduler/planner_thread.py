@@ -99,9 +99,9 @@ class PlannerThread:
         self.work_ready.set()
         self._kick.set()
 
-    def add_lengths(self, source: str, epoch: int, unit: int, lengths, vision) -> None:
+    def add_lengths(self, source: str, epoch: int, unit: int, lengths, vision, masked=None) -> None:
         """(event loop) A loaded unit's metadata, taken in by the next planning round."""
-        self._inbox.append((source, epoch, unit, lengths, vision))
+        self._inbox.append((source, epoch, unit, lengths, vision, masked))
         self._kick.set()
 
     def release(self, keys: list[str]) -> None:

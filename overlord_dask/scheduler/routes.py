@@ -262,19 +262,20 @@ class Routes:
     # ---- the workers' stream ----------------------------------------------------------------------------
     def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None,
                 seconds: float = 0.0, nbytes: int = 0, part: list | None = None, dropped: int = 0,
-                quarantined: str | None = None, **_) -> None:
+                quarantined: str | None = None, masked: bytes | None = None, **_) -> None:
         """A load task's unit metadata (one-way, from the worker's stream); repeats are ignored."""
         if run_id != self.p.run_id:
             return
         v = None if vision is None else np.frombuffer(vision, dtype="<i8")
         lens = np.frombuffer(lengths, dtype="<i8")
+        m = None if masked is None else np.frombuffer(masked, dtype="<i8")
         self.p.signals.loaded(source, seconds, int(lens.sum()), nbytes, len(lens))
         if quarantined and self.p.losses.quarantine(source, unit, quarantined, self.state.committed):
             logs.event("quarantine", self.p.run_id, self.state.committed, source=source, unit=unit, reason=quarantined)
         if part is not None:  # auto-partitioning: the unit counts once all its parts are in
-            whole = self.p.parts.add((source, epoch, unit), part, lens, v, dropped)
+            whole = self.p.parts.add((source, epoch, unit), part, lens, v, dropped, m)
             if whole is None:
                 return
-            lens, v, dropped = whole
+            lens, v, dropped, m = whole
         self.p.losses.loaded(source, unit, len(lens), dropped)
-        self.p.thread.add_lengths(source, epoch, unit, lens, v)
+        self.p.thread.add_lengths(source, epoch, unit, lens, v, m)

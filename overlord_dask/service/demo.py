@@ -198,8 +198,10 @@ def text_sources_plan(names: list[str], weights: list[float] | None = None, **se
 
 def train_bpe(texts, path: str | os.PathLike, vocab_size: int = 8_192) -> Path:
     """Train a byte-level BPE (Hugging Face ``tokenizers``) on ``texts`` in this process and save
-    it as ``path`` (a ``tokenizer.json`` a plan names as ``tokenizer: hf:PATH``). Special tokens
-    take the ids the byte tokenizer uses: ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2 (end of text)."""
+    it as the tokenizer folder ``path`` (``tokenizer.json`` and a ``tokenizer_config.json`` naming
+    its special tokens, as ``save_pretrained`` writes them; a plan names the folder as its
+    ``tokenizer``). Special tokens take the ids the byte tokenizer uses: ``<pad>`` 0, ``<s>`` 1,
+    ``</s>`` 2 (end of text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -209,7 +211,10 @@ def train_bpe(texts, path: str | os.PathLike, vocab_size: int = 8_192) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     path = Path(path)
-    tok.save(str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+                                                            "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
 
 

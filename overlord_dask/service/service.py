@@ -21,6 +21,7 @@ service with ``Service.attach(address)`` to inspect it or change its plan::
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 
@@ -198,6 +199,7 @@ class Service(ServiceViews):
         adaptive, registered = None, False
         try:
             pooled = _start_pools(plan, cluster if address is None else None)
+            upload_plan_code(client, plan)
             client.register_plugin(KeepFreedMemory())
             client.register_plugin(BatchServer())
             client.register_plugin(PlannerPlugin(plan, first_ids, run_id, **snap))
@@ -326,3 +328,18 @@ class Service(ServiceViews):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {st['committed']} of {committed} steps committed after {timeout}s: {st}")
             time.sleep(poll)
+
+
+def upload_plan_code(client, plan) -> None:
+    """Send the plan's local code (``plan.code.local_code``) to the scheduler and every worker,
+    present and future (Dask's ``upload_file``: a worker that joins later gets it too)."""
+    import shutil
+    import tempfile
+
+    from ..plan.code import local_code
+
+    for path in local_code(plan_to_dict(plan), plan.base_dir):
+        if os.path.isdir(path):  # a package: as a zip of its folder, importable from the workers' sys.path
+            staging = tempfile.mkdtemp(prefix="overlord-code-")
+            path = shutil.make_archive(os.path.join(staging, os.path.basename(path)), "zip", os.path.dirname(path), os.path.basename(path))
+        client.upload_file(path, load=True)  # a zip goes onto sys.path only when loaded; a module is imported once, here

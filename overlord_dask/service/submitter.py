@@ -32,6 +32,7 @@ from ..plan.timeline import PlanTimeline
 from ..protocol import block_key, load_key
 from ..sources import discover_units
 from ..sources.units import LoadUnit
+from ..sources.tokenizers import load_tokenizer
 from ..worker.constructors import build_chunk
 from ..worker.loaders import load_block, load_group
 
@@ -94,6 +95,9 @@ class Submitter(threading.Thread):
                     self.units[src.name] = discover_units(src, p)
         self.plan_version = len(timeline.versions) - 1
         self.multimodal = any(timeline.source(n).images_field for n in timeline.source_names)  # batches carry image fields
+        self.pad_id = load_tokenizer(self.plan.tokenizer, self.plan.base_dir).pad_id  # micro-batches are padded with it
+        self.loss_masks = any(timeline.source(n).messages_field or timeline.source(n).labels_field or timeline.source(n).loss_mask_field
+                              for n in timeline.source_names)
 
     def _fetch_timeline(self) -> None:
         """A live update (from any client) added a plan version: learn it from the planner."""
@@ -152,6 +156,6 @@ class Submitter(threading.Thread):
             blocks = {block_key(*u): self.blocks[block_key(*u)] for u in t["units"]}
             self.batches[t["key"]] = self.client.submit(
                 build_chunk, t["steps"], t["ranks"][0], t["ranks"][1], t["micro_batches"], blocks,
-                topo.tokens_per_micro_batch, topo.cp, topo.cp_split_tokens, self.multimodal,
+                topo.tokens_per_micro_batch, topo.cp, topo.cp_split_tokens, self.multimodal, self.pad_id, self.loss_masks,
                 key=t["key"], pure=False,
             )

@@ -16,7 +16,7 @@ from ..plan.models import Plan, Source
 from .blocks import SampleBlock
 from .formats import UNKNOWN_BASE, Format, get_format
 from .records import to_block
-from .tokenizers import resolve_tokenizer
+from .tokenizers import image_token_id, load_tokenizer
 from .units import LoadUnit
 
 
@@ -25,8 +25,7 @@ def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
     fmt = get_format(source.format)
     try:
         fmt.check(source)
-        if source.text_field:
-            resolve_tokenizer(source.tokenizer, plan.base_dir)
+        check_text(source, plan)
         if source.transform:
             import_callable(source.transform)
     except ValueError as err:
@@ -41,6 +40,24 @@ def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
     if not units:
         raise SourceError(f"source {source.name!r} is empty: its files hold no documents")
     return units
+
+
+def check_text(source: Source, plan: Plan) -> None:
+    """What a text, chat or multimodal source needs of its tokenizer, checked where the plan is
+    loaded (a ValueError naming the source, the tokenizer and the plan field that fixes it)."""
+    if source.text_field or source.messages_field:
+        loaded = load_tokenizer(plan.tokenizer_of(source), plan.base_dir)
+        loaded.document_boundaries(source.add_bos, source.add_eos, bool(source.messages_field), source.name)
+        if source.messages_field:
+            from .chat import compile_template
+
+            compile_template(loaded.template(plan.base_dir, source.name))
+        if source.image_placeholders:
+            from .documents import placeholder_pattern
+
+            placeholder_pattern(loaded, source.name)
+    if source.images_field:
+        image_token_id(source, plan)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,9 @@ A block is a ragged array of documents in flat form (the Arrow/CSR layout): ``to
 document's token ids back to back and ``offsets[i]:offsets[i+1]`` is document ``i``. ``sample_ids``
 are stable, source-wide document ids (the document's ordinal in the source's file order), so they
 do not depend on how the source was split into load units or on which worker loaded it.
-Only ``lengths()`` (a few bytes per document) ever leaves the worker for the planner.
+Only ``lengths()`` (a few bytes per document) ever leaves the worker for the planner, with, for
+documents the loss sees only in part (chat turns, masked labels), the runs of tokens it ignores
+(``masked_runs()``: a few numbers per document, so the planner can count a step's loss tokens).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from dask.sizeof import sizeof
+
+from .. import runs
 
 TOKEN_DTYPE = np.int32
 NARROW_TOKEN_DTYPE = np.uint16
@@ -45,9 +49,11 @@ class SampleBlock:
     offsets: np.ndarray  # int64 [n_docs + 1], offsets[0] == 0
     sample_ids: np.ndarray  # int64 [n_docs]
     # multimodal: image patch tensors and where each image's placeholder tokens start in its document
-    images: np.ndarray | None = None  # [n_images, patches, patch_dim]
+    images: np.ndarray | None = None  # [n_patches, patch_dim]: every image's patches back to back
     image_offsets: np.ndarray | None = None  # int64 [n_docs + 1]: document i owns images image_offsets[i]:image_offsets[i+1]
     image_starts: np.ndarray | None = None  # int64 [n_images]: first placeholder token of the image inside its document
+    image_patches: np.ndarray | None = None  # int64 [n_images + 1]: image j is patches image_patches[j]:image_patches[j+1]
+    loss_mask: np.ndarray | None = None  # uint8 [total_tokens]: 0 where the loss ignores the token as a target; None: all trained
 
     def __post_init__(self) -> None:
         # a block lives on its worker while steps draw from it, and is copied to every worker
@@ -67,9 +73,16 @@ class SampleBlock:
         if self.images is not None:
             self.image_offsets = np.ascontiguousarray(self.image_offsets, dtype=np.int64)
             self.image_starts = np.ascontiguousarray(self.image_starts, dtype=np.int64)
-            if self.image_offsets.shape != (n + 1,) or self.image_offsets[-1] != len(self.images) or len(self.image_starts) != len(self.images):
-                raise ValueError(f"source {self.source!r}: inconsistent images (image_offsets shape={self.image_offsets.shape}, "
-                                 f"images={len(self.images)}, image_starts={len(self.image_starts)})")
+            self.image_patches = np.ascontiguousarray(self.image_patches, dtype=np.int64)
+            n_img = len(self.image_starts)
+            if (self.images.ndim != 2 or self.image_offsets.shape != (n + 1,) or self.image_offsets[-1] != n_img
+                    or self.image_patches.shape != (n_img + 1,) or self.image_patches[-1] != len(self.images)):
+                raise ValueError(f"source {self.source!r}: inconsistent images (images shape={self.images.shape}, image_offsets shape="
+                                 f"{self.image_offsets.shape}, image_starts={n_img}, image_patches shape={self.image_patches.shape})")
+        if self.loss_mask is not None:
+            self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
+            if self.loss_mask.shape != self.tokens.shape:
+                raise ValueError(f"source {self.source!r}: loss mask of shape {self.loss_mask.shape} for {len(self.tokens)} tokens")
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -81,29 +94,40 @@ class SampleBlock:
             return parts[0]
         shift = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
         offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shift)])
-        images = image_offsets = image_starts = None
+        images = image_offsets = image_starts = image_patches = mask = None
         if parts[0].images is not None:
-            ishift = np.cumsum([0] + [len(p.images) for p in parts[:-1]])
+            ishift = np.cumsum([0] + [len(p.image_starts) for p in parts[:-1]])
+            pshift = np.cumsum([0] + [len(p.images) for p in parts[:-1]])
             images = np.concatenate([p.images for p in parts])
             image_offsets = np.concatenate([parts[0].image_offsets[:1]] + [p.image_offsets[1:] + s for p, s in zip(parts, ishift)])
             image_starts = np.concatenate([p.image_starts for p in parts])
+            image_patches = np.concatenate([parts[0].image_patches[:1]] + [p.image_patches[1:] + s for p, s in zip(parts, pshift)])
+        if any(p.loss_mask is not None for p in parts):
+            mask = np.concatenate([p.loss_mask if p.loss_mask is not None else np.ones(len(p.tokens), np.uint8) for p in parts])
         return cls(parts[0].source, np.concatenate([p.tokens for p in parts]), offsets, np.concatenate([p.sample_ids for p in parts]),
-                   images, image_offsets, image_starts)
+                   images, image_offsets, image_starts, image_patches, mask)
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.images is None else self.images.nbytes + self.image_offsets.nbytes + self.image_starts.nbytes
+        extra = 0 if self.images is None else (self.images.nbytes + self.image_offsets.nbytes + self.image_starts.nbytes
+                                               + self.image_patches.nbytes)
+        extra += 0 if self.loss_mask is None else self.loss_mask.nbytes
         return self.tokens.nbytes + self.offsets.nbytes + self.sample_ids.nbytes + extra
-
-    @property
-    def patches_per_image(self) -> int:
-        return 0 if self.images is None else int(self.images.shape[1])
 
     def vision_tokens(self) -> np.ndarray | None:
         """Image tokens per document (None for a text-only block)."""
         if self.images is None:
             return None
-        return np.diff(self.image_offsets) * self.patches_per_image
+        per_doc = self.image_patches[self.image_offsets]  # patches before each document's first image
+        return np.diff(per_doc)
+
+    def masked_runs(self) -> np.ndarray | None:
+        """The tokens the loss ignores, as runs: int64 ``[n_docs + 1 + 2·runs]``, first each
+        document's offset into the run list, then ``(start, stop)`` per run, in the document's
+        own positions. None when every token is trained."""
+        if self.loss_mask is None or self.loss_mask.all():
+            return None
+        return runs.encode(self.loss_mask, self.offsets)
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets).astype(np.int64)

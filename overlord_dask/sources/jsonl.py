@@ -235,8 +235,8 @@ def _parse(source: Source, unit: LoadUnit, records: bytes, line_of) -> pa.Table:
     field the plan reads."""
     if not records:
         return _empty(source)
-    if source.prepare:
-        opts = pj.ParseOptions(newlines_in_values=False)
+    if source.prepare or source.messages_field or source.labels_field or source.loss_mask_field:
+        opts = pj.ParseOptions(newlines_in_values=False)  # every key, types inferred (messages may carry more than role and content)
     else:
         field = pa.field(source.text_field, pa.string()) if source.text_field else pa.field(source.tokens_field, pa.list_(pa.int64()))
         opts = pj.ParseOptions(explicit_schema=pa.schema([field]), unexpected_field_behavior="ignore")
@@ -252,6 +252,8 @@ def _parse(source: Source, unit: LoadUnit, records: bytes, line_of) -> pa.Table:
 def _empty(source: Source) -> pa.Table:
     if source.text_field:
         return pa.table({source.text_field: pa.array([], pa.string())})
+    if source.messages_field:
+        return pa.table({source.messages_field: pa.array([], pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))})
     return pa.table({source.tokens_field: pa.array([], pa.list_(pa.int64()))})
 
 

@@ -16,17 +16,28 @@ import pyarrow.compute as pc
 from ..errors import SourceError
 from ..plan.base import import_callable
 from ..plan.models import Plan, Source
+from ..logs import event
 from .blocks import SampleBlock, check_tokens
-from .images import decode_images, with_image_tokens
-from .tokenizers import resolve_tokenizer
+from .documents import Bad, chat_documents, emptied, take_placeholders, placeholder_pattern, token_documents, with_boundaries
+from .images import decode_images, processor_of, with_image_tokens
+from .tokenizers import TokenizerError, image_token_id, load_tokenizer
 from .units import LoadUnit
 
 ROW = "_row"  # the column a batch prepare step keeps: each row's position in the unit
 
 
 def fields(source: Source) -> list[str]:
-    """The columns a record source's plan reads: its text or tokens, and its images and their positions."""
-    return [source.text_field or source.tokens_field] + ([source.images_field, source.image_positions_field] if source.images_field else [])
+    """The columns a record source's plan reads: its text, chat or tokens (and labels or mask), and
+    its images and their positions."""
+    main = [source.text_field or source.tokens_field or source.messages_field]
+    main += [f for f in (source.labels_field, source.loss_mask_field) if f]
+    if source.images_field:
+        main += [source.images_field] + ([] if source.image_placeholders else [source.image_positions_field])
+    return main
+
+
+def _is_list(typ, value) -> bool:
+    return (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and value(typ.value_type)
 
 
 def check_schema(source: Source, where: str, schema: pa.Schema) -> None:
@@ -37,43 +48,114 @@ def check_schema(source: Source, where: str, schema: pa.Schema) -> None:
             raise SourceError(f"source {source.name!r}: column {col!r} not found in {where}; available columns: {schema.names}")
     if source.images_field:
         typ = schema.field(source.images_field).type
-        if not ((pa.types.is_list(typ) or pa.types.is_large_list(typ)) and (pa.types.is_binary(typ.value_type) or pa.types.is_large_binary(typ.value_type))):
+        if not _is_list(typ, lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)):
             raise SourceError(f"source {source.name!r}: images_field {source.images_field!r} in {where} has type {typ}, expected list<binary> of encoded images")
-        typ = schema.field(source.image_positions_field).type
-        if not ((pa.types.is_list(typ) or pa.types.is_large_list(typ)) and pa.types.is_integer(typ.value_type)):
-            raise SourceError(f"source {source.name!r}: image_positions_field {source.image_positions_field!r} in {where} has type {typ}, expected list<int>")
+        if not source.image_placeholders:
+            typ = schema.field(source.image_positions_field).type
+            if not _is_list(typ, pa.types.is_integer):
+                raise SourceError(f"source {source.name!r}: image_positions_field {source.image_positions_field!r} in {where} has type {typ}, expected list<int>")
+    if source.messages_field:
+        typ = schema.field(source.messages_field).type
+        if not (_is_list(typ, pa.types.is_struct) or pa.types.is_null(typ)):
+            raise SourceError(f"source {source.name!r}: messages_field {source.messages_field!r} in {where} has type {typ}, "
+                              "expected a list of {role, content} messages")
+        return
+    ints = lambda t: pa.types.is_integer(t) or pa.types.is_null(t) or pa.types.is_boolean(t)  # noqa: E731
+    for name in [f for f in (source.labels_field, source.loss_mask_field) if f]:
+        typ = schema.field(name).type
+        if not (_is_list(typ, ints) or pa.types.is_null(typ)):
+            raise SourceError(f"source {source.name!r}: {name!r} in {where} has type {typ}, expected list<int>")
     name = source.text_field or source.tokens_field
     typ = schema.field(name).type
     if source.text_field:
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
             raise SourceError(f"source {source.name!r}: text_field {name!r} in {where} has type {typ}, expected string")
-    elif not ((pa.types.is_list(typ) or pa.types.is_large_list(typ)) and (pa.types.is_integer(typ.value_type) or pa.types.is_null(typ.value_type))
-              or pa.types.is_null(typ)):
+    elif not (_is_list(typ, lambda t: pa.types.is_integer(t) or pa.types.is_null(t)) or pa.types.is_null(typ)):
         raise SourceError(f"source {source.name!r}: tokens_field {name!r} in {where} has type {typ}, expected list<int32|int64>")
 
 
 def to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tuple[SampleBlock, int]:
     """The unit's block from its records (``table``, in file order), and how many records its
-    prepare steps dropped."""
+    prepare steps dropped or were dropped as bad (``on_bad_record: drop``)."""
+    try:
+        return _to_block(source, plan, unit, table)
+    except TokenizerError as err:
+        raise SourceError(f"source {source.name!r}: {err}") from None
+
+
+def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tuple[SampleBlock, int]:
     n = table.num_rows
     kept = np.arange(n)
     if source.prepare:
         table, kept = prepare(source, table, unit)
     check_schema(source, unit.describe(), table.schema)
-    col = table.column(source.text_field or source.tokens_field).combine_chunks()
-    if source.text_field:
-        if pa.types.is_null(col.type):
-            col = col.cast(pa.string())
-        tokens, offsets = resolve_tokenizer(source.tokenizer, plan.base_dir)(col)
-    else:
-        offsets, values = _list_parts(col)
-        tokens = values.to_numpy(zero_copy_only=False) if len(values) else np.zeros(0, np.int64)
-    offsets = _in_place(np.asarray(offsets, dtype=np.int64), kept, n)
     ids = np.arange(unit.first_id, unit.first_id + n, dtype=np.int64)
-    dropped = n - len(kept)
+    bad = Bad()
+    patches = None
+    if source.images_field:
+        img_off, encoded = _list_parts(table.column(source.images_field).combine_chunks())
+        doc_of = np.repeat(np.arange(len(kept)), np.diff(img_off))
+        patches, errors = decode_images(encoded.to_pylist(), processor_of(source, plan.base_dir),
+                                        lambda i: f"image {int(i - img_off[doc_of[i]])} of the record")
+        for i, msg in errors.items():
+            bad.setdefault(int(doc_of[i]), msg)
+    mask = None
+    if source.text_field or source.messages_field:
+        loaded = _tokenizer(source, plan)
+        col = table.column(source.text_field or source.messages_field).combine_chunks()
+        if source.text_field:
+            tokens, offsets = loaded.tok.encode_array(col.cast(pa.string()) if pa.types.is_null(col.type) else col)
+        else:
+            tokens, offsets, mask = chat_documents(source, loaded, plan.base_dir, col, bad)
+    else:
+        try:
+            tokens, offsets, mask = token_documents(source, table, _list_parts)
+        except ValueError as err:
+            raise SourceError(f"source {source.name!r}: {unit.describe()}: {err}") from None
+    tokens = check_tokens(source.name, tokens, narrow=False)
+    positions = None
+    if source.images_field:
+        if source.image_placeholders:
+            tokens, offsets, mask, per_doc, positions = take_placeholders(tokens, offsets, mask, placeholder_pattern(_tokenizer(source, plan), source.name))
+            pos_doc = np.repeat(np.arange(len(kept)), per_doc)
+            for row in np.flatnonzero(per_doc != np.diff(img_off)).tolist():
+                bad.setdefault(row, f"the record has {int(np.diff(img_off)[row])} images but {int(per_doc[row])} "
+                                    f"{_tokenizer(source, plan).spec.image_token!r} placeholders")
+        else:
+            pos_off, pos = _list_parts(table.column(source.image_positions_field).combine_chunks())
+            positions = pos.to_numpy(zero_copy_only=False).astype(np.int64)
+            pos_doc = np.repeat(np.arange(len(kept)), np.diff(pos_off))
+            for row in np.flatnonzero(np.diff(img_off) != np.diff(pos_off)).tolist():
+                raise SourceError(f"{unit.describe()}: row {unit.start + kept[row]} (sample id {ids[kept[row]]}) has {img_off[row + 1] - img_off[row]} "
+                                  f"images but {pos_off[row + 1] - pos_off[row]} image positions")
+    if source.text_field or source.messages_field:
+        bos, eos = _tokenizer(source, plan).document_boundaries(source.add_bos, source.add_eos, bool(source.messages_field), source.name)
+        tokens, offsets, mask, positions = with_boundaries(tokens, offsets, mask, bos, eos, positions)
+    if bad:
+        _bad_records(source, plan, unit, bad, kept, ids)
+        tokens, offsets, mask = emptied(tokens, offsets, mask, sorted(bad))
+    dropped = n - len(kept) + len(bad)
+    offsets = _in_place(np.asarray(offsets, dtype=np.int64), kept, n)
     if not source.images_field:
-        return SampleBlock(source.name, tokens, offsets, ids), dropped
-    return _with_images(source, unit, table, kept, n, check_tokens(source.name, tokens), offsets, ids), dropped
+        return SampleBlock(source.name, tokens, offsets, ids, loss_mask=mask), dropped
+    good = np.isin(np.arange(len(kept)), list(bad), invert=True)  # a bad record's images go with it
+    keep_img = np.repeat(good, np.diff(img_off))
+    img_off = _in_place(np.concatenate([[0], np.cumsum(np.diff(img_off) * good)]).astype(np.int64), kept, n)
+    return with_image_tokens(source.name, image_token_id(source, plan), unit.describe(), tokens, offsets, ids,
+                             [p for p, k in zip(patches, keep_img) if k], img_off, positions[good[pos_doc]], mask), dropped
+
+
+def _tokenizer(source: Source, plan: Plan):
+    return load_tokenizer(plan.tokenizer_of(source), plan.base_dir)
+
+
+def _bad_records(source: Source, plan: Plan, unit: LoadUnit, bad: Bad, kept, ids) -> None:
+    """Stop at the first bad record (``on_bad_record: error``), naming it; else log them."""
+    row = min(bad)
+    what = f"{unit.describe()}: record {unit.start + int(kept[row])} (sample id {int(ids[kept[row]])}): {bad[row]}"
+    if source.on_bad_record == "error":
+        raise SourceError(what + " (on_bad_record: drop keeps it as an empty document instead)")
+    event("bad_records", plan.name, source=source.name, unit=unit.describe(), count=len(bad), first=what)
 
 
 def _in_place(offsets: np.ndarray, kept: np.ndarray, n: int) -> np.ndarray:
@@ -141,18 +223,3 @@ def _list_parts(col: pa.Array) -> tuple[np.ndarray, pa.Array]:
         col = pc.fill_null(col, pa.scalar([], type=col.type))
     offs = np.asarray(col.offsets, dtype=np.int64)
     return offs - offs[0], col.values.slice(int(offs[0]), int(offs[-1] - offs[0]))
-
-
-def _with_images(source: Source, unit: LoadUnit, table: pa.Table, kept, n, tokens, offsets, ids) -> SampleBlock:
-    img_off, encoded = _list_parts(table.column(source.images_field).combine_chunks())
-    pos_off, positions = _list_parts(table.column(source.image_positions_field).combine_chunks())
-    if not np.array_equal(img_off, pos_off):
-        bad = int(np.flatnonzero(np.diff(img_off) != np.diff(pos_off))[0])
-        raise SourceError(f"{unit.describe()}: row {unit.start + kept[bad]} (sample id {ids[kept[bad]]}) has {img_off[bad + 1] - img_off[bad]} "
-                          f"images but {pos_off[bad + 1] - pos_off[bad]} image positions")
-    img_off = _in_place(img_off, kept, n)
-    doc_of = np.repeat(np.arange(n), np.diff(img_off))
-    images = decode_images(encoded.to_pylist(), source.image_size, source.patch_size,
-                           lambda i: f"{unit.describe()}: image {int(i - img_off[doc_of[i]])} of sample id {ids[doc_of[i]]}")
-    return with_image_tokens(source, unit.describe(), tokens, offsets, ids, images, img_off,
-                             positions.to_numpy(zero_copy_only=False).astype(np.int64))

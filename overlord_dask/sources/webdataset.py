@@ -80,7 +80,7 @@ class WebDatasetFormat(Format):
 
     def read(self, source: Source, plan: Plan, unit: LoadUnit) -> pa.Table:
         fs, _ = source_fs(source, plan.base_dir)
-        field = source.text_field or source.tokens_field
+        field = source.text_field or source.tokens_field or source.messages_field
         image_exts = source.images_exts
         rows = []
         try:
@@ -102,14 +102,29 @@ def _record(source: Source, unit: LoadUnit, key: str, members: dict, image_exts:
                 rec[ext] = data.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise SourceError(f"{unit.describe()}: member {key}.{ext} is not UTF-8 text: {err}") from None
-        elif ext == source.tokens_field:
+        elif ext in (source.tokens_field, source.labels_field, source.loss_mask_field):
             rec[ext] = _ids(data, ext, f"{unit.describe()}: member {key}.{ext}")
+        elif ext == source.messages_field:
+            rec[ext] = _messages(data, f"{unit.describe()}: member {key}.{ext}")
         else:
             rec[ext] = data
     if image_exts:
         rec[source.images_field] = [members[e] for e in members if e in image_exts]
         rec[source.image_positions_field] = [0] * len(rec[source.images_field])
     return rec
+
+
+def _messages(data: bytes, where: str) -> list:
+    """A chat member: a JSON list of messages, or an object with one under ``messages``."""
+    try:
+        value = json.loads(data)
+    except ValueError as err:
+        raise SourceError(f"{where}: not JSON: {err}") from None
+    if isinstance(value, dict):
+        value = value.get("messages")
+    if not isinstance(value, list):
+        raise SourceError(f"{where}: expected a JSON list of messages (or an object with 'messages'), got {type(value).__name__}")
+    return value
 
 
 def _ids(data: bytes, ext: str, where: str) -> list[int]:
@@ -132,16 +147,24 @@ def _table(source: Source, rows: list[dict]) -> pa.Table:
     for r in rows:
         for k in r:
             cols.setdefault(k, None)
-    field = source.text_field or source.tokens_field
+    field = source.text_field or source.tokens_field or source.messages_field
     types = {field: pa.string() if source.text_field else pa.list_(pa.int64())}
+    if source.messages_field:
+        types = {field: None}  # inferred: messages may carry more than role and content
+    for name in (source.labels_field, source.loss_mask_field):
+        if name:
+            types[name] = pa.list_(pa.int64())
     if source.images_field:
         types[source.images_field] = pa.list_(pa.binary())
         types[source.image_positions_field] = pa.list_(pa.int64())
     out = {}
     for k in list(cols) + [k for k in types if k not in cols]:
         values = [r.get(k) for r in rows]
+        if k == source.messages_field:
+            out[k] = pa.array(values) if any(v is not None for v in values) else pa.array(values, pa.list_(pa.struct([("role", pa.string())])))
+            continue
         typ = types.get(k)
         if typ is None:
             typ = pa.string() if all(v is None or isinstance(v, str) for v in values) else pa.binary()
         out[k] = pa.array(values, type=typ)
-    return pa.table(out) if out else pa.table({field: pa.array([], types[field])})
+    return pa.table(out) if out else pa.table({field: pa.array([], types[field] or pa.list_(pa.struct([("role", pa.string())])))})

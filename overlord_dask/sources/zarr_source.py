@@ -23,6 +23,7 @@ from .blocks import SampleBlock, check_tokens
 from .formats import Format
 from .fs import source_fs, source_url
 from .images import with_image_tokens
+from .tokenizers import image_token_id
 from .units import LoadUnit
 
 
@@ -158,4 +159,5 @@ def _load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
     tokens = check_tokens(source.name, tokens)  # before the image placeholders are inserted
     if not source.images_field:
         return SampleBlock(source.name, tokens, offsets, ids)
-    return with_image_tokens(source, unit.describe(), tokens, offsets, ids, images, img_off - img_off[0], positions)
+    return with_image_tokens(source.name, image_token_id(source, plan), unit.describe(), tokens, offsets, ids, list(images),
+                             img_off - img_off[0], positions)

@@ -10,7 +10,12 @@
   of every piece and on padding, so the model's own shift never predicts across documents. A
   split piece's last token then has no target (the next token is in another micro-batch). Not
   for context parallelism, where each rank holds slices of a sequence.
-- ``loss_mask=True`` adds ``loss_mask`` (float32, 1 where ``labels`` is not ``-100``).
+
+In both conventions a token the loss ignores (a prompt turn of a chat source, a masked label) has
+label ``-100``.
+- ``loss_mask=True`` adds ``loss_mask`` (float32, 1 where ``labels`` is not ``-100``); the
+  default (None) adds it where the plan has sources whose loss ignores some tokens (chat turns,
+  masked labels), which the batch says (``loss_masks``).
 - ``batch_dim=True`` gives ``input_ids``, ``labels``, ``position_ids`` (and ``loss_mask``) the
   shape ``[1, C]`` that batch-first models take; ``cu_seqlens`` stays flat.
 
@@ -38,8 +43,10 @@ def check_options(labels: str, cp: int) -> None:
                          "slices of each sequence: use labels='shifted'")
 
 
-def shape(batch: dict, *, labels: str = "shifted", loss_mask: bool = False, batch_dim: bool = False) -> dict:
+def shape(batch: dict, *, labels: str = "shifted", loss_mask: bool | None = None, batch_dim: bool = False) -> dict:
     """``batch`` (a decoded step, numpy) as the trainer asked for it."""
+    if loss_mask is None:
+        loss_mask = bool(batch.get("loss_masks"))
     counts = batch.get("loss_tokens")
     step_tokens = None if counts is None else int(counts[LABELS.index(labels)])
     return {**batch, "micro_batches": [_micro_batch(mb, labels, loss_mask, batch_dim, step_tokens) for mb in batch["micro_batches"]]}
@@ -51,10 +58,10 @@ def _micro_batch(mb: dict, labels: str, loss_mask: bool, batch_dim: bool, step_t
     out["max_seqlen"] = int(np.diff(cu).max()) if len(cu) > 1 else 0
     if step_tokens is not None:
         out["step_loss_tokens"] = step_tokens
-    if labels == "hf":
-        ids, n = mb["input_ids"], int(mb["num_tokens"])
-        lab = np.full(len(ids), IGNORE_INDEX, dtype=mb["labels"].dtype)
-        lab[:n] = ids[:n]
+    if labels == "hf":  # the shifted labels moved one to the right: the token itself, or -100 where it is no target
+        shifted, n = mb["labels"], int(mb["num_tokens"])
+        lab = np.full(len(shifted), IGNORE_INDEX, dtype=shifted.dtype)
+        lab[1:n] = shifted[: max(n - 1, 0)]
         lab[cu[:-1].astype(np.intp)] = IGNORE_INDEX
         out["labels"] = lab
     if loss_mask:

@@ -35,7 +35,7 @@ class OverlordDataset(IterableDataset):
 
     def __init__(self, address: str, rank: int | None = None, dp: int | None = None, *, device_mesh=None,
                  dp_dims: tuple[str, ...] | None = None, cp_dim: str = "cp", cp_rank: int | None = None, replica: int | None = None,
-                 labels: str = "shifted", loss_mask: bool = False, batch_dim: bool = False, timeout: float = 600.0,
+                 labels: str = "shifted", loss_mask: bool | None = None, batch_dim: bool = False, timeout: float = 600.0,
                  prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False,
                  reconnect_timeout: float = 120.0):
         super().__init__()

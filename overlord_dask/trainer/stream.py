@@ -78,7 +78,7 @@ class RankStream:
 
     def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, replica: int = 0,
                  timeout: float = 600.0, as_torch: bool = False, prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30,
-                 pin_memory: bool = False, reconnect_timeout: float = 120.0, labels: str = "shifted", loss_mask: bool = False,
+                 pin_memory: bool = False, reconnect_timeout: float = 120.0, labels: str = "shifted", loss_mask: bool | None = None,
                  batch_dim: bool = False):
         self._where = address  # an address, or a scheduler file read again on every reconnect
         self._address = resolve_address(address)

@@ -16,6 +16,8 @@ to the token capacity so every micro-batch has the same shape:
   first token's offset in the document, exact even when the piece size changed between stages);
   ``epochs`` int32 [n]
 - ``num_tokens``  int        real (non-padding) tokens
+- a plan with loss masks (chat turns, masked labels): ``labels`` are also ``-100`` where the
+  target token is masked (the wire carries the mask as bits, ``wire.py``)
 - multimodal runs also get, per image patch in the micro-batch (one placeholder token each):
   ``image_patches`` [n_patches, patch_dim] (the source's dtype), ``image_positions`` int32
   [n_patches] (the placeholder's position in ``input_ids``) and ``patch_index`` int32
@@ -43,7 +45,7 @@ from .. import pieces as P
 from ..protocol import block_key
 from ..sources.blocks import SampleBlock
 from ..vocab import PAD_ID
-from ..wire import DTYPES, IGNORE_INDEX, encode_batch, narrow, nbytes, pack_batch, piece_table
+from ..wire import DTYPES, IGNORE_INDEX, encode_batch, narrow, nbytes, pack_batch, pack_mask, piece_table
 
 
 class _Gathered:
@@ -51,7 +53,7 @@ class _Gathered:
     piece boundaries, each piece's next token in its document (``IGNORE_INDEX`` after a
     document's last token), the per-piece identity arrays and the image patches."""
 
-    __slots__ = ("tokens", "cu", "nexts", "meta", "images")
+    __slots__ = ("tokens", "cu", "nexts", "meta", "images", "mask")
 
 
 def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool) -> _Gathered:
@@ -65,7 +67,7 @@ def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens:
     if n and cu[-1] > capacity:
         k = int(np.argmax(cu[1:] > capacity))
         raise ValueError(f"micro-batch over capacity: {int(cu[k + 1])} > {capacity} tokens (planner bug)")
-    parts, nexts, sample_ids = [], np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    parts, masks, nexts, sample_ids = [], [], np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     patches, patch_pos, patch_idx = [], [], []
     by_unit: dict[tuple, SampleBlock] = {}
     for k, (src, epoch, unit, doc, start, stop) in enumerate(rows.tolist()):
@@ -74,12 +76,18 @@ def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens:
             block = by_unit[(src, epoch, unit)] = blocks[block_key(src, epoch, unit)]
         if block.images is not None:
             _image_patches(block, doc, start, stop, int(cu[k]), patches, patch_pos, patch_idx)
-        toks = block.doc(doc)
-        parts.append(toks[start:stop])
-        nexts[k] = toks[stop] if stop < len(toks) else IGNORE_INDEX
+        d0, d1 = int(block.offsets[doc]), int(block.offsets[doc + 1])
+        parts.append(block.tokens[d0 + start : d0 + stop])
+        after = d0 + stop
+        has_next = after < d1 and (block.loss_mask is None or block.loss_mask[after])
+        nexts[k] = block.tokens[after] if has_next else IGNORE_INDEX
+        masks.append(None if block.loss_mask is None else block.loss_mask[d0 + start : after])
         sample_ids[k] = block.sample_ids[doc]
     g = _Gathered()
     g.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    g.mask = None
+    if any(m is not None for m in masks):
+        g.mask = np.concatenate([m if m is not None else np.ones(len(p), np.uint8) for p, m in zip(parts, masks)])
     g.cu, g.nexts = cu.astype(np.int32), nexts
     g.meta = {
         "sample_ids": sample_ids,
@@ -90,7 +98,7 @@ def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens:
     }
     g.images = None
     if multimodal:
-        dims = [b.images.shape[2:] for b in blocks.values() if b.images is not None]
+        dims = [b.images.shape[1:] for b in blocks.values() if b.images is not None]
         dtype = next((b.images.dtype for b in blocks.values() if b.images is not None), np.uint8)
         g.images = {
             "image_patches": np.concatenate(patches) if patches else np.zeros((0,) + (dims[0] if dims else (0,)), dtype=dtype),
@@ -100,14 +108,17 @@ def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens:
     return g
 
 
-def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False) -> dict:
-    """The packed micro-batch of the module docstring, padded to ``capacity``."""
+def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False,
+                     pad_id: int = PAD_ID) -> dict:
+    """The packed micro-batch of the module docstring, padded to ``capacity`` with ``pad_id``."""
     g = _gather(pieces, blocks, capacity, piece_tokens, multimodal)
     n = int(g.cu[-1])
-    input_ids = np.full(capacity, PAD_ID, dtype=np.int32)
+    input_ids = np.full(capacity, pad_id, dtype=np.int32)
     input_ids[:n] = g.tokens
     labels = np.full(capacity, IGNORE_INDEX, dtype=np.int32)
     labels[: max(n - 1, 0)] = input_ids[1:n]  # the next token inside a piece ...
+    if g.mask is not None and n > 1:
+        labels[: n - 1][g.mask[1:n] == 0] = IGNORE_INDEX  # ... unless the loss ignores it
     if len(g.cu) > 1:
         labels[g.cu[1:] - 1] = g.nexts  # ... and at a piece's end, its document's (or -100)
     position_ids = np.arange(capacity, dtype=np.int32)
@@ -126,6 +137,8 @@ def wire_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
     g = _gather(pieces, blocks, capacity, piece_tokens, multimodal)
     n = int(g.cu[-1])
     out = {"capacity": capacity, "tokens": narrow(g.tokens), "pieces": piece_table(np.diff(g.cu), g.nexts, g.meta), "num_tokens": n}
+    if g.mask is not None and not g.mask.all():
+        out["mask"] = pack_mask(g.mask)
     if g.images is not None:
         out.update({k: narrow(v) if k in DTYPES else v for k, v in g.images.items()})
     return out
@@ -133,26 +146,25 @@ def wire_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
 
 def _image_patches(block: SampleBlock, doc: int, start: int, stop: int, pos: int, patches, patch_pos, patch_idx) -> None:
     """The patches of document ``doc``'s images whose placeholder tokens lie in [start, stop)."""
-    P = block.patches_per_image
     for i in range(int(block.image_offsets[doc]), int(block.image_offsets[doc + 1])):
-        s0 = int(block.image_starts[i])
-        a, b = max(s0, start), min(s0 + P, stop)
+        s0, p0 = int(block.image_starts[i]), int(block.image_patches[i])
+        a, b = max(s0, start), min(s0 + int(block.image_patches[i + 1]) - p0, stop)
         if a < b:
-            patches.append(block.images[i, a - s0 : b - s0])
+            patches.append(block.images[p0 + a - s0 : p0 + b - s0])
             patch_pos.append(pos + (a - start) + np.arange(b - a))
             patch_idx.append(np.arange(a - s0, b - s0))
 
 
 def build_rank_batch(step: int, rank: int, micro_batches: list, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int,
-                     cp: int = 1, cp_split_tokens: int | None = None, multimodal: bool = False) -> dict:
+                     cp: int = 1, cp_split_tokens: int | None = None, multimodal: bool = False, pad_id: int = PAD_ID) -> dict:
     """Every micro-batch of ``rank`` for ``step``, padded (:func:`pack_micro_batch`); with
     ``cp > 1`` each micro-batch also carries its ``cp`` context-parallel slices (``"cp"``).
     :func:`build_chunk` uses it for context-parallel chunks, whose slices are cut from the
     padded form."""
-    mbs = [pack_micro_batch(mb, blocks, capacity, piece_tokens, multimodal) for mb in micro_batches]
+    mbs = [pack_micro_batch(mb, blocks, capacity, piece_tokens, multimodal, pad_id) for mb in micro_batches]
     if cp > 1:
         for mb in mbs:
-            mb["cp"] = cp_slices(mb, cp, cp_split_tokens or 2 * cp)
+            mb["cp"] = cp_slices(mb, cp, cp_split_tokens or 2 * cp, pad_id)
     return {"step": step, "rank": rank, "micro_batches": mbs}
 
 
@@ -243,7 +255,8 @@ def _sizeof_chunk(chunk: BuiltChunk) -> int:
     return chunk.nbytes + 200
 
 
-def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict[str, SampleBlock], capacity: int) -> dict[int, dict[int, dict]]:
+def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict[str, SampleBlock], capacity: int,
+               pad_id: int = PAD_ID, loss_masks: bool = False) -> dict[int, dict[int, dict]]:
     """Every (step, rank) batch of a text-only chunk in wire form, built for the whole chunk at
     once: what :func:`wire_micro_batch` makes for each micro-batch (tested equal once decoded),
     without its fixed cost per micro-batch.
@@ -283,7 +296,7 @@ def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict
     nexts = np.empty(n, dtype=np.int64)
     sample_ids = np.empty(n, dtype=np.int64)
     ukey, uinv = P.unique_rows(P.units(rows), return_inverse=True)
-    block_of: list[np.ndarray] = []
+    block_of: list[SampleBlock] = []
     by_block = np.argsort(uinv, kind="stable")
     bb = np.searchsorted(uinv[by_block], np.arange(len(ukey) + 1))
     for j, (s, e, u) in enumerate(ukey.tolist()):
@@ -294,12 +307,19 @@ def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict
         a[sel] = d0 + start[sel]
         after = d0 + stop[sel]
         has_next = after < d1
+        if block.loss_mask is not None:  # the loss ignores a masked next token
+            has_next[has_next] = block.loss_mask[after[has_next]] != 0
         nx = np.full(len(sel), IGNORE_INDEX, dtype=np.int64)
         nx[has_next] = block.tokens[after[has_next]]
         nexts[sel], sample_ids[sel] = nx, block.sample_ids[d]
-        block_of.append(block.tokens)
-    toks = [block_of[j][x : x + m] for j, x, m in zip(uinv.tolist(), a.tolist(), lens.tolist())]  # the one loop per piece
+        block_of.append(block)
+    tok_of = [b.tokens for b in block_of]
+    toks = [tok_of[j][x : x + m] for j, x, m in zip(uinv.tolist(), a.tolist(), lens.tolist())]  # the one loop per piece
     tokens = narrow(np.concatenate(toks)) if toks else np.zeros(0, dtype=np.uint8)
+    mask = None
+    if any(b.loss_mask is not None for b in block_of):
+        mask = np.concatenate([block_of[j].loss_mask[x : x + m] if block_of[j].loss_mask is not None else np.ones(m, np.uint8)
+                               for j, x, m in zip(uinv.tolist(), a.tolist(), lens.tolist())])
     table = piece_table(lens, nexts, {"sample_ids": sample_ids, "source_ids": src, "chunk_ids": start // piece_tokens,
                                       "piece_starts": start, "epochs": epoch})
     tok_bounds = np.zeros(n_mb + 1, dtype=np.int64)
@@ -314,13 +334,16 @@ def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict
             for _ in range(micro_batches):
                 mbs.append({"capacity": capacity, "tokens": tokens[tb[k] : tb[k + 1]], "pieces": table[pb[k] : pb[k + 1]],
                             "num_tokens": tb[k + 1] - tb[k]})
+                if mask is not None and not mask[tb[k] : tb[k + 1]].all():
+                    mbs[-1]["mask"] = pack_mask(mask[tb[k] : tb[k + 1]])
                 k += 1
             per_rank[rank] = {"step": sp["step"], "rank": rank, "micro_batches": mbs, "loss_tokens": sp.get("loss_tokens")}
+            per_rank[rank].update(_plan_fields(pad_id, loss_masks))
     return out
 
 
 def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: int, blocks: dict[str, SampleBlock], capacity: int,
-                cp: int = 1, cp_split_tokens: int | None = None, multimodal: bool = False) -> BuiltChunk:
+                cp: int = 1, cp_split_tokens: int | None = None, multimodal: bool = False, pad_id: int = PAD_ID, loss_masks: bool = False) -> BuiltChunk:
     """One constructor task: consecutive ``steps`` (planner output, pieces of ranks
     ``[rank_lo, rank_hi)``) for those ranks. The result stays on the worker until every rank
     acknowledged its last step; trainers fetch their (step, rank) batches from it directly
@@ -330,19 +353,25 @@ def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: in
     ranks = range(rank_lo, rank_hi)
     blocks = {k: unit_block(v) for k, v in blocks.items()}
     if cp == 1 and not multimodal:
-        return BuiltChunk(True, wire_chunk(steps, ranks, micro_batches, blocks, capacity))
+        return BuiltChunk(True, wire_chunk(steps, ranks, micro_batches, blocks, capacity, pad_id, loss_masks))
     out: dict[int, dict[int, dict]] = {}
     for sp in steps:
         per_rank = split_step(sp["pieces"], sp["slot"], ranks, micro_batches)
         out[sp["step"]] = {}
         for rank, mbs in zip(ranks, per_rank):
             if cp > 1:
-                batch = build_rank_batch(sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal)
+                batch = build_rank_batch(sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal, pad_id)
             else:
                 batch = {"step": sp["step"], "rank": rank, "micro_batches": [
                     wire_micro_batch(mb, blocks, capacity, sp["piece_tokens"], multimodal) for mb in mbs]}
-            out[sp["step"]][rank] = {**batch, "loss_tokens": sp.get("loss_tokens")}
+            out[sp["step"]][rank] = {**batch, "loss_tokens": sp.get("loss_tokens"), **_plan_fields(pad_id, loss_masks)}
     return BuiltChunk(cp == 1, out)
+
+
+def _plan_fields(pad_id: int, loss_masks: bool) -> dict:
+    """What a batch says of its plan, where it is not the default: the pad id, and that some
+    sources' loss ignores some tokens (the trainer then adds ``loss_mask`` unless told not to)."""
+    return {**({"pad_id": pad_id} if pad_id != PAD_ID else {}), **({"loss_masks": True} if loss_masks else {})}
 
 
 def zigzag_chunks(length: int, cp: int) -> np.ndarray:
@@ -353,7 +382,7 @@ def zigzag_chunks(length: int, cp: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(sizes)])
 
 
-def cp_slices(mb: dict, cp: int, split_tokens: int) -> list[dict]:
+def cp_slices(mb: dict, cp: int, split_tokens: int, pad_id: int = PAD_ID) -> list[dict]:
     """Cut a packed micro-batch into ``cp`` context-parallel slices.
 
     A piece of at least ``split_tokens`` tokens is cut into ``2·cp`` chunks and CP rank ``j`` gets
@@ -386,7 +415,7 @@ def cp_slices(mb: dict, cp: int, split_tokens: int) -> list[dict]:
         idx = np.concatenate([np.arange(a, b) for a, b, _, _ in segs[j]]) if segs[j] else np.zeros(0, np.int64)
         n = len(idx)
         sl = {
-            "input_ids": np.full(width, PAD_ID, dtype=np.int32),
+            "input_ids": np.full(width, pad_id, dtype=np.int32),
             "labels": np.full(width, IGNORE_INDEX, dtype=np.int32),
             "position_ids": np.arange(width, dtype=np.int32) - n,
             "cu_seqlens": np.concatenate([[0], np.cumsum([b - a for a, b, _, _ in segs[j]])]).astype(np.int32),

@@ -99,8 +99,9 @@ def report_lengths(run_id: str, source: str, epoch: int, unit: int, loaded: Load
     except ValueError:  # not inside a worker (a direct call): nobody to tell
         return
     block = loaded.block
-    vision = block.vision_tokens()
+    vision, masked = block.vision_tokens(), block.masked_runs()
     msg = lengths_report(run_id, source, epoch, unit, block.lengths().astype("<i8").tobytes(),
                          None if vision is None else vision.astype("<i8").tobytes(), seconds, block.nbytes,
-                         None if part is None else list(part), loaded.dropped, quarantined)
+                         None if part is None else list(part), loaded.dropped, quarantined,
+                         None if masked is None else masked.astype("<i8").tobytes())
     worker.loop.add_callback(worker.batched_send, msg)  # tasks run in a thread; the stream lives on the loop

@@ -14,6 +14,7 @@ from ...errors import PlanError
 from ...plan.models import CostModel
 from ...plan.schedule import Context
 from ... import pieces as P
+from ... import runs
 from ..cost import doc_costs
 from .stream import SourceStream
 
@@ -27,6 +28,8 @@ class StreamSet:
         self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by planned pieces
         # (source, epoch, unit) -> document lengths in file order, while planned pieces may reference the unit
         self.doc_lengths: dict[tuple[int, int, int], np.ndarray] = {}
+        # (source, epoch, unit) -> masked runs (``runs.py``) of units where the loss ignores some tokens, for as long
+        self.masked: dict[tuple[int, int, int], np.ndarray] = {}
 
     def add(self, name: str, first_ids) -> SourceStream:
         """A new source (at the next index), given its units' first sample ids."""
@@ -145,6 +148,39 @@ class StreamSet:
             cut += int(np.count_nonzero(mine[:, P.STOP] < self.doc_lengths[(i, e, u)][mine[:, P.DOC]]))
         return cut
 
+    def keep_lengths(self, key: tuple[int, int, int], lengths: np.ndarray, masked: np.ndarray | None) -> None:
+        """A unit's document lengths (and masked runs) for as long as planned pieces may reference it."""
+        self.doc_lengths[key] = np.asarray(lengths, dtype=np.int64)
+        if masked is not None:
+            self.masked[key] = np.asarray(masked, dtype=np.int64)
+
+    def loss_tokens(self, rows: np.ndarray) -> tuple[int, int]:
+        """Labels of a step's pieces that are not -100, as (shifted, hf) labels count them: per
+        piece its length less one, plus its last token's where the document goes on (shifted; HF
+        models shift themselves: the length less one), less the targets the loss ignores."""
+        n_tokens, n_pieces = int(P.lengths(rows).sum()), len(rows)
+        m_shifted, m_hf = self.masked_targets(rows)
+        return n_tokens - n_pieces + self.cut_pieces(rows) - m_shifted, n_tokens - n_pieces - m_hf
+
+    def masked_targets(self, rows: np.ndarray) -> tuple[int, int]:
+        """How many of the pieces' label targets the loss ignores, as (shifted, hf) labels count
+        them: a piece's shifted labels target its positions ``start + 1`` up to its stop (and the
+        document's next token past it), HF's those of ``start + 1 .. stop - 1``."""
+        if not self.masked or not len(rows):
+            return 0, 0
+        units, inverse = P.unique_rows(P.units(rows), return_inverse=True)
+        shifted = hf = 0
+        for k, (i, e, u) in enumerate(units.tolist()):
+            r = self.masked.get((i, e, u))
+            if r is None:
+                continue
+            mine = rows[inverse == k]
+            lens = self.doc_lengths[(i, e, u)]
+            docs, start, stop = mine[:, P.DOC], mine[:, P.START], mine[:, P.STOP]
+            shifted += int(runs.masked_in(r, len(lens), docs, start + 1, np.minimum(stop + 1, lens[docs])).sum())
+            hf += int(runs.masked_in(r, len(lens), docs, start + 1, stop).sum())
+        return shifted, hf
+
     def finished_units(self, in_use: list[np.ndarray]) -> list[list]:
         """Units the cursors have passed that no piece in ``in_use`` (planned rows not handed out
         yet) references: ``[source name, epoch, unit]`` whose blocks no later step needs."""
@@ -159,6 +195,7 @@ class StreamSet:
         for i, e, u in done:
             self.streams[i].vision.pop((e, u), None)
             self.doc_lengths.pop((i, e, u), None)
+            self.masked.pop((i, e, u), None)
         return [[self.names[i], e, u] for i, e, u in sorted(done)]
 
     # ---- ids ------------------------------------------------------------------------------------
