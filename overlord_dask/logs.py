@@ -1,9 +1,15 @@
-"""The service's logs: one structured line per notable event, and quiet for expected races.
+"""The service's logs: one structured record per notable event, and quiet for expected races.
 
-Events (logger ``overlord_dask.events``, INFO) are one line each, ``event=<name> run=<id>
-step=<n> key=value ...``, so that ``grep event=`` over a week of logs answers "when did the
+Events (logger ``overlord_dask.events``, INFO) carry their fields as data (``record.overlord``):
+``event``, ``run``, ``step`` where one applies, and ``source``, ``rank``, ``worker`` and others
+where they apply (``worker`` is added on a Dask worker). :func:`setup` writes them as logfmt
+(``ts=... level=info event=stage run=... step=1200 stage=long``, quoted as logfmt parsers read
+it) or as one JSON object per line, so that a query over a week of logs answers "when did the
 stage change, who rewound, which worker was lost": ``stage``, ``plan_update``,
-``snapshot_base``, ``worker_lost``, ``rank_rewind``, ``stop_requested``.
+``snapshot_base``, ``worker_lost``, ``rank_rewind``, ``stop_requested``, ``quarantine``,
+``bad_records``, ``code_changed``. ``overlord serve`` sets it up (``--log-format``); a library
+user calls ``overlord_dask.logs.setup()`` once, and ``Service.start`` passes the same setup to the
+cluster's workers.
 
 Shadow-copy races:
 
@@ -22,9 +28,13 @@ user asked for, not a fault, and it is dropped the same way.
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
+import time
 
 EVENTS = logging.getLogger("overlord_dask.events")
+FORMATS = ("logfmt", "json")
 
 RACES = ("Key lost during replication", "Could not find data", "failed to acquire keys")
 OURS = ("overlord-batch-", "overlord-load-")
@@ -52,10 +62,95 @@ def install() -> None:
             logger.addFilter(ShadowRaceFilter())
 
 
+def _worker() -> str | None:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except (ImportError, ValueError):
+        return None
+
+
 def event(name: str, run: str, step: int | None = None, **fields) -> None:
-    """Log one event line (values with spaces are quoted)."""
-    parts = [f"event={name}", f"run={run}"] + ([f"step={step}"] if step is not None else [])
-    for k, v in fields.items():
-        v = str(v)
-        parts.append(f"{k}={v!r}" if (" " in v or not v) else f"{k}={v}")
-    EVENTS.info(" ".join(parts))
+    """Log one event (its fields as data; the message is their logfmt line)."""
+    data = {"event": name, "run": run, **({"step": step} if step is not None else {}), **fields}
+    if "worker" not in data and (worker := _worker()) is not None:
+        data["worker"] = worker
+    EVENTS.info(logfmt(data), extra={"overlord": data})
+
+
+def logfmt_value(v) -> str:
+    """A value as logfmt writes it: bare where it can be, else double-quoted with escapes."""
+    text = v if isinstance(v, str) else json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+    if text and not any(c in text for c in ' "=\\') and text.isprintable():
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def logfmt(data: dict) -> str:
+    return " ".join(f"{k}={logfmt_value(v)}" for k, v in data.items())
+
+
+class LogfmtFormatter(logging.Formatter):
+    """``ts=<ISO time> level=<level> logger=<name>``, then an event's fields, or ``msg="..."``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        head = {"ts": _iso(record.created), "level": record.levelname.lower(), "logger": record.name}
+        data = getattr(record, "overlord", None)
+        out = logfmt({**head, **data}) if data is not None else logfmt({**head, "msg": record.getMessage()})
+        if record.exc_info:
+            out += " " + logfmt({"exc": self.formatException(record.exc_info)})
+        return out
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, then an event's fields or ``msg``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": _iso(record.created), "level": record.levelname.lower(), "logger": record.name}
+        data = getattr(record, "overlord", None)
+        out.update(data if data is not None else {"msg": record.getMessage()})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
+_HANDLER: dict = {}  # the handler setup() installed in this process, and its settings
+
+
+def setup(fmt: str = "logfmt", level: str | int = "INFO", stream=None) -> logging.Handler:
+    """Write the service's events (and its other ``overlord_dask`` log records) to ``stream``
+    (stderr) as ``logfmt`` or ``json``; idempotent (a second call replaces the first)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
+    root = logging.getLogger("overlord_dask")
+    if _HANDLER.get("handler") is not None:
+        root.removeHandler(_HANDLER["handler"])
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else LogfmtFormatter())
+    root.addHandler(handler)
+    root.setLevel(level)
+    EVENTS.setLevel(min(logging.INFO, root.level))
+    root.propagate = False  # once here, not again through a root handler
+    _HANDLER.update(handler=handler, fmt=fmt, level=level)
+    return handler
+
+
+def settings() -> dict | None:
+    """What :func:`setup` was called with in this process (None: not called)."""
+    return {"fmt": _HANDLER["fmt"], "level": _HANDLER["level"]} if _HANDLER.get("handler") is not None else None
+
+
+
+def reset() -> None:
+    """Undo :func:`setup`: ``overlord_dask`` records go to the root logger's handlers again."""
+    handler = _HANDLER.pop("handler", None)
+    if handler is not None:
+        root = logging.getLogger("overlord_dask")
+        root.removeHandler(handler)
+        root.propagate = True
+    _HANDLER.clear()

@@ -61,6 +61,11 @@ def two_d_transform(block):
     return SampleBlock(block.source, block.tokens.reshape(-1, 1), block.offsets, block.sample_ids)
 
 
+def two_d_in_place(block):
+    block.tokens = block.tokens.reshape(-1, 1)  # changed after the block checked itself
+    return block
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 def _plan(tmp_path, topology=None, loading=None, checkpoint=None, **src):
     d = {"sources": [{"name": "s", "weight": 1.0, **src}],
@@ -250,6 +255,32 @@ def case_attach_to_a_plain_scheduler(tmp_path, cluster):
     return str(exc.value)
 
 
+def case_attach_where_nothing_listens(tmp_path, cluster):
+    import socket
+
+    from overlord_dask import Service
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError) as exc:
+        Service.attach(f"tcp://127.0.0.1:{port}", timeout=3)
+    assert time.monotonic() - t0 < 10
+    return str(exc.value)
+
+
+def case_state_with_a_negative_step(tmp_path, cluster):
+    from overlord_dask import Service, connect
+
+    plan = _text_source(tmp_path, texts=["some text here"] * 300, topology={"dp": 1})
+    with Service.start(plan, cluster=cluster) as service, connect(service.address, 0, timeout=60) as stream:
+        state = stream.state_dict()
+        with pytest.raises(ValueError) as exc:
+            stream.load_state_dict({**state, "next_step": -1})
+    return str(exc.value)
+
+
 def case_dp_mismatch(tmp_path, cluster):
     from overlord_dask import Service, connect
 
@@ -401,6 +432,8 @@ CASES = {
     "tokenizer returns fewer documents than texts": (_loading_text_with(tokenizer=U + "too_few_docs", add_eos=False), r"returned 1 documents for 3 texts"),
     "tokenizer raises on undecodable bytes": (_loading_text_with(tokenizer=U + "not_utf8", add_eos=False), r"loading source 's' unit 0 .*UnicodeDecodeError: 'utf-8' codec can't decode"),
     "transform returns 2-D tokens": (_loading_text_with(transform=U + "two_d_transform"), r"source 's': tokens must be a 1-D array of ids, got shape \(\d+, 1\)"),
+    "transform makes its block's tokens 2-D": (_loading_text_with(transform=U + "two_d_in_place"),
+                                               r"source 's': transform tests\.test_bad_inputs:two_d_in_place returned a bad block: tokens must be a 1-D array of ids, got shape \(\d+, 1\)"),
     "zarr token array with negative ids": (case_zarr_negative_ids, r"z\.zarr.*token ids must lie in \[0, \d+\], got min -3"),
     "zarr token array of floats": (case_zarr_float_tokens, r"source 's': 'tokens' has dtype float64, expected integers"),
     "parquet token column with negative ids": (case_parquet_negative_token_ids, r"l\.parquet.*got min -1"),
@@ -414,6 +447,9 @@ CASES = {
     "checkpoint location that cannot be written": (case_checkpoint_location_unusable, r"checkpoint location .*file/ck cannot be used"),
     "s3 checkpoint with no server": (case_s3_checkpoint_without_server, r"checkpoint location s3://overlord-ck/run cannot be used: \w+"),
     "Service.attach to a plain Dask scheduler": (case_attach_to_a_plain_scheduler, r"the scheduler there runs no overlord planner"),
+    "Service.attach where nothing listens": (case_attach_where_nothing_listens,
+                                             r"no overlord service at tcp://127\.0\.0\.1:\d+: nothing answered within 3s \(is the service running\? a scheduler file"),
+    "trainer state with a negative step": (case_state_with_a_negative_step, r"consumer state next_step must be a step number >= 0, got -1"),
     "consumer with the wrong dp": (case_dp_mismatch, r"consumer asked for dp=8, but the service at .* runs dp=2"),
     "two consumers on one rank": (case_two_consumers_on_one_rank, r"another consumer attached as rank 0"),
     "service killed and not restarted": (case_service_killed_for_good, r"rank 0: lost the overlord service at tcp://.* did not come back within 3s"),

@@ -41,3 +41,50 @@ def test_install_covers_the_worker_state_machine_logger():
     for name in logs.LOGGERS:
         assert sum(isinstance(f, logs.ShadowRaceFilter) for f in logging.getLogger(name).filters) == 1
     assert "distributed.worker.state_machine" in logs.LOGGERS
+
+
+def _parse_logfmt(line: str) -> dict:
+    """An independent logfmt reader: shell-style words (double quotes, backslash escapes), key=value."""
+    import shlex
+
+    return dict(word.split("=", 1) for word in shlex.split(line))
+
+
+def test_events_as_logfmt_and_json_lines_that_parsers_read():
+    import io
+    import json
+
+    buf = io.StringIO()
+    try:
+        logs.setup("logfmt", stream=buf)
+        logs.event("quarantine", "run-1", 42, source="web", unit=3, reason='bad "page" = 7\nin row 2', rank=0)
+        logs.setup("json", stream=buf)
+        logs.event("stage", "run-1", 1200, stage="long context", previous=None)
+        logging.getLogger("overlord_dask.service").warning("plain record %s", "here")
+    finally:
+        logs.reset()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 3
+    first = _parse_logfmt(lines[0])
+    assert first["level"] == "info" and first["logger"] == "overlord_dask.events" and first["ts"].endswith("Z")
+    assert {k: first[k] for k in ("event", "run", "step", "source", "unit", "rank")} == \
+        {"event": "quarantine", "run": "run-1", "step": "42", "source": "web", "unit": "3", "rank": "0"}
+    assert first["reason"].replace("\\n", "\n") == 'bad "page" = 7\nin row 2'
+    second, third = json.loads(lines[1]), json.loads(lines[2])
+    assert second["event"] == "stage" and second["step"] == 1200 and second["stage"] == "long context" and second["previous"] is None
+    assert third["msg"] == "plain record here" and third["level"] == "warning"
+    with pytest.raises(ValueError, match="log format must be one of"):
+        logs.setup("xml")
+
+
+def test_a_library_user_s_setup_reaches_the_workers(cluster, small_plan):
+    from overlord_dask import Service
+
+    try:
+        logs.setup("json")
+        with Service.start(small_plan(), cluster=cluster) as service:
+            formats = service.client.run(lambda: [type(h.formatter).__name__ for h in logging.getLogger("overlord_dask").handlers])
+            service.client.unregister_worker_plugin("overlord-log-setup")  # the shared cluster's workers log as before
+    finally:
+        logs.reset()
+    assert formats and all("JsonFormatter" in f for f in formats.values())

@@ -229,11 +229,32 @@ def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
     assert snap["run_id"] == service.run_id and snap["committed"] >= 7 and len(snap["rank_lag"]) == 2
     assert {s["source"] for s in snap["sources"]} == {"web", "chat", "books"} and snap["imbalance"] >= 1.0
     assert "<svg" in page and "polyline" in page and "Loader pools" in page and service.run_id in page
-    assert f'overlord_steps_committed{{run="{service.run_id}"}}' in metrics
+    assert f'overlord_steps_committed_total{{run="{service.run_id}"}}' in metrics
+    _check_grafana_dashboard(metrics)
     assert 'overlord_source_weight{run="%s",source="books"}' % service.run_id in metrics
     assert "overlord_rank_lag_steps" in metrics and "overlord_imbalance" in metrics
     assert set(snap["rank_wait_share"]) == {"0", "1"} and all(0 <= v <= 1 for v in snap["rank_wait_share"].values())
     assert 'overlord_rank_wait_share{rank="0",run=' in metrics or f'overlord_rank_wait_share{{run="{service.run_id}",rank="0"}}' in metrics
+
+
+def _check_grafana_dashboard(metrics: str) -> None:
+    """Every metric the shipped Grafana dashboard queries is one the service serves; the trainer
+    wait and step time histograms have observations."""
+    import re
+    from importlib import resources
+
+    dash = json.loads(resources.files("overlord_dask.observe").joinpath("grafana-dashboard.json").read_text())
+    served = set(re.findall(r"^(overlord_[a-z_]+)[{ ]", metrics, re.M))  # samples, and families that have none yet:
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    for name, kind in re.findall(r"^# TYPE (overlord_[a-z_]+) (\w+)$", metrics, re.M):
+        served |= {name + s for s in suffixes.get(kind, ("",))}
+    queried = {name for p in dash["panels"] for t in p["targets"] for name in re.findall(r"overlord_[a-z_]+", t["expr"])}
+    queried |= set(re.findall(r"overlord_[a-z_]+", json.dumps(dash["templating"])))
+    assert queried and queried <= served, f"the dashboard queries metrics the service does not serve: {sorted(queried - served)}"
+    count = re.search(r'^overlord_trainer_wait_seconds_count\{run="[^"]+"\} (\S+)$', metrics, re.M)
+    assert count and float(count.group(1)) > 0
+    steps = re.search(r'^overlord_step_seconds_count\{run="[^"]+"\} (\S+)$', metrics, re.M)
+    assert steps and float(steps.group(1)) > 0
 
 
 def test_window_figures_span_a_live_update_that_added_a_source():
@@ -247,3 +268,24 @@ def test_window_figures_span_a_live_update_that_added_a_source():
     assert w["delivered_share"].tolist() == [500 / 800, 200 / 800, 100 / 800] and w["mix_error"] == 0.0
     assert w["imbalance"] == pytest.approx(1.1) and w["mb_imbalance"] == pytest.approx(1.2)
     assert window_figures([], 3)["mix_error"] is None
+
+
+def test_trainer_wait_and_step_time_histograms():
+    """A rank's wait since its previous acknowledgement is spread over the steps it acknowledges;
+    a repeat or a new attachment (its total starts again) observes nothing; step time is the time
+    between advances of the committed step, per step."""
+    from overlord_dask.scheduler.timings import Timings
+
+    t = Timings()
+    t.acked((0, 0, 0), 3, 0.5)  # the first: only a reference point
+    t.acked((0, 0, 0), 7, 0.9)  # 0.4 s over 4 steps: 0.1 s each
+    t.acked((0, 0, 0), 7, 0.9)  # a repeat
+    t.acked((0, 0, 0), 9, 0.01)  # attached again: its total restarted
+    t.acked((0, 0, 0), 10, 0.0104)  # 0.4 ms
+    w = t.snapshot()["trainer_wait_seconds"]
+    assert w["count"] == 5 and abs(w["sum"] - 0.4004) < 1e-9
+    assert dict((str(le), c) for le, c in w["buckets"])["0.0005"] == 1 and dict((str(le), c) for le, c in w["buckets"])["0.1"] == 5
+    t.committed(4, now=100.0)
+    t.committed(6, now=101.0)  # 2 steps in 1 s
+    s = t.snapshot()["step_seconds"]
+    assert s["count"] == 2 and s["sum"] == 1.0 and dict((str(le), c) for le, c in s["buckets"])["0.5"] == 2

@@ -27,11 +27,16 @@ def install(scheduler) -> None:
     _COLLECTOR.scheduler = scheduler
 
 
+TOP_RANKS = 8
+"""Per-rank series only for this many ranks (the most behind, the longest waiting): with
+thousands of ranks a series per rank would swamp Prometheus; summaries cover the rest."""
+
+
 class _Collector:
     scheduler = None
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         plugin = self.scheduler.plugins.get(PLUGIN) if self.scheduler is not None else None
         snap = getattr(plugin, "observed", None)
@@ -39,26 +44,21 @@ class _Collector:
             return
         run = [snap["run_id"]]
 
-        def gauge(name: str, doc: str, value, labels: dict | None = None):
-            g = GaugeMetricFamily(f"overlord_{name}", doc, labels=["run", *(labels or {})])
+        def family(kind, name: str, doc: str, value=None, labels: dict | None = None):
+            g = kind(f"overlord_{name}", doc, labels=["run", *(labels or {})])
             if value is not None:
                 g.add_metric(run + [str(v) for v in (labels or {}).values()], float(value))
             return g
 
-        yield gauge("steps_planned", "Steps planned (handed out or about to be)", snap["planned"])
-        yield gauge("steps_committed", "Steps every rank consumed", snap["committed"])
-        yield gauge("steps_durable", "Steps a snapshot can resume from", snap["durable"])
+        # monotonic figures are counters (rate() works on them; a rewound run shows as a counter reset)
+        yield family(CounterMetricFamily, "steps_planned", "Steps planned (handed out or about to be)", snap["planned"])
+        yield family(CounterMetricFamily, "steps_committed", "Steps every rank consumed", max(snap["committed"] + 1, 0))
+        yield family(CounterMetricFamily, "steps_durable", "Steps a snapshot can resume from", max(snap["durable"] + 1, 0))
+        yield family(CounterMetricFamily, "acks", "Acknowledgements received from trainers", snap.get("counters", {}).get("acks", 0))
         for name, key in (("imbalance", "imbalance"), ("mb_imbalance", "mb_imbalance"), ("mix_error", "mix_error")):
-            yield gauge(name, f"{key} over the last {MIX_WINDOW} committed steps", snap[key])
-        lag = GaugeMetricFamily("overlord_rank_lag_steps", "Steps a rank is behind the most advanced one", labels=["run", "rank"])
-        for r, v in enumerate(snap["rank_lag"]):
-            lag.add_metric(run + [str(r)], v)
-        yield lag
-        wait = GaugeMetricFamily("overlord_rank_wait_share", "Share of a rank's time spent waiting for data (its own count)",
-                                 labels=["run", "rank"])
-        for r, v in snap.get("rank_wait_share", {}).items():
-            wait.add_metric(run + [r], v)
-        yield wait
+            yield family(GaugeMetricFamily, name, f"{key} over the last {MIX_WINDOW} committed steps", snap[key])
+        yield from _timings(snap, run, HistogramMetricFamily)
+        yield from _ranks(snap, run, GaugeMetricFamily)
         per_source = {"source_weight": ("weight", "Declared weight now"),
                       "source_delivered_share": ("delivered_share", f"Delivered token share over the last {MIX_WINDOW} steps"),
                       "source_loads_pending": ("loads_pending", "Load tasks asked for and not reported yet (backlog)"),
@@ -69,10 +69,46 @@ class _Collector:
                 if s[key] is not None:
                     g.add_metric(run + [s["source"]], float(s[key]))
             yield g
+        for metric, (key, doc) in {"source_records_read": ("records_read", "Records read by load tasks"),
+                                   "source_records_dropped": ("records_dropped", "Records prepare steps or on_bad_record dropped"),
+                                   "source_units_quarantined": ("units_quarantined", "Load units quarantined as corrupt")}.items():
+            c = CounterMetricFamily(f"overlord_{metric}", doc, labels=["run", "source"])
+            for s in snap["sources"]:
+                c.add_metric(run + [s["source"]], float(s[key]))
+            yield c
         pools = GaugeMetricFamily("overlord_pool_workers", "Workers of each loader pool", labels=["run", "pool"])
         for p, n in snap["arrived"].items():
             pools.add_metric(run + [p], n)
         yield pools
-        yield gauge("loop_block_max_ms", "Longest event-loop block of the scheduler", snap["loop"].get("block_max_ms"))
+        yield family(GaugeMetricFamily, "loop_block_max_ms", "Longest event-loop block of the scheduler", snap["loop"].get("block_max_ms"))
         last = snap["last_snapshot"]
-        yield gauge("snapshot_committed", "Committed step of the last snapshot written", last["committed"] if last else None)
+        yield family(GaugeMetricFamily, "snapshot_committed", "Committed step of the last snapshot written", last["committed"] if last else None)
+
+
+def _timings(snap: dict, run: list, kind):
+    for name, doc in (("trainer_wait_seconds", "A trainer's wait for data per step (averaged over each acknowledgement interval)"),
+                      ("step_seconds", "Wall time per committed step (every rank done)")):
+        h = snap.get("timings", {}).get(name)
+        if h is None:
+            continue
+        fam = kind(f"overlord_{name}", doc, labels=["run"])
+        fam.add_metric(run, [(str(le), float(c)) for le, c in h["buckets"]], sum_value=h["sum"])
+        yield fam
+
+
+def _ranks(snap: dict, run: list, kind):
+    """Per-rank lag and wait share of the :data:`TOP_RANKS` worst ranks, and summaries of all."""
+    lag = list(enumerate(snap["rank_lag"]))
+    waits = list(snap.get("rank_wait_share", {}).items())
+    for name, values, doc in (("rank_lag_steps", lag, "Steps a rank is behind the most advanced one"),
+                              ("rank_wait_share", waits, "Share of a rank's time spent waiting for data (its own count)")):
+        g = kind(f"overlord_{name}", f"{doc}; the {TOP_RANKS} worst ranks", labels=["run", "rank"])
+        for r, v in sorted(values, key=lambda rv: -rv[1])[:TOP_RANKS]:
+            g.add_metric(run + [str(r)], float(v))
+        yield g
+        vs = [float(v) for _, v in values]
+        for stat, fn in (("max", max), ("mean", lambda x: sum(x) / len(x))):
+            s = kind(f"overlord_{name}_{stat}", f"{doc}: {stat} over all ranks", labels=["run"])
+            if vs:
+                s.add_metric(run, fn(vs))
+            yield s

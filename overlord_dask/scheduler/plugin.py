@@ -140,6 +140,7 @@ class PlannerPlugin(SchedulerPlugin):
         return dashboard.snapshot(self.thread.state, self.signals, run_id=self.run_id, scaling=self.routes.scaling,
                                   snapshots=self.routes.snapshots(), loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)},
                                   extra={"counters": self.routes.counters(), "rank_wait_share": self.routes.wait_shares(),
+                                         "timings": self.routes.timings.snapshot(),
                                          "losses": self.losses.status()})
 
     # ---- task events (scheduler transitions, on the event loop) --------------------------------

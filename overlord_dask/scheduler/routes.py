@@ -57,6 +57,7 @@ from ..plan.loading import plan_from_dict, plan_to_dict
 from ..protocol import Route
 from .channels import Consumer, send
 from .replicas import ReplicaAcks
+from .timings import Timings
 
 
 class Routes:
@@ -67,6 +68,7 @@ class Routes:
         self.acks = 0
         self.replicas = ReplicaAcks()
         self.rank_wait: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, cp rank) -> (seconds waiting, seconds since it attached)
+        self.timings = Timings()  # trainer wait and step time histograms (the metrics)
         self.scaling: dict | None = None  # the autoscaler's last decisions and history, as it reported them
         self.stop_requested = False
         self.first_step: dict[Consumer, int] = {}  # each attached consumer's first step (its backlog starts there)
@@ -163,9 +165,11 @@ class Routes:
                 committed = st.ack(rank, saved, cp_rank, durable=True)
         except ValueError as err:
             return {"committed": st.committed, "error": str(err)}
+        self.timings.acked(consumer, step, wait_s)
         if st.progress.durable_step > before_durable and self.p.snapshots_loop is not None:
             self.p.snapshots_loop.wake()
         if committed > before:
+            self.timings.committed(committed)
             self.p.thread.release(self.p.held.release_before(committed))
         return {"committed": committed, "error": None}
 

@@ -166,7 +166,9 @@ def cmd_serve(args) -> int:
     from ..protocol import write_scheduler_file
     from .service import Service
 
-    _event_logging()
+    from .. import logs
+
+    logs.setup(args.log_format, args.log_level)
     plan = _load(args.plan)
     if args.dp is not None:  # the trainers' world size decides, not the file
         plan = _with_dp(plan, args.dp, f"{args.plan} (--dp {args.dp})")
@@ -201,17 +203,6 @@ def _with_dp(plan, dp: int, where: str):
     d = plan_to_dict(plan)
     d["topology"]["dp"] = dp
     return plan_from_dict(d, where=where)
-
-
-def _event_logging() -> None:
-    """The service's event lines (``logs.event``) on stderr, one per event."""
-    import logging
-
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s overlord %(message)s"))
-    events = logging.getLogger("overlord_dask.events")
-    events.addHandler(handler)
-    events.setLevel(logging.INFO)
 
 
 def _attach(where: str):
@@ -338,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default=None, help="interface the scheduler listens on (default: loopback only)")
     s.add_argument("--dp", type=_positive, default=None, help="data-parallel ranks (overrides the plan's topology.dp)")
     s.add_argument("--scheduler-file", default=None, help="write the address here (trainers and tools can be given the file)")
+    s.add_argument("--log-format", choices=["logfmt", "json"], default="logfmt", help="the service's event log on stderr (and its workers')")
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     st = sub.add_parser("status", help="a running service's progress, lag, balance, mix, pools and snapshots")
     st.add_argument("where", help="scheduler address or scheduler file")
     st.add_argument("--json", action="store_true")

@@ -25,7 +25,7 @@ import os
 import time
 import uuid
 
-from distributed import Client
+from distributed import Client, WorkerPlugin
 
 from .. import logs
 from ..allocator import KeepFreedMemory
@@ -200,6 +200,8 @@ class Service(ServiceViews):
         try:
             pooled = _start_pools(plan, cluster if address is None else None)
             upload_plan_code(client, plan)
+            if logs.settings() is not None:  # the workers log their events (bad records, ...) the same way
+                client.register_plugin(LogSetup(**logs.settings()))
             client.register_plugin(KeepFreedMemory())
             client.register_plugin(BatchServer())
             client.register_plugin(PlannerPlugin(plan, first_ids, run_id, **snap))
@@ -225,14 +227,19 @@ class Service(ServiceViews):
         return cls(plan, client, submitter, run_id, units, cluster=owned, pooled=pooled, adaptive=adaptive)
 
     @classmethod
-    def attach(cls, address: str) -> "Service":
+    def attach(cls, address: str, timeout: float = 30.0) -> "Service":
         """A handle on a service running elsewhere (another process or machine), by address or
-        scheduler file: inspect it, update its plan, ask it to stop; ``close()`` only disconnects."""
+        scheduler file: inspect it, update its plan, ask it to stop; ``close()`` only disconnects.
+        Waits up to ``timeout`` seconds for the scheduler to answer."""
         try:
             address = resolve_address(address)
         except ValueError as err:
             raise ServiceError(str(err)) from None
-        client = Client(address, set_as_default=False)
+        try:
+            client = Client(address, set_as_default=False, timeout=timeout)
+        except (OSError, TimeoutError) as err:
+            raise ServiceError(f"no overlord service at {address}: nothing answered within {timeout:g}s (is the service running? a "
+                               f"scheduler file names the address of the last start) [{type(err).__name__}]") from None
         planner = BlockingPlannerClient(client)
         try:
             info = planner.info()
@@ -343,3 +350,18 @@ def upload_plan_code(client, plan) -> None:
             staging = tempfile.mkdtemp(prefix="overlord-code-")
             path = shutil.make_archive(os.path.join(staging, os.path.basename(path)), "zip", os.path.dirname(path), os.path.basename(path))
         client.upload_file(path, load=True)  # a zip goes onto sys.path only when loaded; a module is imported once, here
+
+
+class LogSetup(WorkerPlugin):
+    """``logs.setup`` in every worker process (present and future), as this process has it."""
+
+    name = "overlord-log-setup"
+
+    def __init__(self, fmt: str, level):
+        self.fmt, self.level = fmt, level
+
+    def setup(self, worker) -> None:
+        logs.setup(self.fmt, self.level)
+
+    def teardown(self, worker) -> None:
+        logs.reset()

@@ -83,6 +83,11 @@ def read_unit(source: Source, plan: Plan, unit: LoadUnit) -> Loaded:
         block = import_callable(source.transform)(loaded.block)
         if not isinstance(block, SampleBlock):
             raise SourceError(f"source {source.name!r}: transform {source.transform!r} returned {type(block).__name__}, expected SampleBlock")
+        try:
+            block.validate()  # a transform may have changed the block's arrays after it checked itself
+        except ValueError as err:
+            raise SourceError(f"source {source.name!r}: transform {source.transform} returned a bad block: "
+                              f"{str(err).removeprefix(f'source {source.name!r}: ')}") from None
         loaded.block = block
     return loaded
 

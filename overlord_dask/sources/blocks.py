@@ -56,6 +56,10 @@ class SampleBlock:
     loss_mask: np.ndarray | None = None  # uint8 [total_tokens]: 0 where the loss ignores the token as a target; None: all trained
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check (and narrow) the arrays; a ValueError naming the source says what is wrong."""
         # a block lives on its worker while steps draw from it, and is copied to every worker
         # that builds from it: uint16 ids halve both (4.5 bytes per delivered token went between
         # the demo's workers with int32 blocks). Constructors widen ids as they pack them.
