@@ -128,6 +128,8 @@ def setup(fmt: str = "logfmt", level: str | int = "INFO", stream=None) -> loggin
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
     root = logging.getLogger("overlord_dask")
+    for logger in (root, EVENTS):  # a logging.config call elsewhere may have disabled loggers that existed then
+        logger.disabled = False
     if _HANDLER.get("handler") is not None:
         root.removeHandler(_HANDLER["handler"])
     handler = logging.StreamHandler(stream or sys.stderr)

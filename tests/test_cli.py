@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,3 +145,93 @@ def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path):
     assert out.returncode != 0
     assert f"{script}:3 starts a service at module level" in out.stderr and 'if __name__ == "__main__":' in out.stderr
     assert "Nanny failed to start" not in out.stderr
+
+
+def _demo_plan_file(tmp_path, corpus, **changes) -> Path:
+    plan = yaml.safe_load((ROOT / "overlord_dask" / "service" / "demo_plan.yaml").read_text())
+    for s in plan["sources"]:
+        s["url"] = str(Path(corpus) / s["url"])
+    plan.update(changes)
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def test_plan_report_counts_tokens_and_epochs_without_a_cluster(tmp_path, corpus):
+    """Each source's tokens up to a step are its declared share of the steps' budget; a pass
+    read whole gives its exact tokens, and epochs are the ratio; the plot is written."""
+    from overlord_dask.plan import load_plan
+    from overlord_dask.service.cli import main
+    from overlord_dask.sources import discover_units, read_unit
+
+    path = _demo_plan_file(tmp_path, corpus, stages=[{"name": "base", "start_step": 0}, {"name": "late", "start_step": 300,
+                                                                                         "weights": {"web": 1.0, "chat": 0.0, "books": 0.0}}])
+    out = subprocess.run([*OVERLORD, "plan-report", str(path), "--steps", "500", "--sample-units", "1000", "--plot", str(tmp_path / "r.png"),
+                          "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    plan = load_plan(path)
+    budget = plan.topology.step_tokens * plan.balance.fill
+    by = {s["source"]: s for s in report["sources"]}
+    assert abs(sum(s["tokens"] for s in by.values()) - 500 * budget) / (500 * budget) < 0.01
+    w = plan.weights_at(0)
+    assert abs(by["chat"]["tokens"] - 300 * budget * w["chat"]) / (300 * budget * w["chat"]) < 0.02  # none after step 300
+    src = plan.source("books")
+    tokens = sum(int(read_unit(src, plan, u).block.lengths().sum()) for u in discover_units(src, plan))
+    assert by["books"]["pass_exact"] and by["books"]["tokens_per_pass"] == tokens
+    assert abs(by["books"]["epochs"] - by["books"]["tokens"] / tokens) < 1e-3
+    assert report["stages"] == [{"name": "base", "start_step": 0}, {"name": "late", "start_step": 300}]
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert main(["plan-report", str(path)]) == 2  # no steps in the plan and none given: told so
+
+
+def test_preview_shows_decoded_documents_and_the_trained_part(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from overlord_dask.service.chat_demo import llama3_style_tokenizer
+    from overlord_dask.service.cli import main
+
+    tok = llama3_style_tokenizer(tmp_path / "tok")
+    msgs = [[{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on the mat"}]]
+    pq.write_table(pa.table({"messages": msgs, "text": ["data loaders"]}), tmp_path / "c.parquet")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({
+        "tokenizer": str(tok), "topology": {"dp": 1, "tokens_per_micro_batch": 1024},
+        "sources": [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages"},
+                    {"name": "text", "format": "parquet", "url": "c.parquet", "text_field": "text"}]}))
+    assert main(["preview", str(tmp_path / "p.yaml"), "--source", "chat", "-n", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["text"].startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>") and doc["trained_text"] == "sat on the mat<|eot_id|>"
+    assert main(["preview", str(tmp_path / "p.yaml"), "--source", "text"]) == 0
+    assert "<|begin_of_text|>data loaders<|end_of_text|>" in capsys.readouterr().out
+
+
+def test_schema_validates_every_example_plan_and_catches_a_typo(tmp_path):
+    import jsonschema
+
+    out = _cli("schema")
+    assert out.returncode == 0, out.stderr
+    schema = json.loads(out.stdout)
+    for path in sorted((ROOT / "pipelines").glob("*.yaml")):
+        jsonschema.validate(yaml.safe_load(path.read_text()), schema)
+    plan = yaml.safe_load((ROOT / "pipelines" / "demo.yaml").read_text())
+    plan["topology"]["micro_batchs"] = 2
+    with pytest.raises(jsonschema.ValidationError, match="micro_batchs"):
+        jsonschema.validate(plan, schema)
+
+
+def test_status_watch_follows_a_service_until_it_is_gone(tmp_path, corpus):
+    path = _demo_plan_file(tmp_path, corpus)
+    proc = _serve(path, "--dp", "1", "--scheduler-file", str(tmp_path / "run.json"))
+    try:
+        json.loads(proc.stdout.readline())  # serving
+        watch = subprocess.Popen([*OVERLORD, "status", str(tmp_path / "run.json"), "--watch", "0.3", "--json"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        lines = [json.loads(watch.stdout.readline()) for _ in range(3)]
+        assert all("committed" in line for line in lines)
+        assert _cli("stop", str(tmp_path / "run.json")).returncode == 0
+        rest, err = watch.communicate(timeout=60)
+        assert watch.returncode == 0, err
+        assert json.loads(rest.strip().splitlines()[-1]) == {"gone": True}
+    finally:
+        proc.kill()

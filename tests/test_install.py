@@ -61,3 +61,18 @@ def test_the_overlord_command_says_which_extra_a_trainer_only_install_lacks():
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "pip install 'overlord-dask[service]' (missing: pyarrow)" in out.stderr, out.stderr
+
+
+def test_the_wheel_ships_what_notebooks_and_operators_read(tmp_path):
+    """The example plans (``pipelines/``, linked into the package), the Grafana dashboard and the
+    demo plan are in the wheel, so that notebooks and ``example_plan`` work after ``pip install``."""
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"overlord_dask/pipelines/{p.name}" for p in (ROOT / "pipelines").glob("*.yaml")}
+    assert shipped and shipped <= names
+    assert {"overlord_dask/observe/grafana-dashboard.json", "overlord_dask/service/demo_plan.yaml"} <= names

@@ -379,6 +379,11 @@ class Loading(Strict):
     task reads (``planner/lookahead.py``)."""
     retries: int = Field(default=2, ge=0, le=16)
     """Attempts per load unit before ``on_corrupt`` decides."""
+    integrity: bool = False
+    """Record a digest of each load unit's bytes when its source is indexed, kept with the
+    snapshots, and check it on every load: a file that changed or rotted since is an error naming
+    the unit (or a quarantined unit, with ``on_corrupt: quarantine``). Costs one read of every
+    source's files at indexing (at the first start; a restart reuses the kept digests)."""
     on_corrupt: Literal["fail", "quarantine"] = "fail"
     """A unit that still cannot be read after its retries (a corrupt file, a malformed record):
     ``fail`` stops the run with the unit, file and reason named; ``quarantine`` loads it as empty,

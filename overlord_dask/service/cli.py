@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ..errors import OverlordError, ServiceError
+from ..errors import OverlordError, PlanError, ServiceError
 
 
 SERVICE_MODULES = {"pyarrow", "zarr", "pydantic", "yaml", "numba", "PIL", "prometheus_client", "tqdm", "fsspec"}
@@ -214,16 +214,84 @@ def _attach(where: str):
 def cmd_status(args) -> int:
     service = _attach(args.where)
     try:
-        summary = service.summary()
+        while True:
+            summary = service.summary()
+            if args.json:
+                print(json.dumps(summary), flush=True)
+            else:
+                width = max(len(k) for k in summary) + 2
+                for k, v in summary.items():
+                    print(f"{k:<{width}}{v if not isinstance(v, dict) else json.dumps(v)}")
+            if args.watch is None or summary["failure"]:
+                break
+            if not args.json:
+                print(flush=True)
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                break
+            if service.client.status != "running":  # the scheduler closed the connection: the service is gone
+                raise ServiceError("gone")
+    except (ServiceError, OSError):
+        if args.watch is None:
+            raise
+        print(json.dumps({"gone": True}), flush=True)  # watched until the service went away
+        return 0
     finally:
         service.close()
-    if args.json:
-        print(json.dumps(summary), flush=True)
-    else:
-        width = max(len(k) for k in summary) + 2
-        for k, v in summary.items():
-            print(f"{k:<{width}}{v if not isinstance(v, dict) else json.dumps(v)}")
     return 1 if summary["failure"] else 0
+
+
+def cmd_plan_report(args) -> int:
+    from .reports import plan_report, plot_report
+
+    plan = _load(args.plan)
+    steps = args.steps or plan.steps
+    if steps is None:
+        raise PlanError(f"{args.plan}: the plan sets no `steps`; give --steps")
+    report = plan_report(plan, steps, args.sample_units)
+    if args.plot:
+        plot_report(report, args.plot)
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k != "curve"}), flush=True)
+        return 0
+    print(f"plan {report['plan']}: {steps} steps of {report['step_tokens']:,} tokens")
+    print(f"{'source':<16}{'tokens':>16}{'share':>8}{'tokens/pass':>16}{'epochs':>9}")
+    for s in report["sources"]:
+        est = "" if s["pass_exact"] else "~"
+        print(f"{s['source']:<16}{s['tokens']:>16,}{s['share']:>8.3f}{est + format(s['tokens_per_pass'], ','):>16}{s['epochs']:>9.3f}")
+    for st in report["stages"]:
+        print(f"stage {st['name']!r} from step {st['start_step']}")
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def cmd_preview(args) -> int:
+    from .reports import preview
+
+    plan = _load(args.plan)
+    docs = preview(plan, args.source, args.n)
+    for d in docs:
+        if args.json:
+            print(json.dumps(d), flush=True)
+            continue
+        extra = "".join(f", {k.replace('_', ' ')} {d[k]}" for k in ("trained_tokens", "image_tokens") if k in d)
+        print(f"--- sample {d['sample_id']}: {d['tokens']} tokens{extra}")
+        print(d["text"])
+        if "trained_text" in d:
+            print(f"--- trained on: {d['trained_text']}")
+    return 0
+
+
+def cmd_schema(args) -> int:
+    from ..plan.models import Plan
+
+    schema = Plan.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "overlord-dask plan"
+    print(json.dumps(schema, indent=1), flush=True)
+    return 0
 
 
 def cmd_update(args) -> int:
@@ -334,6 +402,20 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="a running service's progress, lag, balance, mix, pools and snapshots")
     st.add_argument("where", help="scheduler address or scheduler file")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--watch", type=float, nargs="?", const=5.0, default=None, metavar="SECONDS",
+                    help="print it again every SECONDS (default 5) until interrupted or the service is gone")
+    pr = sub.add_parser("plan-report", help="tokens and epochs per source up to a step, stage boundaries (no cluster)")
+    pr.add_argument("plan")
+    pr.add_argument("--steps", type=_positive, default=None, help="up to this step (default: the plan's steps)")
+    pr.add_argument("--sample-units", type=_positive, default=2, help="units read per source to measure its tokens per pass")
+    pr.add_argument("--plot", default=None, help="write a plot of cumulative tokens per source to this file (png, svg, pdf)")
+    pr.add_argument("--json", action="store_true")
+    pv = sub.add_parser("preview", help="a source's first documents decoded, as trainers receive them (no cluster)")
+    pv.add_argument("plan")
+    pv.add_argument("--source", required=True)
+    pv.add_argument("-n", type=_positive, default=5)
+    pv.add_argument("--json", action="store_true")
+    sub.add_parser("schema", help="the JSON Schema of a plan (for editors and validators)")
     u = sub.add_parser("update", help="change a running service's plan from a step on")
     u.add_argument("where", help="scheduler address or scheduler file")
     u.add_argument("plan")
@@ -350,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                                plan_path=args.plan, quiet=args.quiet)
             print(json.dumps(summary), flush=True)
             return 0
-        commands = {"serve": cmd_serve, "status": cmd_status, "update": cmd_update, "stop": cmd_stop, "validate": cmd_validate}
+        commands = {"serve": cmd_serve, "status": cmd_status, "update": cmd_update, "stop": cmd_stop, "validate": cmd_validate,
+                    "plan-report": cmd_plan_report, "preview": cmd_preview, "schema": cmd_schema}
         return commands[args.cmd](args)
     except OverlordError as err:
         print(f"overlord: error: {err}", file=sys.stderr)

@@ -239,6 +239,27 @@ def demo_plan(data_dir: str | os.PathLike, **overrides) -> Plan:
     return plan_from_dict(data, where=str(PLAN_FILE), base_dir=Path(data_dir).resolve())
 
 
+def example_plan(name: str, data_dir: str | os.PathLike, **overrides) -> Plan:
+    """An example plan of ``pipelines/`` (``demo``, ``curriculum``, ``long_context``,
+    ``multimodal``, ``photos``, ...), shipped in the package, pointed at the demo corpus in
+    ``data_dir`` (its ``../demo-data`` URLs rebased); ``overrides`` as for :func:`demo_plan`."""
+    from importlib import resources
+
+    import yaml
+
+    res = resources.files("overlord_dask").joinpath("pipelines", f"{name}.yaml")
+    if not res.is_file():
+        names = sorted(p.name.removesuffix(".yaml") for p in resources.files("overlord_dask").joinpath("pipelines").iterdir()
+                       if p.name.endswith(".yaml"))
+        raise ValueError(f"no example plan {name!r}; the examples: {names}")
+    data = yaml.safe_load(res.read_text())
+    root = str(Path(data_dir).resolve())
+    for s in data.get("sources", []):
+        if s.get("url", "").startswith("../demo-data"):
+            s["url"] = root + s["url"][len("../demo-data"):]
+    return plan_from_dict(_with_sections(data, overrides), where=f"pipelines/{name}.yaml", base_dir=root)
+
+
 def _with_sections(data: dict, sections: dict) -> dict:
     """Plan data with top-level ``sections`` set: a dict merges into the section it names
     (``topology={"dp": 2}`` keeps the other topology fields), anything else replaces it."""
@@ -247,4 +268,4 @@ def _with_sections(data: dict, sections: dict) -> dict:
     return data
 
 
-__all__ = ["demo_plan", "demo_texts", "generate_demo_corpus", "generate_text_sources", "load_plan", "text_sources_plan", "train_bpe"]
+__all__ = ["demo_plan", "demo_texts", "example_plan", "generate_demo_corpus", "generate_text_sources", "load_plan", "text_sources_plan", "train_bpe"]

@@ -40,6 +40,7 @@ from ..plan.timeline import PlanTimeline
 from ..planner.snapshot import decode_updates
 from ..protocol import resolve_address
 from ..scheduler.plugin import PlannerPlugin
+from .manifest import with_digests
 from ..sources.units import LoadUnit
 from ..worker.batch_server import BatchServer
 from .indexing import index_sources, index_timeline
@@ -186,7 +187,7 @@ class Service(ServiceViews):
         timeline = PlanTimeline(plan, decode_updates(loaded[0]) if loaded else [])
         if loaded:
             _check_code(plan, timeline, loaded[0])
-        units = index_timeline(timeline)
+        units = with_digests(timeline, index_timeline(timeline))  # loading.integrity: each unit's digest
         owned = None
         if cluster is None and address is None:
             from .deploy import local_cluster  # the embedded default deployment
@@ -308,6 +309,8 @@ class Service(ServiceViews):
 
     def status(self) -> dict:
         st = self.planner.status()
+        if st is None:  # the scheduler answers, but its planner is gone (the run stopped)
+            raise ServiceError(f"the overlord run {self.run_id} is no longer served at {self.address}: it stopped")
         if self.submitter is not None and self.submitter.error and not st.get("failure"):
             st["failure"] = self.submitter.error
         return st

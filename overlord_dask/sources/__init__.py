@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..errors import SourceError
 from ..plan.base import import_callable
 from ..plan.models import Plan, Source
+from . import integrity
 from .blocks import SampleBlock
 from .formats import UNKNOWN_BASE, Format, get_format
 from .records import to_block
@@ -72,6 +73,7 @@ def read_unit(source: Source, plan: Plan, unit: LoadUnit) -> Loaded:
     """Read one unit, prepare and tokenize its records, apply the source's transform. Runs inside
     a Dask task on a worker."""
     fmt = get_format(source.format)
+    integrity.check(source, plan, unit)  # a unit indexed with a digest: its bytes must be those
     out = fmt.read(source, plan, unit)
     loaded = Loaded(*to_block(source, plan, unit, out)) if fmt.records else Loaded(out)
     if not isinstance(loaded.block, SampleBlock):

@@ -66,6 +66,11 @@ class Format(ABC):
     def read(self, source: Source, plan: Plan, unit: LoadUnit):
         """The unit's documents: a ``pyarrow.Table`` of records, or a ``SampleBlock``."""
 
+    def regions(self, source: Source, plan: Plan, unit: LoadUnit) -> list[tuple[str, int, int | None]]:
+        """The byte ranges ``(path, start, stop or None: to the end)`` a unit is read from, which
+        its integrity digest covers (``integrity.py``); by default its whole file (or folder)."""
+        return [(unit.path, 0, None)]
+
     def columns(self, source: Source) -> list[str] | None:
         """The columns ``read`` needs: the plan's fields, or every column (None) when the source
         prepares its records (a prepare step may read any column)."""

@@ -67,6 +67,18 @@ class ParquetFormat(Format):
                 first_id += rows
         return units
 
+    def regions(self, source: Source, plan: Plan, unit: LoadUnit) -> list[tuple[str, int, int | None]]:
+        """The unit's row group: from its first column chunk's first page to its last chunk's end."""
+        fs, _ = source_fs(source, plan.base_dir)
+        rg = _open(fs, unit.path, source).metadata.row_group(unit.part)
+        lo, hi = None, 0
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            start = col.dictionary_page_offset if col.has_dictionary_page and col.dictionary_page_offset else col.data_page_offset
+            lo = start if lo is None else min(lo, start)
+            hi = max(hi, start + col.total_compressed_size)
+        return [(unit.path, int(lo or 0), int(hi))]
+
     def read(self, source: Source, plan: Plan, unit: LoadUnit) -> pa.Table:
         fs, _ = source_fs(source, plan.base_dir)
         pf = _open(fs, unit.path, source)

@@ -78,6 +78,10 @@ class TextTokenizer:
         """What chat templates see as ``bos_token``, ``eos_token``, ... (strings)."""
         return {}
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``, special tokens written out (what ``overlord preview`` shows)."""
+        return " ".join(map(str, ids))
+
     def encode_array(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         """Arrow strings -> (token ids, offsets [n + 1]), no special tokens added."""
         docs = self.encode([t if t is not None else "" for t in texts.to_pylist()])
@@ -139,6 +143,19 @@ class ByteTokenizer(TextTokenizer):
 
     def token_id(self, token: str) -> int | None:
         return BYTE_IMAGE_ID if token == "<image>" else None
+
+    def decode(self, ids: list[int]) -> str:
+        names = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", BYTE_IMAGE_ID: "<image>"}
+        out, run = [], bytearray()
+        for i in ids:
+            if BYTE_OFFSET <= i < BYTE_IMAGE_ID:
+                run.append(i - BYTE_OFFSET)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            out.append(names.get(i, f"<{i}>"))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
 
 
 def byte_tokenize(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -259,6 +276,9 @@ class HFTokenizer(TextTokenizer):
     def special_strings(self) -> dict[str, str]:
         return {k: v for k, v in ((k, _token_string(v)) for k, v in self.config.items() if k.endswith("_token")) if v is not None}
 
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
 
 class TransformersTokenizer(TextTokenizer):
     """``transformers.AutoTokenizer`` on a local folder (a remote one is copied to the cache)."""
@@ -300,6 +320,9 @@ class TransformersTokenizer(TextTokenizer):
 
     def special_strings(self) -> dict[str, str]:
         return {k: v for k, v in self.tok.special_tokens_map.items() if isinstance(v, str)}
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
 
 
 def _local_folder(url: str) -> str:
@@ -357,6 +380,9 @@ class TiktokenTokenizer(TextTokenizer):
         except KeyError:
             return None
 
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode(ids)
+
 
 # ---- callable -----------------------------------------------------------------------------------------
 class CallableTokenizer(TextTokenizer):
@@ -378,6 +404,10 @@ class CallableTokenizer(TextTokenizer):
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         return self.fn(texts, **self.kwargs)
+
+    def decode(self, ids: list[int]) -> str:
+        dec = getattr(self.fn, "decode", None)
+        return dec(ids) if dec is not None else super().decode(ids)
 
     def token_id(self, token: str) -> int | None:
         return self._token_id(token) if self._token_id else None
@@ -412,6 +442,26 @@ class Loaded:
                                  f"(no eos_token in its tokenizer_config.json or special_tokens_map.json, and it adds none itself): "
                                  f"set tokenizer.eos_token or tokenizer.eos_id in the plan, or add_eos: false on the source")
         return (self.bos_id if bos else None), (self.eos_id if eos else None)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; a run of image placeholder tokens is written once with its count."""
+        if self.image_id is None or self.image_id not in ids:
+            return self.tok.decode(ids)
+        parts, cur = [], []
+        k = 0
+        while k < len(ids):
+            if ids[k] == self.image_id:
+                j = k
+                while j < len(ids) and ids[j] == self.image_id:
+                    j += 1
+                parts.append(self.tok.decode(cur))
+                parts.append(f"<image×{j - k}>")
+                cur, k = [], j
+            else:
+                cur.append(ids[k])
+                k += 1
+        parts.append(self.tok.decode(cur))
+        return "".join(parts)
 
     def specials(self) -> dict[str, str]:
         """The special-token strings a chat template reads (``bos_token``, ``eos_token``, ...), the

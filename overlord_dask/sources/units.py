@@ -31,6 +31,8 @@ class LoadUnit:
     span: tuple[int, ...] | None = None
     """Where the unit lies in its file when that is not a document range: the byte range
     ``[lo, hi)`` of a jsonl file (decompressed bytes for a compressed one) whose lines start in it."""
+    digest: str | None = None
+    """With ``loading.integrity``: the digest of the bytes the unit is read from (``integrity.py``)."""
 
     @property
     def n_docs(self) -> int | None:

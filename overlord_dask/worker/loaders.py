@@ -65,13 +65,14 @@ QUARANTINE_BACKOFF_S = 0.5  # wait before attempt k + 1: k times this
 def _read(plan, u: LoadUnit) -> tuple[Loaded, str | None]:
     """The unit read, or (``on_corrupt: quarantine``, after its attempts) an empty block and why."""
     source = plan.source(u.source)
-    attempts = plan.loading.retries + 1 if plan.loading.on_corrupt == "quarantine" else 1
+    quarantine = plan.loading.on_corrupt == "quarantine"
+    attempts = plan.loading.retries + 1 if quarantine else 1
     for k in range(attempts):
         try:
             return read_unit(source, plan, u), None
         except Exception as err:  # name the unit and its file: the run's error must say where to look
             reason = f"loading {u.describe()}: {type(err).__name__}: {err}"
-            if attempts == 1:
+            if not quarantine:  # Dask retries the task, then the run stops naming the unit
                 raise SourceError(reason) from None
             if k + 1 < attempts:
                 time.sleep(QUARANTINE_BACKOFF_S * (k + 1))

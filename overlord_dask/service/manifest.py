@@ -1,0 +1,89 @@
+"""The run's integrity manifest: each load unit's digest (``sources/integrity.py``), computed when
+its source is first indexed and kept with the snapshots (``<checkpoint.url>/manifest/<source>.json``),
+so that every later start of the run checks the files against what the run first saw.
+
+A kept manifest applies only to the same units: if a source's files now index to other units (a
+file added or removed), the start fails naming the source, since the run's sample ids and
+positions would no longer mean what its snapshots say.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from ..errors import SourceError
+from ..plan.base import resolve_url
+from ..plan.timeline import PlanTimeline
+from ..sources.integrity import digest
+from ..sources.units import LoadUnit
+
+
+def _key(u: LoadUnit) -> list:
+    return [u.index, u.path, u.part, u.start, u.stop, list(u.span) if u.span is not None else None]
+
+
+def with_digests(timeline: PlanTimeline, units: dict[str, list[LoadUnit]]) -> dict[str, list[LoadUnit]]:
+    """``units`` with their digests, for the sources whose plan asks for integrity checks."""
+    out = dict(units)
+    for name, us in units.items():
+        src = timeline.source(name)
+        plan = next(p for _, p in reversed(timeline.versions) if any(s.name == name for s in p.sources))
+        if not plan.loading.integrity:
+            continue
+        store = _store(plan)
+        kept = _read(store, name) if store is not None else None
+        if kept is not None:
+            if kept["units"] != [_key(u) for u in us]:
+                raise SourceError(f"source {name!r}: its files index to other load units than when the run's integrity manifest "
+                                  "was written (a file added, removed or rewritten): the run cannot resume on them")
+            out[name] = [replace(u, digest=d) for u, d in zip(us, kept["digests"])]
+            continue
+        cache: dict = {}
+        with ThreadPoolExecutor(max_workers=4) as pool:  # remote stores: requests overlap
+            first = list(pool.map(lambda u: digest(src, plan, u, None), _distinct(src, plan, us, cache)))
+        for regions, d in zip(list(cache), first):
+            cache[regions] = d
+        out[name] = [replace(u, digest=digest(src, plan, u, cache)) for u in us]
+        if store is not None:
+            _write(store, name, {"units": [_key(u) for u in us], "digests": [u.digest for u in out[name]]})
+    return out
+
+
+def _distinct(src, plan, units, cache: dict) -> list[LoadUnit]:
+    """One unit per distinct region (the others share its digest); ``cache`` gets their regions."""
+    from ..sources.formats import get_format
+
+    fmt, picked = get_format(src.format), []
+    for u in units:
+        regions = tuple(fmt.regions(src, plan, u))
+        if regions not in cache:
+            cache[regions] = None
+            picked.append(u)
+    return picked
+
+
+def _store(plan):
+    if not plan.checkpoint.url:
+        return None
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(resolve_url(plan.checkpoint.url, plan.base_dir), **plan.checkpoint.storage_options)
+    return fs, f"{root}/manifest"
+
+
+def _read(store, name: str) -> dict | None:
+    fs, root = store
+    path = f"{root}/{name}.json"
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def _write(store, name: str, payload: dict) -> None:
+    fs, root = store
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(f"{root}/{name}.json", "w") as f:
+        json.dump(payload, f)
