@@ -45,6 +45,9 @@ class PlannerClient:
     async def where(self, key: str, timeout: float, run_id: str | None = None) -> dict:
         return await self._route(Route.WHERE)(key=key, timeout=timeout, run_id=run_id)
 
+    async def evaluation(self, timeout: float) -> dict:
+        return await self._route(Route.EVAL)(timeout=timeout)
+
     # ---- the service and its submitter -------------------------------------------------------------
     async def work(self, timeout: float = 1.0) -> dict:
         return await self._route(Route.WORK)(timeout=timeout)

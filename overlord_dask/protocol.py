@@ -50,6 +50,12 @@ class Route:
     REQUEST_STOP = "overlord_request_stop"
     LENGTHS = "overlord_lengths"  # one-way, on a worker's own stream to the scheduler
     FETCH = "overlord_fetch"  # on every worker: a trainer fetches built batches
+    EVAL = "overlord_eval"  # where the run's evaluation batches are
+
+
+def eval_key(run_id: str) -> str:
+    """The task holding a run's evaluation batches (``worker/evaluation.py``)."""
+    return f"overlord-eval-{run_id}"
 
 
 def queue_prefix(run_id: str) -> str:

@@ -27,6 +27,7 @@ from pydantic import Field, field_validator, model_validator
 from . import formats
 from .base import Strict, import_callable
 from .schedule import Context, Schedule, Stage, weight_at
+from .evaluation import Evaluation
 from .text import Tokenizer
 
 
@@ -182,6 +183,9 @@ class Source(Strict):
     """A Hugging Face image processor folder (``preprocessor_config.json``; local or relative to the
     plan's folder) that decodes, resizes, tiles and normalises instead; its tiles are cut into
     ``patch_size`` patches."""
+    holdout: float | list[str] | None = None
+    """Units held out of training for evaluation (``plan/evaluation.py``): a fraction of the
+    source's units (``0.01``), or patterns of its files' paths (``["*/part-099.parquet"]``)."""
     pool: Pool | None = None
     """The worker pool this source's load tasks run on (``loading.autoscale`` sizes pools it does
     not fix). None: the source's own pool while autoscaling, else any worker."""
@@ -190,6 +194,15 @@ class Source(Strict):
     @classmethod
     def _registered(cls, name: str) -> str:
         return formats.check(name)
+
+    @field_validator("holdout")
+    @classmethod
+    def _holdout(cls, h):
+        if isinstance(h, float) and not 0.0 < h < 1.0:
+            raise ValueError(f"holdout as a fraction of the units must lie in (0, 1), got {h}")
+        if isinstance(h, list) and not h:
+            raise ValueError("holdout as file patterns needs at least one pattern")
+        return h
 
     @field_validator("weight")
     @classmethod
@@ -245,7 +258,8 @@ class Source(Strict):
                 self.images_field, self.image_offsets_field, self.image_positions_field, self.image_token_id,
                 self.image_size, self.patch_size, self.add_bos, self.add_eos, self.messages_field, tuple(self.train_roles),
                 self.labels_field, self.loss_mask_field, self.image_placeholders, self.image_tiles,
-                tuple(self.image_mean or ()), tuple(self.image_std or ()), self.image_processor)
+                tuple(self.image_mean or ()), tuple(self.image_std or ()), self.image_processor,
+                tuple(self.holdout) if isinstance(self.holdout, list) else self.holdout)
 
     @property
     def images_exts(self) -> tuple[str, ...]:
@@ -490,6 +504,8 @@ class Plan(Strict):
     """How steps are selected and laid out over ranks."""
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     """Snapshots of the planner and when a step becomes final."""
+    evaluation: Evaluation = Field(default_factory=Evaluation)
+    """The evaluation stream of the sources' held-out units (``Source.holdout``)."""
     stages: list[Stage] = Field(default_factory=list)
     """Curriculum stages in step order (mix and context strategy per stage); see
     :class:`~overlord_dask.plan.schedule.Stage`."""

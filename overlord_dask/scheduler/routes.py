@@ -47,6 +47,9 @@ torn by a planning step; acks (a few list writes) stay on the event loop.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 
 from .. import logs
@@ -54,8 +57,9 @@ from .. import pieces as P
 from ..errors import PlanError
 from ..loading.signals import pool_signals
 from ..plan.loading import plan_from_dict, plan_to_dict
-from ..protocol import Route
+from ..protocol import Route, eval_key
 from .channels import Consumer, send
+from .held import holders
 from .replicas import ReplicaAcks
 from .timings import Timings
 
@@ -80,7 +84,7 @@ class Routes:
             Route.WHERE: self.where, Route.WORK: self.work, Route.UPDATE: self.update, Route.POOLS: self.pools,
             Route.REQUEST_STOP: self.request_stop, Route.FAIL: self.fail, Route.STATUS: self.status,
             Route.METRICS: self.metrics, Route.LEDGER: self.ledger, Route.PLANS: self.plans,
-            Route.SNAPSHOTS: self.snapshots, Route.LOOP: self.loop,
+            Route.SNAPSHOTS: self.snapshots, Route.LOOP: self.loop, Route.EVAL: self.evaluation,
         }
 
     @property
@@ -179,6 +183,20 @@ class Routes:
         if run_id is not None and run_id != self.p.run_id:
             return {"error": None, "workers": [], "other_run": True}
         return await self.p.held.where(key, timeout)
+
+    async def evaluation(self, timeout: float = 5.0) -> dict:
+        """Where the run's evaluation batches are (waits up to ``timeout`` while they are built)."""
+        if not any(self.state.timeline.source(n).holdout is not None for n in self.state.source_names):
+            return {"error": "the plan holds out no evaluation data (set a source's holdout)", "workers": []}
+        key, deadline = eval_key(self.p.run_id), time.monotonic() + timeout
+        while ((ts := self.p.scheduler.tasks.get(key)) is None or ts.state not in ("memory", "erred")) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # submitted with the run's first tasks; built once its units are loaded
+        if ts is None:
+            return {"error": f"the evaluation batches were not submitted within {timeout:g}s", "workers": []}
+        if ts.state == "erred":
+            blame = ts.exception_blame or ts
+            return {"error": f"building the evaluation batches failed: {blame.exception_text}", "workers": []}
+        return {"error": None, "key": key, "run_id": self.p.run_id, "workers": holders(ts)}
 
     # ---- the submitter, the autoscaler, operators ------------------------------------------------------
     async def work(self, timeout: float = 1.0) -> dict:

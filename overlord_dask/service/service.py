@@ -40,6 +40,7 @@ from ..plan.timeline import PlanTimeline
 from ..planner.snapshot import decode_updates
 from ..protocol import resolve_address
 from ..scheduler.plugin import PlannerPlugin
+from . import holdout
 from .manifest import with_digests
 from ..sources.units import LoadUnit
 from ..worker.batch_server import BatchServer
@@ -187,7 +188,8 @@ class Service(ServiceViews):
         timeline = PlanTimeline(plan, decode_updates(loaded[0]) if loaded else [])
         if loaded:
             _check_code(plan, timeline, loaded[0])
-        units = with_digests(timeline, index_timeline(timeline))  # loading.integrity: each unit's digest
+        indexed = with_digests(timeline, index_timeline(timeline))  # loading.integrity: each unit's digest
+        units = holdout.training(plan.seed, timeline.source, indexed)  # held-out units never reach the planner
         owned = None
         if cluster is None and address is None:
             from .deploy import local_cluster  # the embedded default deployment
@@ -212,6 +214,7 @@ class Service(ServiceViews):
 
                 adaptive = PoolAdaptive(pooled, plan_pools(plan), plan.loading.autoscale, run_id)
             submitter = Submitter(client, timeline, run_id, units)
+            submitter.submit_eval(holdout.held_out(plan.seed, timeline.source, indexed))  # the evaluation batches, built once
             submitter.start()
         except BaseException:
             if adaptive is not None:
@@ -301,7 +304,7 @@ class Service(ServiceViews):
         skipped. With snapshots, the update is durable when this returns."""
         known = set(self.timeline().source_names)
         new = [s for s in plan.sources if s.name not in known]
-        first_ids = {name: [u.first_id for u in us] for name, us in index_sources(plan, new).items()}
+        first_ids = {name: [u.first_id for u in us] for name, us in holdout.training(plan.seed, plan.source, index_sources(plan, new)).items()}
         resp = self.planner.update(plan_to_dict(plan), at_step, first_ids)
         if resp["error"]:
             raise PlanError(resp["error"])

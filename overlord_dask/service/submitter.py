@@ -29,12 +29,14 @@ from ..loading.partition import partition
 from ..loading.pools import pool_resource, uses_pools
 from ..plan.loading import plan_from_dict, plan_to_dict
 from ..plan.timeline import PlanTimeline
-from ..protocol import block_key, load_key
+from ..protocol import block_key, eval_key, load_key
 from ..sources import discover_units
 from ..sources.units import LoadUnit
 from ..sources.tokenizers import load_tokenizer
 from ..worker.constructors import build_chunk
+from ..worker.evaluation import build_eval
 from ..worker.loaders import load_block, load_group
+from . import holdout
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +93,8 @@ class Submitter(threading.Thread):
             for src in p.sources:
                 self.source_plan[src.name] = (f"{self.run_id}-v{v}", as_dict)
                 self.resources[src.name] = {pool_resource(src.pool_name): 1} if uses_pools(p) else None
-                if src.name not in self.units:
-                    self.units[src.name] = discover_units(src, p)
+                if src.name not in self.units:  # a source a live update added: its training units
+                    self.units[src.name] = holdout.split(p.seed, src, discover_units(src, p))[0]
         self.plan_version = len(timeline.versions) - 1
         self.multimodal = any(timeline.source(n).images_field for n in timeline.source_names)  # batches carry image fields
         self.pad_id = load_tokenizer(self.plan.tokenizer, self.plan.base_dir).pad_id  # micro-batches are padded with it
@@ -149,6 +151,26 @@ class Submitter(threading.Thread):
             else:
                 self.blocks[block_key(self.src_index[source], epoch, unit)] = self.client.submit(
                     load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch, key=key, **opts)
+
+    def submit_eval(self, held: dict[str, list[LoadUnit]]) -> None:
+        """Load the held-out units and build the evaluation batches from them (one task, kept
+        for the run; ``worker/evaluation.py``). Their loads report nothing to the planner."""
+        if not held:
+            return
+        plan, ev = self.plan, self.plan.evaluation
+        names = sorted(held, key=self.src_index.get)  # the plan's source order
+        weights = ev.weights or plan.weights_at(0)
+        total = sum(weights.get(n, 0.0) for n in names) or 1.0
+        budgets = {self.src_index[n]: None if ev.tokens is None else int(ev.tokens * weights.get(n, 0.0) / total) for n in names}
+        blocks = []
+        for n in names:
+            cache_key, plan_dict = self.source_plan[n]
+            for u in held[n]:
+                fut = self.client.submit(load_block, plan_dict, cache_key, u.to_dict(), key=f"overlord-evalload-{self.run_id}-{n}-{u.index}", pure=False)
+                blocks.append((self.src_index[n], fut))
+        self.eval_future = self.client.submit(
+            build_eval, blocks, budgets, plan.topology.dp, ev.micro_batches, ev.tokens_per_micro_batch or plan.topology.tokens_per_micro_batch,
+            self.pad_id, self.multimodal, key=eval_key(self.run_id), pure=False)
 
     def _submit_builds(self, tasks: list) -> None:
         topo = self.plan.topology

@@ -30,20 +30,24 @@ class OverlordDataset(IterableDataset):
     batches are already built by the service and fetched ahead in the background, so
     DataLoader workers would only split (and break) the ordered stream. ``pin_memory=True``
     pins them for CUDA trainers. ``state_dict()`` / ``load_state_dict()`` follow torchdata's
-    ``StatefulDataLoader`` and DCP's ``Stateful``.
+    ``StatefulDataLoader`` and DCP's ``Stateful``. ``split="eval"`` iterates the rank's share of
+    the evaluation stream (the plan's held-out units): finite, the same at every pass.
     """
 
     def __init__(self, address: str, rank: int | None = None, dp: int | None = None, *, device_mesh=None,
                  dp_dims: tuple[str, ...] | None = None, cp_dim: str = "cp", cp_rank: int | None = None, replica: int | None = None,
                  labels: str = "shifted", loss_mask: bool | None = None, batch_dim: bool = False, timeout: float = 600.0,
                  prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False,
-                 reconnect_timeout: float = 120.0):
+                 reconnect_timeout: float = 120.0, split: str = "train"):
         super().__init__()
         p = place(rank, dp, cp_rank=cp_rank, replica=replica, device_mesh=device_mesh, dp_dims=dp_dims, cp_dim=cp_dim)
         self.address, self.rank, self.dp, self.cp_rank, self.replica, self.timeout = address, p.rank, p.dp, p.cp_rank, p.replica, timeout
         self.options = {"prefetch_steps": prefetch_steps, "prefetch_bytes": prefetch_bytes, "pin_memory": pin_memory,
                         "reconnect_timeout": reconnect_timeout, "labels": labels, "loss_mask": loss_mask, "batch_dim": batch_dim}
         self._stream: RankStream | None = None
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        self.split = split
 
     def __iter__(self):
         import torch.utils.data as tud
@@ -54,6 +58,11 @@ class OverlordDataset(IterableDataset):
                 f"OverlordDataset(rank={self.rank}) was given to a DataLoader with num_workers={info.num_workers}; "
                 "use num_workers=0: the service already builds the batches"
             )
+        if self.split == "eval":  # not the training stream: the rank's training consumer stays attached
+            from .evaluation import EvalStream
+
+            return iter(EvalStream(self.address, self.rank, self.dp, timeout=self.timeout, as_torch=True,
+                                   **{k: self.options[k] for k in ("labels", "loss_mask", "batch_dim")}))
         return iter(self.stream)
 
     @property

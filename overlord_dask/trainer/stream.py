@@ -167,6 +167,17 @@ class RankStream:
                 item.update(step=batch["step"], rank=self.rank, micro_batch=m, last_in_step=m == n - 1)
                 yield item
 
+    def eval_batches(self) -> Iterator[dict]:
+        """This rank's evaluation micro-batches (the plan's held-out units): a finite stream, the
+        same at every call, that leaves the training stream where it is (``evaluation.py``)."""
+        from .evaluation import eval_micro_batches
+
+        return eval_micro_batches(self)
+
+    @property
+    def batch_options(self) -> dict:
+        return self._batch_options
+
     def next_batch(self) -> dict:
         """The next step's batch for this rank; the previous step counts as consumed."""
         self._ensure_attached()
