@@ -163,3 +163,98 @@ def test_pools_scale_as_slurm_jobs_through_the_real_slurmcluster(corpus, tmp_pat
     assert {n.rsplit("-", 1)[0] for n in names} <= {"overlord-pool-web", "overlord-pool-chat", "overlord-pool-photos"}
     cancelled = (slurm / "cancelled").read_text().split()
     assert len(cancelled) == len(scripts)  # every job ended by scancel: the shrink, then the close
+
+
+def test_shared_jobs_that_end_are_replaced_without_a_stall_or_a_lost_step(tmp_path):
+    """A soak through the real SLURMCluster (stand-in Slurm commands): worker jobs live 15 s,
+    the run lasts 45 s, every job is replaced several times; each successor starts before its
+    predecessor drains, so trainers never wait long, and nothing is delivered twice or lost."""
+    pytest.importorskip("dask_jobqueue")
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.soak import soak
+
+    res = soak(str(tmp_path / "data"), str(tmp_path / "slurm"), seconds=45, lifetime=15, stagger=3, jobs=2, dp=2, compute_s=0.05)
+    assert res["failure"] is None
+    assert res["workers_replaced"] >= 4, res
+    assert res["duplicates"] == 0 and res["missing"] == 0 and res["steps"] > 100, res
+    assert res["stall_max_s"] < 1.5, res
+
+
+def test_worker_lifetimes_follow_the_walltime():
+    pytest.importorskip("dask_jobqueue")
+    from overlord_dask.service.deploy import slurm_cluster
+
+    cluster = slurm_cluster(cores=1, memory="1GB", walltime="02:00:00", replace_jobs=False)
+    try:
+        script = cluster.job_script()
+    finally:
+        cluster.close()
+    assert "--lifetime 6480s --lifetime-stagger 600s" in script and "#SBATCH -t 02:00:00" in script  # 2 h less 12 min, staggered
+    with pytest.raises(ValueError, match=r"a worker's lifetime \(7200s\) must end before its job's walltime \(01:00:00\)"):
+        slurm_cluster(walltime="01:00:00", lifetime="2h")
+
+
+def test_the_service_outlives_its_own_job_through_the_scheduler_file(cluster, corpus, tmp_path, monkeypatch):
+    """`overlord slurm` as a (stand-in) Slurm job with a 15 s walltime: it stops cleanly before
+    it, writing its last snapshot, and resubmits itself; the next job resumes from the snapshot
+    and writes the scheduler file again; trainers reading the file continue through the gap, and
+    their steps are those of an uninterrupted run, none lost or repeated."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.harness import run_ranks
+
+    pytest.importorskip("dask_jobqueue")
+    from overlord_dask import Service, connect
+    from overlord_dask.observe.figures import delivered_identities, delivered_record
+    from overlord_dask.service.demo import demo_plan
+
+    slurm = tmp_path / "slurm"
+    monkeypatch.setenv("PATH", f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_DIR", str(slurm))
+    plan = demo_plan(corpus, topology={"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 4096},
+                     loading={"prefetch_steps": 4, "unit_rows": 300, "unit_tokens": 65536},
+                     checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 20, "base_every_seconds": 2})
+    d = plan.model_dump(mode="json")
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(d))
+    run_file, job = tmp_path / "run.json", tmp_path / "service.sh"
+    job.write_text(
+        "#!/bin/bash\n"
+        f"if [ -e {tmp_path}/second ]; then WALL=00:10:00; else touch {tmp_path}/second; WALL=00:00:15; fi\n"
+        f"exec {sys.executable} -m overlord_dask slurm {tmp_path / 'plan.yaml'} --jobs 1 --cores 1 --memory 2GB --walltime 00:30:00 "
+        f"--host 127.0.0.1 --scheduler-file {run_file} --service-walltime $WALL --resubmit-before 0s --resubmit 'sbatch {job}'\n")
+    subprocess.run(["sbatch", str(job)], check=True, capture_output=True)
+    deadline = time.monotonic() + 120
+    while not run_file.exists():
+        assert time.monotonic() < deadline, "the first service job never wrote its scheduler file"
+        time.sleep(0.2)
+    steps = 100
+
+    def consume(where: str, pause: float, reconnect: float) -> dict:
+        """Both ranks' delivered pieces per (rank, step)."""
+        out = {}
+
+        def rank(r):
+            with connect(where, r, 2, timeout=180, reconnect_timeout=reconnect) as s:
+                for _ in range(steps):
+                    b = s.next_batch()
+                    out[(r, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
+                    time.sleep(pause)
+                s.commit()
+
+        run_ranks(rank, [0, 1])
+        return out
+
+    got = consume(str(run_file), 0.25, 120)  # 25 s of training: past the first job's walltime
+    assert subprocess.run([sys.executable, "-m", "overlord_dask", "stop", str(run_file)], capture_output=True, timeout=120).returncode == 0
+    logs = sorted(slurm.glob("*.log"))
+    assert sum("event=resubmit" in p.read_text() for p in logs) == 1, [p.read_text()[-2000:] for p in logs]
+    with Service.start(demo_plan(corpus, topology=d["topology"], loading=d["loading"]), cluster=cluster) as service:
+        reference = consume(service.address, 0.0, 10)  # the same plan, uninterrupted
+    assert sorted(got) == sorted(reference) == [(r, s) for r in range(2) for s in range(steps)]
+    assert got == reference

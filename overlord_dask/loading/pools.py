@@ -112,12 +112,17 @@ def worker_spec(cluster, pool: PoolSpec) -> dict:
 _counter = itertools.count()
 
 
+def worker_name(pool: str) -> str:
+    """A new worker (spec) name in ``pool`` (:func:`pool_of` reads the pool back from it)."""
+    return f"{PREFIX}{pool}-{next(_counter)}"
+
+
 def grow(cluster, pool: PoolSpec, n: int) -> list[str]:
     """Add ``n`` workers to ``pool``; returns their names (they start when the cluster corrects
     its state, see :func:`apply`)."""
     names = []
     for _ in range(n):
-        name = f"{PREFIX}{pool.name}-{next(_counter)}"
+        name = worker_name(pool.name)
         cluster.worker_spec[name] = worker_spec(cluster, pool)
         names.append(name)
     return names

@@ -191,9 +191,10 @@ class RankChannels:
         """Whether ``generation`` is the consumer's newest attachment."""
         return self.generation.get(consumer, 0) == generation
 
-    async def close(self, message: str) -> None:
-        """The run stops: every consumer process hears it, the streams close, the queues go."""
-        self.broadcast({"op": "error", "rank": None, "message": message})
+    async def close(self, message: str, resumable: bool = False) -> None:
+        """The run stops: every consumer process hears it, the streams close, the queues go.
+        ``resumable``: its snapshots let a restarted service continue it (consumers wait for it)."""
+        self.broadcast({"op": "error", "rank": None, "message": message, "resumable": resumable})
         for bs in list(self.streams.values()):
             try:
                 await bs.close(timeout=2)

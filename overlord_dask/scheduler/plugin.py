@@ -118,7 +118,8 @@ class PlannerPlugin(SchedulerPlugin):
                 logger.exception("writing the final planner snapshot to %s failed", self.checkpoint_url)
         for name in self.routes.table():
             self.scheduler.handlers.pop(name, None)
-        await self.channels.close(f"the overlord run {self.run_id} stopped")  # consumers learn that the run is gone
+        # consumers learn that the run is gone; with snapshots it may come back (a resubmitted service job)
+        await self.channels.close(f"the overlord run {self.run_id} stopped", resumable=self.snapshots_loop is not None)
         self.thread.stop()
         self.thread = None
         sys.setswitchinterval(self._switch_interval)

@@ -380,8 +380,18 @@ def _non_negative(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["slurm"]:  # its own parser (slurm_job.py): also run as cluster/slurm.py
+        from .slurm_job import main as slurm_main
+
+        try:
+            return slurm_main(argv[1:])
+        except OverlordError as err:
+            print(f"overlord: error: {err}", file=sys.stderr)
+            return 2
     ap = argparse.ArgumentParser(prog="overlord", description="overlord-dask: a Dask data-loading service for LLM training")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("slurm", help="run the service as a Slurm job with Slurm worker jobs (see `overlord slurm --help`)", add_help=False)
     d = sub.add_parser("demo", help="run the service on an embedded LocalCluster with generated data and dp trainer processes")
     d.add_argument("--dp", type=_positive, default=4, help="trainer ranks (separate processes)")
     d.add_argument("--steps", type=_positive, default=100)

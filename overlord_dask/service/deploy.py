@@ -24,7 +24,10 @@ environment variables, ``dask.config.set``) wins, and ``overlord.quiet-dask: fal
 
 from __future__ import annotations
 
+import time
+
 import dask
+from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster
 
 from .priority import WorkerPriority
@@ -120,19 +123,33 @@ def slurm_cluster(
     walltime: str = "04:00:00",
     processes: int = 1,
     python: str | None = None,
+    lifetime: str | None = None,
+    lifetime_stagger: str | None = None,
+    replace_jobs: bool = True,
     **kwargs,
 ):
     """A dask-jobqueue ``SLURMCluster`` whose jobs start overlord-dask loader workers.
 
-    The scheduler runs in this process (the service); scale with ``cluster.scale(jobs=n)`` or
-    ``cluster.adapt(...)``. Workers get ``--lifetime`` staggering so long runs recycle them.
+    The scheduler runs in this process (the service); scale with ``cluster.scale(jobs=n)`` (pools
+    the plan declares get jobs of their own). A worker leaves before Slurm ends its job: after
+    ``lifetime`` (default: the ``walltime`` less a tenth, at least 5 minutes), staggered by up to
+    ``lifetime_stagger`` (default a tenth of the lifetime, at most 10 minutes) so that the jobs do
+    not all end at once, handing its loaded blocks and built batches to the other workers as it
+    goes. With ``replace_jobs`` a job that ended (its lifetime, the walltime, preemption, a
+    node failure) is replaced: the cluster is brought back to its jobs every few seconds
+    (dask-jobqueue itself replaces ended jobs only in adaptive mode).
     """
     from dask_jobqueue import SLURMCluster  # optional dependency: pip install overlord-dask[slurm]
 
+    wall = _seconds(walltime)
+    life = parse_timedelta(lifetime) if lifetime else max(60.0, wall - max(300.0, 0.1 * wall))
+    if life >= wall:
+        raise ValueError(f"a worker's lifetime ({life:g}s) must end before its job's walltime ({walltime})")
+    stagger = parse_timedelta(lifetime_stagger) if lifetime_stagger else min(600.0, 0.1 * life)
     extra = list(kwargs.pop("worker_extra_args", []))
-    extra += ["--lifetime", "230m", "--lifetime-stagger", "10m"]
+    extra += ["--lifetime", f"{life:g}s", "--lifetime-stagger", f"{stagger:g}s"]
     with dask.config.set(service_config()):
-        return SLURMCluster(
+        cluster = SLURMCluster(
             cores=cores,
             processes=processes,
             memory=memory,
@@ -143,3 +160,85 @@ def slurm_cluster(
             worker_extra_args=extra,
             **kwargs,
         )
+    if replace_jobs:
+        keep_jobs(cluster, life, stagger)
+    return cluster
+
+
+KEEP_EVERY_S = 1.0
+
+
+def keep_jobs(cluster, lifetime: float | None = None, stagger: float = 0.0, every_s: float = KEEP_EVERY_S) -> None:
+    """Replace the cluster's jobs as their workers leave, checked every ``every_s`` seconds.
+
+    A worker is given a successor job (under a new name, in the same pool) ``lead`` seconds
+    before its ``lifetime`` can end at the earliest, so the successor has started by the time the
+    old worker drains (hands its data to the others) and leaves: the run never goes without its
+    workers. A worker that vanishes without warning (preemption, a node failure) is replaced as
+    soon as the scheduler has lost it. Stopped with the cluster."""
+    import asyncio
+    import copy
+
+    from tornado.ioloop import PeriodicCallback
+
+    from ..loading.pools import start_workers
+
+    lead = min(60.0, max(5.0, 0.02 * lifetime)) if lifetime else 0.0
+    due_at = None if lifetime is None else max(0.0, lifetime - stagger - lead)  # age at which a successor starts
+    first_seen: dict = {}  # spec name -> when its worker was first up (a job not started yet is not lost)
+    succeeded: set = set()
+
+    def keep():
+        if cluster.status.name != "running":
+            return
+        now = time.monotonic()
+        live = {w["name"]: w.get("status") for w in cluster.scheduler_info.get("workers", {}).values()}
+        for n in live:
+            if n in cluster.worker_spec:
+                first_seen.setdefault(n, now)
+        changed = False
+        for name in [n for n in list(cluster.worker_spec) if n in first_seen]:
+            status = live.get(name)
+            gone = status is None
+            leaving = gone or status in ("closing_gracefully", "closing", "closed")
+            if name not in succeeded and (leaving or (due_at is not None and now - first_seen[name] >= due_at)):
+                cluster.worker_spec[_successor(name)] = copy.deepcopy(cluster.worker_spec[name])
+                succeeded.add(name)
+                changed = True
+            if gone:  # its job ended: the entry goes, and the job object at once
+                cluster.worker_spec.pop(name, None)
+                first_seen.pop(name, None)
+                job = cluster.workers.pop(name, None)
+                if job is not None:
+                    asyncio.ensure_future(job.close())
+                changed = True
+        if changed or set(cluster.worker_spec) - set(cluster.workers):
+            start_workers(cluster)
+
+    pc = PeriodicCallback(keep, every_s * 1000)
+    cluster.periodic_callbacks["overlord-keep-jobs"] = pc
+    cluster.loop.add_callback(pc.start)
+
+
+def _successor(name) -> str:
+    """A new worker name for the job replacing ``name``: in its pool for a pool worker."""
+    from ..loading.pools import pool_of, worker_name
+
+    pool = pool_of(name)
+    if pool is not None:
+        return worker_name(pool)
+    base, _, n = str(name).rpartition("-r")
+    return f"{base}-r{int(n) + 1}" if base and n.isdigit() else f"{name}-r1"
+
+
+def _seconds(walltime: str) -> float:
+    """Slurm's ``[days-]hours:minutes:seconds`` (or minutes, or minutes:seconds) in seconds."""
+    days, _, rest = walltime.rpartition("-")
+    parts = [float(x) for x in rest.split(":")]
+    if len(parts) == 1:
+        secs = parts[0] * 60
+    elif len(parts) == 2:
+        secs = parts[0] * 60 + parts[1]
+    else:
+        secs = parts[0] * 3600 + parts[1] * 60 + parts[2]
+    return secs + (float(days) * 86400 if days else 0.0)

@@ -117,6 +117,8 @@ class RankIO:
             return  # meant for an earlier consumer of this rank in this process
         if msg["op"] == "worker_lost":
             self.io.lost(msg["address"]).set()
+        elif msg["op"] == "error" and msg.get("resumable") and self.reconnect_timeout > 0:
+            self.lost(f"{msg['message']}; it resumes from its snapshots when it is started again")  # a restart (or a resubmitted job) is awaited
         elif msg["op"] == "error":
             self.hand.fail(f"the overlord service failed: {msg['message']}")
         elif msg["op"] == "descriptors":
