@@ -106,7 +106,7 @@ def test_slurm_job_script_renders():
         cluster.close()
     assert "#SBATCH -p cpu" in script and "#SBATCH -A proj" in script and "#SBATCH -t 01:00:00" in script
     assert "distributed.cli.dask_worker tcp://127.0.0.1:" in script
-    assert "--lifetime 230m" in script and "--lifetime-stagger 10m" in script
+    assert "--lifetime 3240s --lifetime-stagger 324s" in script  # before the 1 h walltime (a tenth less), staggered
 
 
 def test_slurm_launcher_prints_job_script(corpus, tmp_path):

@@ -185,3 +185,40 @@ def test_patches_stay_with_their_placeholders_through_splits_and_cp(cluster, tmp
                     np.testing.assert_array_equal(patch, b.images[b.image_patches[img] + k])
                     seen += 1
     assert seen > 100
+
+
+def test_webdataset_shards_with_image_placeholders(tmp_path, llama3):
+    """A webdataset sample's images (its jpg/png members) go where its text has `<image>`."""
+    import webdataset as wds
+
+    rng = np.random.default_rng(5)
+    texts, images = [], []
+    (tmp_path / "wds").mkdir()
+    with wds.TarWriter(str(tmp_path / "wds" / "shard-000.tar")) as w:
+        for i in range(12):
+            pics = [_png(rng, 24, 24) for _ in range(1 + i % 2)]
+            text = "the cat <image> sat" + (" on <image> the mat" if len(pics) == 2 else "")
+            sample = {"__key__": f"{i:04d}", "txt": text, "png": pics[0]}
+            if len(pics) == 2:
+                sample["jpg"] = _png(rng, 24, 24)  # a second member (PNG bytes under another extension: Pillow reads either)
+                pics[1] = sample["jpg"]
+            w.write(sample)
+            texts.append(text)
+            images.append(pics)
+    plan = plan_from_dict({"sources": [{"name": "img", "format": "webdataset", "url": "wds/shard-000.tar", "text_field": "txt",
+                                        "images_field": "png,jpg", "image_placeholders": True, "image_size": 16, "patch_size": 8}],
+                           "tokenizer": str(llama3), "topology": {"dp": 1, "tokens_per_micro_batch": 4096}}, base_dir=tmp_path)
+    (block,), dropped = _blocks(plan)
+    image_id = image_token_id_of(plan)
+    assert dropped == 0 and len(block) == 12
+    for d in range(12):
+        doc = block.doc(d).tolist()
+        assert doc.count(image_id) == 4 * len(images[d])  # (16 / 8)² patches per image
+        first = doc.index(image_id)
+        assert doc[first:first + 4] == [image_id] * 4 and doc[0] != image_id  # after BOS and "the cat"
+
+
+def image_token_id_of(plan):
+    from overlord_dask.sources.tokenizers import image_token_id
+
+    return image_token_id(plan.sources[0], plan)

@@ -173,3 +173,16 @@ def test_plan_local_code_reaches_the_workers_without_an_install(cluster, tmp_pat
             s.commit()
         assert service.status()["failure"] is None
     assert bytes(t - 4 for t in first[:-1]).decode().startswith("DOC ") and first[-1] == 2
+
+
+def truncate(block, keep: int):
+    from overlord_dask.sources.blocks import SampleBlock
+
+    lens = np.minimum(block.lengths(), keep)
+    docs = [block.doc(i)[:k] for i, k in enumerate(lens)]
+    return SampleBlock(block.source, np.concatenate(docs), np.concatenate([[0], np.cumsum(lens)]), block.sample_ids)
+
+
+def test_a_transform_takes_arguments_from_the_plan(tmp_path):
+    docs = _docs(tmp_path, transform="tests.test_tokenizers:truncate", transform_kwargs={"keep": 3})
+    assert docs == [([b + 3 for b in (t or "").encode()] + [2])[:3] for t in TEXTS]  # the byte tokenizer's documents, cut to 3

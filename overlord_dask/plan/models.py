@@ -140,6 +140,8 @@ class Source(Strict):
     file and sample id; ``drop`` keeps it as an empty document and counts it as dropped."""
     transform: str | None = None
     """Optional `module:callable` applied to each loaded sample block (filter, truncate, remap)."""
+    transform_kwargs: dict = Field(default_factory=dict)
+    """Keyword arguments the `transform` is called with (after the block)."""
     prepare: list[Prepare] = Field(default_factory=list)
     """Record formats: steps applied to each unit's records, in order, before tokenizing
     (:class:`Prepare`)."""
@@ -254,6 +256,7 @@ class Source(Strict):
         """What fixes the source's documents and their order; a plan update may not change it."""
         return (self.format, self.url, self.text_field, self.tokens_field, self.offsets_field,
                 None if self.tokenizer is None else self.tokenizer.model_dump_json(), self.transform,
+                tuple(sorted((k, repr(v)) for k, v in self.transform_kwargs.items())),
                 tuple((p.record, p.batch, tuple(sorted(p.kwargs.items()))) for p in self.prepare),
                 self.images_field, self.image_offsets_field, self.image_positions_field, self.image_token_id,
                 self.image_size, self.patch_size, self.add_bos, self.add_eos, self.messages_field, tuple(self.train_roles),

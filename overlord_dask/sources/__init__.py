@@ -82,7 +82,7 @@ def read_unit(source: Source, plan: Plan, unit: LoadUnit) -> Loaded:
         raise SourceError(f"{unit.describe()}: read {len(loaded.block)} documents, the index found {unit.n_docs} "
                           "(the file changed since the source was indexed?)")
     if source.transform:
-        block = import_callable(source.transform)(loaded.block)
+        block = import_callable(source.transform)(loaded.block, **source.transform_kwargs)
         if not isinstance(block, SampleBlock):
             raise SourceError(f"source {source.name!r}: transform {source.transform!r} returned {type(block).__name__}, expected SampleBlock")
         try:
