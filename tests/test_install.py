@@ -75,4 +75,4 @@ def test_the_wheel_ships_what_notebooks_and_operators_read(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"overlord_dask/pipelines/{p.name}" for p in (ROOT / "pipelines").glob("*.yaml")}
     assert shipped and shipped <= names
-    assert {"overlord_dask/observe/grafana-dashboard.json", "overlord_dask/service/demo_plan.yaml"} <= names
+    assert {"overlord_dask/observe/grafana-dashboard.json", "overlord_dask/service/demo_plan.yaml", "overlord_dask/observe/templates/overlord.html"} <= names

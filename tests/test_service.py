@@ -228,13 +228,47 @@ def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
             s.close()
     assert snap["run_id"] == service.run_id and snap["committed"] >= 7 and len(snap["rank_lag"]) == 2
     assert {s["source"] for s in snap["sources"]} == {"web", "chat", "books"} and snap["imbalance"] >= 1.0
-    assert "<svg" in page and "polyline" in page and "Loader pools" in page and service.run_id in page
+    assert page.count("<svg") == 2 and 'id="mix"' in page and 'id="balance"' in page and "Loader pools" in page
+    head = _first_table(page)  # what the page shows, against /overlord.json
+    assert head["run_id"] == service.run_id == snap["run_id"] and int(head["dp"]) == snap["dp"] == 2
+    assert int(head["committed"]) >= 7 and head["failure"] == ""
     assert f'overlord_steps_committed_total{{run="{service.run_id}"}}' in metrics
     _check_grafana_dashboard(metrics)
     assert 'overlord_source_weight{run="%s",source="books"}' % service.run_id in metrics
     assert "overlord_rank_lag_steps" in metrics and "overlord_imbalance" in metrics
     assert set(snap["rank_wait_share"]) == {"0", "1"} and all(0 <= v <= 1 for v in snap["rank_wait_share"].values())
     assert 'overlord_rank_wait_share{rank="0",run=' in metrics or f'overlord_rank_wait_share{{run="{service.run_id}",rank="0"}}' in metrics
+
+
+def _first_table(page: str) -> dict:
+    """The page's first table (header row and one data row) as a dict, read with html.parser."""
+    from html.parser import HTMLParser
+
+    class Cells(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.rows, self.cell, self.tables = [], None, 0
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "table":
+                self.tables += 1
+            elif tag == "tr" and self.tables == 1:
+                self.rows.append([])
+            elif tag in ("td", "th") and self.tables == 1:
+                self.cell = ""
+
+        def handle_endtag(self, tag):
+            if tag in ("td", "th") and self.cell is not None and self.tables == 1:
+                self.rows[-1].append(self.cell)
+                self.cell = None
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell += data
+
+    p = Cells()
+    p.feed(page)
+    return dict(zip(p.rows[0], p.rows[1]))
 
 
 def _check_grafana_dashboard(metrics: str) -> None:

@@ -95,7 +95,6 @@ class PlannerPlugin(SchedulerPlugin):
         # never removed: a message for a stream handler that is gone drops the worker's connection
         scheduler.stream_handlers[Route.LENGTHS] = functools.partial(_dispatch_lengths, scheduler)
         logs.install()  # the scheduler's side of the shadow-copy races
-        dashboard.install_page(scheduler)  # /overlord on the dashboard's HTTP server
         prometheus.install(scheduler)  # overlord_* on Dask's /metrics
         _freeze_heap()
         # The planner thread computes while the event loop needs the GIL for a few microseconds

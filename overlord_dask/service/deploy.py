@@ -65,9 +65,15 @@ def quiet_defaults() -> dict:
             if dask.config.get(key, None) == dask.config.get(key, None, config=dask_defaults)}
 
 
+PAGE_ROUTES = "overlord_dask.observe.http"  # /overlord and /overlord.json on the dashboard server
+
+
 def service_config() -> dict:
-    """Config for the service's own process (scheduler, nannies): ``SERVICE_CONFIG`` and the quiet defaults."""
-    return {**quiet_defaults(), **SERVICE_CONFIG}
+    """Config for the service's own process (scheduler, nannies): ``SERVICE_CONFIG``, the quiet
+    defaults, and the Overlord page among the scheduler's HTTP routes."""
+    routes = list(dask.config.get("distributed.scheduler.http.routes", []))
+    return {**quiet_defaults(), **SERVICE_CONFIG,
+            "distributed.scheduler.http.routes": routes + ([PAGE_ROUTES] if PAGE_ROUTES not in routes else [])}
 
 
 def worker_config() -> dict:

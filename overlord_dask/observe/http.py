@@ -1,0 +1,51 @@
+"""``/overlord`` and ``/overlord.json`` on the scheduler's dashboard server, through Dask's
+documented route extension: this module is listed in ``distributed.scheduler.http.routes``.
+The clusters ``service/deploy.py`` makes list it; for a scheduler started otherwise, add it to
+that setting (``DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES``, or the scheduler's config file).
+
+Both read the dashboard snapshot the planner thread refreshes (``dashboard.py``): a page view
+never touches the planner's state, and the page is rendered in a thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from distributed.http.utils import RequestHandler
+
+from .dashboard import PLUGIN
+
+
+def _snapshot(scheduler):
+    plugin = scheduler.plugins.get(PLUGIN) if scheduler is not None else None
+    return getattr(plugin, "observed", None)
+
+
+class OverlordPage(RequestHandler):
+    async def get(self):
+        from .page import render
+
+        snap = _snapshot(self.server)
+        if snap is None:
+            self.set_status(404)
+            self.write("no overlord run on this scheduler")
+            return
+        page = await asyncio.get_running_loop().run_in_executor(None, render, snap)
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.write(page)
+
+
+class OverlordJson(RequestHandler):
+    def get(self):
+        from .page import as_json
+
+        snap = _snapshot(self.server)
+        if snap is None:
+            self.set_status(404)
+            self.write("no overlord run on this scheduler")
+            return
+        self.set_header("Content-Type", "application/json")
+        self.write(as_json(snap))
+
+
+routes: list[tuple] = [("overlord", OverlordPage, {}), ("overlord.json", OverlordJson, {})]
