@@ -157,12 +157,6 @@ def mask_of(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     return mask
 
 
-def encode_chat(tok, template_source: str, messages: list[dict], train_roles: list[str], specials: dict) -> tuple[list[int], np.ndarray, str]:
-    """Ids, mask and text of one conversation."""
-    text, spans = trained_spans(template_source, messages, train_roles, specials)
-    return (*encode_rendered(tok, [(text, spans)])[0], text)
-
-
 def encode_rendered(tok, rendered: list[tuple[str, list]]) -> list[tuple[list[int], np.ndarray]]:
     """Ids and mask of rendered conversations (text, trained spans), encoded in one batch where
     the tokenizer reports character offsets (the Rust batch encoder runs on every core)."""

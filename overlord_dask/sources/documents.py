@@ -1,7 +1,8 @@
 """A unit's records as documents of token ids (and a loss mask): the three kinds of record a
 source may name, each into the same flat form (``tokens``, ``offsets [n + 1]``, ``mask`` or None).
 
-- text (``text_field``): the tokenizer's ids, then the source's boundaries (BOS, EOS);
+- text (``text_field``): the tokenizer's ids, then the source's boundaries (BOS, EOS:
+  ``tokenizers.add_boundaries``);
 - chat (``messages_field``): the rendered conversation and its trained turns (``chat.py``);
 - token ids (``tokens_field``), with a ``labels_field`` (-100: ignored) or ``loss_mask_field``.
 
@@ -16,17 +17,11 @@ import numpy as np
 import pyarrow as pa
 
 from .chat import ChatError, check_messages, encode_rendered, trained_spans
-from .tokenizers import ByteTokenizer, Loaded, TokenizerError
+from .tokenizers import ByteTokenizer, Loaded, TokenizerError, flatten
 
 
 class Bad(dict):
     """Row -> why that record cannot become a document."""
-
-
-def flat(docs: list, n: int) -> tuple[np.ndarray, np.ndarray]:
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([len(d) for d in docs], out=offsets[1:])
-    return (np.concatenate([np.asarray(d, dtype=np.int64) for d in docs]) if docs else np.zeros(0, np.int64)), offsets
 
 
 def chat_documents(source, loaded: Loaded, base_dir, column: pa.Array, bad: Bad) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -48,7 +43,7 @@ def chat_documents(source, loaded: Loaded, base_dir, column: pa.Array, bad: Bad)
             tok, mask = [], np.zeros(0, np.uint8)
         ids.append(tok)
         masks.append(mask)
-    tokens, offsets = flat(ids, len(ids))
+    tokens, offsets = flatten("chat", ids, len(ids))
     return tokens, offsets, (np.concatenate(masks) if masks else np.zeros(0, np.uint8))
 
 
@@ -118,25 +113,6 @@ def take_placeholders(tokens, offsets, mask, pattern: np.ndarray) -> tuple[np.nd
     positions = hits - offsets[doc] - (before[hits] - before[offsets[doc]]) if len(hits) else hits
     new_offsets = offsets - np.concatenate([[0], np.cumsum(np.bincount(doc, minlength=n) * k)]).astype(np.int64)
     return tokens[~drop], new_offsets, (None if mask is None else mask[~drop]), per_doc, positions.astype(np.int64)
-
-
-def with_boundaries(tokens, offsets, mask, bos: int | None, eos: int | None, positions=None, img_doc=None):
-    """BOS before and EOS after every document (image positions shift past the BOS). A BOS is
-    never a target; an EOS is (the model learns to end a document)."""
-    n = len(offsets) - 1
-    if bos is not None:
-        tokens = np.insert(tokens, offsets[:-1], bos)
-        if mask is not None:
-            mask = np.insert(mask, offsets[:-1], np.uint8(0))
-        offsets = offsets + np.arange(n + 1)
-        if positions is not None:
-            positions = positions + 1
-    if eos is not None:
-        tokens = np.insert(tokens, offsets[1:], eos)
-        if mask is not None:
-            mask = np.insert(mask, offsets[1:], np.uint8(1))
-        offsets = offsets + np.arange(n + 1)
-    return tokens, offsets, mask, positions
 
 
 def emptied(tokens, offsets, mask, bad_rows) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -18,9 +18,9 @@ from ..plan.base import import_callable
 from ..plan.models import Plan, Source
 from ..logs import event
 from .blocks import SampleBlock, check_tokens
-from .documents import Bad, chat_documents, emptied, take_placeholders, placeholder_pattern, token_documents, with_boundaries
+from .documents import Bad, chat_documents, emptied, placeholder_pattern, take_placeholders, token_documents
 from .images import decode_images, processor_of, with_image_tokens
-from .tokenizers import TokenizerError, image_token_id, load_tokenizer
+from .tokenizers import TokenizerError, add_boundaries, image_token_id, load_tokenizer
 from .units import LoadUnit
 
 ROW = "_row"  # the column a batch prepare step keeps: each row's position in the unit
@@ -100,8 +100,9 @@ def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tu
         for i, msg in errors.items():
             bad.setdefault(int(doc_of[i]), msg)
     mask = None
-    if source.text_field or source.messages_field:
-        loaded = _tokenizer(source, plan)
+    text = source.text_field or source.messages_field
+    loaded = load_tokenizer(plan.tokenizer_of(source), plan.base_dir) if text or source.image_placeholders else None
+    if text:
         col = table.column(source.text_field or source.messages_field).combine_chunks()
         if source.text_field:
             tokens, offsets = loaded.tok.encode_array(col.cast(pa.string()) if pa.types.is_null(col.type) else col)
@@ -116,11 +117,11 @@ def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tu
     positions = None
     if source.images_field:
         if source.image_placeholders:
-            tokens, offsets, mask, per_doc, positions = take_placeholders(tokens, offsets, mask, placeholder_pattern(_tokenizer(source, plan), source.name))
+            tokens, offsets, mask, per_doc, positions = take_placeholders(tokens, offsets, mask, placeholder_pattern(loaded, source.name))
             pos_doc = np.repeat(np.arange(len(kept)), per_doc)
             for row in np.flatnonzero(per_doc != np.diff(img_off)).tolist():
                 bad.setdefault(row, f"the record has {int(np.diff(img_off)[row])} images but {int(per_doc[row])} "
-                                    f"{_tokenizer(source, plan).spec.image_token!r} placeholders")
+                                    f"{loaded.spec.image_token!r} placeholders")
         else:
             pos_off, pos = _list_parts(table.column(source.image_positions_field).combine_chunks())
             positions = pos.to_numpy(zero_copy_only=False).astype(np.int64)
@@ -128,9 +129,9 @@ def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tu
             for row in np.flatnonzero(np.diff(img_off) != np.diff(pos_off)).tolist():
                 raise SourceError(f"{unit.describe()}: row {unit.start + kept[row]} (sample id {ids[kept[row]]}) has {img_off[row + 1] - img_off[row]} "
                                   f"images but {pos_off[row + 1] - pos_off[row]} image positions")
-    if source.text_field or source.messages_field:
-        bos, eos = _tokenizer(source, plan).document_boundaries(source.add_bos, source.add_eos, bool(source.messages_field), source.name)
-        tokens, offsets, mask, positions = with_boundaries(tokens, offsets, mask, bos, eos, positions)
+    if text:
+        bos, eos = loaded.document_boundaries(source.add_bos, source.add_eos, bool(source.messages_field), source.name)
+        tokens, offsets, mask, positions = add_boundaries(tokens, offsets, bos, eos, mask, positions)
     if bad:
         _bad_records(source, plan, unit, bad, kept, ids)
         tokens, offsets, mask = emptied(tokens, offsets, mask, sorted(bad))
@@ -143,10 +144,6 @@ def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tu
     img_off = _in_place(np.concatenate([[0], np.cumsum(np.diff(img_off) * good)]).astype(np.int64), kept, n)
     return with_image_tokens(source.name, image_token_id(source, plan), unit.describe(), tokens, offsets, ids,
                              [p for p, k in zip(patches, keep_img) if k], img_off, positions[good[pos_doc]], mask), dropped
-
-
-def _tokenizer(source: Source, plan: Plan):
-    return load_tokenizer(plan.tokenizer_of(source), plan.base_dir)
 
 
 def _bad_records(source: Source, plan: Plan, unit: LoadUnit, bad: Bad, kept, ids) -> None:

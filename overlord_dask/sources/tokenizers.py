@@ -85,10 +85,12 @@ class TextTokenizer:
     def encode_array(self, texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         """Arrow strings -> (token ids, offsets [n + 1]), no special tokens added."""
         docs = self.encode([t if t is not None else "" for t in texts.to_pylist()])
-        return _flatten(self.name, docs, len(texts))
+        return flatten(self.name, docs, len(texts))
 
 
-def _flatten(name: str, docs, n: int) -> tuple[np.ndarray, np.ndarray]:
+def flatten(name: str, docs, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` documents' id sequences (a tokenizer's output, named ``name`` in errors) as
+    (token ids, offsets [n + 1]); a wrong count, a 2-D or a non-integer document is an error."""
     docs = [np.asarray(d) for d in docs]
     if len(docs) != n:
         raise ValueError(f"tokenizer {name} returned {len(docs)} documents for {n} texts")
@@ -161,7 +163,7 @@ class ByteTokenizer(TextTokenizer):
 def byte_tokenize(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """The byte tokenizer's documents: ``utf8_bytes(i) + 3`` then EOS; a null string counts as empty."""
     tokens, offsets = ByteTokenizer().encode_array(texts)
-    return add_boundaries(tokens, offsets, None, EOS_ID)
+    return add_boundaries(tokens, offsets, None, EOS_ID)[:2]
 
 
 def byte_detokenize(tokens: np.ndarray) -> str:
@@ -171,19 +173,28 @@ def byte_detokenize(tokens: np.ndarray) -> str:
     return t.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-def add_boundaries(tokens: np.ndarray, offsets: np.ndarray, bos: int | None, eos: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Documents with ``bos`` before and ``eos`` after each one (None: not that one)."""
+def add_boundaries(tokens: np.ndarray, offsets: np.ndarray, bos: int | None, eos: int | None, mask: np.ndarray | None = None,
+                   positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Documents with ``bos`` before and ``eos`` after each one (None: not that one): (tokens,
+    offsets, loss mask, image positions). A BOS is never a loss target, an EOS is (the model
+    learns to end a document); image positions shift past the BOS."""
     n = len(offsets) - 1
     if bos is None and eos is None:
-        return tokens, offsets
+        return tokens, offsets, mask, positions
     tokens = np.asarray(tokens, dtype=np.int64)
     if bos is not None:
         tokens = np.insert(tokens, offsets[:-1], bos)
+        if mask is not None:
+            mask = np.insert(mask, offsets[:-1], np.uint8(0))
         offsets = offsets + np.arange(n + 1)
+        if positions is not None:
+            positions = positions + 1
     if eos is not None:
         tokens = np.insert(tokens, offsets[1:], eos)
+        if mask is not None:
+            mask = np.insert(mask, offsets[1:], np.uint8(1))
         offsets = offsets + np.arange(n + 1)
-    return tokens, offsets
+    return tokens, offsets, mask, positions
 
 
 # ---- tokenizers / transformers ----------------------------------------------------------------------
@@ -545,7 +556,7 @@ def resolve_tokenizer(spec, base_dir: str | None = None) -> Callable[[pa.Array],
 
     def tokenize(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         tokens, offsets = loaded.tok.encode_array(texts)
-        return add_boundaries(tokens, offsets, bos, eos)
+        return add_boundaries(tokens, offsets, bos, eos)[:2]
 
     return tokenize
 
