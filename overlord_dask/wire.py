@@ -170,6 +170,17 @@ def _arange(n: int, dtype) -> np.ndarray:
     return a
 
 
+def hf_labels(labels: np.ndarray, cu_seqlens: np.ndarray, num_tokens: int) -> np.ndarray:
+    """The labels of models that shift them themselves (Hugging Face), from the shifted ones:
+    moved one to the right (the token itself, or -100 where it is no target), -100 at the first
+    token of every piece (the model's shift never predicts across documents) and on padding."""
+    n = int(num_tokens)
+    out = np.full(len(labels), IGNORE_INDEX, dtype=labels.dtype)
+    out[1:n] = labels[: max(n - 1, 0)]
+    out[np.asarray(cu_seqlens[:-1], dtype=np.intp)] = IGNORE_INDEX
+    return out
+
+
 def encode_batch(batch: dict) -> dict:
     return {**batch, "micro_batches": [encode(mb) for mb in batch["micro_batches"]]}
 

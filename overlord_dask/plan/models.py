@@ -265,6 +265,11 @@ class Source(Strict):
                 tuple(self.holdout) if isinstance(self.holdout, list) else self.holdout)
 
     @property
+    def masks_loss(self) -> bool:
+        """Whether the loss ignores some of this source's tokens (chat turns, label or mask columns)."""
+        return bool(self.messages_field or self.labels_field or self.loss_mask_field)
+
+    @property
     def images_exts(self) -> tuple[str, ...]:
         """webdataset: the image members' extensions named by ``images_field``."""
         return tuple(e.strip().lower().lstrip(".") for e in (self.images_field or "").split(",") if e.strip())
@@ -677,7 +682,7 @@ class Plan(Strict):
     def loss_masks(self) -> bool:
         """Whether any source marks tokens the loss ignores (chat turns, label or mask columns):
         then the micro-batches carry a mask."""
-        return any(s.messages_field or s.labels_field or s.loss_mask_field for s in self.sources)
+        return any(s.masks_loss for s in self.sources)
 
     def source(self, name: str) -> Source:
         for s in self.sources:

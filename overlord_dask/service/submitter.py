@@ -98,8 +98,7 @@ class Submitter(threading.Thread):
         self.plan_version = len(timeline.versions) - 1
         self.multimodal = any(timeline.source(n).images_field for n in timeline.source_names)  # batches carry image fields
         self.pad_id = load_tokenizer(self.plan.tokenizer, self.plan.base_dir).pad_id  # micro-batches are padded with it
-        self.loss_masks = any(timeline.source(n).messages_field or timeline.source(n).labels_field or timeline.source(n).loss_mask_field
-                              for n in timeline.source_names)
+        self.loss_masks = any(timeline.source(n).masks_loss for n in timeline.source_names)  # batches carry loss masks
 
     def _fetch_timeline(self) -> None:
         """A live update (from any client) added a plan version: learn it from the planner."""

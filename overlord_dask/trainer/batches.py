@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..wire import IGNORE_INDEX
+from ..wire import IGNORE_INDEX, hf_labels
 
 LABELS = ("shifted", "hf")
 BATCH_FIELDS = ("input_ids", "labels", "position_ids", "loss_mask")
@@ -58,12 +58,8 @@ def _micro_batch(mb: dict, labels: str, loss_mask: bool, batch_dim: bool, step_t
     out["max_seqlen"] = int(np.diff(cu).max()) if len(cu) > 1 else 0
     if step_tokens is not None:
         out["step_loss_tokens"] = step_tokens
-    if labels == "hf":  # the shifted labels moved one to the right: the token itself, or -100 where it is no target
-        shifted, n = mb["labels"], int(mb["num_tokens"])
-        lab = np.full(len(shifted), IGNORE_INDEX, dtype=shifted.dtype)
-        lab[1:n] = shifted[: max(n - 1, 0)]
-        lab[cu[:-1].astype(np.intp)] = IGNORE_INDEX
-        out["labels"] = lab
+    if labels == "hf":
+        out["labels"] = hf_labels(mb["labels"], cu, mb["num_tokens"])
     if loss_mask:
         out["loss_mask"] = (out["labels"] != IGNORE_INDEX).astype(np.float32)
     if batch_dim:

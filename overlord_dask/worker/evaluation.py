@@ -46,12 +46,8 @@ def _loss_tokens(mbs: list[dict]) -> tuple[int, int]:
     shifted = hf = 0
     for w in mbs:
         mb = wire.decode(w)
-        lab, cu, n = mb["labels"], mb["cu_seqlens"].astype(np.intp), int(mb["num_tokens"])
-        shifted += int((lab != wire.IGNORE_INDEX).sum())
-        h = np.full(len(lab), wire.IGNORE_INDEX, dtype=lab.dtype)
-        h[1:n] = lab[: max(n - 1, 0)]
-        h[cu[:-1]] = wire.IGNORE_INDEX
-        hf += int((h != wire.IGNORE_INDEX).sum())
+        shifted += int((mb["labels"] != wire.IGNORE_INDEX).sum())
+        hf += int((wire.hf_labels(mb["labels"], mb["cu_seqlens"], mb["num_tokens"]) != wire.IGNORE_INDEX).sum())
     return shifted, hf
 
 
