@@ -13,8 +13,6 @@ import io
 import json
 from importlib import resources
 
-from .figures import MIX_WINDOW  # noqa: F401  (the window the head table's figures cover)
-
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 

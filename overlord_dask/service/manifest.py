@@ -16,7 +16,8 @@ from dataclasses import replace
 from ..errors import SourceError
 from ..plan.base import resolve_url
 from ..plan.timeline import PlanTimeline
-from ..sources.integrity import digest
+from ..sources.fs import source_fs
+from ..sources.integrity import region_digest, regions
 from ..sources.units import LoadUnit
 
 
@@ -40,28 +41,15 @@ def with_digests(timeline: PlanTimeline, units: dict[str, list[LoadUnit]]) -> di
                                   "was written (a file added, removed or rewritten): the run cannot resume on them")
             out[name] = [replace(u, digest=d) for u, d in zip(us, kept["digests"])]
             continue
-        cache: dict = {}
+        fs, _ = source_fs(src, plan.base_dir)
+        per_unit = [regions(src, plan, u) for u in us]
+        distinct = list(dict.fromkeys(per_unit))  # units of one row group or file share its digest
         with ThreadPoolExecutor(max_workers=4) as pool:  # remote stores: requests overlap
-            first = list(pool.map(lambda u: digest(src, plan, u, None), _distinct(src, plan, us, cache)))
-        for regions, d in zip(list(cache), first):
-            cache[regions] = d
-        out[name] = [replace(u, digest=digest(src, plan, u, cache)) for u in us]
+            digests = dict(zip(distinct, pool.map(lambda r: region_digest(fs, r), distinct)))
+        out[name] = [replace(u, digest=digests[r]) for u, r in zip(us, per_unit)]
         if store is not None:
             _write(store, name, {"units": [_key(u) for u in us], "digests": [u.digest for u in out[name]]})
     return out
-
-
-def _distinct(src, plan, units, cache: dict) -> list[LoadUnit]:
-    """One unit per distinct region (the others share its digest); ``cache`` gets their regions."""
-    from ..sources.formats import get_format
-
-    fmt, picked = get_format(src.format), []
-    for u in units:
-        regions = tuple(fmt.regions(src, plan, u))
-        if regions not in cache:
-            cache[regions] = None
-            picked.append(u)
-    return picked
 
 
 def _store(plan):

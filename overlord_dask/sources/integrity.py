@@ -42,22 +42,26 @@ def _hash_region(fs, path: str, start: int, stop: int | None, h) -> None:
                 left -= len(data)
 
 
-def digest(source, plan, unit: LoadUnit, cache: dict | None = None) -> str:
-    """The digest of the bytes ``unit`` is read from (``cache``: region -> digest, per indexing)."""
+def regions(source, plan, unit: LoadUnit) -> tuple:
+    """The byte ranges ``unit`` is read from (its format says: ``Format.regions``)."""
     from .formats import get_format
 
-    fs, _ = source_fs(source, plan.base_dir)
-    regions = tuple(get_format(source.format).regions(source, plan, unit))
-    if cache is not None and regions in cache:
-        return cache[regions]
+    return tuple(get_format(source.format).regions(source, plan, unit))
+
+
+def region_digest(fs, ranges: tuple) -> str:
+    """The digest of byte ranges ``(path, start, stop)`` of ``fs``."""
     h = hashlib.blake2b(digest_size=16)
-    for path, start, stop in regions:
+    for path, start, stop in ranges:
         h.update(f"{path}:{start}:{stop}".encode())
         _hash_region(fs, path, start, stop, h)
-    out = h.hexdigest()
-    if cache is not None:
-        cache[regions] = out
-    return out
+    return h.hexdigest()
+
+
+def digest(source, plan, unit: LoadUnit) -> str:
+    """The digest of the bytes ``unit`` is read from."""
+    fs, _ = source_fs(source, plan.base_dir)
+    return region_digest(fs, regions(source, plan, unit))
 
 
 def check(source, plan, unit: LoadUnit) -> None:

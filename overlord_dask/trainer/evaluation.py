@@ -53,11 +53,12 @@ def eval_steps(stream) -> Iterator[dict]:
     """Rank ``stream.rank``'s evaluation steps (``stream``: an :class:`EvalStream` or a ``RankStream``): ``{"step", "rank", "micro_batches", "eval_steps"}``."""
     io, rank, timeout = stream.io, stream.rank, stream.timeout
     planner = io.planner(stream.address)
-    step, total, deadline = 0, None, time.monotonic() + timeout
+    step, total, deadline, desc = 0, None, time.monotonic() + timeout, None
     while total is None or step < total:
-        desc = io.run(planner.evaluation(timeout=min(timeout, 30.0)), timeout=min(timeout, 30.0) + 10)
-        if desc.get("error"):
-            raise ServiceError(f"rank {rank}: {desc['error']}")
+        if desc is None:  # where the batches are: asked once, and again only after a failed fetch
+            desc = io.run(planner.evaluation(timeout=min(timeout, 30.0)), timeout=min(timeout, 30.0) + 10)
+            if desc.get("error"):
+                raise ServiceError(f"rank {rank}: {desc['error']}")
         want = [step] if total is None else list(range(step, min(total, step + FETCH_STEPS)))
         try:
             got = io.run(fetch_batches(io, planner, desc, want, rank=rank, cp_rank=None, timeout=min(timeout, 30.0),
@@ -65,6 +66,7 @@ def eval_steps(stream) -> Iterator[dict]:
         except ServiceError:  # its worker left: the batches are rebuilt, ask where they are now
             if time.monotonic() > deadline:
                 raise
+            desc = None
             continue
         for b in got:
             total = b["eval_steps"]
