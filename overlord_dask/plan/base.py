@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from typing import Callable
 
 from pydantic import BaseModel, ConfigDict
@@ -19,6 +20,15 @@ class Strict(BaseModel):
     """Unknown fields are errors, models are immutable, defaults are validated."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def is_callable_ref(text: str) -> bool:
+    """Whether ``text`` has the form ``package.module:callable`` (not a path, URL or drive)."""
+    mod, colon, attr = text.partition(":")
+    return bool(colon and _DOTTED.match(mod) and _DOTTED.match(attr))
 
 
 def import_callable(spec: str) -> Callable:

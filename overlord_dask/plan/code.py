@@ -16,7 +16,7 @@ import hashlib
 import inspect
 import marshal
 
-from .base import import_callable
+from .base import import_callable, is_callable_ref
 
 
 @functools.lru_cache(maxsize=256)
@@ -47,8 +47,6 @@ def changed(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
 
 def references(value) -> set[str]:
     """Every ``module:callable`` string in a plan (as its plain dict)."""
-    from .text import _MODULE
-
     out: set[str] = set()
     if isinstance(value, dict):
         for v in value.values():
@@ -56,10 +54,8 @@ def references(value) -> set[str]:
     elif isinstance(value, list):
         for v in value:
             out |= references(v)
-    elif isinstance(value, str):
-        mod, colon, attr = value.partition(":")
-        if colon and _MODULE.match(mod) and _MODULE.match(attr):
-            out.add(value)
+    elif isinstance(value, str) and is_callable_ref(value):
+        out.add(value)
     return out
 
 

@@ -22,14 +22,12 @@ or as a mapping with overrides::
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .base import Strict, import_callable
+from .base import Strict, import_callable, is_callable_ref
 
-_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 class Tokenizer(Strict):
@@ -99,8 +97,7 @@ class Tokenizer(Strict):
             return "tiktoken"
         if self.path.startswith("hf:"):
             return "tokenizers"
-        mod, colon, attr = self.path.partition(":")
-        if colon and _MODULE.match(mod) and _MODULE.match(attr):
+        if is_callable_ref(self.path):
             return "callable"
         return "auto"
 
