@@ -129,7 +129,7 @@ def coverage(state: PlannerState, ledger: dict[int, dict]) -> tuple[int, int]:
     planner must tile every document up to the source's cursor exactly once (dropped documents
     excepted: none here)."""
     rows = [e["pieces"] for e in ledger.values()] + [state.pending[:, :6]]
-    rows += [r for ranks, *_ in state.ready for mbs in ranks for r in mbs]
+    rows += [r for r, *_ in state.ready]
     pieces = np.concatenate(rows)
     duplicates = missing = 0
     for i, s in enumerate(state.streams):

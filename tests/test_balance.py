@@ -97,7 +97,7 @@ def _tiles_every_selected_piece(state, steps):
     """Planned pieces plus those still pending tile each source's selected tokens exactly."""
     planned = sum(int((state.ledger[s]["pieces"][:, 5] - state.ledger[s]["pieces"][:, 4]).sum()) for s in steps)
     waiting = int((state.pending[:, 5] - state.pending[:, 4]).sum())
-    waiting += sum(int((rows[:, 5] - rows[:, 4]).sum()) for ranks, *_ in state.ready for mbs in ranks for rows in mbs)
+    waiting += sum(int((rows[:, 5] - rows[:, 4]).sum()) for rows, *_ in state.ready)
     return planned + waiting == int(state.policy.selected.sum())
 
 
@@ -192,13 +192,15 @@ def test_tiny_weights_do_not_starve_the_planner():
 
 
 @pytest.mark.parametrize("dp,n_sources,capacity,cost", [(4, 2, 16_384, None), (4, 3, 2048, None),
-                                                      (12, 10, 16_384, {"attention": 0.7, "hidden": 1000, "constant": 13.37})])
+                                                      (12, 10, 16_384, {"attention": 0.7, "hidden": 1000, "constant": 13.37}),
+                                                      (160, 3, 4096, None)])
 def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacity, cost):
     """The balancer's loops run compiled (``kernels``, numba) or, where numba is missing, in
     numpy: both make the very same plan, piece for piece, so a run resumed without numba re-plans
     what it planned. In the second case heavy groups often miss their own step (long documents,
     small micro-batches); the third has fractional costs and more than 8 sources and ranks, where
-    numpy sums pairwise (``kernels.np_sum`` must follow it)."""
+    numpy sums pairwise (``kernels.np_sum`` must follow it). The fourth has more ranks than the
+    grouping programme keeps skip states for (it skips in blocks there)."""
     from overlord_dask.planner.policies import kernels
 
     assert kernels.COMPILED and kernels.warm()  # numba is installed with the package
@@ -287,3 +289,57 @@ def test_kernels_compile_where_no_cache_is_writable(monkeypatch):
         monkeypatch.undo()
         importlib.reload(kernels)
     assert kernels.warm()
+
+
+def _level_by_kinks(h, room, tokens, rho):
+    """``_level`` the direct way (f evaluated at every kink: O(n²)), as a reference."""
+    h2 = h.reshape(len(h), -1).astype(np.float64)
+    room2 = np.broadcast_to(room.reshape(len(room), -1), h2.shape).astype(np.float64)
+    out = np.zeros_like(h2)
+    for c in range(h2.shape[1]):
+        r = rho[c] if np.ndim(rho) else rho
+        f = lambda q: np.clip((q - h2[:, c]) / r, 0, room2[:, c]).sum()  # noqa: E731
+        kinks = np.sort(np.concatenate([h2[:, c], h2[:, c] + r * room2[:, c]]))
+        vals = np.array([f(k) for k in kinks])
+        tok = np.broadcast_to(tokens, (h2.shape[1],))[c]
+        if vals[-1] < tok:
+            out[:, c] = room2[:, c]
+            continue
+        j = int(np.searchsorted(vals, tok, side="left"))
+        q = kinks[0] if j == 0 else kinks[j - 1] + (tok - vals[j - 1]) * (kinks[j] - kinks[j - 1]) / max(vals[j] - vals[j - 1], 1e-300)
+        out[:, c] = np.clip((q - h2[:, c]) / r, 0, room2[:, c])
+    return out.reshape(h.shape)
+
+
+@pytest.mark.parametrize("n,cols", [(1, 1), (5, 3), (64, 4), (1024, 2)])
+def test_level_matches_the_direct_evaluation(n, cols):
+    """``_level`` integrates f along its sorted kinks (O(n log n)): the same quotas as
+    evaluating f at every kink, including containers without room and short room."""
+    rng = np.random.default_rng(n)
+    h = rng.random((n, cols)) * 1e6 * (rng.random((n, cols)) < 0.7)
+    room = rng.integers(0, 5000, (n, cols)).astype(np.float64)
+    rho = rng.random(cols) * 100 + 1
+    for tokens in (rng.random(cols) * room.sum(axis=0) * 0.8, room.sum(axis=0) * 1.5):  # enough room, and not
+        q = _level(h, room, tokens, rho)
+        np.testing.assert_allclose(q, _level_by_kinks(h, room, tokens, rho), rtol=1e-6, atol=1e-3)
+        assert np.all(q <= room + 1e-9) and np.all(q >= 0)
+        np.testing.assert_allclose(q.sum(axis=0), np.minimum(tokens, room.sum(axis=0)), rtol=1e-9)
+
+
+def test_group_heavy_at_thousands_of_ranks_skips_in_blocks():
+    """Beyond ``SKIP_STATES`` skip states the programme skips blocks of neighbours: groups are
+    still whole (``dp`` pieces) but for the tail, a piece that waited long enough is never
+    deferred, and no more than ``4·dp`` pieces wait."""
+    from overlord_dask.planner.policies.balance import SKIP_STATES
+
+    dp = 200
+    assert 4 * dp > SKIP_STATES
+    rng = np.random.default_rng(1)
+    costs = np.exp(rng.normal(10, 1.5, 2150))
+    must = rng.random(2150) < 0.05
+    groups = group_heavy(costs, must, dp)
+    placed = np.concatenate(groups)
+    assert len(set(placed.tolist())) == len(placed)
+    assert all(len(g) == dp for g in groups[:-1]) and len(groups[-1]) <= dp
+    assert set(np.flatnonzero(must).tolist()) <= set(placed.tolist())
+    assert len(costs) - len(placed) <= 4 * dp

@@ -309,7 +309,7 @@ def _check_classes_exactly_once(state, ledger, threshold=2000):
     """Every document up to the trailing cursor is delivered whole, once; between the cursors,
     exactly the leading class's documents are; none beyond; nothing twice."""
     pieces = np.concatenate([ledger[s]["pieces"] for s in ledger] + [state.pending[:, :6]]
-                            + [r for ranks, *_ in state.ready for mbs in ranks for r in mbs])
+                            + [r for r, *_ in state.ready])
     for i, s in enumerate(state.streams):
         spans: dict = {}
         for _, e, u, d, a, b in pieces[pieces[:, 0] == i].tolist():

@@ -251,3 +251,24 @@ def test_add_lengths_is_idempotent():
     L = rng.integers(1, 900, 50)
     assert st_.add_lengths(name, e, u, L) is True
     assert st_.add_lengths(name, e, u, L) is False  # a recomputed load is ignored
+
+
+def test_progress_keeps_the_committed_step_without_scanning_every_rank():
+    """``committed`` is the lowest acknowledged step + 1, kept incrementally (a scan of every
+    rank per ack grew with dp²): it moves only when the last rank at the minimum moves on,
+    acks are idempotent, and restarts reset it."""
+    from overlord_dask.planner.progress import Progress
+
+    rng = np.random.default_rng(0)
+    p = Progress("checkpoint", dp=64, cp=2)
+    acked = np.full(128, -1)
+    for _ in range(3000):
+        r, j, step = int(rng.integers(64)), int(rng.integers(2)), int(rng.integers(0, 40))
+        durable = bool(rng.random() < 0.3)
+        p.ack(r, step, j, durable, planned=40)
+        acked[r * 2 + j] = max(acked[r * 2 + j], step)
+        assert p.committed == acked.min() + 1
+        assert list(p.acked) == acked.tolist()
+    assert p.durable_step == min(p.committed, min(p.durable) + 1)
+    p.restart_at(7)
+    assert p.committed == 7 and p.durable_step == 7 and p.acked[5] == 6

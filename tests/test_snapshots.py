@@ -165,11 +165,11 @@ def test_resume_with_another_dp_keeps_exactly_once():
             if steps is later:
                 assert slot[:, 0].max() < 2  # the new topology
     # nothing lost: everything selected was delivered or is still waiting its turn
-    waiting = len(after.pending) + sum(len(rows) for ranks, *_ in after.ready for mbs in ranks for rows in mbs)
+    waiting = len(after.pending) + sum(len(rows) for rows, *_ in after.ready)
     selected_tokens = int(after.policy.selected.sum())
     delivered_tokens = sum(int((p[:, 5] - p[:, 4]).sum()) for steps in (delivered, later) for p, _ in steps.values())
     waiting_tokens = int((after.pending[:, 5] - after.pending[:, 4]).sum()) + sum(
-        int((rows[:, 5] - rows[:, 4]).sum()) for ranks, *_ in after.ready for mbs in ranks for rows in mbs)
+        int((rows[:, 5] - rows[:, 4]).sum()) for rows, *_ in after.ready)
     assert waiting >= 0 and delivered_tokens + waiting_tokens == selected_tokens
 
 

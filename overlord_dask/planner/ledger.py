@@ -40,8 +40,8 @@ class Ledger(Mapping):
         return len(self.entries)
 
     def record(self, step: int, pieces: np.ndarray, slot: np.ndarray, drops: np.ndarray, metrics: dict, committed: int) -> dict:
-        """Enter step ``step`` (``pieces.flatten`` of its ``[rank][micro_batch] -> rows``) with
-        its ``metrics``; forget what the history no longer holds (never an uncommitted step)."""
+        """Enter step ``step`` (its piece rows, ordered by rank and micro-batch, with their int32
+        ``[rank, micro_batch]``) with its ``metrics``; forget what the history no longer holds (never an uncommitted step)."""
         entry = self.entries[step] = {"pieces": pieces, "slot": slot, "dropped": drops}
         self.metrics[step] = metrics
         while len(self.metrics) > self.history_steps:

@@ -83,7 +83,7 @@ def restore(st: "PlannerState", state: dict) -> None:
 def switch_topology(st: "PlannerState") -> None:
     """After replaying the delivered steps on the snapshot's topology, continue on the plan's:
     the pieces planned but not delivered go back to the front of the queue, in order."""
-    undelivered = [rows for ranks, _, _ in st.ready for mbs in ranks for rows in mbs]
+    undelivered = [rows for rows, *_ in st.ready]
     if undelivered:
         st.policy.pending = np.concatenate([st.policy.pending, P.with_age(np.concatenate(undelivered))])
     st.ready.clear()

@@ -181,7 +181,7 @@ class PlannerState:
             if self.next_step == self.replay_until and self.final_plan.topology != self.topology:
                 snapshot.switch_topology(self)
             try:
-                ranks, mb_costs, drops = self._next_planned()
+                rows, slot, mb_costs, drops = self._next_planned()
             except Starved as e:
                 self.starved_on = e.source
                 break
@@ -190,18 +190,19 @@ class PlannerState:
             self.next_step += 1
             if step < self.replay_until:
                 continue  # delivered before the restore: only the planner state had to catch up
-            entry = self._record(step, ranks, mb_costs, drops)
+            entry = self._record(step, rows, slot, mb_costs, drops)
             steps.append({"step": step, "pieces": P.to_bytes(entry["pieces"]), "slot": P.to_bytes(entry["slot"], "<i4"),
                           "piece_tokens": self.metrics[step]["piece_tokens"], "loss_tokens": self.metrics[step]["loss_tokens"]})
         if steps:
             self.plan_seconds.append(time.perf_counter() - t0)
             del self.plan_seconds[:-10_000]
-        in_use = [self.pending] + [rows for ranks, _, _ in self.ready for mbs in ranks for rows in mbs]
+        in_use = [self.pending] + [rows for rows, *_ in self.ready]
         return steps, self.streams.finished_units(in_use)
 
-    def _next_planned(self) -> tuple[list[list[np.ndarray]], np.ndarray, np.ndarray | None]:
-        """The next step's pieces per (rank, micro-batch) as int64 rows, their costs, and (on a
-        window's first step) the documents a drop policy skipped while planning the window."""
+    def _next_planned(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The next step's pieces as int64 rows with their int32 ``[rank, micro_batch]``, the
+        bins' costs, and (on a window's first step) the documents a drop policy skipped while
+        planning the window."""
         if not self.ready:
             self._plan_next_window()
         return self.ready.popleft()
@@ -229,8 +230,8 @@ class PlannerState:
             self._starved = (e.source, self._inputs(e.source))
             raise
         drops = self.streams.drain_drops()
-        for k, (ranks, mb_costs) in enumerate(planned):
-            self.ready.append((ranks, mb_costs, drops if k == 0 else None))
+        for k, (rows, slot, mb_costs) in enumerate(planned):
+            self.ready.append((rows, slot, mb_costs, drops if k == 0 else None))
         self.windows.prune(self.progress.durable_step - self.plan.checkpoint.keep_steps)
 
     def _inputs(self, source: str) -> tuple:
@@ -258,8 +259,7 @@ class PlannerState:
             self.starved_on = None  # planning is ahead: no source holds it back
         return n
 
-    def _record(self, step: int, ranks: list[list[np.ndarray]], mb_costs: np.ndarray, drops: np.ndarray | None) -> dict:
-        pieces, slot = P.flatten(ranks)
+    def _record(self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops: np.ndarray | None) -> dict:
         drops = drops if drops is not None else np.zeros((0, 5), np.int64)  # a window's drops go with its first step
         ctx = self.timeline.context_at(step)
         metrics = step_metrics(step, pieces, drops, mb_costs, self.costs(pieces), n_sources=len(self.streams),

@@ -93,7 +93,7 @@ def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, su
 
 @dataclass(slots=True)
 class WindowPlan:
-    steps: list[list[list[np.ndarray]]]  # [step][rank][micro_batch] -> piece rows [n, 6]
+    steps: list[tuple[np.ndarray, np.ndarray]]  # per step: piece rows [n, 6] and int32 [rank, micro_batch] per row
     pending: np.ndarray  # rows [n, 7] (with age) carried into the next window
     bin_costs: list[np.ndarray]  # per step: cost[rank, micro_batch]
 
@@ -145,16 +145,17 @@ def balance_window(
     for s, quota in quotas.items():  # a step's quotas read only its own bins: all are known before any fill
         _water_fill(mine[s], lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, quota)
 
-    # --- outputs
+    # --- outputs: per step, its rows by (rank, micro-batch), each bin's in window order (flat:
+    # no Python object per rank, so the cost per step does not grow with dp)
     out_steps, out_costs = [], []
-    order = np.argsort(where, kind="stable")
-    bounds = np.searchsorted(where[order], np.arange(steps * n_bins + 1))
+    placed = np.flatnonzero(where >= 0)
+    placed = placed[np.argsort(where[placed], kind="stable")]
+    bins = where[placed]
+    bounds = np.searchsorted(bins, np.arange(steps + 1) * n_bins)
     for s in range(steps):
-        ranks = []
-        for r in range(dp):
-            b0 = s * n_bins + r * micro_batches
-            ranks.append([pieces[order[bounds[b0 + m] : bounds[b0 + m + 1]], :WIDTH] for m in range(micro_batches)])
-        out_steps.append(ranks)
+        sel = placed[bounds[s] : bounds[s + 1]]
+        b = bins[bounds[s] : bounds[s + 1]] - s * n_bins
+        out_steps.append((pieces[sel, :WIDTH], np.stack([b // micro_batches, b % micro_batches], axis=1).astype(np.int32)))
         out_costs.append(bin_cost[s].reshape(dp, micro_batches).copy())
     pending = pieces[where < 0].copy()
     pending[:, AGE] += 1
@@ -305,6 +306,9 @@ def _light_loop_numpy(cq, mid, bounds, cum_target, cum_heavy, step_room) -> np.n
     return step_sorted
 
 
+SKIP_STATES = 256  # the programme's skip counts at most: finer than this, skips go in blocks of pieces
+
+
 def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | None = None, age: np.ndarray | None = None,
                 empty: float = 0.0) -> list[np.ndarray]:
     """Partition heavy pieces into groups of ``dp`` of similar cost; return index arrays.
@@ -317,15 +321,28 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
     enough). Deferring costs more the older a piece is, so old pieces are grouped while partners
     are at hand. The last pieces may form a smaller group, priced as a full one whose missing
     members are ``empty`` bins: cheap for pieces near the threshold, dear for long ones.
+
+    The programme's work is pieces × skip states; both grow with ``dp`` (``max_skip`` is
+    ``4·dp``), so beyond ``SKIP_STATES`` states pieces are skipped in blocks of
+    ``ceil(max_skip / SKIP_STATES)`` neighbours (similar costs, as the order is by cost): the
+    same choices as before up to dp 64, and work per piece that stays flat at any dp.
     """
     n = len(costs)
     if n == 0:
         return []
     max_skip = 4 * dp if max_skip is None else max_skip
+    block = max(1, -(-max_skip // SKIP_STATES))
+    K = max_skip // block
     order = np.argsort(-costs, kind="stable")
     c = np.maximum(costs[order], 1e-300)
-    can_skip = ~must[order]
     skip_cost = 0.0024 * (1 + 3 * (age[order] if age is not None else np.zeros(n)))  # ~(log 1.05)^2, more for older pieces
+    skip_cost[must[order]] = np.inf  # waited long enough: never deferred
+    if block == 1:
+        skip = skip_cost
+    else:  # a block's cost: its pieces' (inf if one of them may not wait, or it runs past the end)
+        skip = np.full(n, np.inf)
+        if n >= block:
+            skip[: n - block + 1] = np.lib.stride_tricks.sliding_window_view(skip_cost, block).sum(axis=1)
     csum = np.concatenate([[0.0], np.cumsum(c)])
     spread = np.full(n, np.inf)
     if n >= dp:  # squared log of max/mean of the group starting at i
@@ -334,8 +351,7 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
     size = n - np.arange(n)  # a tail group from i has n - i members, padded with empty bins
     tail_mean = (csum[n] - csum[:-1] + np.maximum(dp - size, 0) * empty) / dp
     tail = np.log(np.maximum(c, empty) / np.maximum(tail_mean, 1e-300)) ** 2 + 0.01  # never free
-    K = max_skip
-    choice = (kernels.programme if kernels.COMPILED else _programme_numpy)(n, dp, K, spread, skip_cost, tail, can_skip)
+    choice = (kernels.programme if kernels.COMPILED else _programme_numpy)(n, dp, K, block, spread, skip, tail)
     groups, i, k = [], 0, 0
     while i < n:
         ch = choice[i, k]
@@ -343,28 +359,30 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
             groups.append(order[i : i + dp])
             i += dp
         elif ch == 2:
-            i, k = i + 1, k + 1
+            i, k = i + block, k + 1
         else:  # 3: the rest as one smaller group
             groups.append(order[i:n])
             i = n
     return groups
 
 
-def _programme_numpy(n, dp, K, spread, skip_cost, tail, can_skip) -> np.ndarray:
+def _programme_numpy(n, dp, K, g, spread, skip, tail) -> np.ndarray:
     """:func:`group_heavy`'s programme vectorised over the skip count, where numba is missing
-    (``kernels.programme`` makes the same choices)."""
-    best = np.full((n + 1, K + 1), np.inf)
-    choice = np.zeros((n + 1, K + 1), dtype=np.int8)  # 1 = group, 2 = skip, 3 = smaller tail group
-    best[n, :] = 0.0
+    (``kernels.programme`` makes the same choices, with the same ring of rows)."""
+    choice = np.zeros((n + 1, K + 1), dtype=np.int8)  # 1 = group, 2 = skip a block, 3 = smaller tail group
+    R = max(dp, g) + 1
+    ring = np.full((R, K + 1), np.inf)
+    ring[n % R] = 0.0
     sk = np.full(K + 1, np.inf)  # scratch rows, written in place: this loop runs once per heavy piece
     better = np.zeros(K + 1, dtype=bool)
-    for i in range(n - 1, -1, -1):  # rows start as (inf, 0)
-        v, ch = best[i], choice[i]
+    for i in range(n - 1, -1, -1):
+        v, ch = ring[i % R], choice[i]
+        v.fill(np.inf)
         if i + dp <= n:
-            np.add(best[i + dp], spread[i], out=v)
+            np.add(ring[(i + dp) % R], spread[i], out=v)
             ch.fill(1)
-        if can_skip[i]:
-            np.add(best[i + 1, 1:], skip_cost[i], out=sk[:K])
+        if skip[i] < np.inf:
+            np.add(ring[(i + g) % R][1:], skip[i], out=sk[:K])
             np.less(sk, v, out=better)
             np.copyto(v, sk, where=better)
             ch[better] = 2
@@ -407,7 +425,18 @@ def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, quot
     np.add.at(bin_tok, b, lens[idx])
     np.add.at(bin_cost, b, costs[idx])
     where[idx] = base + b
-    # repair: move the last pieces out of any bin over capacity
+    # repair: move the last pieces out of any bin over capacity (compiled where numba is at hand:
+    # at thousands of ranks many bins overflow, and this loop was much of a window's planning)
+    if kernels.COMPILED:
+        kernels.repair_bins(np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(b, dtype=np.int64), lens,
+                            costs.astype(np.float64, copy=False), where, bin_tok, bin_cost, base, capacity)
+    else:
+        _repair_numpy(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity)
+
+
+def _repair_numpy(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity) -> None:
+    """:func:`_water_fill`'s repair where numba is missing (``kernels.repair_bins``): the last
+    pieces of every bin over capacity go to the bin with room of least cost, or wait."""
     for bi in np.flatnonzero(bin_tok > capacity):
         members = idx[b == bi][::-1]
         for p in members:
@@ -451,20 +480,28 @@ def _level(h: np.ndarray, room: np.ndarray, tokens, rho) -> np.ndarray:
     column (independent problems along axis 1, containers along axis 0) the lowest level ``Q``
     with ``f(Q) = sum(clip((Q - h)/rho, 0, room)) >= tokens`` (every container full if the room
     is short). ``f`` is piecewise linear with kinks where a container starts (``h``) and stops
-    (``h + rho·room``) filling: evaluate it at every kink, find the segment that reaches
-    ``tokens`` and interpolate. ``rho``: one light cost per token, or one per column. Exact, and
-    vectorised over columns (a bisection takes dozens of numpy passes per call)."""
+    (``h + rho·room``) filling: sort the kinks, count the containers filling between each two
+    (a running sum of +1 at starts, -1 at stops), integrate ``f`` along them, find the segment
+    that reaches ``tokens`` and interpolate. ``rho``: one light cost per token, or one per
+    column. Exact, ``O(n log n)`` per column (evaluating ``f`` at every kink directly is
+    ``O(n²)``: at thousands of ranks, most of a window's planning), and vectorised over columns."""
     h2 = h.reshape(len(h), -1).astype(np.float64)
+    n, cols = h2.shape
     room2 = np.broadcast_to(room.reshape(len(room), -1), h2.shape).astype(np.float64)
-    tok = np.broadcast_to(np.asarray(tokens, dtype=np.float64), (h2.shape[1],))
-    kinks = np.sort(np.concatenate([h2, h2 + rho * room2]), axis=0)  # [2n, cols]
-    fill = np.clip((kinks[:, None, :] - h2[None]) / rho, 0, room2[None]).sum(axis=1)  # f at each kink
+    tok = np.broadcast_to(np.asarray(tokens, dtype=np.float64), (cols,))
+    pos = np.concatenate([h2, h2 + rho * room2])  # [2n, cols]: starts, then stops
+    order = np.argsort(pos, axis=0, kind="stable")
+    kinks = np.take_along_axis(pos, order, axis=0)
+    step = np.where(order < n, 1.0, -1.0)  # a start adds a filling container, a stop removes one
+    filling = np.cumsum(step, axis=0)[:-1]  # containers filling between kink j and j + 1
+    fill = np.zeros_like(kinks)  # f at each kink (f is 0 at the lowest: no container fills below it)
+    np.cumsum(filling * np.diff(kinks, axis=0) / rho, axis=0, out=fill[1:])
     j = (fill < tok).sum(axis=0)  # f is non-decreasing: the first kink where it reaches tokens
-    cols = np.arange(h2.shape[1])
+    cols_i = np.arange(cols)
     full = j >= len(kinks)  # not enough room: every container full
     jj = np.minimum(j, len(kinks) - 1)
     jp = np.maximum(jj - 1, 0)
-    k0, k1, f0, f1 = kinks[jp, cols], kinks[jj, cols], fill[jp, cols], fill[jj, cols]
+    k0, k1, f0, f1 = kinks[jp, cols_i], kinks[jj, cols_i], fill[jp, cols_i], fill[jj, cols_i]
     slope = np.where(f1 > f0, (k1 - k0) / np.where(f1 > f0, f1 - f0, 1.0), 0.0)
     q = np.where(j == 0, kinks[0], k0 + (tok - f0) * slope)
     q = np.where(full, np.inf, q)

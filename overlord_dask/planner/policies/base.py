@@ -30,7 +30,7 @@ from ...plan.models import Balance, Topology
 from ... import pieces as P
 from ..streams import SourceStream
 
-Planned = tuple  # ([rank][micro_batch] -> rows, cost[rank, micro_batch])
+Planned = tuple  # (piece rows [n, 6], int32 [rank, micro_batch] per row, cost[rank, micro_batch])
 
 
 class Starved(Exception):

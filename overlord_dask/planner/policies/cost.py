@@ -68,7 +68,7 @@ class CostBalanced(Policy):
             self.selected, self.declared, self.cls_selected, self.cls_declared = saved[1:]
             raise
         self.pending = wp.pending
-        return list(zip(wp.steps, wp.bin_costs))
+        return [(rows, slot, costs) for (rows, slot), costs in zip(wp.steps, wp.bin_costs)]
 
     def _select_steps(self, w: Window, budgets: np.ndarray) -> np.ndarray:
         """Select ``budgets[k]`` tokens with the weights of step ``start + k`` (runs of steps with

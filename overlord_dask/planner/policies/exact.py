@@ -155,8 +155,8 @@ class ExactStep(Policy):
         bins = [np.asarray([p.as_list() for p in b], dtype=np.int64).reshape(-1, P.WIDTH) for b in sel.bins]
         bin_costs = np.array([w.costs(b).sum() for b in bins])
         slots = assign_bins(bin_costs, topo.dp, topo.micro_batches)
-        ranks = [[bins[slots[r, m]] for m in range(topo.micro_batches)] for r in range(topo.dp)]
-        return [(ranks, bin_costs[slots])]
+        rows, slot = P.flatten([[bins[slots[r, m]] for m in range(topo.micro_batches)] for r in range(topo.dp)])
+        return [(rows, slot, bin_costs[slots])]
 
     def get_state(self) -> dict:
         return {"cum_tokens": [int(x) for x in self.cum_tokens], "cum_declared": as_floats(self.cum_declared), "carry": as_floats(self.carry)}

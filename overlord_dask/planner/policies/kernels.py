@@ -145,30 +145,38 @@ def _argsort(keys):
 
 
 @_jit
-def programme(n, dp, K, spread, skip_cost, tail, can_skip):
+def programme(n, dp, K, g, spread, skip, tail):
     """``balance.group_heavy``'s dynamic programme: ``choice[i, k]`` (1 = a group of ``dp`` from
-    ``i``, 2 = skip ``i``, 3 = the rest as one smaller group) with ``k`` pieces skipped so far."""
-    best = np.full((n + 1, K + 1), np.inf)
+    ``i``, 2 = skip the block of ``g`` pieces from ``i`` (``skip[i]``: its cost, inf where it may
+    not be skipped), 3 = the rest as one smaller group) with ``k`` blocks skipped so far. The
+    costs to go live in a ring of ``max(dp, g) + 1`` rows: a row reads only the rows ``g`` and
+    ``dp`` after it, so memory is ``O(dp·K)``, not ``O(n·K)``."""
     choice = np.zeros((n + 1, K + 1), dtype=np.int8)
-    best[n, :] = 0.0
+    R = max(dp, g) + 1
+    ring = np.full((R, K + 1), np.inf)
+    ring[n % R, :] = 0.0
     for i in range(n - 1, -1, -1):
+        row = ring[i % R]
+        row[:] = np.inf
         if i + dp <= n:
             sp = spread[i]
+            nxt = ring[(i + dp) % R]
             for k in range(K + 1):
-                best[i, k] = best[i + dp, k] + sp
+                row[k] = nxt[k] + sp
                 choice[i, k] = 1
-        if can_skip[i]:
-            sc = skip_cost[i]
+        sc = skip[i]
+        if sc < np.inf:
+            nxt = ring[(i + g) % R]
             for k in range(K):
-                x = best[i + 1, k + 1] + sc
-                if x < best[i, k]:
-                    best[i, k] = x
+                x = nxt[k + 1] + sc
+                if x < row[k]:
+                    row[k] = x
                     choice[i, k] = 2
         if i + dp > n and tail[i] < np.inf:
             t = tail[i]
             for k in range(K + 1):
-                if t < best[i, k]:
-                    best[i, k] = t
+                if t < row[k]:
+                    row[k] = t
                     choice[i, k] = 3
     return choice
 
@@ -303,6 +311,47 @@ def light_to_steps(cq, mid, bounds, cum_target, cum_heavy, step_room):
     return step_sorted
 
 
+@_jit
+def repair_bins(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity):
+    """``balance._repair_numpy``: every bin over ``capacity`` (ascending) sheds its last pieces
+    (``idx`` order, ``b`` their bins) until it fits, each to the bin with room of least cost
+    (the lowest such index), or deferred (``where`` -1). Members per bin by a stable counting
+    sort, not a scan of every piece per bin."""
+    n_bins = len(bin_tok)
+    over = np.zeros(n_bins, dtype=np.bool_)
+    for t in range(n_bins):
+        over[t] = bin_tok[t] > capacity
+    start = np.zeros(n_bins + 1, dtype=np.int64)
+    for k in range(len(b)):
+        start[b[k] + 1] += 1
+    for t in range(n_bins):
+        start[t + 1] += start[t]
+    fill = start[:-1].copy()
+    members = np.empty(len(b), dtype=np.int64)
+    for k in range(len(b)):
+        members[fill[b[k]]] = idx[k]
+        fill[b[k]] += 1
+    for bi in range(n_bins):
+        if not over[bi]:
+            continue
+        for j in range(start[bi + 1] - 1, start[bi] - 1, -1):
+            if bin_tok[bi] <= capacity:
+                break
+            p = members[j]
+            bin_tok[bi] -= lens[p]
+            bin_cost[bi] -= costs[p]
+            best = -1
+            for t in range(n_bins):
+                if capacity - bin_tok[t] >= lens[p] and (best < 0 or bin_cost[t] < bin_cost[best]):
+                    best = t
+            if best >= 0:
+                bin_tok[best] += lens[p]
+                bin_cost[best] += costs[p]
+                where[p] = base + best
+            else:
+                where[p] = -1
+
+
 COMPILED = njit is not None
 
 
@@ -323,8 +372,10 @@ def warm() -> bool:
 
 def _warm() -> None:
     f8, i8 = np.float64, np.int64
-    programme(8, 2, 8, np.ones(8), np.ones(8), np.ones(8), np.ones(8, np.bool_))
+    programme(8, 2, 8, 1, np.ones(8), np.ones(8), np.ones(8))
     place_groups(np.arange(4, dtype=i8), np.array([0, 2, 4], dtype=i8), np.array([0, 1], dtype=i8), np.ones(4, i8), np.ones(4),
                  np.full(4, -1, i8), np.zeros(8), np.zeros(8, i8), 2, 4, 2, 10)
     groups_to_steps(np.ones((2, 3)), np.ones((2, 3)), 2)
+    repair_bins(np.arange(3, dtype=i8), np.zeros(3, dtype=i8), np.full(3, 4, dtype=i8), np.ones(3), np.full(3, -1, dtype=i8),
+                np.array([12, 0], dtype=i8), np.array([3.0, 0.0]), 0, 10)
     light_to_steps(np.arange(5, dtype=f8), np.arange(4, dtype=f8) + 0.5, np.array([0, 2, 4], dtype=i8), np.ones((2, 2)), np.zeros((2, 2)), np.ones(2))
