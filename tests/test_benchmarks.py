@@ -18,7 +18,7 @@ import mixing  # noqa: E402
 KEYS = {
     "imbalance_p50", "imbalance_p99", "mb_imbalance_p50", "mb_imbalance_p99", "baseline_imbalance_p50",
     "baseline_imbalance_p99", "lower_bound_p50", "speedup_vs_baseline", "capacity_violations",
-    "planner_samples_per_s", "planner_ms_per_step_p99",
+    "planner_samples_per_s", "planner_ms_p99",
 }
 
 

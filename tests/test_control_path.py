@@ -261,6 +261,81 @@ def test_ranks_of_one_process_share_one_channel_and_descriptors_are_pushed(clust
         s.close()
 
 
+def test_channel_groups_give_ranks_of_one_process_connections_of_their_own(cluster, small_plan):
+    """``channel_group``: the ranks of one name share a connection (a simulated host, or a
+    group of trainers); closing one group's channel unsubscribes its ranks only, and the others
+    go on receiving."""
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2})
+    dp = plan.topology.dp
+    assert dp >= 2
+    with Service.start(plan, cluster=cluster) as service:
+        streams = [connect(service.address, r, timeout=120, channel_group=f"g{r % 2}") for r in range(dp)]
+        assert [s.next_batch()["step"] for s in streams] == [0] * dp
+        st = service.status()
+        assert st["channels"] == 2 and st["subscribed"] == dp, st
+        assert len({id(s.channel) for s in streams}) == 2
+        streams[0].channel.comm.abort()  # group g0's connection drops: its ranks reconnect on a new one
+        for s in streams:
+            assert s.next_batch()["step"] == 1
+        for s in streams:
+            s.close()
+
+
+def test_batched_writer_batches_and_leaves_no_cyclic_garbage():
+    """The channels' batched writer sends the first message at once and the next ones together,
+    and raises nothing while it waits (``distributed.BatchedSend`` leaves a caught TimeoutError,
+    a reference cycle, per batch: frequent full collections at hundreds of connections)."""
+    import asyncio
+    import gc
+
+    from distributed.comm import CommClosedError
+
+    from overlord_dask.batched import BatchedWriter
+
+    class Comm:
+        def __init__(self):
+            self.writes, self._closed = [], False
+
+        async def write(self, msg, **_):
+            self.writes.append(list(msg))
+
+        def closed(self):
+            return self._closed
+
+        def abort(self):
+            self._closed = True
+
+        async def close(self):
+            self._closed = True
+
+    async def main():
+        comm, w = Comm(), BatchedWriter("5ms")
+        w.start(comm)
+        gc.collect()
+        gc.disable()
+        try:
+            w.send({"i": 0})
+            await asyncio.sleep(0.001)  # well within the 5 ms interval
+            assert comm.writes == [[{"i": 0}]]  # after a quiet spell: at once
+            for i in range(1, 4):
+                w.send({"i": i})
+            await asyncio.sleep(0.05)
+            assert comm.writes[1] == [{"i": 1}, {"i": 2}, {"i": 3}]  # within the interval: one batch
+            for i in range(200):
+                w.send({"i": i})
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)
+            assert gc.collect() == 0  # nothing cyclic was left behind
+        finally:
+            gc.enable()
+        assert sum(len(b) for b in comm.writes) == 204 and w.batch_count == len(comm.writes)
+        await w.close()
+        with pytest.raises(CommClosedError):
+            w.send({"late": True})
+
+    asyncio.run(main())
+
+
 def test_a_slow_rank_bounds_everyone(cluster, small_plan):
     """Rank 1 never asks: the service plans at most prefetch_steps ahead of it, rank 0 gets no
     further, and the consumers' buffers hold what their bounds allow."""

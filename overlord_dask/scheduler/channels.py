@@ -4,7 +4,7 @@ Each (rank, cp rank) has a ``distributed.Queue`` (named in ``protocol.py``) that
 descriptors of its built batches (a constructor task's key, its steps, the workers holding it)
 until they go out. A consumer process opens one stream per run (``overlord_channel``), shared by
 its ranks, and subscribes each consumer on it; descriptors are then pushed to it as constructor
-tasks finish, batched every few ms (``BatchedSend``) in both directions, so the event loop
+tasks finish, batched every few ms (``batched.BatchedWriter``) in both directions, so the event loop
 handles a message per process and interval, not a request per rank.
 
 A consumer is a (rank, cp rank, replica): the tensor- and pipeline-parallel ranks of one
@@ -19,15 +19,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from distributed.batched import BatchedSend
 from distributed.comm import CommClosedError
 
+from ..batched import BatchedWriter
 from ..protocol import CHANNEL_INTERVAL, rank_queue_name
 
 Consumer = tuple[int, int, int]  # (rank, cp rank, replica)
 
 
-def send(bs: BatchedSend, msg: dict) -> bool:
+def send(bs: BatchedWriter, msg: dict) -> bool:
     """Queue ``msg`` on a consumer channel; False if that process is gone (nothing to tell)."""
     try:
         bs.send(msg)
@@ -47,8 +47,9 @@ class RankChannels:
         self.names: dict[tuple[int, int], str] = {}
         self._create(dp, cp)
         self.generation: dict[Consumer, int] = {}  # consumer -> generation of its newest attachment
-        self.streams: dict[str, BatchedSend] = {}  # consumer process channel id -> its stream
+        self.streams: dict[str, BatchedWriter] = {}  # consumer process channel id -> its stream
         self.subs: dict[tuple[int, int], dict[int, str]] = {}  # (rank, cp rank) -> replica -> channel id
+        self.on_channel: dict[str, set[Consumer]] = {}  # channel id -> the consumers subscribed on it (subs, inverted)
         self.put_count = 0  # descriptors put (control-path traffic)
 
     def _create(self, dp: int, cp: int) -> None:
@@ -91,7 +92,7 @@ class RankChannels:
         msg = {"op": "descriptors", "rank": rank, "cp_rank": cp_rank, "replica": replica,
                "generation": self.generation.get(consumer, 0), "items": items}
         if bs is None or not send(bs, msg):
-            self.subs.get((rank, cp_rank), {}).pop(replica, None)  # the process went away; its successor gets them again
+            self._drop(consumer, channel_id)  # the process went away; its successor gets them again
 
     def broadcast(self, msg: dict) -> None:
         """``msg`` to every consumer process's channel."""
@@ -119,20 +120,39 @@ class RankChannels:
         finally:
             self._closed(channel_id, bs)
 
-    def _open(self, channel_id: str, comm) -> BatchedSend:
-        bs = BatchedSend(interval=CHANNEL_INTERVAL)
+    def _open(self, channel_id: str, comm) -> BatchedWriter:
+        bs = BatchedWriter(interval=CHANNEL_INTERVAL)
         bs.start(comm)
         self.streams[channel_id] = bs
         return bs
 
-    def _closed(self, channel_id: str, bs: BatchedSend) -> None:
-        """A consumer process's stream ended: its consumers are unsubscribed."""
+    def _closed(self, channel_id: str, bs: BatchedWriter) -> None:
+        """A consumer process's stream ended: its consumers are unsubscribed (those on this
+        channel only: at thousands of ranks, a scan of every subscription per closed channel
+        made a whole job's exit quadratic)."""
         self.streams.pop(channel_id, None)
-        for key, subs in self.subs.items():
-            for replica in [q for q, cid in subs.items() if cid == channel_id]:
-                del subs[replica]
-                self.on_leave((*key, replica))
+        for consumer in sorted(self.on_channel.pop(channel_id, ())):
+            if self._drop(consumer, channel_id):
+                self.on_leave(consumer)
         bs.abort()
+
+    def _add(self, consumer: Consumer, channel_id: str) -> None:
+        rank, cp_rank, replica = consumer
+        self._drop(consumer, self.subs.get((rank, cp_rank), {}).get(replica, ""))
+        self.subs.setdefault((rank, cp_rank), {})[replica] = channel_id
+        self.on_channel.setdefault(channel_id, set()).add(consumer)
+
+    def _drop(self, consumer: Consumer, channel_id: str) -> bool:
+        """End ``consumer``'s subscription if it is on ``channel_id``; True if it was."""
+        rank, cp_rank, replica = consumer
+        subs = self.subs.get((rank, cp_rank), {})
+        if not channel_id or subs.get(replica) != channel_id:
+            return False
+        del subs[replica]
+        on = self.on_channel.get(channel_id)
+        if on is not None:
+            on.discard(consumer)
+        return True
 
     def subscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, replica: int = 0, **_) -> None:
         """Push the consumer's descriptors to this channel from now on (its newest attachment
@@ -141,13 +161,11 @@ class RankChannels:
         if (rank, cp_rank) not in self.names or self.generation.get(consumer, 0) != generation:
             return
         self.drain((rank, cp_rank))  # to the replicas subscribed already; this one gets the backlog
-        self.subs.setdefault((rank, cp_rank), {})[replica] = channel_id
+        self._add(consumer, channel_id)
         self._send_items(consumer, channel_id, self.backlog(consumer))
 
     def unsubscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, replica: int = 0, **_) -> None:
-        subs = self.subs.get((rank, cp_rank), {})
-        if subs.get(replica) == channel_id and self.generation.get((rank, cp_rank, replica), 0) == generation:
-            del subs[replica]
+        if self.generation.get((rank, cp_rank, replica), 0) == generation and self._drop((rank, cp_rank, replica), channel_id):
             self.on_leave((rank, cp_rank, replica))
 
     def reattach(self, consumer: Consumer) -> int:
@@ -156,7 +174,9 @@ class RankChannels:
         rank, cp_rank, replica = consumer
         gen = self.generation.get(consumer, 0) + 1
         self.generation[consumer] = gen
-        old = self.streams.get(self.subs.get((rank, cp_rank), {}).pop(replica, ""))
+        old_id = self.subs.get((rank, cp_rank), {}).get(replica, "")
+        self._drop(consumer, old_id)
+        old = self.streams.get(old_id)
         if old is not None:
             who = f"rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "") + (f" replica {replica}" if replica else "")
             send(old, {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica, "generation": gen - 1,
@@ -174,6 +194,7 @@ class RankChannels:
                     send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica,
                               "generation": self.generation.get((rank, cp_rank, replica), 0), "message": message})
         self.subs.clear()
+        self.on_channel.clear()
         for consumer in self.generation:
             self.generation[consumer] += 1
         self._release()

@@ -21,6 +21,7 @@ from typing import Callable
 from .. import logs
 from ..planner.policies import kernels
 from ..planner.state import PlannerState
+from . import heap
 from .chunks import chunk_tasks
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,13 @@ class Work:
         return {"loads": self.loads, "tasks": self.tasks, "release": self.release, "finished": self.finished}
 
 
+def _warm() -> None:
+    """Load (or compile) the balancer's kernels, then freeze the objects that brought
+    (``heap.py``): numba's registries are most of a full collection's walk otherwise."""
+    kernels.warm()
+    heap.freeze()
+
+
 class PlannerThread:
     """Runs the planner state's work in its own thread; ``on_tasks(key, steps, lo, hi)`` learns
     each constructor task handed out, ``observe()`` (called in the thread every
@@ -58,7 +66,7 @@ class PlannerThread:
         self.run_id, self.chunk_steps = run_id, chunk_steps
         self.on_tasks, self.observe, self.on_failure = on_tasks, observe, on_failure
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
-        self.executor.submit(kernels.warm)  # the balancer's compiled loops, ready (or compiling) while the first units load
+        self.executor.submit(_warm)  # the balancer's compiled loops, ready (or compiling) while the first units load
         self.state: PlannerState | None = None
         self.rewinds = 0  # times the run was rewound (a new planner state each time)
         self.observed: dict | None = None  # what /overlord and the Prometheus gauges show (observe.dashboard)
@@ -172,7 +180,10 @@ class PlannerThread:
         now = time.monotonic()
         if now - self._observed_at > OBSERVE_EVERY_S:  # the dashboard page's and the gauges' view, refreshed
             self._observed_at = now
-            self.observed = self.observe()
+            try:
+                self.observed = self.observe()
+            except RuntimeError:  # a dict the event loop grew meanwhile (a rank's first ack): the next refresh reads it
+                logger.debug("refreshing the dashboard's view failed; it is refreshed again shortly", exc_info=True)
         return out
 
     def _log_stages(self, steps: list[dict]) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
 import sys
 
@@ -36,6 +35,7 @@ from ..planner.rewind import memory_source as rewind_memory_source
 from ..planner.rewind import rebuild_at
 from ..protocol import Route, load_prefix
 from .channels import RankChannels
+from . import heap
 from .chunks import chunk_steps
 from .held import HeldBatches
 from .planner_thread import PlannerThread
@@ -96,7 +96,7 @@ class PlannerPlugin(SchedulerPlugin):
         scheduler.stream_handlers[Route.LENGTHS] = functools.partial(_dispatch_lengths, scheduler)
         logs.install()  # the scheduler's side of the shadow-copy races
         prometheus.install(scheduler)  # overlord_* on Dask's /metrics
-        _freeze_heap()
+        heap.freeze()
         # The planner thread computes while the event loop needs the GIL for a few microseconds
         # at a time; at Python's default 5 ms switch interval every wake-up of the loop could
         # wait that long behind it (control_plane benchmark: loop block max). Restored at stop.
@@ -235,16 +235,6 @@ class PlannerPlugin(SchedulerPlugin):
         where = "checkpoint.keep_steps" + (" or checkpoint.keep_hours (bases in the snapshot location)" if self.snapshots_loop is not None else "")
         return (f"cannot resume at step {step}: the service can serve steps from {min(oldest)} on, not earlier "
                 f"(it keeps {keep.keep_steps} steps back); raise {where} to keep more")
-
-
-def _freeze_heap() -> None:
-    """Move every object alive now (imports, Dask's and the plan's state) out of the garbage
-    collector's sight. A full collection in the scheduler's process otherwise walks all of them
-    and holds the event loop (the control_plane benchmark's longest loop blocks were full
-    collections); afterwards it walks only what was created since. Nothing is lost: frozen
-    objects are merely never collected, and they are the process's long-lived ones."""
-    gc.collect()
-    gc.freeze()
 
 
 def _dispatch_lengths(scheduler, **msg) -> None:

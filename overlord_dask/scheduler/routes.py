@@ -279,7 +279,8 @@ class Routes:
 
     def wait_shares(self) -> dict:
         """Each rank's share of its wall time spent waiting in ``next()`` (as its acks report it)."""
-        return {f"{r}" + (f".{c}" if c else ""): round(w / s, 4) for (r, c), (w, s) in sorted(self.rank_wait.items()) if s > 0}
+        shares = dict(self.rank_wait)  # one copy (atomic): the planner thread reads it while the loop adds ranks
+        return {f"{r}" + (f".{c}" if c else ""): round(w / s, 4) for (r, c), (w, s) in sorted(shares.items()) if s > 0}
 
     # ---- the workers' stream ----------------------------------------------------------------------------
     def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None,

@@ -15,6 +15,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Awaitable, Callable
 
+from ..batched import BatchedWriter
 from ..client import PlannerClient, channel_open
 from ..errors import ServiceError
 from ..protocol import CHANNEL_INTERVAL
@@ -40,7 +41,7 @@ class ProcessIO:
 
     def __init__(self):
         self.pid = os.getpid()
-        self.channels: dict[tuple[str, str], Channel] = {}
+        self.channels: dict[tuple[str, str, str], Channel] = {}  # (address, run id, group) -> channel
         self.lost_workers: dict[str, asyncio.Event] = {}  # address -> set once the scheduler says it is gone
         self.inflight: dict[tuple, asyncio.Future] = {}  # fetches in flight, shared by identical requests (fetch.fetch_shared)
         self.fetches_shared = 0
@@ -59,13 +60,14 @@ class ProcessIO:
         await pool.start()
         return pool
 
-    def channel(self, address: str, run_id: str, wait: bool = True) -> "Channel":
+    def channel(self, address: str, run_id: str, wait: bool = True, group: str = "") -> "Channel":
         """This process's channel to run ``run_id`` at ``address`` (opened on first use; from
-        the IO loop pass ``wait=False`` and await ``opened()``)."""
+        the IO loop pass ``wait=False`` and await ``opened()``). ``group``: streams that share
+        a channel; every stream of the process by default (one connection per process)."""
         with self._lock:
-            ch = self.channels.get((address, run_id))
+            ch = self.channels.get((address, run_id, group))
             if ch is None or ch.closed:
-                ch = self.channels[(address, run_id)] = Channel(self, address, run_id)
+                ch = self.channels[(address, run_id, group)] = Channel(self, address, run_id)
         if wait:
             ch.wait_open()
         return ch
@@ -154,14 +156,13 @@ class Channel:
         return ServiceError(f"cannot open a channel to the overlord service at {self.address}: {err}")
 
     async def _open(self) -> None:
-        from distributed.batched import BatchedSend
         from distributed.comm import connect
 
         comm = await connect(self.address, timeout=60, **self.io.pool.connection_args)
         comm.name = "overlord-consumer-channel"
         await comm.write(channel_open(self.id, self.run_id))
         self.comm = comm
-        self.bs = BatchedSend(interval=CHANNEL_INTERVAL)
+        self.bs = BatchedWriter(interval=CHANNEL_INTERVAL)
         self.bs.start(comm)
         self._reader = asyncio.ensure_future(self._read())
 

@@ -29,7 +29,7 @@ class RankIO:
 
     def __init__(self, io: ProcessIO, hand: HandOver, *, where: str, address: str, info: dict, rank: int, cp_rank: int | None,
                  replica: int, generation: int, first_step: int, timeout: float, reconnect_timeout: float, as_torch: bool,
-                 pin_memory: bool, batch_options: dict | None = None):
+                 pin_memory: bool, batch_options: dict | None = None, channel_group: str = ""):
         self.io, self.hand = io, hand
         self.where, self.address, self.planner = where, address, io.planner(address)
         self.info, self.rank, self.cp_rank, self.replica, self.generation = info, rank, cp_rank, replica, generation
@@ -41,7 +41,8 @@ class RankIO:
         self._max_seen = first_step - 1  # highest step named by a descriptor (planned, so ackable)
         self._acked_sent = first_step - 1
         self._durable_sent = first_step - 1
-        self.channel: Channel = io.channel(address, info["run_id"])
+        self.channel_group = channel_group
+        self.channel: Channel = io.channel(address, info["run_id"], group=channel_group)
         self.tasks = io.run(self._start(), timeout=30)
 
     async def _start(self):
@@ -209,7 +210,7 @@ class RankIO:
                     if att.get("error"):
                         self.hand.fail(f"rank {self.rank}: reattaching to the restarted service failed: {att['error']}")
                         return
-                    channel = self.io.channel(self.address, info["run_id"], wait=False)
+                    channel = self.io.channel(self.address, info["run_id"], wait=False, group=self.channel_group)
                     await channel.opened()
                     break
             except (OSError, CommClosedError, ServiceError, asyncio.TimeoutError, ValueError):  # ValueError: no scheduler file (yet)

@@ -74,18 +74,22 @@ class RankStream:
     step larger than the byte bound cannot stall). ``pin_memory`` pins torch tensors for fast
     host-to-GPU copies (ignored with a warning where no accelerator is present, as
     ``torch.utils.data.DataLoader`` does). ``labels``, ``loss_mask`` and ``batch_dim`` choose the
-    label convention and layout (``batches.py``)."""
+    label convention and layout (``batches.py``). ``channel_group``: the streams of this process
+    that share one connection to the service; by default all of them (one connection per
+    process, as a trainer process per GPU has); a name gives its streams a connection of their
+    own (simulated hosts in ``benchmarks/control_plane.py``)."""
 
     def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, replica: int = 0,
                  timeout: float = 600.0, as_torch: bool = False, prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30,
                  pin_memory: bool = False, reconnect_timeout: float = 120.0, labels: str = "shifted", loss_mask: bool | None = None,
-                 batch_dim: bool = False):
+                 batch_dim: bool = False, channel_group: str = ""):
         self._where = address  # an address, or a scheduler file read again on every reconnect
         self._address = resolve_address(address)
         self.rank, self.dp, self.cp_rank, self.replica = int(rank), dp, cp_rank, int(replica)
         self.timeout = timeout
         self.as_torch = as_torch
-        self._options = {"prefetch_steps": prefetch_steps, "prefetch_bytes": prefetch_bytes, "reconnect_timeout": reconnect_timeout}
+        self._options = {"prefetch_steps": prefetch_steps, "prefetch_bytes": prefetch_bytes, "reconnect_timeout": reconnect_timeout,
+                         "channel_group": channel_group}
         keep_freed_memory()  # decoded batches reuse freed memory instead of faulting in fresh pages (allocator.py)
         self.io = ProcessIO.get()
         self._closed = False
@@ -127,7 +131,7 @@ class RankStream:
         self.rio = RankIO(self.io, self.hand, where=self._where, address=self._address, info=self._info, rank=self.rank,
                           cp_rank=self.cp_rank, replica=self.replica, generation=int(att["generation"]), first_step=self.next_step,
                           timeout=self.timeout, reconnect_timeout=self._options["reconnect_timeout"], as_torch=self.as_torch,
-                          pin_memory=self._pin, batch_options=self._batch_options)
+                          pin_memory=self._pin, batch_options=self._batch_options, channel_group=self._options["channel_group"])
 
     @property
     def address(self) -> str:
