@@ -1,26 +1,30 @@
-"""The central control path at many ranks: sustained steps/s, the service process's CPU per
-(step, rank), and the longest block of the scheduler's event loop.
+"""The central control path at thousands of ranks: sustained steps/s, the service process's
+CPU per (step, rank), and the longest block of the scheduler's event loop.
 
-    python benchmarks/control_plane.py                  # dp 8, 64, 256: readable table
-    python benchmarks/control_plane.py --json --dp 8 64 256
+    python benchmarks/control_plane.py                  # dp 256, 1,024, 4,096: readable table
+    python benchmarks/control_plane.py --json --dp 256 1024 4096 --tokens 1024
 
 Each row starts a service (planner plugin, driver and a LocalCluster of worker processes, all
-in this process but the workers) with tiny micro-batches (``--tokens`` per rank and step), so
+in this process but the workers) with small micro-batches (``--tokens`` per rank and step), so
 that the control path, not packing or the payload, sets the pace (``heavy_tokens`` is half a
-micro-batch: at the default, a sixteenth of 1,024 tokens, nearly every document would be an
-outlier to group across ranks, which measures the balancer rather than the control path). ``dp`` lightweight ranks run
-as threads in ``--procs`` consumer processes (each rank a ``RankStream``; the process shares one
-IO loop and connection pool), taking batches as fast as they come. After a warm-up, for
-``--seconds``: steps committed per second, this process's CPU time (user + system: scheduler,
-planner thread, driver, nannies) divided by steps × dp, and the scheduler's longest event-loop
-block (``overlord_loop``: how late a 10 ms timer on the loop fired).
+micro-batch). The ranks are grouped into simulated hosts of ``--ranks-per-host`` (8), each host
+with one connection (channel) to the scheduler, as many as a deployment with that many trainer
+processes per connection has, spread over ``--procs`` consumer processes at lower CPU priority
+(they stand in for trainers on other hosts). ``--consumers lean`` (default): asyncio stand-ins
+that speak a ``RankStream``'s protocol (attach, subscribe, fetch each chunk from the worker
+holding it, acknowledge at its end) without decoding batches into arrays, since thousands of
+trainer threads do not fit on two cores; ``--consumers rankstream``: a ``RankStream`` per rank,
+one thread per host. After a warm-up, for ``--seconds``: steps committed per second, this
+process's CPU time (user + system: scheduler, planner thread, driver, nannies) divided by
+steps × dp, and the scheduler's longest event-loop block (``overlord_loop``: how late a 10 ms
+timer on the loop fired).
 
 The same run also measures a baseline row at the smallest ``dp``: the plan with
 ``loading.batch_steps: 1``, i.e. a queue item, a fetch and an ack per (step, rank) and
 constructor tasks per step, as the control path was before chunking.
 
-Targets (issue 13): at dp 256, at most 0.2 ms of service CPU per (step, rank), at least 5
-steps/s, no event-loop block over 20 ms.
+Targets (issue 37): at most 0.05 ms of service CPU per (step, rank), no higher at dp 4,096 than
+at dp 256; at least 12 steps/s at dp 1,024 and 3 at dp 4,096.
 """
 
 from __future__ import annotations
@@ -38,22 +42,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.output import print_rows  # noqa: E402
 
 
-def _ranks_process(address: str, ranks: list[int], stop_at: float, out) -> None:
-    """Consume as fast as batches come, one thread per rank, until ``stop_at`` (wall clock)."""
+def _hosts_process(address: str, hosts: list[list[int]], stop_at: float, out) -> None:
+    """Simulated trainer hosts, each with its own connection to the service (a channel group)
+    and ``len(host)`` ranks taken in turn by one thread, as fast as batches come, until
+    ``stop_at`` (wall clock)."""
     from overlord_dask import connect
 
     os.nice(10)  # the ranks stand in for trainers on other hosts: the service's figures must be its own
     counts = {}
 
-    def run(rank: int) -> None:
+    def run(h: int, ranks: list[int]) -> None:
+        streams = [connect(address, r, timeout=300, channel_group=f"host-{h}") for r in ranks]
         n = 0
-        with connect(address, rank, timeout=120) as s:
-            while time.time() < stop_at:
+        while time.time() < stop_at:
+            for s in streams:
                 s.next_batch()
                 n += 1
-        counts[rank] = n
+        counts[h] = n
+        for s in streams:
+            s.close()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    threads = [threading.Thread(target=run, args=(h, ranks), daemon=True) for h, ranks in hosts]
     for t in threads:
         t.start()
     for t in threads:
@@ -61,8 +70,78 @@ def _ranks_process(address: str, ranks: list[int], stop_at: float, out) -> None:
     out.put(counts)
 
 
+def _lean_hosts_process(address: str, hosts: list[list[int]], stop_at: float, out) -> None:
+    """Simulated trainer hosts as asyncio consumers (where thousands of trainer threads would
+    not fit on two cores): per host one channel (connection) to the service, and per rank the
+    same protocol as a ``RankStream``: attach, subscribe, fetch each chunk's batches from the
+    worker holding it (payload straight from the worker, its frames unpickled), acknowledge at
+    the chunk's end. Only the decoding into arrays (the trainer's own CPU, on its own host) is
+    left out."""
+    import asyncio
+
+    from overlord_dask.trainer.connection import ProcessIO
+    from overlord_dask.trainer.fetch import fetch_batches
+
+    os.nice(10)
+    io = ProcessIO.get()
+    counts = {}
+
+    class Rank:
+        def __init__(self, rank: int, generation: int, channel):
+            self.rank, self.generation, self.channel = rank, generation, channel
+            self.descs: dict[int, dict] = {}
+            self.ready = asyncio.Event()
+
+        def on_message(self, msg: dict) -> None:
+            if msg.get("op") == "descriptors":
+                for d in msg["items"]:
+                    if "error" in d:
+                        raise RuntimeError(d["error"])
+                    self.descs[d["steps"][0]] = d
+                self.ready.set()
+
+        def lost(self, why: str) -> None:
+            pass
+
+        async def run(self, planner, h: int) -> None:
+            step, n = 0, 0
+            while time.time() < stop_at:
+                if step not in self.descs:
+                    self.ready.clear()
+                    await self.ready.wait()
+                    continue
+                d = self.descs.pop(step)
+                await fetch_batches(io, planner, d, d["steps"], rank=self.rank, cp_rank=0, timeout=300, abort=asyncio.Event(),
+                                    address=address)
+                step = d["steps"][-1] + 1
+                n += len(d["steps"])
+                self.channel.send({"op": "ack", "rank": self.rank, "step": step - 1, "cp_rank": 0, "replica": 0,
+                                   "generation": self.generation, "durable": True})
+            counts[h] = counts.get(h, 0) + n
+
+    async def host(h: int, ranks: list[int]) -> None:
+        planner = io.planner(address)
+        info = await planner.info()
+        channel = io.channel(address, info["run_id"], wait=False, group=f"host-{h}")
+        await channel.opened()
+        streams = []
+        for r in ranks:
+            att = await planner.attach(r, 0, 0)
+            s = Rank(r, int(att["generation"]), channel)
+            channel.streams[(r, 0, 0)] = {s.generation: s}
+            channel.send({"op": "subscribe", "rank": r, "cp_rank": 0, "replica": 0, "generation": s.generation})
+            streams.append(s)
+        await asyncio.gather(*(s.run(planner, h) for s in streams))
+
+    async def main():
+        await asyncio.gather(*(host(h, ranks) for h, ranks in hosts))
+
+    io.run(main(), timeout=max(1.0, stop_at - time.time() + 60))
+    out.put(counts)
+
+
 def measure(cluster, data: str, dp: int, tokens: int, procs: int, seconds: float, warmup_steps: int, batch_steps: int | None,
-            prefetch: int) -> dict:
+            prefetch: int, ranks_per_host: int, consumers: str = "lean") -> dict:
     import psutil
 
     from overlord_dask import Service
@@ -75,8 +154,10 @@ def measure(cluster, data: str, dp: int, tokens: int, procs: int, seconds: float
     ctx = mp.get_context("spawn")
     with Service.start(plan, cluster=cluster) as service:
         q = ctx.Queue()
-        groups = [list(range(dp))[i::procs] for i in range(min(procs, dp))]
-        ps = [ctx.Process(target=_ranks_process, args=(service.address, g, time.time() + 900, q), daemon=True) for g in groups]
+        hosts = [(h, list(range(r, min(r + ranks_per_host, dp)))) for h, r in enumerate(range(0, dp, ranks_per_host))]
+        groups = [hosts[i::procs] for i in range(min(procs, len(hosts)))]
+        target = _lean_hosts_process if consumers == "lean" else _hosts_process
+        ps = [ctx.Process(target=target, args=(service.address, g, time.time() + 900, q), daemon=True) for g in groups]
         for p in ps:
             p.start()
         st = service.wait_for_step(warmup_steps, timeout=300)
@@ -100,19 +181,26 @@ def measure(cluster, data: str, dp: int, tokens: int, procs: int, seconds: float
         "cpu_ms_per_step": round((cpu1 - cpu0) * 1e3 / max(1, steps), 2),
         "loop_block_max_ms": loop["block_max_ms"],
         "loop_block_p99_ms": loop["block_p99_ms"],
+        "consumer_processes": len(ps),
+        "connections": len(hosts),
+        "consumers": consumers,
     }
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--dp", type=int, nargs="+", default=[8, 64, 256])
+    ap.add_argument("--dp", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank and step (one micro-batch)")
-    ap.add_argument("--procs", type=int, default=4, help="consumer processes the ranks are spread over")
+    ap.add_argument("--procs", type=int, default=8, help="consumer processes the simulated hosts are spread over")
+    ap.add_argument("--ranks-per-host", type=int, default=8, help="ranks per simulated host (one connection each)")
+    ap.add_argument("--consumers", choices=["lean", "rankstream"], default="lean",
+                    help="lean: asyncio stand-ins (fetch and ack, no decoding); rankstream: a RankStream per rank, a thread per host")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--prefetch", type=int, default=16, help="the plan's prefetch_steps (chunks are half of it)")
+    ap.add_argument("--prefetch", type=int, default=16, help="the plan's prefetch_steps")
+    ap.add_argument("--batch-steps", type=int, default=None, help="steps per chunk (default: half of prefetch)")
     ap.add_argument("--data", default="demo-data")
     ap.add_argument("--no-baseline", action="store_true", help="skip the per-step baseline row")
     args = ap.parse_args(argv)
@@ -125,16 +213,18 @@ def main(argv=None) -> dict:
     rows = []
     with local_cluster(n_workers=args.workers) as cluster:
         if not args.no_baseline:
-            base = measure(cluster, args.data, min(args.dp), args.tokens, args.procs, args.seconds, args.warmup_steps, 1, args.prefetch)
+            base = measure(cluster, args.data, min(args.dp), args.tokens, args.procs, args.seconds, args.warmup_steps, 1, args.prefetch, args.ranks_per_host, args.consumers)
             rows.append({**base, "row": "baseline: one step per chunk"})
         for dp in args.dp:
-            rows.append({**measure(cluster, args.data, dp, args.tokens, args.procs, args.seconds, args.warmup_steps, args.prefetch // 2, args.prefetch),
+            rows.append({**measure(cluster, args.data, dp, args.tokens, args.procs, args.seconds, args.warmup_steps, args.batch_steps or args.prefetch // 2, args.prefetch,
+                                     args.ranks_per_host, args.consumers),
                          "row": "chunked"})
     out = {"benchmark": "control_plane", "cores": os.cpu_count(), "workers": args.workers, "tokens_per_rank_step": args.tokens, "rows": rows}
     if args.json:
         print(json.dumps(out))
     else:
-        print_rows(rows, ["row", "dp", "batch_steps", "steps_per_s", "cpu_ms_per_step_rank", "cpu_ms_per_step", "loop_block_max_ms", "loop_block_p99_ms"])
+        print_rows(rows, ["row", "dp", "batch_steps", "connections", "steps_per_s", "cpu_ms_per_step_rank", "cpu_ms_per_step", "loop_block_max_ms",
+                          "loop_block_p99_ms"])
     return out
 
 

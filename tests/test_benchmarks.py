@@ -82,13 +82,16 @@ def test_model_trainer_names_a_token_past_its_vocabulary(calibrated):
         m.micro_batch(mb)
 
 
-def test_control_plane_benchmark_runs(capsys, corpus):
+@pytest.mark.parametrize("consumers", ["lean", "rankstream"])
+def test_control_plane_benchmark_runs(capsys, corpus, consumers):
     import control_plane
 
-    out = control_plane.main(["--dp", "4", "--procs", "2", "--seconds", "2", "--warmup-steps", "3", "--no-baseline", "--data", str(corpus), "--json"])
+    out = control_plane.main(["--dp", "6", "--ranks-per-host", "4", "--procs", "2", "--seconds", "2", "--warmup-steps", "3", "--no-baseline",
+                              "--consumers", consumers, "--data", str(corpus), "--json"])
     (row,) = out["rows"]
-    assert {"dp", "steps_per_s", "cpu_ms_per_step_rank", "loop_block_max_ms"} <= set(row)
-    assert row["dp"] == 4 and row["steps"] > 0 and row["cpu_ms_per_step_rank"] > 0
+    assert {"dp", "steps_per_s", "cpu_ms_per_step_rank", "cpu_ms_per_step", "loop_block_max_ms", "consumer_processes"} <= set(row)
+    assert row["dp"] == 6 and row["steps"] > 0 and row["cpu_ms_per_step_rank"] > 0
+    assert row["connections"] == 2 and row["consumer_processes"] == 2 and row["consumers"] == consumers
     assert '"control_plane"' in capsys.readouterr().out
 
 
