@@ -41,8 +41,7 @@ class RankIO:
         self._max_seen = first_step - 1  # highest step named by a descriptor (planned, so ackable)
         self._acked_sent = first_step - 1
         self._durable_sent = first_step - 1
-        self.channel_group = channel_group
-        self.channel: Channel = io.channel(address, info["run_id"], group=channel_group)
+        self.channel_group, self.channel = channel_group, io.channel(address, info["run_id"], group=channel_group)
         self.tasks = io.run(self._start(), timeout=30)
 
     async def _start(self):
