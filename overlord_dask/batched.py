@@ -77,6 +77,14 @@ class BatchedWriter:
         if self.buffer and not self._closed and self._timer is None:
             self._schedule()
 
+    async def _drain(self) -> None:
+        while self._timer is not None or self._writing is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._flush()
+            if self._writing is not None:
+                await asyncio.shield(self._writing)
+
     def abort(self) -> None:
         """Stop now: queued messages are dropped and the comm is aborted."""
         self._closed = True
@@ -88,15 +96,12 @@ class BatchedWriter:
             self.comm.abort()
 
     async def close(self, timeout: float | None = None) -> None:
-        """Send what is queued, then close the comm."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._flush()
-        if self._writing is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._writing), timeout)
-            except (asyncio.TimeoutError, CommClosedError):
-                pass
+        """Send what is queued (also what was queued while a write was in flight: the run's
+        last message to its consumers, say), then close the comm."""
+        try:
+            await asyncio.wait_for(self._drain(), timeout)
+        except (asyncio.TimeoutError, CommClosedError):
+            pass
         self._closed = True
         if self.comm is not None and not self.comm.closed():
             await self.comm.close()

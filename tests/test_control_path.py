@@ -346,6 +346,19 @@ def test_batched_writer_batches_and_leaves_no_cyclic_garbage():
         with pytest.raises(CommClosedError):
             w.send({"late": True})
 
+        class SlowComm(Comm):
+            async def write(self, msg, **_):
+                await asyncio.sleep(0.02)
+                self.writes.append(list(msg))
+
+        comm, w = SlowComm(), BatchedWriter("5ms")
+        w.start(comm)
+        w.send({"i": 0})
+        await asyncio.sleep(0.005)  # that write is in flight
+        w.send({"last": True})  # queued behind it, as a run's stop message may be
+        await w.close(timeout=2)
+        assert comm.writes == [[{"i": 0}], [{"last": True}]] and comm.closed()
+
     asyncio.run(main())
 
 
