@@ -418,10 +418,14 @@ def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, quot
     """Spread light pieces ``idx`` over one step's bins by ``quota`` (light tokens per bin, from
     :func:`_row_quotas` or :func:`_rank_quotas`, which level the containers' cost), within
     capacity. Vectorised; modifies the arrays in place."""
-    # cut the pieces' token sequence at the cumulative quotas; a piece goes where it starts
-    ends = np.cumsum(lens[idx])
-    starts = ends - lens[idx]
-    b = np.minimum(np.searchsorted(np.cumsum(quota), starts, side="right"), len(quota) - 1)
+    # cut the pieces' cost sequence where the quotas' cost ends (each bin's light tokens at the
+    # step's light cost per token, as leveled): pieces dearer per token than the average (short
+    # documents under a per-document cost) then take fewer tokens, so every bin gets the cost it
+    # was leveled for; a piece goes where it starts
+    c = costs[idx].astype(np.float64)
+    ends = np.cumsum(c)
+    rho = ends[-1] / max(float(lens[idx].sum()), 1.0) if len(idx) else 0.0
+    b = np.minimum(np.searchsorted(np.cumsum(quota) * rho, ends - c, side="right"), len(quota) - 1)
     np.add.at(bin_tok, b, lens[idx])
     np.add.at(bin_cost, b, costs[idx])
     where[idx] = base + b
