@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "RankStream": "trainer.stream", "connect": "trainer.stream", "OverlordDataset": "trainer.dataset", "Service": "service.service",
     "CostModel": "plan", "Loading": "plan", "Plan": "plan", "Source": "plan", "Topology": "plan",
-    "load_plan": "plan", "plan_from_dict": "plan",
+    "load_plan": "plan", "plan_from_dict": "plan", "loss_by_source": "trainer.feedback",
 }
 
 
@@ -40,5 +40,5 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CostModel", "Loading", "OverlordDataset", "OverlordError", "Plan", "PlanError", "RankError", "RankStream",
-    "Service", "ServiceError", "Source", "SourceError", "Topology", "connect", "load_plan", "plan_from_dict",
+    "Service", "ServiceError", "Source", "SourceError", "Topology", "connect", "load_plan", "loss_by_source", "plan_from_dict",
 ]

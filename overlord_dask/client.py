@@ -55,8 +55,8 @@ class PlannerClient:
     async def fail(self, message: str) -> None:
         return await self._route(Route.FAIL)(message=message)
 
-    async def plans(self) -> list:
-        return await self._route(Route.PLANS)()
+    async def plans(self, decisions: bool = False) -> list | dict:
+        return await self._route(Route.PLANS)(decisions=decisions)
 
     async def update(self, plan: dict, at_step: int | None, unit_first_ids: dict) -> dict:
         return await self._route(Route.UPDATE)(plan=plan, at_step=at_step, unit_first_ids=unit_first_ids)

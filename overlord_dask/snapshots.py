@@ -271,8 +271,8 @@ class SnapshotWriter:
     """Decides base or delta for each new planner state and writes it (the plugin and the
     resume benchmark use this one policy).
 
-    A base when none was written yet, when the topology or the plan versions changed (the
-    state's shape changes), or after ``base_every_steps`` committed steps or
+    A base when none was written yet, when the topology, the plan versions or the planner's
+    decisions changed (the state's shape changes), or after ``base_every_steps`` committed steps or
     ``base_every_seconds``; otherwise a delta, carrying the window state when planning moved to
     a new window since the last snapshot."""
 
@@ -301,7 +301,7 @@ class SnapshotWriter:
         """Write ``state`` (``PlannerState.get_state()``); returns (kind, bytes). A state whose
         committed step went back (a training job rewound the run) is always a base: a chain's
         deltas only move forward."""
-        shape = (tuple(sorted(state["topology"].items())), len(state.get("updates", ())))
+        shape = (tuple(sorted(state["topology"].items())), len(state.get("updates", ())), len(state.get("decisions", ())))
         now = self.clock()
         self.seq += 1
         went_back = self._committed is not None and state["committed"] < self._committed

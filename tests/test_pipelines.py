@@ -149,9 +149,9 @@ def test_encoder_cost_weighs_image_tokens(corpus):
     # the stream's own entry: two 100-token documents are far too little data for the planner (it says so)
     state.streams.by_name("captions").add_lengths(0, 0, np.array([100, 100]), np.array([48, 0]))
     rows = np.array([[1, 0, 0, 0, 0, 100], [1, 0, 0, 1, 0, 100], [1, 0, 0, 0, 50, 100]])
-    c = state.costs(rows)
+    c = state.costs(rows, 0)
     assert c[0] - c[1] == pytest.approx(48 * plan.cost.encoder)  # same length, 48 image tokens more
-    assert c[2] - state.costs(np.array([[1, 0, 0, 1, 0, 50]]))[0] == pytest.approx(24 * plan.cost.encoder)  # half the document
+    assert c[2] - state.costs(np.array([[1, 0, 0, 1, 0, 50]]), 0)[0] == pytest.approx(24 * plan.cost.encoder)  # half the document
 
 
 def test_multimodal_errors_name_the_culprit(corpus, tmp_path):

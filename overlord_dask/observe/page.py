@@ -75,7 +75,7 @@ def render(snap: dict) -> str:
     s = snap["series"]
     names = list(s["share"])
     mix = [(f"{n} delivered", s["share"][n], COLORS[i % len(COLORS)], False) for i, n in enumerate(names)]
-    mix += [(f"{n} declared", s["weight"][n], COLORS[i % len(COLORS)], True) for i, n in enumerate(names)]
+    mix += [(f"{n} weight", s["weight"][n], COLORS[i % len(COLORS)], True) for i, n in enumerate(names)]
     imb = [("step (DDP)", s["imbalance"], COLORS[0], False), ("micro-batch (FSDP)", s["mb_imbalance"], COLORS[1], False)]
     head = {k: snap[k] for k in ("run_id", "name", "dp", "planned", "committed", "durable", "starved_on", "mix_error", "imbalance",
                                  "mb_imbalance", "failure")}
@@ -86,7 +86,21 @@ def render(snap: dict) -> str:
     quarantined = [{k: q[k] for k in ("source", "unit", "step", "reason")} for q in snap.get("losses", {}).get("quarantined", [])]
     control = {"last snapshot": snap["last_snapshot"], "loop block max ms": snap["loop"].get("block_max_ms"), **snap.get("counters", {})}
     plots = {"mix": _chart(s["step"], mix, "share of the step"), "balance": _chart(s["step"], imb, "max / mean rank cost")}
-    return _template().render(snap=snap, head=head, ranks=ranks, pools=pools, quarantined=quarantined, control=control, plots=plots)
+    fit, decisions = feedback_tables(snap.get("feedback") or {})
+    return _template().render(snap=snap, head=head, ranks=ranks, pools=pools, quarantined=quarantined, control=control, plots=plots,
+                              fit=fit, decisions=decisions)
+
+
+def feedback_tables(fb: dict) -> tuple[list[dict], list[dict]]:
+    """The learned cost model (declared at its best scale vs fitted, seconds per unit of each
+    term) and the planner's decisions, newest first, with their reasons."""
+    cf = fb.get("cost_fit") or {}
+    fit = [{"term": t, "declared (best scale)": cf["declared"][t], "fitted": cf["fitted"][t]} for t in cf.get("fitted", {})]
+    if cf:
+        fit.append({"term": "median error", "declared (best scale)": cf.get("error_declared"), "fitted": cf.get("error_fitted")})
+    decisions = [{"from step": d["at"], "kind": d["kind"], "values": {k: round(v, 4) for k, v in d["values"].items()}, "reason": d["reason"]}
+                 for d in reversed(fb.get("decisions", []))]
+    return fit, decisions
 
 
 def as_json(snap: dict) -> str:

@@ -58,8 +58,9 @@ class _Collector:
         for name, key in (("imbalance", "imbalance"), ("mb_imbalance", "mb_imbalance"), ("mix_error", "mix_error")):
             yield family(GaugeMetricFamily, name, f"{key} over the last {MIX_WINDOW} committed steps", snap[key])
         yield from _timings(snap, run, HistogramMetricFamily)
+        yield from _feedback(snap.get("feedback") or {}, run, GaugeMetricFamily, CounterMetricFamily)
         yield from _ranks(snap, run, GaugeMetricFamily)
-        per_source = {"source_weight": ("weight", "Declared weight now"),
+        per_source = {"source_weight": ("weight", "Weight in force now (declared, or set by the mixing controller)"),
                       "source_delivered_share": ("delivered_share", f"Delivered token share over the last {MIX_WINDOW} steps"),
                       "source_loads_pending": ("loads_pending", "Load tasks asked for and not reported yet (backlog)"),
                       "source_seconds_per_token": ("seconds_per_token", "Measured CPU seconds of loading per token")}
@@ -83,6 +84,34 @@ class _Collector:
         yield family(GaugeMetricFamily, "loop_block_max_ms", "Longest event-loop block of the scheduler", snap["loop"].get("block_max_ms"))
         last = snap["last_snapshot"]
         yield family(GaugeMetricFamily, "snapshot_committed", "Committed step of the last snapshot written", last["committed"] if last else None)
+
+
+def _feedback(fb: dict, run: list, gauge, counter):
+    """What the trainers reported and what the planner made of it (``planner/feedback.py``)."""
+    c = counter("overlord_feedback_reports", "Step reports (times, metrics) received from trainers", labels=["run"])
+    c.add_metric(run, float(fb.get("received", 0)))
+    yield c
+    g = gauge("overlord_measured_imbalance", "Measured step-time imbalance (max / mean over ranks), median of the last 100 reported steps",
+              labels=["run"])
+    if fb.get("measured_imbalance_p50") is not None:
+        g.add_metric(run, float(fb["measured_imbalance_p50"]))
+    yield g
+    d = counter("overlord_decisions", "Decisions the planner took from the trainers' reports", labels=["run", "kind"])
+    for kind in ("cost", "weights"):
+        d.add_metric(run + [kind], float(fb.get("decision_counts", {}).get(kind, 0)))
+    yield d
+    cf = fb.get("cost_fit") or {}
+    coef = gauge("overlord_cost_coefficient", "Cost model coefficients in seconds per unit (declared at its best scale, fitted)",
+                 labels=["run", "model", "term"])
+    err = gauge("overlord_cost_error", "Median relative error of the cost model's step-time predictions", labels=["run", "model"])
+    for model in ("declared", "fitted"):
+        for term, v in (cf.get(model) or {}).items():
+            coef.add_metric(run + [model, term], float(v))
+        e = cf.get(f"error_{model}")
+        if e is not None and e == e:
+            err.add_metric(run + [model], float(e))
+    yield coef
+    yield err
 
 
 def _timings(snap: dict, run: list, kind):

@@ -28,6 +28,7 @@ from . import formats
 from .base import Strict, import_callable
 from .schedule import Context, Schedule, Stage, weight_at
 from .evaluation import Evaluation
+from .feedback import LearnCost, Mixing
 from .text import Tokenizer
 
 
@@ -344,6 +345,15 @@ class CostModel(Strict):
     function: str | None = None
     """Optional `module:callable` mapping an int64 array of document lengths to float costs
     (vectorised); replaces the formula. It must be importable on the scheduler."""
+    learn: LearnCost | None = None
+    """Learn the coefficients from the step times the trainers report (``true``, or the fit's
+    settings): the declared ones are used until the fit settles, then the fitted ones from a
+    step recorded in the run's timeline (``planner/learn.py``)."""
+
+    @field_validator("learn", mode="before")
+    @classmethod
+    def _learn(cls, v):
+        return ({} if v else None) if isinstance(v, bool) else v
 
     @field_validator("function")
     @classmethod
@@ -351,6 +361,12 @@ class CostModel(Strict):
         if spec is not None:
             import_callable(spec)
         return spec
+
+    @model_validator(mode="after")
+    def _learnable(self) -> "CostModel":
+        if self.learn is not None and self.function:
+            raise ValueError("cost.learn fits the formula's coefficients; it cannot be combined with cost.function")
+        return self
 
     @property
     def linear_coef(self) -> float:
@@ -512,6 +528,8 @@ class Plan(Strict):
     """How steps are selected and laid out over ranks."""
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     """Snapshots of the planner and when a step becomes final."""
+    mixing: Mixing = Field(default_factory=Mixing)
+    """A controller that sets the mix from the trainers' reported losses (off by default)."""
     evaluation: Evaluation = Field(default_factory=Evaluation)
     """The evaluation stream of the sources' held-out units (``Source.holdout``)."""
     stages: list[Stage] = Field(default_factory=list)
@@ -564,6 +582,9 @@ class Plan(Strict):
             if st.max_doc_tokens is not None and st.max_doc_tokens > self.topology.tokens_per_micro_batch:
                 raise ValueError(f"stage {st.name!r}: max_doc_tokens={st.max_doc_tokens} exceeds tokens_per_micro_batch="
                                  f"{self.topology.tokens_per_micro_batch}: a piece must fit into one micro-batch")
+        unknown = sorted(set(self.mixing.bounds) - names)
+        if unknown:
+            raise ValueError(f"mixing bounds name unknown sources {unknown}; sources: {sorted(names)}")
         thresholds = {st.long_tokens for st in self.stages if st.long_tokens is not None}
         if len(thresholds) > 1:
             raise ValueError(f"long_tokens must be the same in every stage of a run (got {sorted(thresholds)}): documents are "

@@ -10,21 +10,29 @@ batches name sources by this index). A source that a later version leaves out is
 not forgotten: its position is kept and a version that names it again continues where it stopped.
 Schedules in every version count global steps (a ramp ``[[500, 0], [600, 0.3]]`` in an update
 applied at step 450 starts moving at step 500).
+
+The planner's own **decisions** (``plan/feedback.py``: a mixing controller's shares, a learned
+cost model) are recorded here the same way, each from the step it applies: the stream is a pure
+function of (plan, updates, decisions). A decision stays in force until the next one of its kind,
+or until a plan version that changes what it overrides (the sources or stages for the mix, the
+cost model for a learned cost) starts after it.
 """
 
 from __future__ import annotations
 
 import os
+from bisect import bisect_right
+from typing import NamedTuple
 
 import numpy as np
 
 from ..errors import PlanError
 from .base import resolve_url
-from .models import Plan, Source
+from .models import CostModel, Plan, Source
 from .schedule import Context
 
 # what an update may change; everything else is fixed for the run
-MUTABLE = ("sources", "stages", "steps", "name", "base_dir")
+MUTABLE = ("sources", "stages", "steps", "name", "base_dir", "cost")
 
 
 def _data_key(source: Source, base_dir: str | None) -> tuple:
@@ -45,15 +53,43 @@ def check_update(current: Plan, new: Plan, at_step: int) -> None:
                             f"change only {', '.join(MUTABLE)} (start a new run to change {field!r})")
 
 
+KINDS = ("weights", "cost")  # what a decision sets: the mix (shares by source name), the cost model's coefficients
+
+
+class Decision(NamedTuple):
+    """A decision of the planner's own, in force from step ``at``."""
+
+    at: int
+    kind: str
+    values: dict
+    reason: str
+    after: int  # plan versions that existed when it was made (a version at the same step made later overrides it)
+    state: dict | None = None  # the deciding controller's state after it (a resumed run continues from it)
+
+    def to_dict(self) -> dict:
+        return {"at": self.at, "kind": self.kind, "values": dict(self.values), "reason": self.reason, "after": self.after,
+                "state": self.state}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Decision":
+        return cls(int(d["at"]), str(d["kind"]), dict(d["values"]), str(d["reason"]), int(d["after"]), d.get("state"))
+
+
 class PlanTimeline:
-    def __init__(self, plan: Plan, updates: list[tuple[int, Plan]] = ()):
+    def __init__(self, plan: Plan, updates: list[tuple[int, Plan]] = (), decisions: list[Decision] = ()):
         self.versions: list[tuple[int, Plan]] = [(0, plan)]
         self.source_names: list[str] = []
         self._sources: dict[str, Source] = {}
         self._keys: dict[str, tuple] = {}
+        self._changes: list[set[str]] = [set(KINDS)]  # per version, the kinds of decision it overrides
+        self.decisions: list[Decision] = []
+        self._by_kind: dict[str, list[Decision]] = {k: [] for k in KINDS}
+        self._costs: dict[tuple, CostModel] = {}
         self._register(plan)
         for at_step, new in updates:
             self.add(new, at_step)
+        for d in decisions:
+            self._append(d)
 
     def _register(self, plan: Plan) -> list[str]:
         new = []
@@ -86,8 +122,57 @@ class PlanTimeline:
         except ValueError as err:
             raise PlanError(f"plan update at step {at_step}: {err}") from None
         new = self._register(plan)
+        changes = {"weights"} if (plan.sources, plan.stages) != (last.sources, last.stages) else set()
+        self._changes.append(changes | ({"cost"} if plan.cost != last.cost else set()))
         self.versions.append((at_step, plan))
         return new
+
+    # ---- the planner's decisions --------------------------------------------------------------
+    def decide(self, kind: str, at_step: int, values: dict, reason: str, state: dict | None = None) -> Decision:
+        """Record a decision of ``kind`` from ``at_step`` (not before the last one of its kind)."""
+        if kind not in KINDS:
+            raise ValueError(f"decision kind must be one of {KINDS}, got {kind!r}")
+        if kind == "weights":
+            unknown = sorted(set(values) - set(self.source_names))
+            if unknown:
+                raise PlanError(f"mixing decision at step {at_step} names unknown sources {unknown}")
+            if not all(np.isfinite(v) and v >= 0 for v in values.values()) or sum(values.values()) <= 0:
+                raise PlanError(f"mixing decision at step {at_step}: shares must be finite, >= 0 and not all 0 (got {values})")
+        prior = self._by_kind[kind]
+        if prior and at_step < prior[-1].at:
+            raise PlanError(f"{kind} decision at step {at_step}: the last one already applies from step {prior[-1].at}")
+        d = Decision(int(at_step), kind, {k: float(v) for k, v in values.items()}, reason, len(self.versions), state)
+        self._append(d)
+        return d
+
+    def _append(self, d: Decision) -> None:
+        self.decisions.append(d)
+        self._by_kind[d.kind].append(d)
+
+    def in_force(self, kind: str, step: int) -> Decision | None:
+        """The decision of ``kind`` that governs ``step``, if any (a later plan version that
+        changes what it overrides ends it)."""
+        lst = self._by_kind[kind]
+        i = bisect_right(lst, step, key=lambda d: d.at) - 1
+        if i < 0:
+            return None
+        d = lst[i]
+        for vi in range(1, len(self.versions)):
+            at = self.versions[vi][0]
+            if at <= step and (at > d.at or (at == d.at and vi >= d.after)) and kind in self._changes[vi]:
+                return None
+        return d
+
+    def cost_at(self, step: int) -> CostModel:
+        """The cost model governing ``step``: the plan's, or a learned one in force."""
+        cost = self.plan_at(step).cost
+        d = self.in_force("cost", step)
+        if d is None:
+            return cost
+        key = (id(cost), d.at, len(self._by_kind["cost"]))
+        if key not in self._costs:
+            self._costs = {key: cost.model_copy(update={k: float(v) for k, v in d.values.items()})}
+        return self._costs[key]
 
     # ---- queries by step ------------------------------------------------------------------------
     @property
@@ -119,7 +204,13 @@ class PlanTimeline:
         """Normalised weights at ``step`` over every source of the run (0 for sources the version
         in force does not name)."""
         w = self.plan_at(step).weights_at(step)
-        return np.array([w.get(name, 0.0) for name in self.source_names], dtype=np.float64)
+        out = np.array([w.get(name, 0.0) for name in self.source_names], dtype=np.float64)
+        d = self.in_force("weights", step) if self.decisions else None
+        if d is not None:  # the controller's shares, over the sources the declared plan has active here
+            mine = np.array([d.values.get(name, 0.0) for name in self.source_names]) * (out > 0)
+            if mine.sum() > 0:
+                out = mine / mine.sum()
+        return out
 
     def context_at(self, step: int) -> Context:
         return self.plan_at(step).context_at(step)
@@ -129,6 +220,10 @@ class PlanTimeline:
         window ends there), or None."""
         cands = [at for at, _ in self.versions[1:] if at > step]
         cands += [j for j in self.plan_at(step).jumps() if j > step]
+        for lst in self._by_kind.values():
+            i = bisect_right(lst, step, key=lambda d: d.at)
+            if i < len(lst):
+                cands.append(lst[i].at)
         return min(cands) if cands else None
 
     def window_len(self, start: int, steps: int) -> int:

@@ -18,6 +18,7 @@ from .. import pieces as P
 from ..plan.code import identities
 from ..plan.loading import plan_from_dict, plan_to_dict
 from ..plan.models import Plan
+from ..plan.timeline import Decision
 
 if TYPE_CHECKING:
     from .state import PlannerState
@@ -30,6 +31,11 @@ def decode_updates(state: dict | None) -> list[tuple[int, Plan]]:
     if not state:
         return []
     return [(int(at), plan_from_dict(d, where=f"<snapshot plan update at step {at}>")) for at, d in state.get("updates", [])]
+
+
+def decode_decisions(state: dict | None) -> list[Decision]:
+    """The planner's own decisions recorded in a snapshot (``plan/timeline.py``)."""
+    return [Decision.from_dict(d) for d in (state or {}).get("decisions", [])]
 
 
 def topology_dict(t) -> dict:
@@ -57,6 +63,7 @@ def state_at(st: "PlannerState", committed: int, window_step: int, window: dict,
         "plan": st.plan.name,
         "sources": list(st.source_names),
         "updates": [[at, plan_to_dict(p)] for at, p in st.timeline.updates],
+        "decisions": [d.to_dict() for d in st.timeline.decisions],
         "committed": committed,
         "window_step": window_step,
         "window": window,

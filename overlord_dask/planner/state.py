@@ -34,15 +34,15 @@ from . import snapshot
 from .ledger import Ledger, step_metrics
 from .policies import POLICIES, Starved, Window
 from .progress import Progress
-from .snapshot import decode_updates
+from .snapshot import decode_decisions, decode_updates
 from .streams import StreamSet
 from .windows import WindowStarts
 
 class PlannerState:
     def __init__(self, plan: Plan, unit_first_ids: dict[str, list[int]], *, history_steps: int = 100_000, state: dict | None = None,
-                 updates: list[tuple[int, Plan]] = ()):
+                 updates: list[tuple[int, Plan]] = (), decisions: list | None = None):
         self.final_plan = plan
-        self.timeline = PlanTimeline(plan, list(updates) or decode_updates(state))
+        self.timeline = PlanTimeline(plan, list(updates) or decode_updates(state), decode_decisions(state) if decisions is None else decisions)
         if state is not None:  # replay on the topology the snapshot was planned with, switch at `committed`
             plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
         first = self.timeline.initial
@@ -159,9 +159,10 @@ class PlannerState:
                                     self.topology.tokens_per_micro_batch)
         return added
 
-    def costs(self, rows: np.ndarray) -> np.ndarray:
-        """Cost of planned piece rows (backbone tokens and, with an encoder cost, image tokens)."""
-        return self.streams.costs(rows, self.plan.cost)
+    def costs(self, rows: np.ndarray, step: int) -> np.ndarray:
+        """Cost of planned piece rows at ``step`` (backbone tokens and, with an encoder cost, image
+        tokens), by the cost model in force there (declared, or learned: ``timeline.cost_at``)."""
+        return self.streams.costs(rows, self.timeline.cost_at(step))
 
     # ---- planning -----------------------------------------------------------------------------
     def can_plan(self) -> bool:
@@ -221,7 +222,8 @@ class PlannerState:
         self.policy.pending = P.recut(self.policy.pending, ctx.piece_tokens)  # waiting pieces take this stage's piece size
         window = Window(start=start, steps=self.timeline.window_len(start, self._window_steps()), streams=self.streams.streams, topology=self.topology,
                         balance=self.balance, step_budget=self.step_budget, heavy_tokens=self.heavy_tokens,
-                        weights_at=self.weights_at, class_weights_at=self.timeline.class_weights_at, costs=self.costs)
+                        weights_at=self.weights_at, class_weights_at=self.timeline.class_weights_at,
+                        costs=lambda rows: self.costs(rows, start))
         try:
             planned = self.policy.plan(window)
         except Starved as e:
@@ -262,7 +264,7 @@ class PlannerState:
     def _record(self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops: np.ndarray | None) -> dict:
         drops = drops if drops is not None else np.zeros((0, 5), np.int64)  # a window's drops go with its first step
         ctx = self.timeline.context_at(step)
-        metrics = step_metrics(step, pieces, drops, mb_costs, self.costs(pieces), n_sources=len(self.streams),
+        metrics = step_metrics(step, pieces, drops, mb_costs, self.costs(pieces, step), n_sources=len(self.streams),
                                step_tokens=self.topology.step_tokens, dp=self.topology.dp,
                                context={"pending": int(len(self.pending)), "weights": tuple(float(x) for x in self.weights_at(step)),
                                         "version": self.timeline.version_at(step), "stage": ctx.stage, "piece_tokens": ctx.piece_tokens})

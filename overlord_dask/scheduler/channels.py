@@ -100,9 +100,9 @@ class RankChannels:
             send(bs, msg)
 
     # ---- consumer processes ---------------------------------------------------------------------
-    async def serve(self, comm, channel_id: str, on_ack) -> None:
-        """A consumer process's stream, until it closes: its consumers' subscriptions and acks in
-        (``on_ack(stream, **ack)``), descriptors out."""
+    async def serve(self, comm, channel_id: str, on_ack, on_feedback=None) -> None:
+        """A consumer process's stream, until it closes: its consumers' subscriptions, acks
+        (``on_ack(stream, **ack)``) and reports (``on_feedback(stream, **report)``) in, descriptors out."""
         bs = self._open(channel_id, comm)
         try:
             while not comm.closed():
@@ -111,6 +111,9 @@ class RankChannels:
                     op = msg.pop("op", None)
                     if op == "ack":
                         on_ack(bs, **msg)
+                    elif op == "feedback":
+                        if on_feedback is not None:
+                            on_feedback(bs, **msg)
                     elif op == "subscribe":
                         self.subscribe(channel_id, **msg)
                     elif op == "unsubscribe":

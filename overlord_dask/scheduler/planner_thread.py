@@ -19,10 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from .. import logs
+from ..planner.feedback import FeedbackLoop
 from ..planner.policies import kernels
 from ..planner.state import PlannerState
 from . import heap
 from .chunks import chunk_tasks
+from .feedback import FeedbackInbox
 
 logger = logging.getLogger(__name__)
 OBSERVE_EVERY_S = 0.5  # the dashboard page's view of the run is at most this old
@@ -59,12 +61,16 @@ def _warm() -> None:
 class PlannerThread:
     """Runs the planner state's work in its own thread; ``on_tasks(key, steps, lo, hi)`` learns
     each constructor task handed out, ``observe()`` (called in the thread every
-    ``OBSERVE_EVERY_S``) refreshes the dashboard's view, ``on_failure(message)`` stops the run."""
+    ``OBSERVE_EVERY_S``) refreshes the dashboard's view, ``on_failure(message)`` stops the run,
+    ``on_decisions(decisions)`` learns the planner's own decisions (``planner/feedback.py``:
+    from the trainers' reports, which ``feedback_in`` queues)."""
 
     def __init__(self, run_id: str, chunk_steps: int, *, on_tasks: Callable, observe: Callable[[], dict],
-                 on_failure: Callable[[str], None]):
+                 on_failure: Callable[[str], None], on_decisions: Callable[[list], None] = lambda d: None):
         self.run_id, self.chunk_steps = run_id, chunk_steps
-        self.on_tasks, self.observe, self.on_failure = on_tasks, observe, on_failure
+        self.on_tasks, self.observe, self.on_failure, self.on_decisions = on_tasks, observe, on_failure, on_decisions
+        self.feedback_in = FeedbackInbox()
+        self.feedback: FeedbackLoop | None = None
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
         self.executor.submit(_warm)  # the balancer's compiled loops, ready (or compiling) while the first units load
         self.state: PlannerState | None = None
@@ -79,6 +85,7 @@ class PlannerThread:
 
     async def start(self, plan, unit_first_ids: dict, restore: dict | None) -> asyncio.Task:
         self.state = await self.run(PlannerState, plan, unit_first_ids, state=restore)
+        self.feedback = FeedbackLoop(self.state)
         self._kick.set()
         return asyncio.create_task(self._loop())
 
@@ -148,6 +155,8 @@ class PlannerThread:
             for t in out["tasks"]:
                 self.on_tasks(t["key"], [p["step"] for p in t["steps"]], t["ranks"][0], t["ranks"][1])
             self.work.add(out)
+            if out.get("decisions"):
+                self.on_decisions(out["decisions"])
             if self.work:
                 self.work_ready.set()
             if out.get("again"):
@@ -162,6 +171,10 @@ class PlannerThread:
         out = {"tasks": [], "loads": [], "finished": [], "rewinds": self.rewinds}
         if st.failure:
             return out
+        reports = self.feedback_in.drain()
+        if reports:
+            self.feedback.take(st, reports)
+            out["decisions"] = self.feedback.decide(st)
         prefetch = st.plan.loading.prefetch_steps
         while prefetch - (st.next_step - st.committed) >= self.chunk_steps:
             steps, finished = st.plan_steps(self.chunk_steps)
@@ -185,6 +198,10 @@ class PlannerThread:
             except RuntimeError:  # a dict the event loop grew meanwhile (a rank's first ack): the next refresh reads it
                 logger.debug("refreshing the dashboard's view failed; it is refreshed again shortly", exc_info=True)
         return out
+
+    def feedback_status(self) -> dict:
+        """(planner thread) What the trainers reported and what the planner made of it."""
+        return {**self.feedback.status(self.state), "received": self.feedback_in.received, "dropped": self.feedback_in.dropped}
 
     def _log_stages(self, steps: list[dict]) -> None:
         for sp in steps:

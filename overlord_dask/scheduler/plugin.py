@@ -78,7 +78,8 @@ class PlannerPlugin(SchedulerPlugin):
         self.losses = DataLosses()  # records dropped by prepare steps, units quarantined
         self.held = HeldBatches(scheduler, plan.loading.shadows, plan.loading.shadow_blocks, load_prefix(self.run_id))
         self.routes = Routes(self)
-        self.thread = PlannerThread(self.run_id, self.chunk_steps, on_tasks=self.held.add, observe=self._observe, on_failure=self.fail)
+        self.thread = PlannerThread(self.run_id, self.chunk_steps, on_tasks=self.held.add, observe=self._observe, on_failure=self.fail,
+                                    on_decisions=self._decided)
         planning = await self.thread.start(plan, self.unit_first_ids, self.restore_state)
         self.channels = RankChannels(scheduler.extensions["queues"], self.name, self.run_id, plan.topology.dp, plan.topology.cp,
                                      backlog=self.routes.backlog, on_leave=self.routes.leave)
@@ -141,7 +142,14 @@ class PlannerPlugin(SchedulerPlugin):
                                   snapshots=self.routes.snapshots(), loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)},
                                   extra={"counters": self.routes.counters(), "rank_wait_share": self.routes.wait_shares(),
                                          "timings": self.routes.timings.snapshot(),
-                                         "losses": self.losses.status()})
+                                         "losses": self.losses.status(), "feedback": self.thread.feedback_status()})
+
+    def _decided(self, decisions: list) -> None:
+        """(event loop) The planner decided from the trainers' reports: log it, snapshot it soon."""
+        for d in decisions:
+            logs.event("decision", self.run_id, d.at, kind=d.kind, reason=d.reason)
+        if self.snapshots_loop is not None:
+            self.snapshots_loop.wake()
 
     # ---- task events (scheduler transitions, on the event loop) --------------------------------
     def transition(self, key, start, finish, *args, **kwargs) -> None:

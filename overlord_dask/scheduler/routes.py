@@ -18,7 +18,8 @@ unless noted:
   retention (``checkpoint.keep_steps``, ``keep_hours``).
 - ``overlord_channel(channel_id, run_id)`` (a stream, one per consumer process and run): the
   consumer sends ``{"op": "subscribe"|"unsubscribe", rank, cp_rank, replica, generation}`` and
-  one-way ``{"op": "ack", rank, step, cp_rank, replica, generation, durable, wait_s, since_s}``;
+  one-way ``{"op": "ack", rank, step, cp_rank, replica, generation, durable, wait_s, since_s}``
+  and ``{"op": "feedback", rank, cp_rank, replica, items}`` (step times and metrics: ``planner/feedback.py``);
   the scheduler pushes ``{"op": "descriptors", rank, cp_rank, replica, generation, items}`` as
   batches are built, ``{"op": "worker_lost", address}`` and ``{"op": "error", rank, cp_rank,
   replica, generation, message}`` (``rank`` None: every consumer of the channel). Both ways
@@ -39,7 +40,7 @@ unless noted:
 - ``overlord_request_stop()``: ask the serving process to stop cleanly.
 - ``overlord_fail(message)``: stop the run, telling every rank why.
 - ``overlord_status``, ``overlord_metrics(start, stop)``, ``overlord_ledger(start, stop)``,
-  ``overlord_plans``, ``overlord_snapshots``, ``overlord_loop(reset)``: views.
+  ``overlord_plans(decisions)``, ``overlord_snapshots``, ``overlord_loop(reset)``: views.
 
 Whatever reads the planner's state runs in the planner thread (``thread.run``), so a view is never
 torn by a planning step; acks (a few list writes) stay on the event loop.
@@ -141,7 +142,7 @@ class Routes:
         if run_id != self.p.run_id:
             await comm.write([{"op": "error", "rank": None, "message": f"this scheduler runs overlord run {self.p.run_id}, not {run_id}"}])
             return
-        await self.p.channels.serve(comm, channel_id, self._channel_ack)
+        await self.p.channels.serve(comm, channel_id, self._channel_ack, self.p.thread.feedback_in.put)
 
     def _channel_ack(self, bs, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
                      since_s: float | None = None, replica: int = 0, generation: int | None = None, **_) -> None:
@@ -246,7 +247,8 @@ class Routes:
         return {**st, **self.p.losses.status(), "loop": self.loop(), "chunk_steps": self.p.chunk_steps, **self.p.held.figures(), **self.p.held.block_figures(),
                 "channels": len(self.p.channels.streams), "subscribed": sum(len(s) for s in self.p.channels.subs.values()),
                 "snapshot_error": snaps.error if snaps is not None else None,
-                "stop_requested": self.stop_requested, "rank_wait_share": self.wait_shares(), **self.counters()}
+                "stop_requested": self.stop_requested, "rank_wait_share": self.wait_shares(), **self.counters(),
+                "feedback": await self.p.thread.run(self.p.thread.feedback_status)}
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
         return await self.p.thread.run(lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)])
@@ -263,8 +265,14 @@ class Routes:
 
         return await self.p.thread.run(entries)
 
-    async def plans(self) -> list:
-        return await self.p.thread.run(lambda: [[at, plan_to_dict(p)] for at, p in self.state.timeline.versions])
+    async def plans(self, decisions: bool = False) -> list | dict:
+        """The plan versions ``[[at_step, plan], ...]``; with ``decisions``, ``{"versions", "decisions"}``."""
+        def view():
+            tl = self.state.timeline
+            versions = [[at, plan_to_dict(p)] for at, p in tl.versions]
+            return {"versions": versions, "decisions": [d.to_dict() for d in tl.decisions]} if decisions else versions
+
+        return await self.p.thread.run(view)
 
     def snapshots(self) -> list[dict]:
         return list(self.p.snapshots_loop.stats) if self.p.snapshots_loop is not None else []

@@ -36,7 +36,7 @@ from ..plan.base import resolve_url
 from ..plan.code import changed, identities
 from ..plan.loading import plan_from_dict, plan_to_dict
 from ..plan.models import Plan
-from ..plan.timeline import PlanTimeline
+from ..plan.timeline import Decision, PlanTimeline
 from ..planner.snapshot import decode_updates
 from ..protocol import resolve_address
 from ..scheduler.plugin import PlannerPlugin
@@ -292,9 +292,13 @@ class Service(ServiceViews):
 
     # ---- the plan ---------------------------------------------------------------------------------
     def timeline(self) -> PlanTimeline:
-        """Every plan version of the run, with the step each applies from."""
-        plans = [(at, plan_from_dict(d, where=f"<plan version from step {at}>")) for at, d in self.planner.plans()]
-        return PlanTimeline(plans[0][1], plans[1:])
+        """Every plan version of the run, with the step each applies from, and the planner's own
+        decisions (a learned cost model, a mixing controller's shares): with the plan, what a
+        replay needs to deliver the identical stream (``PlannerState(plan, ..., updates=tl.updates,
+        decisions=tl.decisions)``)."""
+        got = self.planner.plans(decisions=True)
+        plans = [(at, plan_from_dict(d, where=f"<plan version from step {at}>")) for at, d in got["versions"]]
+        return PlanTimeline(plans[0][1], plans[1:], [Decision.from_dict(d) for d in got["decisions"]])
 
     def update_plan(self, plan: Plan, at_step: int | None = None) -> int:
         """Run ``plan`` from ``at_step`` on (default: the first step not planned yet); returns that

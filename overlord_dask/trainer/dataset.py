@@ -78,6 +78,20 @@ class OverlordDataset(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state)
 
+    def report(self, step: int, loss_by_source: dict | None = None, **extra) -> None:
+        """Report metrics of ``step`` to the planner (one-way; ``RankStream.report``): per-source
+        losses (``loss_by_source(batch, token_losses)``) drive a plan's mixing controller."""
+        self.stream.report(step, loss_by_source, **extra)
+
+    def step_done(self, seconds: float | None = None) -> None:
+        """Call after the step's synchronisation point (GPU trainers): its compute time, for a plan
+        that learns its cost model (``RankStream.step_done``)."""
+        self.stream.step_done(seconds)
+
+    def loss_by_source(self, batch: dict, token_losses) -> dict:
+        """Per source ``(sum of token losses, tokens)`` of a micro-batch (``trainer/feedback.py``)."""
+        return self.stream.loss_by_source(batch, token_losses)
+
     def close(self) -> None:
         if self._stream is not None:
             self._stream.close()

@@ -53,13 +53,14 @@ from ..errors import RankError, ServiceError
 from ..protocol import resolve_address
 from .connection import ProcessIO
 from . import batches, place
+from .feedback import Reporting
 from .handover import HandOver
 from .prefetch import RankIO
 
 STATE_VERSION = 1
 
 
-class RankStream:
+class RankStream(Reporting):
     """Iterator over one rank's micro-batches (numpy by default, torch with ``as_torch=True``).
 
     A consumer is a data-parallel ``rank`` (of ``dp``; default: the service's), a ``cp_rank``
@@ -97,13 +98,14 @@ class RankStream:
         self.cp_rank = place.check(self._info, self._address, place.Place(self.rank, dp, cp_rank, self.replica))
         batches.check_options(labels, self._info.get("cp", 1))
         self._batch_options = {"labels": labels, "loss_mask": loss_mask, "batch_dim": batch_dim}
-        self._pin = pin_memory and self._can_pin()
+        self._pin = pin_memory and _can_pin()
         self.micro_batches = self._info["micro_batches"]
         self.next_step: int | None = None  # first step not yet handed to the trainer (known once attached)
         self._unacked: int | None = None  # last step handed over, not yet finished by the trainer
         self.wait_s: list[float] = []  # seconds next_batch waited for each step
         self.hand: HandOver | None = None
         self.rio: RankIO | None = None
+        self._init_reports()  # feedback.py: compute times and reported metrics, sent with the acks
         if self.dp is None or self.dp == self._info["dp"]:
             self._attach()  # batches are fetched ahead from now on; another dp waits for the job's checkpoint
 
@@ -148,15 +150,6 @@ class RankStream:
         """The process's channel to the service that this rank receives on (``connection.Channel``)."""
         return self.rio.channel if self.rio is not None else None
 
-    @staticmethod
-    def _can_pin() -> bool:
-        import torch
-
-        if torch.cuda.is_available():
-            return True
-        warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=3)
-        return False
-
     # ---- iteration (trainer thread) ------------------------------------------------------------
     def steps(self) -> Iterator[dict]:
         """Yield whole steps: ``{"step", "rank", "micro_batches": [...]}``."""
@@ -166,11 +159,14 @@ class RankStream:
     def __iter__(self) -> Iterator[dict]:
         for batch in self.steps():
             n = len(batch["micro_batches"])
+            times = []  # each micro-batch's compute: from its hand-over to the trainer's next request
             for m, mb in enumerate(batch["micro_batches"]):
                 item = dict(mb)
                 item.update(step=batch["step"], rank=self.rank, micro_batch=m, last_in_step=m == n - 1)
+                t0 = time.perf_counter()
                 yield item
-
+                times.append(time.perf_counter() - t0)
+            self._mb_times = times if self._excluded == 0 else None
     def eval_batches(self) -> Iterator[dict]:
         """This rank's evaluation micro-batches (the plan's held-out units): a finite stream, the
         same at every call, that leaves the training stream where it is (``evaluation.py``)."""
@@ -185,10 +181,12 @@ class RankStream:
     def next_batch(self) -> dict:
         """The next step's batch for this rank; the previous step counts as consumed."""
         self._ensure_attached()
+        self._requested()
         chunk_done = self._finish_previous()
         batch, waited = self.hand.take(self.next_step, self.timeout, chunk_done, self._wake_io)
         if batch is None:
-            raise ServiceError(self.hand.error or self._why_stalled())
+            raise ServiceError(self.hand.error or _why_stalled(self))
+        self._handed(self.next_step)
         self.wait_s.append(waited)
         self._unacked = self.next_step
         self.next_step += 1
@@ -200,8 +198,13 @@ class RankStream:
 
     def _wake_io(self, room: bool, ack: bool) -> None:
         """Let the prefetcher fetch into the room there is (``room``) and with ``ack`` send the
-        acknowledgement of what the trainer finished (scheduled on the IO loop)."""
-        self.io.loop.call_soon_threadsafe(self.rio.wake, room, ack)
+        acknowledgement of what the trainer finished and its reports (scheduled on the IO loop)."""
+        self.io.loop.call_soon_threadsafe(self._io_wake, self.rio, room, ack)
+
+    def _io_wake(self, rio: RankIO, room: bool, ack: bool) -> None:
+        if ack:
+            self._drain_reports(rio)  # before the ack: both leave in the channel's next batch
+        rio.wake(room, ack)
 
     def _finish_previous(self) -> bool:
         """The step handed out last is consumed; True if it ended a chunk (so the service may
@@ -219,21 +222,16 @@ class RankStream:
         self._flush()
 
     def _flush(self, durable: bool | None = None) -> None:
+        t0 = time.perf_counter()
+        self.io.loop.call_soon_threadsafe(self._drain_reports, self.rio)
         try:
             self.io.run(self.rio.send_ack(durable), timeout=min(self.timeout, 120))
         except ServiceError:
             raise
         except Exception as err:
             raise ServiceError(f"rank {self.rank}: the service at {self.rio.address} did not take the acknowledgement: {err}") from None
-
-    def _why_stalled(self) -> str:
-        try:
-            st = self.io.run(self.rio.planner.status(), timeout=10)
-        except Exception as err:
-            return f"rank {self.rank}: no batch for step {self.next_step} within {self.timeout}s and the service does not answer: {err}"
-        if st.get("failure"):
-            return f"the overlord service failed: {st['failure']}"
-        return f"rank {self.rank}: no batch for step {self.next_step} within {self.timeout}s (service status: {st})"
+        finally:
+            self._excluding(t0)
 
     # ---- state (torchdata StatefulDataLoader style) -------------------------------------------
     def state_dict(self) -> dict:
@@ -286,6 +284,7 @@ class RankStream:
             return
         if self.rio is not None and self.hand.error is None and self.rio.connected.is_set():
             try:  # steps the trainer finished are consumed; the one it holds now is not (it may have died with it)
+                self.io.loop.call_soon_threadsafe(self._drain_reports, self.rio)
                 self.io.run(self.rio.send_ack(), timeout=10)
             except Exception:  # the service may be gone; nothing to keep
                 pass
@@ -309,6 +308,25 @@ class RankStream:
                 self._stop_background()
         except Exception:  # interpreter shutdown: the loop may be gone
             pass
+
+
+def _can_pin() -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=4)
+    return False
+
+
+def _why_stalled(s: RankStream) -> str:
+    try:
+        st = s.io.run(s.rio.planner.status(), timeout=10)
+    except Exception as err:
+        return f"rank {s.rank}: no batch for step {s.next_step} within {s.timeout}s and the service does not answer: {err}"
+    if st.get("failure"):
+        return f"the overlord service failed: {st['failure']}"
+    return f"rank {s.rank}: no batch for step {s.next_step} within {s.timeout}s (service status: {st})"
 
 
 def connect(address: str, rank: int, dp: int | None = None, **kwargs) -> RankStream:

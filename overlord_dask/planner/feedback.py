@@ -1,0 +1,176 @@
+"""What the trainers report, turned into the planner's decisions (planner thread).
+
+Each rank's stream reports per step its compute time (per micro-batch where the trainer iterates
+micro-batches) and, when the trainer calls ``report()``, its loss per source and other metrics
+(``trainer/feedback.py``). The scheduler queues the reports (bounded) and the planner thread
+hands them here each planning round:
+
+- step times become rows of the cost learner's regression (``learn.py``), with the features of
+  what the planner put in that micro-batch (from the ledger); the measured imbalance of each step
+  whose ranks all reported is kept (max over ranks / mean);
+- losses go to the mixing controller (``mixing.py``);
+- :meth:`FeedbackLoop.decide` records what either concludes as a timeline decision.
+
+Memory is bounded whatever the trainers send: windows and per-step tables have fixed sizes, and
+nothing here grows with the number of steps or ranks beyond ``KEEP_STEPS`` steps of figures.
+Without reports nothing is decided: the declared cost model and mix stay in force.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import pieces as P
+from .learn import CostLearner, step_features
+from .mixing import Controller, make_controller, project
+
+if TYPE_CHECKING:
+    from .state import PlannerState
+
+KEEP_STEPS = 512  # steps of per-rank times kept to measure imbalance
+HISTORY = 1024  # measured imbalances and per-rank compute times kept for the views
+
+
+class FeedbackLoop:
+    def __init__(self, state: "PlannerState"):
+        plan = state.final_plan
+        self.learn = plan.cost.learn
+        self.learner = CostLearner(plan.cost.learn, plan.cost) if plan.cost.learn is not None else None
+        self.mixing = plan.mixing
+        self.controller: Controller | None = make_controller(plan.mixing, state.source_names) if plan.mixing.controller else None
+        last = state.timeline.in_force("weights", 1 << 62) if self.controller is not None else None
+        if last is not None and last.state:  # a resumed run: the controller goes on from its last decision
+            self.controller.load_state_dict(last.state)
+        self.reports = 0
+        self.newest = -1  # newest step any rank reported
+        self.decided_at = -1  # newest reported step when the controller last decided
+        self._features: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._times: OrderedDict[int, dict] = OrderedDict()  # step -> {rank: micro-batch seconds}
+        self.imbalance: deque = deque(maxlen=HISTORY)  # (step, measured max/mean over ranks)
+        self.rank_seconds: dict[int, float] = {}  # each rank's latest step compute time
+        self.metrics: deque = deque(maxlen=HISTORY)  # (step, rank, extra metrics) as reported
+
+    # ---- reports ------------------------------------------------------------------------------
+    def take(self, st: "PlannerState", reports: list) -> None:
+        """``reports``: ``(rank, cp_rank, item)`` with item ``{"s": step, "t": seconds, "mb":
+        [seconds per micro-batch] | None}`` or ``{"s": step, "loss": {source: [sum, tokens]},
+        "extra": {...}}``."""
+        for rank, cp_rank, item in reports:
+            step = int(item["s"])
+            self.reports += 1
+            self.newest = max(self.newest, step)
+            if "t" in item:
+                self._time(st, rank, cp_rank, step, item)
+            if "loss" in item or "extra" in item:
+                losses = {k: (float(v[0]), float(v[1])) for k, v in (item.get("loss") or {}).items()}
+                if self.controller is not None:
+                    self.controller.observe(step, losses, item.get("extra") or {})
+                if item.get("extra"):
+                    self.metrics.append((step, rank, item["extra"]))
+
+    def _time(self, st: "PlannerState", rank: int, cp_rank: int, step: int, item: dict) -> None:
+        topo = st.topology
+        if not 0 <= rank < topo.dp:
+            return
+        mb = item.get("mb")
+        seconds = np.asarray(mb if mb is not None and len(mb) == topo.micro_batches else [item["t"]], np.float64)
+        if cp_rank == 0:
+            self.rank_seconds[rank] = float(seconds.sum())
+            self._rank_time(step, rank, seconds, topo.dp, st.plan.balance.sync == "step")
+        if self.learner is not None:
+            feats = self._step_features(st, step)
+            if feats is None:
+                return
+            if len(seconds) == topo.micro_batches and st.plan.balance.sync == "micro_batch":
+                self.learner.observe(feats[rank], seconds)
+            else:  # per step: the rank's micro-batches together
+                self.learner.observe(feats[rank].sum(axis=0, keepdims=True), np.array([seconds.sum()]))
+
+    def _step_features(self, st: "PlannerState", step: int) -> np.ndarray | None:
+        """``[dp, micro_batches, terms]`` of a handed-out step (None if the ledger no longer has it)."""
+        feats = self._features.get(step)
+        if feats is None:
+            entry = st.ledger.entries.get(step)
+            if entry is None:
+                return None
+            pieces, slot = entry["pieces"], entry["slot"]
+            vision = None
+            if st.timeline.cost_at(step).encoder > 0 or self.learner.declared.encoder > 0:
+                vision = np.zeros(len(pieces))
+                for i in np.unique(pieces[:, P.SOURCE]):
+                    sel = pieces[:, P.SOURCE] == i
+                    vision[sel] = st.streams.streams[int(i)].piece_vision(pieces[sel][:, P.EPOCH : P.STOP + 1])
+            feats = step_features(pieces, slot, vision, st.topology.dp, st.topology.micro_batches, per_step=False)
+            self._features[step] = feats
+            while len(self._features) > 64:
+                self._features.popitem(last=False)
+        return feats
+
+    def _rank_time(self, step: int, rank: int, seconds: np.ndarray, dp: int, per_step: bool) -> None:
+        """Once every rank reported ``step``: its measured imbalance, what the trainers lost to it
+        (sync ``step``: the slowest rank's step over the mean; sync ``micro_batch``: the sum over
+        micro-batches of the slowest rank's over the mean)."""
+        got = self._times.setdefault(step, {})
+        got[rank] = seconds
+        if len(got) == dp:
+            if per_step or len({len(v) for v in got.values()}) > 1:
+                t = np.array([got[r].sum() for r in range(dp)])[:, None]
+            else:
+                t = np.array([got[r] for r in range(dp)])
+            self.imbalance.append((step, float(t.max(axis=0).sum() / max(t.mean(axis=0).sum(), 1e-12))))
+            del self._times[step]
+        while len(self._times) > KEEP_STEPS:
+            self._times.popitem(last=False)
+
+    # ---- decisions ----------------------------------------------------------------------------
+    def decide(self, st: "PlannerState") -> list:
+        """Fit and propose; record what changes as timeline decisions (returned)."""
+        out = []
+        if self.learner is not None and self.learner.refit(self.newest):
+            frontier = st.frontier
+            values = self.learner.proposal(st.timeline.cost_at(frontier))
+            if values is not None:
+                s = self.learner.status()
+                why = (f"fit settled over {s['observations']} observations: median error {s['error_fitted']:.1%} "
+                       f"(declared model at its best scale: {s['error_declared']:.1%})")
+                out.append(st.timeline.decide("cost", frontier + self.learn.lag, values, why))
+        if self.controller is not None and self._mixing_due():
+            self.decided_at = self.newest
+            at = max(self.newest + self.mixing.lag, st.frontier)
+            current = st.timeline.weights_at(at)
+            got = self.controller.propose(self.newest, dict(zip(st.source_names, map(float, current))))
+            if got is not None:
+                shares, why = got
+                target = np.array([float(shares.get(n, 0.0)) for n in st.source_names])
+                lo, hi = self._bounds(st.source_names)
+                new = project(target / max(target.sum(), 1e-300), current, lo, hi, self.mixing.max_change)
+                out.append(st.timeline.decide("weights", at, dict(zip(st.source_names, map(float, new))), why, self.controller.state_dict()))
+        return out
+
+    def _mixing_due(self) -> bool:
+        return self.newest >= self.mixing.warmup and self.newest - self.decided_at >= self.mixing.interval and self.newest >= 0
+
+    def _bounds(self, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        b = self.mixing.bounds
+        lo = np.array([b[n][0] if n in b else self.mixing.min_share for n in names])
+        hi = np.array([b[n][1] if n in b else 1.0 for n in names])
+        return lo, hi
+
+    # ---- views --------------------------------------------------------------------------------
+    def status(self, st: "PlannerState") -> dict:
+        imb = [x for _, x in self.imbalance]
+        out = {"reports": self.reports, "newest_reported": self.newest,
+               "measured_imbalance_p50": float(np.median(imb[-100:])) if imb else None,
+               "rank_compute_s": {str(r): round(s, 6) for r, s in sorted(self.rank_seconds.items())},
+               "decisions": [d.to_dict() | {"state": None} for d in st.timeline.decisions[-50:]],
+               "decision_counts": {k: sum(d.kind == k for d in st.timeline.decisions) for k in ("cost", "weights")}}
+        if self.learner is not None:
+            out["cost_fit"] = self.learner.status()
+            in_force = st.timeline.in_force("cost", st.frontier)
+            out["cost_fit"]["in_force"] = "learned" if in_force is not None else "declared"
+        if self.controller is not None:
+            out["controller"] = self.mixing.controller
+        return out

@@ -1,0 +1,50 @@
+"""A run's stream planned again offline, from its plan and its recorded timeline.
+
+The stream is a pure function of the plan, its live updates and the planner's own decisions (a
+learned cost model, a mixing controller's shares: ``plan/timeline.py``), so replaying them gives
+the same pieces in the same places, step for step. Use it to check a run (a controller's run is
+reproducible without the trainers that drove it), or to look at what a run with the same
+decisions would deliver::
+
+    tl = service.timeline()                    # versions and decisions of a running service
+    ledger = replay(plan, tl, steps=500)       # {step: {"pieces", "slot"}}, read on this machine
+
+The units are read here, in this process (``read_unit``, as a worker would), so the sources must
+be reachable from it; only their lengths are kept.
+"""
+
+from __future__ import annotations
+
+from ..plan.models import Plan
+from ..plan.timeline import PlanTimeline
+from ..planner.state import PlannerState
+from ..sources import read_unit
+from . import holdout
+from .indexing import index_timeline
+
+
+def replay(plan: Plan, timeline: PlanTimeline | None = None, steps: int = 100) -> dict[int, dict]:
+    """Plan steps ``[0, steps)`` of ``plan`` with ``timeline``'s updates and decisions (default:
+    none); returns ``{step: {"pieces": int64 rows, "slot": int32 [rank, micro_batch]}}``."""
+    timeline = timeline or PlanTimeline(plan)
+    units = holdout.training(plan.seed, timeline.source, index_timeline(timeline))
+    first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
+    st = PlannerState(plan, first_ids, updates=timeline.updates, decisions=timeline.decisions)
+    read: dict[tuple[str, int], tuple] = {}
+    while st.next_step < steps:
+        for name, epoch, unit in st.wanted():
+            if (name, unit) not in read:
+                u = units[name][unit]
+                source = st.timeline.source(name)
+                block = read_unit(source, st.timeline.plan_at(st.planned_until), u).block
+                read[(name, unit)] = (block.lengths(), block.vision_tokens(), block.masked_runs())
+            lens, vision, masked = read[(name, unit)]
+            st.add_lengths(name, epoch, unit, lens, vision, masked)
+        planned, _ = st.plan_steps(steps - st.next_step)
+        if not planned and not st.wanted():
+            raise RuntimeError(f"replay stalled at step {st.next_step} (starved on {st.starved_on!r})")
+        for p in planned:
+            for r in range(st.topology.dp):
+                for c in range(st.topology.cp):
+                    st.ack(r, p["step"], c)
+    return {s: {"pieces": st.ledger[s]["pieces"], "slot": st.ledger[s]["slot"]} for s in range(steps)}

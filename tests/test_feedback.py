@@ -1,0 +1,345 @@
+"""The trainer talks back: step times and losses reported by the ranks, a cost model learned from
+them, a mixing controller driven by them, and the decisions recorded so that a replay, a restore
+and a rewind deliver the identical stream. Planner level (fast), then through the service."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from overlord_dask import PlanError, Service, connect, loss_by_source
+from overlord_dask.plan import plan_from_dict, plan_to_dict
+from overlord_dask.plan.timeline import PlanTimeline
+from overlord_dask.planner import snapshot
+from overlord_dask.planner.feedback import FeedbackLoop
+from overlord_dask.planner.learn import TERMS, features, robust_fit
+from overlord_dask.planner.mixing import ODM, Controller, project
+from overlord_dask.planner.state import PlannerState
+from overlord_dask.planner.streams.order import stable_seed
+from overlord_dask import pieces as P
+
+UNITS, DOCS = 300, 64
+IDS = {n: list(range(0, UNITS * DOCS, DOCS)) for n in ("web", "books", "chat")}
+MU = {"web": (6.5, 1.0), "books": (8.0, 0.7), "chat": (4.5, 0.6)}
+# true seconds per unit of each term (attention 3x heavier relative to linear than declared, a per-document cost the formula lacks)
+TRUE = np.array([3.0e-10, 6 * 8192e-10, 6 * 8192e-10 * 300, 0.0, 5e-3])
+
+
+def lengths(name, epoch, unit):
+    rng = np.random.default_rng(stable_seed("feedback-test", name, epoch, unit))
+    mu, s = MU[name]
+    return np.clip(rng.lognormal(mu, s, DOCS), 16, 32_000).astype(np.int64)
+
+
+def plan_dict(**over) -> dict:
+    d = {"seed": 1, "sources": [{"name": "web", "format": "zarr", "url": "w.zarr", "weight": 0.4},
+                                {"name": "books", "format": "zarr", "url": "b.zarr", "weight": 0.3},
+                                {"name": "chat", "format": "zarr", "url": "c.zarr", "weight": 0.3}],
+         "topology": {"dp": 4, "micro_batches": 2, "tokens_per_micro_batch": 32768},
+         "balance": {"sync": "step", "window": 8},
+         "cost": {"hidden": 8192, "learn": {"min_observations": 64, "every": 4}},
+         "loading": {"prefetch_steps": 8, "units_ahead": 8}}
+    d.update(over)
+    return d
+
+
+def true_times(st: PlannerState, step: int, rng) -> np.ndarray:
+    """Per-rank, per-micro-batch seconds of ``step`` by the true model, with 1% noise."""
+    e = st.ledger[step]
+    dp, mbs = st.topology.dp, st.topology.micro_batches
+    g = e["slot"][:, 0].astype(np.int64) * mbs + e["slot"][:, 1]
+    return ((features(P.lengths(e["pieces"]), None, g, dp * mbs) @ TRUE) * rng.lognormal(0, 0.01, dp * mbs)).reshape(dp, mbs)
+
+
+def run(st: PlannerState, fb: FeedbackLoop | None, until: int, seed: int = 0, report=True) -> dict[int, np.ndarray]:
+    """Plan to ``until``, every rank reporting its true times (and acknowledging) as it goes."""
+    rng = np.random.default_rng(seed)
+    times = {}
+    while st.next_step < until:
+        for n, e, u in st.wanted():
+            st.add_lengths(n, e, u, lengths(n, e, u))
+        steps, _ = st.plan_steps(min(2, until - st.next_step))
+        reports = []
+        for p in steps:
+            s = p["step"]
+            times[s] = t = true_times(st, s, rng)
+            reports += [(r, 0, {"s": s, "t": float(t[r].sum()), "mb": t[r].tolist()}) for r in range(st.topology.dp)]
+            for r in range(st.topology.dp):
+                st.ack(r, s)
+        if fb is not None and report:
+            fb.take(st, reports)
+            fb.decide(st)
+    return times
+
+
+def same_stream(a: PlannerState, b: PlannerState, steps) -> bool:
+    return all(np.array_equal(a.ledger[s]["pieces"], b.ledger[s]["pieces"]) and np.array_equal(a.ledger[s]["slot"], b.ledger[s]["slot"])
+               for s in steps)
+
+
+# ---- the fit ------------------------------------------------------------------------------------
+def test_robust_fit_recovers_the_coefficients_despite_outliers():
+    rng = np.random.default_rng(3)
+    n = 600
+    L = rng.lognormal(7, 1.2, size=(n, 12)).clip(1, 30_000)
+    X = np.stack([(L * L).sum(1), L.sum(1), np.full(n, 12.0), np.zeros(n), np.ones(n)], axis=1)
+    beta = np.array([2e-10, 1e-6, 3e-4, 0.0, 2e-3])
+    y = X @ beta * rng.lognormal(0, 0.02, n)
+    y[rng.choice(n, 30, replace=False)] *= 3  # steps that also wrote a checkpoint
+    got = robust_fit(X, y)
+    for k in (0, 1):  # (documents per row constant here: their cost is not separable from the fixed term)
+        assert got[k] == pytest.approx(beta[k], rel=0.03), TERMS[k]
+    assert got[3] == 0 and (got >= 0).all()
+
+
+def test_learned_cost_switches_at_a_recorded_step_lowers_the_measured_imbalance_and_replays():
+    plan = plan_from_dict(plan_dict())
+    st = PlannerState(plan, IDS)
+    fb = FeedbackLoop(st)
+    times = run(st, fb, 120)
+    cost = [d for d in st.timeline.decisions if d.kind == "cost"]
+    assert cost, fb.status(st)
+    first = cost[0]
+    status = fb.status(st)["cost_fit"]
+    assert status["settled"] and status["in_force"] == "learned" and status["settled_at"] <= 60
+    fitted = status["fitted"]
+    for term in ("attention", "constant"):
+        assert fitted[term] == pytest.approx(TRUE[TERMS.index(term)], rel=0.05), (term, fitted)
+    assert status["error_fitted"] < 0.02 < status["error_declared"]
+    imb = {s: t.sum(1).max() / t.sum(1).mean() for s, t in times.items()}  # sync step: the slowest rank's step over the mean
+    before = np.median([imb[s] for s in range(first.at)])
+    after = np.median([imb[s] for s in range(first.at + 10, 120)])
+    assert after < before - 0.02, (before, after)
+    # the learned model is what the planner used from that step on (its cost figures are in microseconds)
+    assert st.timeline.cost_at(first.at - 1) == plan.cost and st.timeline.cost_at(first.at).attention == pytest.approx(first.values["attention"])
+    # a replay with the recorded decisions plans the identical stream, without any report
+    again = PlannerState(plan, IDS, decisions=st.timeline.decisions)
+    run(again, None, 120)
+    assert same_stream(st, again, range(120))
+    # a run that never hears from its trainers keeps the declared model: what it planned before the switch is the same
+    quiet = PlannerState(plan, IDS)
+    qfb = FeedbackLoop(quiet)
+    run(quiet, qfb, 60, report=False)
+    assert quiet.timeline.decisions == [] and qfb.status(quiet)["reports"] == 0
+    assert same_stream(st, quiet, range(first.at))
+
+
+def test_decisions_survive_a_snapshot_restore_and_a_rewind_to_another_dp():
+    plan = plan_from_dict(plan_dict(mixing={"controller": "tests.test_feedback:Fixed", "interval": 5, "lag": 3, "max_change": 0.2}))
+    st = PlannerState(plan, IDS)
+    fb = FeedbackLoop(st)
+    run(st, fb, 40)
+    kinds = {d.kind for d in st.timeline.decisions}
+    assert kinds == {"cost", "weights"}
+    state = snapshot.capture(st)
+    assert len(state["decisions"]) == len(st.timeline.decisions)
+    restored = PlannerState(plan, IDS, state=state)  # decisions come back with the snapshot
+    run(restored, None, 40)
+    run(st, None, 40)
+    lo = state["committed"]
+    assert same_stream(st, restored, range(lo, 40))
+    assert restored.timeline.decisions == st.timeline.decisions
+    # the controller of a resumed run continues from its state in the last decision
+    fb2 = FeedbackLoop(restored)
+    assert fb2.controller.state_dict() == [d for d in st.timeline.decisions if d.kind == "weights"][-1].state
+    # a rewind (another dp) keeps them: the rebuilt planner weighs and costs the same steps alike
+    from overlord_dask.planner.rewind import memory_source, rebuild_at
+
+    back = rebuild_at(st, 20, memory_source(st, 20), dp=2)
+    assert back.timeline.decisions == st.timeline.decisions
+
+
+class Fixed(Controller):
+    """A test controller: always asks for the same target; counts its calls (its state)."""
+
+    def __init__(self, sources, target=(0.1, 0.1, 0.8)):
+        super().__init__(sources)
+        self.target, self.calls = dict(zip(sources, target)), 0
+
+    def propose(self, step, current):
+        self.calls += 1
+        return dict(self.target), f"fixed target, call {self.calls}"
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def test_controller_decisions_respect_lag_bounds_and_max_change_and_the_mix_follows():
+    mixing = {"controller": "tests.test_feedback:Fixed", "interval": 6, "lag": 5, "max_change": 0.15,
+              "bounds": {"web": [0.2, 0.6]}, "min_share": 0.05}
+    plan = plan_from_dict(plan_dict(cost={"hidden": 8192}, mixing=mixing))
+    st = PlannerState(plan, IDS)
+    fb = FeedbackLoop(st)
+    seen = []
+    orig = st.timeline.decide
+
+    def decide(kind, at, values, reason, state=None):  # what the loop knew when it decided
+        seen.append((fb.newest, st.frontier, at))
+        return orig(kind, at, values, reason, state)
+
+    st.timeline.decide = decide
+    run(st, fb, 80)
+    ds = [d for d in st.timeline.decisions if d.kind == "weights"]
+    assert len(ds) >= 4
+    prev = np.array([0.4, 0.3, 0.3])
+    for (newest, frontier, at), d in zip(seen, ds):
+        assert at >= newest + 5 and at >= frontier  # never a step already planned, at least lag ahead of the reports
+        w = np.array([d.values[n] for n in ("web", "books", "chat")])
+        assert w.sum() == pytest.approx(1) and 0.2 - 1e-9 <= w[0] <= 0.6 + 1e-9 and (w >= 0.05 - 1e-9).all()
+        assert np.abs(w - prev).max() <= 0.15 + 1e-9
+        prev = w
+        assert d.reason.startswith("fixed target") and d.state["calls"] >= 1
+    assert prev == pytest.approx([0.2, 0.05, 0.75], abs=1e-6)  # the target projected onto the bounds (nearest shares)
+    # the planner's weights follow: the timeline's mix, and the tokens planned once the shares reached the target
+    first = next(d.at for d in ds if np.allclose([d.values[n] for n in ("web", "books", "chat")], prev))
+    assert first <= 50 and st.timeline.weights_at(first) == pytest.approx(prev)
+    tok = np.sum([P.source_tokens(st.ledger[s]["pieces"], 3) for s in range(first, 80)], axis=0)
+    assert tok / tok.sum() == pytest.approx(prev, abs=0.05)
+
+
+def test_a_plan_update_that_changes_the_sources_overrides_the_controller_until_its_next_decision():
+    plan = plan_from_dict(plan_dict(cost={"hidden": 8192}))
+    tl = PlanTimeline(plan)
+    tl.decide("weights", 10, {"web": 0.1, "books": 0.1, "chat": 0.8}, "test")
+    assert tl.weights_at(9) == pytest.approx([0.4, 0.3, 0.3]) and tl.weights_at(10) == pytest.approx([0.1, 0.1, 0.8])
+    d = plan_to_dict(plan)
+    d["sources"][0]["weight"] = 0.6  # a user's update at step 20
+    tl.add(plan_from_dict(d), 20)
+    assert tl.weights_at(19) == pytest.approx([0.1, 0.1, 0.8])
+    assert tl.weights_at(20) == pytest.approx(np.array([0.6, 0.3, 0.3]) / 1.2)
+    tl.decide("weights", 30, {"web": 0.5, "books": 0.5, "chat": 0.0}, "test")
+    assert tl.weights_at(30) == pytest.approx([0.5, 0.5, 0.0])
+    assert tl.next_jump(25) == 30 and tl.next_jump(5) == 10
+    # an update that only changes the cost model leaves the mix decision alone (and ends a learned cost)
+    tl.decide("cost", 40, {"attention": 1.0, "linear": 2.0, "constant": 0.0, "encoder": 0.0}, "test")
+    d2 = plan_to_dict(tl.latest)
+    d2["cost"]["attention"] = 5.0
+    tl.add(plan_from_dict(d2), 50)
+    assert tl.weights_at(55) == pytest.approx([0.5, 0.5, 0.0])
+    assert tl.cost_at(45).linear == 2.0 and tl.cost_at(55).attention == 5.0
+    with pytest.raises(PlanError, match="unknown sources"):
+        tl.decide("weights", 60, {"nope": 1.0}, "test")
+    with pytest.raises(PlanError, match="already applies"):
+        tl.decide("weights", 29, {"web": 1.0}, "test")
+
+
+def test_project_keeps_bounds_and_max_change():
+    prev = np.array([0.5, 0.3, 0.2])
+    x = project(np.array([0.0, 0.0, 1.0]), prev, np.array([0.1, 0.0, 0.0]), np.ones(3), 0.1)
+    assert x.sum() == pytest.approx(1) and np.abs(x - prev).max() <= 0.1 + 1e-9 and x[0] >= 0.1
+    with pytest.raises(PlanError, match="bounds cannot hold"):
+        project(np.ones(3) / 3, prev, np.array([0.5, 0.5, 0.5]), np.ones(3), 0.1)
+
+
+def test_odm_moves_the_mix_from_a_source_that_teaches_nothing():
+    ctl = ODM(["noise", "easy", "hard"], exploration=0.05)
+    shares = []
+    for k in range(12):  # noise: flat loss; easy: falls fast then saturates; hard: falls slowly
+        for _ in range(5):
+            ctl.observe(k, {"noise": (10.0 * 100, 100), "easy": ((1 + 3 * 0.6 ** k) * 100, 100), "hard": ((5 - 0.2 * k) * 100, 100)}, {})
+        got = ctl.propose(k, {})
+        if got is not None:
+            shares.append(got[0])
+    assert shares[-1]["noise"] < 0.1 and shares[-1]["hard"] > shares[-1]["noise"]
+    state = ctl.state_dict()
+    again = ODM(["noise", "easy", "hard"], exploration=0.05)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    with pytest.raises(PlanError, match="reward"):
+        ODM(["a"], reward="accuracy")
+
+
+def test_plan_validation_of_feedback_settings():
+    base = plan_dict()
+    assert plan_from_dict({**base, "cost": {"learn": True}}).cost.learn is not None
+    assert plan_from_dict({**base, "cost": {"learn": False}}).cost.learn is None
+    with pytest.raises(PlanError, match="controller"):
+        plan_from_dict({**base, "mixing": {"controller": "magic"}})
+    with pytest.raises(PlanError, match="unknown sources"):
+        plan_from_dict({**base, "mixing": {"controller": "odm", "bounds": {"nope": [0, 1]}}})
+    with pytest.raises(PlanError, match="min <= max"):
+        plan_from_dict({**base, "mixing": {"controller": "odm", "bounds": {"web": [0.5, 0.2]}}})
+    with pytest.raises(PlanError, match="cost.function"):
+        plan_from_dict({**base, "cost": {"learn": True, "function": "numpy:square"}})
+
+
+# ---- the trainer's side ---------------------------------------------------------------------------
+def test_loss_by_source_counts_only_labelled_tokens_of_each_document():
+    mb = {"cu_seqlens": np.array([0, 3, 5, 9, 10]), "source_ids": np.array([1, 0, 1, 2], np.int32),
+          "labels": np.array([5, 6, -100, 7, 8, 1, 2, 3, -100, 4, -100, -100])}
+    losses = np.arange(12, dtype=np.float64)
+    got = loss_by_source(mb, losses)
+    assert got == {1: (0 + 1 + 5 + 6 + 7, 5), 0: (3 + 4, 2), 2: (9, 1)}  # position 2, 8 masked; 10, 11 padding
+    assert loss_by_source(mb, losses, ["a", "b", "c"])["b"] == (19.0, 5)
+    with pytest.raises(ValueError, match="labels"):
+        loss_by_source(mb, losses[:5])
+
+
+# ---- through the service ----------------------------------------------------------------------------
+def test_reports_reach_the_planner_and_a_controlled_run_replays(cluster, small_plan):
+    from overlord_dask.service.replay import replay
+
+    plan = small_plan(cost={"learn": {"min_observations": 24, "every": 2, "patience": 2}},
+                      mixing={"controller": "odm", "interval": 6, "lag": 2, "options": {"exploration": 0.1}})
+    steps, dp = 30, plan.topology.dp
+    per_mb = {}
+
+    def train(rank: int) -> None:
+        with connect(service.address, rank, timeout=120) as s:
+            t_mb = []
+            for mb in s:
+                t0 = time.perf_counter()
+                L = np.diff(mb["cu_seqlens"]).astype(np.float64)
+                time.sleep(2e-3 + 2e-9 * (L * L).sum() + 3e-4 * len(L))
+                losses = np.random.default_rng(mb["step"] * 10 + rank).random(len(mb["labels"]))
+                s.report(mb["step"], s.loss_by_source(mb, losses), loss=float(losses.mean()))
+                t_mb.append(time.perf_counter() - t0)  # the trainer's own count of its compute
+                if rank == 0 and mb["last_in_step"]:
+                    s.state_dict()  # a checkpoint between steps is not the trainer's compute
+                if mb["step"] == steps - 1 and mb["last_in_step"]:
+                    break
+            per_mb[rank] = t_mb
+            s.commit()
+
+    with Service.start(plan, cluster=cluster) as service:
+        threads = [threading.Thread(target=train, args=(r,)) for r in range(dp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        deadline = time.monotonic() + 10
+        while (fb := service.status()["feedback"])["newest_reported"] < steps - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tl = service.timeline()
+        ledger = service.ledger(0, steps)
+        base = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the page's view refreshes every half second
+            snap = json.loads(urllib.request.urlopen(f"{base}/overlord.json", timeout=10).read())
+            if snap["feedback"]["decisions"]:
+                break
+            time.sleep(0.2)
+        page = urllib.request.urlopen(f"{base}/overlord", timeout=10).read().decode()
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    assert fb["received"] >= dp * steps * 2 and fb["dropped"] == 0  # a time and a loss report per micro-batch's step
+    # the measured compute of each rank's last reported step (the one before its last: that one ends with no
+    # request after it): its two micro-batches' sleeps, and on rank 0 not its checkpoint's time
+    for r in range(dp):
+        assert fb["rank_compute_s"][str(r)] == pytest.approx(sum(per_mb[r][-4:-2]), rel=0.1, abs=2e-3), r
+    assert fb["cost_fit"]["observations"] > 0 and fb["controller"] == "odm"
+    assert {d.kind for d in tl.decisions} == {"cost", "weights"}, fb
+    # the page shows the fit and every decision with its reason; the gauges carry the fit
+    assert 'id="decisions"' in page and "odm round" in page and 'id="cost-fit"' in page
+    assert "overlord_cost_error" in metrics and "overlord_feedback_reports_total" in metrics and 'model="fitted"' in metrics
+    again = replay(plan, tl, steps)
+    for s in range(steps):
+        np.testing.assert_array_equal(again[s]["pieces"], ledger[s]["pieces"])
+        np.testing.assert_array_equal(again[s]["slot"], ledger[s]["slot"])
