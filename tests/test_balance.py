@@ -343,3 +343,38 @@ def test_group_heavy_at_thousands_of_ranks_skips_in_blocks():
     assert all(len(g) == dp for g in groups[:-1]) and len(groups[-1]) <= dp
     assert set(np.flatnonzero(must).tolist()) <= set(placed.tolist())
     assert len(costs) - len(placed) <= 4 * dp
+
+
+@pytest.mark.parametrize("sync", ["step", "micro_batch"])
+def test_polish_lowers_the_costliest_container_keeps_capacity_and_steps(monkeypatch, sync):
+    """The last pass (``polish.py``) only moves pieces within their step, never over capacity,
+    and its step imbalance is never worse than the placement it starts from."""
+    from overlord_dask.planner.policies import balance, polish
+
+    rng = np.random.default_rng(5)
+    n, dp, mbs, cap, steps = 900, 8, 2, 16384, 4
+    lens = np.clip(rng.lognormal(6.5, 1.3, n), 8, cap).astype(np.int64)
+    pieces = np.zeros((n, 7), np.int64)
+    pieces[:, 0] = rng.integers(0, 3, n)
+    pieces[:, 3] = np.arange(n)
+    pieces[:, 5] = lens
+    costs = 3.0 * lens.astype(float) ** 2 + 49152.0 * lens + 49152.0 * 300 * (lens > 0)
+    kw = dict(steps=steps, dp=dp, micro_batches=mbs, capacity=cap, step_budget=int(0.97 * dp * mbs * cap), heavy_tokens=cap // 16, sync=sync)
+
+    def plan():
+        wp = balance.balance_window(pieces.copy(), costs, **kw)
+        out = []
+        for (rows, slot), mb in zip(wp.steps, wp.bin_costs):
+            tok = np.zeros((dp, mbs), np.int64)
+            np.add.at(tok, (slot[:, 0], slot[:, 1]), rows[:, 5] - rows[:, 4])
+            assert tok.max() <= cap
+            out.append((sorted(rows[:, 3].tolist()), step_imbalance(mb)[0 if sync == "step" else 1]))
+        return out
+
+    polished = plan()
+    monkeypatch.setattr(polish, "MAX_MOVES", 0)
+    placed = plan()
+    for (ids_p, imb_p), (ids, imb) in zip(polished, placed):
+        assert ids_p == ids  # the same pieces in each step
+        assert imb_p <= imb + 1e-12
+    assert np.mean([i for _, i in polished]) < np.mean([i for _, i in placed])

@@ -38,6 +38,7 @@ import numpy as np
 
 from . import kernels
 from .base import Starved
+from .polish import polish
 from ...pieces import AGE, SOURCE, WIDTH, lengths, stream_lengths
 from ..streams.stream import SourceStream
 
@@ -144,6 +145,8 @@ def balance_window(
     quotas = (_rank_quotas if sync == "step" else _row_quotas)(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches)
     for s, quota in quotas.items():  # a step's quotas read only its own bins: all are known before any fill
         _water_fill(mine[s], lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, quota)
+    # --- 4. single pieces off the costliest container of each step (or micro-batch row)
+    polish(where, lens, costs, bin_cost, bin_tok, steps=steps, dp=dp, micro_batches=micro_batches, capacity=capacity, sync=sync)
 
     # --- outputs: per step, its rows by (rank, micro-batch), each bin's in window order (flat:
     # no Python object per rank, so the cost per step does not grow with dp)
