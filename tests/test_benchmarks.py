@@ -196,3 +196,24 @@ def test_sft_benchmark_checks_every_label_against_transformers(capsys, tmp_path)
     assert out["mask_mismatches"] == 0 and out["pieces_checked"] > 10
     assert out["tokens_per_s"] > 0 and out["peer_tokens_per_s"] > 0 and 0 <= out["wait_share"] <= 1 and 0 <= out["peer_wait_share"] <= 1
     assert '"sft"' in capsys.readouterr().out
+
+
+def test_learned_cost_benchmark_runs(capsys):
+    import learned_cost
+
+    out = learned_cost.main(["--dp", "4", "--tokens", "8192", "--steps", "70", "--warmup", "3", "--step-ms", "10", "--docs", "3000",
+                             "--no-true-model", "--json"])
+    capsys.readouterr()
+    for k in ("declared_imbalance_p50", "learned_imbalance_p50", "coefficient_error", "settle_steps", "replay_identical"):
+        assert k in out, k
+    assert out["replay_identical"] is True and out["switch_step"] is not None and out["settle_steps"] <= 60
+
+
+def test_feedback_mixing_benchmark_runs(capsys):
+    import feedback_mixing
+
+    out = feedback_mixing.main(["--steps", "40", "--tokens", "1024", "--docs", "600", "--interval", "5", "--eval-every", "5", "--json"])
+    capsys.readouterr()
+    for k in ("tokens_to_target_static", "tokens_to_target_controller", "token_saving", "replay_identical", "duplicates", "missing"):
+        assert k in out, k
+    assert out["replay_identical"] is True and (out["duplicates"], out["missing"]) == (0, 0) and out["decisions"] >= 3

@@ -248,7 +248,7 @@ def test_odm_moves_the_mix_from_a_source_that_teaches_nothing():
         got = ctl.propose(k, {})
         if got is not None:
             shares.append(got[0])
-    assert shares[-1]["noise"] < 0.1 and shares[-1]["hard"] > shares[-1]["noise"]
+    assert shares[-1]["noise"] == min(shares[-1].values()) < 0.2  # from a third: the softmax of rewards in [-1, 1] at eta 2
     state = ctl.state_dict()
     again = ODM(["noise", "easy", "hard"], exploration=0.05)
     again.load_state_dict(state)

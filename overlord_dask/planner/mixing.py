@@ -53,8 +53,8 @@ class Controller:
 class ODM(Controller):
     """Online Data Mixing (Albalak et al., 2023, "Efficient Online Data Mixing For Language Model
     Pre-Training", arXiv:2312.02406): each source is an arm of an EXP3 bandit; the policy is the
-    softmax of the arms' accumulated rewards, mixed with a decaying exploration share
-    ``ε_t = min(1/K, sqrt(ln K / (K·t)))``.
+    softmax of the arms' smoothed rewards ``R̂ ← α·R̂ + (1-α)·r`` (``smoothing`` α), mixed with an
+    exploration share ``ε_t = min(1/K, sqrt(ln K / (K·t)))`` (or ``exploration``).
 
     Every step draws from every source, so every arm's reward is observed at each decision (the
     full-information form of the update, without ODM's importance weights). The reward is, by
@@ -62,19 +62,22 @@ class ODM(Controller):
     loss since the last decision per token drawn from it, the learning-speed signal of ADO (Jiang
     et al., 2024, "Adaptive Data Optimization", arXiv:2410.11820), because ODM's own reward, the
     loss itself (``reward: loss``), favours a source whose loss cannot fall at all (noise).
-    Rewards are scaled by their largest magnitude, so ``eta`` is unitless."""
+    Rewards are scaled by their largest magnitude each round, so ``eta`` (the softmax's inverse
+    temperature) is unitless."""
 
-    def __init__(self, sources: list[str], eta: float = 1.0, smoothing: float = 0.5, exploration: float | None = None,
+    def __init__(self, sources: list[str], eta: float = 2.0, smoothing: float = 0.5, exploration: float | None = None,
                  reward: str = "progress"):
         super().__init__(sources)
         if reward not in ("progress", "loss"):
             raise PlanError(f"odm: reward must be 'progress' or 'loss', got {reward!r}")
+        if not 0 <= smoothing < 1:
+            raise PlanError(f"odm: smoothing must be in [0, 1), got {smoothing}")
         self.eta, self.smoothing, self.exploration, self.reward = float(eta), float(smoothing), exploration, reward
         k = len(self.sources)
-        self.gains = np.zeros(k)  # accumulated (scaled) rewards
+        self.rewards = np.zeros(k)  # smoothed (scaled) rewards
         self.loss = np.zeros(k)  # this interval's loss sums and tokens
         self.tokens = np.zeros(k)
-        self.level = np.full(k, np.nan)  # smoothed loss at the last decision
+        self.level = np.full(k, np.nan)  # each source's loss at the last decision (smoothed)
         self.rounds = 0
 
     def observe(self, step, losses, extra):
@@ -101,19 +104,19 @@ class ODM(Controller):
             return None  # the first interval only sets the levels
         self.rounds += 1
         top = np.abs(r).max()
-        self.gains += self.eta * (r / top if top > 0 else r)
+        self.rewards = self.smoothing * self.rewards + (1 - self.smoothing) * (r / top if top > 0 else r)
         k = len(self.sources)
         eps = self.exploration if self.exploration is not None else min(1 / k, math.sqrt(math.log(k) / (k * self.rounds)))
-        p = np.exp(self.gains - self.gains.max())
+        p = np.exp(self.eta * (self.rewards - self.rewards.max()))
         p = (1 - k * eps) * p / p.sum() + eps
         why = ", ".join(f"{n}: {'loss' if self.reward == 'loss' else 'progress'} {x:+.3g}" for n, x in zip(self.sources, r))
         return dict(zip(self.sources, map(float, p))), f"odm round {self.rounds} (eps {eps:.3f}; {why})"
 
     def state_dict(self):
-        return {"gains": self.gains.tolist(), "level": [None if np.isnan(x) else float(x) for x in self.level], "rounds": self.rounds}
+        return {"rewards": self.rewards.tolist(), "level": [None if np.isnan(x) else float(x) for x in self.level], "rounds": self.rounds}
 
     def load_state_dict(self, state):
-        self.gains = np.asarray(state["gains"], np.float64)
+        self.rewards = np.asarray(state["rewards"], np.float64)
         self.level = np.array([np.nan if x is None else x for x in state["level"]], np.float64)
         self.rounds = int(state["rounds"])
 

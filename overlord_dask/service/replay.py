@@ -32,7 +32,8 @@ def replay(plan: Plan, timeline: PlanTimeline | None = None, steps: int = 100) -
     st = PlannerState(plan, first_ids, updates=timeline.updates, decisions=timeline.decisions)
     read: dict[tuple[str, int], tuple] = {}
     while st.next_step < steps:
-        for name, epoch, unit in st.wanted():
+        wanted = st.wanted()  # (asking marks them requested: ask once per round)
+        for name, epoch, unit in wanted:
             if (name, unit) not in read:
                 u = units[name][unit]
                 source = st.timeline.source(name)
@@ -41,7 +42,7 @@ def replay(plan: Plan, timeline: PlanTimeline | None = None, steps: int = 100) -
             lens, vision, masked = read[(name, unit)]
             st.add_lengths(name, epoch, unit, lens, vision, masked)
         planned, _ = st.plan_steps(steps - st.next_step)
-        if not planned and not st.wanted():
+        if not planned and not wanted:
             raise RuntimeError(f"replay stalled at step {st.next_step} (starved on {st.starved_on!r})")
         for p in planned:
             for r in range(st.topology.dp):
