@@ -217,3 +217,13 @@ def test_feedback_mixing_benchmark_runs(capsys):
     for k in ("tokens_to_target_static", "tokens_to_target_controller", "token_saving", "replay_identical", "duplicates", "missing"):
         assert k in out, k
     assert out["replay_identical"] is True and (out["duplicates"], out["missing"]) == (0, 0) and out["decisions"] >= 3
+
+
+def test_gpu_learned_cost_benchmark_runs_on_the_cpu(capsys):
+    """The GPU measurement's script, with a tiny model and a dense document mask on the CPU."""
+    import gpu_learned_cost
+
+    out = gpu_learned_cost.main(["--tiny", "--steps", "12", "--json"])
+    capsys.readouterr()
+    assert out["attention"] == "sdpa dense mask" and out["declared_step_ms"] > 0 and out["learned_step_ms"] > 0
+    assert out["settle_steps"] is not None and set(out["fitted"]) >= {"attention", "linear", "constant", "fixed"}
