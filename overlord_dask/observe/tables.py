@@ -26,6 +26,15 @@ from ..plan.timeline import PlanTimeline
 from .. import pieces as P
 
 
+def decisions_table(decisions: list) -> pa.Table:
+    """One row per decision (``plan/timeline.py``): from step, kind, values (JSON) and reason."""
+    import json
+
+    return pa.table({"step": pa.array([d.at for d in decisions], pa.int64()), "kind": pa.array([d.kind for d in decisions], pa.string()),
+                     "values": pa.array([json.dumps({k: round(v, 6) for k, v in d.values.items()}) for d in decisions], pa.string()),
+                     "reason": pa.array([d.reason for d in decisions], pa.string())})
+
+
 def mix_table(metrics: list[dict], sources: list[str], committed: int | None = None) -> pa.Table:
     """One row per (planned step, source): tokens, share of the step, declared share (the
     step's weight), the plan version and stage in force, and whether the step is committed."""

@@ -303,7 +303,7 @@ class Service(ServiceViews):
     def update_plan(self, plan: Plan, at_step: int | None = None) -> int:
         """Run ``plan`` from ``at_step`` on (default: the first step not planned yet); returns that
         step. An update may change the sources (weights, schedules, new sources, sources left
-        out, which pause and keep their position) and the stages; every other field must stay.
+        out, which pause and keep their position), the stages and the cost model; every other field must stay.
         Steps before ``at_step`` are not affected, and no sample of any source is repeated or
         skipped. With snapshots, the update is durable when this returns."""
         known = set(self.timeline().source_names)

@@ -11,7 +11,7 @@ import numpy as np
 from .. import pieces as P
 from ..loading.pools import pool_resource, uses_pools
 from ..observe.figures import rank_lag, window_figures
-from ..observe.tables import (DEFAULT_EDGES, imbalance_table, length_table, mix_table, plot_mix, pool_workers_table, pools_table,
+from ..observe.tables import (DEFAULT_EDGES, decisions_table, imbalance_table, length_table, mix_table, plot_mix, pool_workers_table, pools_table,
                               scaling_table, schedule_table, service_html)
 
 
@@ -113,6 +113,11 @@ class ServiceViews:
 
     def imbalance_table(self, start: int = 0, stop: int | None = None):
         return imbalance_table(self.metrics(start, stop))
+
+    def decisions_table(self):
+        """The planner's own decisions (a learned cost model, a mixing controller's shares):
+        the step each applies from, its kind, its values and its reason (pyarrow.Table)."""
+        return decisions_table(self.timeline().decisions)
 
     def pools_table(self):
         """Loader pools (``pools()``) as a table: one row per (pool, source)."""
