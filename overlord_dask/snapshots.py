@@ -93,10 +93,15 @@ class SnapshotStore:
             payload["time"] = written_at  # wall-clock seconds: what keep_hours measures
         return self._put(f"base-{seq:012d}.msgpack", payload)
 
-    def write_delta(self, seq: int, base: int, committed: int, window_step: int | None = None, window: dict | None = None) -> int:
+    def write_delta(self, seq: int, base: int, committed: int, window_step: int | None = None, window: dict | None = None,
+                    decisions: tuple[int, list] | None = None) -> int:
+        """A delta; ``decisions``: ``(first index, the planner's decisions from there)`` made
+        since the last snapshot (they only grow: a delta carries the new ones)."""
         payload = {"kind": "delta", "seq": seq, "base": base, "committed": committed}
         if window is not None:
             payload.update(window_step=window_step, window=window)
+        if decisions is not None:
+            payload.update(decisions_from=decisions[0], decisions=decisions[1])
         return self._put(f"delta-{seq:012d}.msgpack", payload)
 
     # ---- reading ------------------------------------------------------------------------------
@@ -180,6 +185,8 @@ class SnapshotStore:
                 state["committed"] = committed
                 if "window" in delta:
                     state["window_step"], state["window"] = delta["window_step"], delta["window"]
+                if "decisions" in delta:
+                    state["decisions"] = list(state.get("decisions", []))[: int(delta["decisions_from"])] + list(delta["decisions"])
                 last = dseq
             return state, last
         if bases:
@@ -271,10 +278,11 @@ class SnapshotWriter:
     """Decides base or delta for each new planner state and writes it (the plugin and the
     resume benchmark use this one policy).
 
-    A base when none was written yet, when the topology, the plan versions or the planner's
-    decisions changed (the state's shape changes), or after ``base_every_steps`` committed steps or
+    A base when none was written yet, when the topology or the plan versions changed (the
+    state's shape changes), or after ``base_every_steps`` committed steps or
     ``base_every_seconds``; otherwise a delta, carrying the window state when planning moved to
-    a new window since the last snapshot."""
+    a new window since the last snapshot, and the planner's decisions made since (a run steered
+    by a controller decides every few dozen steps: a base each time would rewrite them all)."""
 
     def __init__(self, store: SnapshotStore, *, keep_bases: int = 2, base_every_steps: int = 1000,
                  base_every_seconds: float = 600.0, seq: int = -1, clock=None, keep_steps: int = 0,
@@ -296,28 +304,32 @@ class SnapshotWriter:
         self._base_time = 0.0
         self._window_step = None  # window of the last snapshot written
         self._committed = None  # committed step of the last snapshot written
+        self._decisions = 0  # the planner's decisions the chain holds
 
     def write(self, state: dict) -> tuple[str, int]:
         """Write ``state`` (``PlannerState.get_state()``); returns (kind, bytes). A state whose
         committed step went back (a training job rewound the run) is always a base: a chain's
         deltas only move forward."""
-        shape = (tuple(sorted(state["topology"].items())), len(state.get("updates", ())), len(state.get("decisions", ())))
+        shape = (tuple(sorted(state["topology"].items())), len(state.get("updates", ())))
+        decisions = state.get("decisions", [])
         now = self.clock()
         self.seq += 1
         went_back = self._committed is not None and state["committed"] < self._committed
         self._committed = state["committed"]
         if (self._base_seq is None or shape != self._shape or went_back or state["committed"] - self._base_committed >= self.base_every_steps
-                or now - self._base_time >= self.base_every_seconds):
+                or now - self._base_time >= self.base_every_seconds or len(decisions) < self._decisions):
             written_at = self.wall_clock()
             n = self.store.write_base(self.seq, state, written_at)
             self._shape, self._base_seq, self._base_committed, self._base_time = shape, self.seq, state["committed"], now
             self._window_step = state["window_step"]
+            self._decisions = len(decisions)
             self._collect(self.seq, state["committed"], written_at)
             return "base", n
         moved = state["window_step"] != self._window_step
+        new = (self._decisions, decisions[self._decisions:]) if len(decisions) > self._decisions else None
         n = self.store.write_delta(self.seq, self._base_seq, state["committed"],
-                                   state["window_step"] if moved else None, state["window"] if moved else None)
-        self._window_step = state["window_step"]
+                                   state["window_step"] if moved else None, state["window"] if moved else None, new)
+        self._window_step, self._decisions = state["window_step"], len(decisions)
         return "delta", n
 
     def _collect(self, seq: int, committed: int, written_at: float) -> None:

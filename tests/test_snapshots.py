@@ -254,3 +254,20 @@ def test_writer_bases_every_n_steps_and_window_deltas_restore_exactly(tmp_path):
     # seconds count too
     writer2 = SnapshotWriter(SnapshotStore(str(tmp_path / "ck2")), base_every_steps=10**6, base_every_seconds=5, clock=lambda: next(ticks) * 3.0)
     assert [writer2.write(first.get_state())[0] for _ in range(4)] == ["base", "delta", "base", "delta"]
+
+
+def test_decisions_travel_in_deltas_and_come_back_whole(tmp_path):
+    """The planner's decisions only grow: a delta carries the new ones, a load puts them back
+    after the base's (no base per decision)."""
+    from overlord_dask.snapshots import SnapshotStore, SnapshotWriter
+
+    store = SnapshotStore(str(tmp_path / "ck"))
+    w = SnapshotWriter(store, base_every_steps=1000)
+    d = [{"at": 5 * i, "kind": "weights", "values": {"a": 1.0}, "reason": f"r{i}", "after": 1, "state": None} for i in range(5)]
+    state = {"topology": {"dp": 2}, "updates": [], "committed": 0, "window_step": 0, "window": {}, "decisions": d[:1]}
+    assert w.write(state)[0] == "base"
+    assert w.write({**state, "committed": 3, "decisions": d[:3]})[0] == "delta"
+    assert w.write({**state, "committed": 4, "decisions": d[:3]})[0] == "delta"
+    assert w.write({**state, "committed": 6, "decisions": d})[0] == "delta"
+    loaded, _ = store.load()
+    assert loaded["decisions"] == d and loaded["committed"] == 6

@@ -71,6 +71,9 @@ class PlannerThread:
         self.on_tasks, self.observe, self.on_failure, self.on_decisions = on_tasks, observe, on_failure, on_decisions
         self.feedback_in = FeedbackInbox()
         self.feedback: FeedbackLoop | None = None
+        self.hold_decisions = False  # (with snapshots) no step a decision governs goes out before a snapshot holds it
+        self.held_from: int | None = None  # the earliest step of decisions no snapshot holds yet
+        self.decided = 0  # decisions made so far (what a snapshot written since holds)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
         self.executor.submit(_warm)  # the balancer's compiled loops, ready (or compiling) while the first units load
         self.state: PlannerState | None = None
@@ -174,9 +177,16 @@ class PlannerThread:
         reports = self.feedback_in.drain()
         if reports:
             self.feedback.take(st, reports)
-            out["decisions"] = self.feedback.decide(st)
+            out["decisions"] = decided = self.feedback.decide(st)
+            if decided:
+                self.decided += len(decided)
+                if self.hold_decisions:  # a crash before the snapshot would otherwise lose what steps were planned by
+                    first = min(d.at for d in decided)
+                    self.held_from = first if self.held_from is None else min(self.held_from, first)
         prefetch = st.plan.loading.prefetch_steps
         while prefetch - (st.next_step - st.committed) >= self.chunk_steps:
+            if self.held_from is not None and st.next_step + self.chunk_steps > self.held_from:
+                break  # until the snapshot holding the decision is written (release_hold)
             steps, finished = st.plan_steps(self.chunk_steps)
             out["finished"] += finished
             if not steps:
@@ -198,6 +208,13 @@ class PlannerThread:
             except RuntimeError:  # a dict the event loop grew meanwhile (a rank's first ack): the next refresh reads it
                 logger.debug("refreshing the dashboard's view failed; it is refreshed again shortly", exc_info=True)
         return out
+
+    def release_hold(self, decided: int) -> None:
+        """(event loop) A snapshot holding the first ``decided`` decisions is written: the steps
+        they govern may go out (unless newer ones wait for their own snapshot)."""
+        if decided >= self.decided:
+            self.held_from = None
+        self._kick.set()
 
     def feedback_status(self) -> dict:
         """(planner thread) What the trainers reported and what the planner made of it."""

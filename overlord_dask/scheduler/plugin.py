@@ -92,6 +92,7 @@ class PlannerPlugin(SchedulerPlugin):
                                                self.run_id, **self.keep, base_every_steps=self.base_every[0],
                                                base_every_seconds=self.base_every[1], seq=self.seq)
             self._background.append(asyncio.create_task(self.snapshots_loop.run()))
+            self.thread.hold_decisions = True
         scheduler.handlers.update(self.routes.table())
         # never removed: a message for a stream handler that is gone drops the worker's connection
         scheduler.stream_handlers[Route.LENGTHS] = functools.partial(_dispatch_lengths, scheduler)
@@ -145,11 +146,20 @@ class PlannerPlugin(SchedulerPlugin):
                                          "losses": self.losses.status(), "feedback": self.thread.feedback_status()})
 
     def _decided(self, decisions: list) -> None:
-        """(event loop) The planner decided from the trainers' reports: log it, snapshot it soon."""
+        """(event loop) The planner decided from the trainers' reports: log it; with snapshots,
+        the steps it governs wait until a snapshot holds it (as a live update's caller does)."""
         for d in decisions:
             logs.event("decision", self.run_id, d.at, kind=d.kind, reason=d.reason)
         if self.snapshots_loop is not None:
-            self.snapshots_loop.wake()
+            self._background.append(asyncio.create_task(self._snapshot_decisions(self.thread.decided)))
+            self._background = [t for t in self._background if not t.done()]
+
+    async def _snapshot_decisions(self, decided: int) -> None:
+        try:
+            await self.snapshots_loop.write(force=True)
+        except Exception:  # the snapshot loop reports it (status snapshot_error); planning must not stall on it
+            logger.exception("writing the snapshot that holds the planner's decisions failed")
+        self.thread.release_hold(decided)
 
     # ---- task events (scheduler transitions, on the event loop) --------------------------------
     def transition(self, key, start, finish, *args, **kwargs) -> None:

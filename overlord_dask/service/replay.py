@@ -25,7 +25,8 @@ from .indexing import index_timeline
 
 def replay(plan: Plan, timeline: PlanTimeline | None = None, steps: int = 100) -> dict[int, dict]:
     """Plan steps ``[0, steps)`` of ``plan`` with ``timeline``'s updates and decisions (default:
-    none); returns ``{step: {"pieces": int64 rows, "slot": int32 [rank, micro_batch]}}``."""
+    none); returns ``{step: {"pieces": int64 rows, "slot": int32 [rank, micro_batch],
+    "sample_ids": each piece's document id}}``."""
     timeline = timeline or PlanTimeline(plan)
     units = holdout.training(plan.seed, timeline.source, index_timeline(timeline))
     first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
@@ -48,4 +49,5 @@ def replay(plan: Plan, timeline: PlanTimeline | None = None, steps: int = 100) -
             for r in range(st.topology.dp):
                 for c in range(st.topology.cp):
                     st.ack(r, p["step"], c)
-    return {s: {"pieces": st.ledger[s]["pieces"], "slot": st.ledger[s]["slot"]} for s in range(steps)}
+    return {s: {"pieces": st.ledger[s]["pieces"], "slot": st.ledger[s]["slot"], "sample_ids": st.streams.sample_ids(st.ledger[s]["pieces"])}
+            for s in range(steps)}
