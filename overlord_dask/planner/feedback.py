@@ -85,9 +85,9 @@ class FeedbackLoop:
             if feats is None:
                 return
             if len(seconds) == topo.micro_batches and st.plan.balance.sync == "micro_batch":
-                self.learner.observe(feats[rank], seconds)
+                self.learner.observe(feats[rank], seconds, step)
             else:  # per step: the rank's micro-batches together
-                self.learner.observe(feats[rank].sum(axis=0, keepdims=True), np.array([seconds.sum()]))
+                self.learner.observe(feats[rank].sum(axis=0, keepdims=True), np.array([seconds.sum()]), step)
 
     def _step_features(self, st: "PlannerState", step: int) -> np.ndarray | None:
         """``[dp, micro_batches, terms]`` of a handed-out step (None if the ledger no longer has it)."""

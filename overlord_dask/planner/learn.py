@@ -109,15 +109,19 @@ class CostLearner:
         self.fitted: np.ndarray | None = None  # seconds per unit of each term
         self.settled_fits = 0  # fits in a row within tolerance of the one before
         self.fits = 0
-        self.new_steps = 0
+        self.new_steps = 0  # steps reported since the last fit (counted when the step reported changes)
+        self._last_step: int | None = None
         self.settled_at: int | None = None  # the reported step at which the fit first settled
         self.error_fitted = self.error_declared = float("nan")
 
-    def observe(self, rows: np.ndarray, seconds: np.ndarray) -> None:
+    def observe(self, rows: np.ndarray, seconds: np.ndarray, step: int) -> None:
+        """One rank's report of ``step``: its rows (micro-batches, or its step) and their seconds."""
         ok = np.isfinite(seconds) & (seconds > 0)
         self.X.extend(rows[ok])
         self.y.extend(seconds[ok])
-        self.new_steps += 1
+        if step != self._last_step:
+            self._last_step = step
+            self.new_steps += 1
 
     def refit(self, step: int) -> bool:
         """Fit again if enough new steps came in; True if it did."""
