@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     for n in (args.tokens // 4, args.tokens):  # compile for both kinds of micro-batch before timing
         model.timed(np.array([n // 2, n - n // 2]), args.tokens)
     declared = {"hidden": args.hidden}
-    learn = {"min_observations": 16, "every": 2, "patience": 2, "window": 100_000}
+    learn = {"min_observations": 16, "every": 1, "patience": 2, "window": 100_000}
     t_decl, fb = run_pass(make_plan(args.dp, args.tokens, {**declared, "learn": learn}), model, args.steps + args.warmup, args.tokens, True)
     fit = fb.learner.status()
     if not fit.get("fitted"):

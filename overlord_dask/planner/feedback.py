@@ -48,7 +48,7 @@ class FeedbackLoop:
         self.newest = -1  # newest step any rank reported
         self.decided_at = -1  # newest reported step when the controller last decided
         self._features: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._times: OrderedDict[int, dict] = OrderedDict()  # step -> {rank: micro-batch seconds}
+        self._times: OrderedDict[int, np.ndarray] = OrderedDict()  # step -> [dp, micro-batches] seconds (nan: not reported yet)
         self.imbalance: deque = deque(maxlen=HISTORY)  # (step, measured max/mean over ranks)
         self.rank_seconds: dict[int, float] = {}  # each rank's latest step compute time
         self.metrics: deque = deque(maxlen=HISTORY)  # (step, rank, extra metrics) as reported
@@ -57,37 +57,48 @@ class FeedbackLoop:
     def take(self, st: "PlannerState", reports: list) -> None:
         """``reports``: ``(rank, cp_rank, item)`` with item ``{"s": step, "t": seconds, "mb":
         [seconds per micro-batch] | None}`` or ``{"s": step, "loss": {source: [sum, tokens]},
-        "extra": {...}}``."""
+        "extra": {...}}``. Step times are handled per step in arrays (at thousands of ranks,
+        every rank reports every step)."""
+        times = []
         for rank, cp_rank, item in reports:
             step = int(item["s"])
-            self.reports += 1
             self.newest = max(self.newest, step)
             if "t" in item:
-                self._time(st, rank, cp_rank, step, item)
+                times.append((rank, cp_rank, step, item))
             if "loss" in item or "extra" in item:
                 losses = {k: (float(v[0]), float(v[1])) for k, v in (item.get("loss") or {}).items()}
                 if self.controller is not None:
                     self.controller.observe(step, losses, item.get("extra") or {})
                 if item.get("extra"):
                     self.metrics.append((step, rank, item["extra"]))
+        self.reports += len(reports)
+        if times:
+            self._times_of(st, times)
 
-    def _time(self, st: "PlannerState", rank: int, cp_rank: int, step: int, item: dict) -> None:
+    def _times_of(self, st: "PlannerState", times: list) -> None:
         topo = st.topology
-        if not 0 <= rank < topo.dp:
-            return
-        mb = item.get("mb")
-        seconds = np.asarray(mb if mb is not None and len(mb) == topo.micro_batches else [item["t"]], np.float64)
-        if cp_rank == 0:
-            self.rank_seconds[rank] = float(seconds.sum())
-            self._rank_time(step, rank, seconds, topo.dp, st.plan.balance.sync == "step")
-        if self.learner is not None:
-            feats = self._step_features(st, step)
-            if feats is None:
-                return
-            if len(seconds) == topo.micro_batches and st.plan.balance.sync == "micro_batch":
-                self.learner.observe(feats[rank], seconds, step)
-            else:  # per step: the rank's micro-batches together
-                self.learner.observe(feats[rank].sum(axis=0, keepdims=True), np.array([seconds.sum()]), step)
+        dp, m = topo.dp, topo.micro_batches
+        rank = np.array([t[0] for t in times], np.int64)
+        cp = np.array([t[1] for t in times], np.int64)
+        step = np.array([t[2] for t in times], np.int64)
+        per_mb = np.array([bool(t[3].get("mb")) and len(t[3]["mb"]) == m for t in times])
+        secs = np.array([t[3]["mb"] if ok else [float(t[3]["t"]) / m] * m for t, ok in zip(times, per_mb)], np.float64).reshape(-1, m)
+        ok = (rank >= 0) & (rank < dp) & np.isfinite(secs).all(axis=1)
+        rank, cp, step, per_mb, secs = rank[ok], cp[ok], step[ok], per_mb[ok], secs[ok]
+        first = cp == 0
+        self.rank_seconds.update(zip(rank[first].tolist(), secs[first].sum(axis=1).tolist()))
+        by_step = st.plan.balance.sync == "step"
+        for s in np.unique(step).tolist():
+            sel = step == s
+            self._rank_times(s, rank[sel & first], secs[sel & first], dp, by_step)
+            if self.learner is not None:
+                feats = self._step_features(st, s)
+                if feats is not None:
+                    f, t, whole = feats[rank[sel]], secs[sel], ~per_mb[sel]
+                    if by_step or whole.all():  # per step: a rank's micro-batches together
+                        self.learner.observe(f.sum(axis=1), t.sum(axis=1), s)
+                    else:
+                        self.learner.observe(f[~whole].reshape(-1, f.shape[-1]), t[~whole].reshape(-1), s)
 
     def _step_features(self, st: "PlannerState", step: int) -> np.ndarray | None:
         """``[dp, micro_batches, terms]`` of a handed-out step (None if the ledger no longer has it)."""
@@ -109,17 +120,18 @@ class FeedbackLoop:
                 self._features.popitem(last=False)
         return feats
 
-    def _rank_time(self, step: int, rank: int, seconds: np.ndarray, dp: int, per_step: bool) -> None:
+    def _rank_times(self, step: int, ranks: np.ndarray, secs: np.ndarray, dp: int, per_step: bool) -> None:
         """Once every rank reported ``step``: its measured imbalance, what the trainers lost to it
         (sync ``step``: the slowest rank's step over the mean; sync ``micro_batch``: the sum over
         micro-batches of the slowest rank's over the mean)."""
-        got = self._times.setdefault(step, {})
-        got[rank] = seconds
-        if len(got) == dp:
-            if per_step or len({len(v) for v in got.values()}) > 1:
-                t = np.array([got[r].sum() for r in range(dp)])[:, None]
-            else:
-                t = np.array([got[r] for r in range(dp)])
+        if len(ranks) == 0:
+            return
+        got = self._times.get(step)
+        if got is None:
+            got = self._times[step] = np.full((dp, secs.shape[1]), np.nan)
+        got[ranks] = secs
+        if not np.isnan(got[:, 0]).any():
+            t = got.sum(axis=1, keepdims=True) if per_step else got
             self.imbalance.append((step, float(t.max(axis=0).sum() / max(t.mean(axis=0).sum(), 1e-12))))
             del self._times[step]
         while len(self._times) > KEEP_STEPS:

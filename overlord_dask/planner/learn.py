@@ -22,8 +22,6 @@ microseconds of trainer compute (``UNIT``), which keeps costs at a scale like th
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
 from .. import pieces as P
@@ -104,8 +102,9 @@ class CostLearner:
 
     def __init__(self, config: LearnCost, declared: CostModel):
         self.config, self.declared = config, declared
-        self.X: deque = deque(maxlen=config.window)
-        self.y: deque = deque(maxlen=config.window)
+        self._X = np.zeros((config.window, len(TERMS)))  # a ring of the newest observations (their order does not matter)
+        self._y = np.zeros(config.window)
+        self._n = self._pos = 0
         self.fitted: np.ndarray | None = None  # seconds per unit of each term
         self.settled_fits = 0  # fits in a row within tolerance of the one before
         self.fits = 0
@@ -117,18 +116,21 @@ class CostLearner:
     def observe(self, rows: np.ndarray, seconds: np.ndarray, step: int) -> None:
         """One rank's report of ``step``: its rows (micro-batches, or its step) and their seconds."""
         ok = np.isfinite(seconds) & (seconds > 0)
-        self.X.extend(rows[ok])
-        self.y.extend(seconds[ok])
+        rows, seconds = rows[ok][-len(self._y):], seconds[ok][-len(self._y):]
+        at = (self._pos + np.arange(len(seconds))) % len(self._y)
+        self._X[at], self._y[at] = rows, seconds
+        self._pos = (self._pos + len(seconds)) % len(self._y)
+        self._n = min(self._n + len(seconds), len(self._y))
         if step != self._last_step:
             self._last_step = step
             self.new_steps += 1
 
     def refit(self, step: int) -> bool:
         """Fit again if enough new steps came in; True if it did."""
-        if len(self.y) < self.config.min_observations or self.new_steps < self.config.every:
+        if self._n < self.config.min_observations or self.new_steps < self.config.every:
             return False
         self.new_steps = 0
-        X, y = np.array(self.X), np.array(self.y)
+        X, y = self.window()
         beta = robust_fit(X, y)
         pred = X @ beta
         if self.fitted is not None and median_rel_error(X @ self.fitted, pred) < self.config.tolerance:
@@ -141,6 +143,10 @@ class CostLearner:
         self.error_fitted = median_rel_error(pred, y)
         self.error_declared = median_rel_error(self._scaled(declared_row(self.declared), X, y) @ X.T, y)
         return True
+
+    def window(self) -> tuple[np.ndarray, np.ndarray]:
+        """The observations in the window: rows ``[n, terms]`` and their seconds."""
+        return self._X[: self._n], self._y[: self._n]
 
     @property
     def settled(self) -> bool:
@@ -162,7 +168,7 @@ class CostLearner:
         ``refit_change``; else None."""
         if not self.settled:
             return None
-        X, y = np.array(self.X), np.array(self.y)
+        X, y = self.window()
         theirs = median_rel_error(X @ self._scaled(declared_row(in_force), X, y), y)
         if theirs - median_rel_error(X @ self.fitted, y) <= self.config.refit_change:
             return None
@@ -171,10 +177,10 @@ class CostLearner:
 
     def status(self) -> dict:
         """Declared (at their best scale, in seconds) vs fitted coefficients and their errors."""
-        out = {"observations": len(self.y), "fits": self.fits, "settled": self.settled, "settled_at": self.settled_at,
+        out = {"observations": self._n, "fits": self.fits, "settled": self.settled, "settled_at": self.settled_at,
                "error_fitted": self.error_fitted, "error_declared": self.error_declared}
-        if self.fitted is not None and len(self.y):
-            X, y = np.array(self.X), np.array(self.y)
+        if self.fitted is not None and self._n:
+            X, y = self.window()
             out["fitted"] = dict(zip(TERMS, map(float, self.fitted)))
             out["declared"] = dict(zip(TERMS, map(float, self._scaled(declared_row(self.declared), X, y))))
         return out
