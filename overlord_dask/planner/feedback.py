@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import pieces as P
 from .learn import CostLearner, step_features
 from .mixing import Controller, make_controller, project
 
@@ -37,7 +36,6 @@ HISTORY = 1024  # measured imbalances and per-rank compute times kept for the vi
 class FeedbackLoop:
     def __init__(self, state: "PlannerState"):
         plan = state.final_plan
-        self.learn = plan.cost.learn
         self.learner = CostLearner(plan.cost.learn, plan.cost) if plan.cost.learn is not None else None
         self.mixing = plan.mixing
         self.controller: Controller | None = make_controller(plan.mixing, state.source_names) if plan.mixing.controller else None
@@ -107,14 +105,9 @@ class FeedbackLoop:
             entry = st.ledger.entries.get(step)
             if entry is None:
                 return None
-            pieces, slot = entry["pieces"], entry["slot"]
-            vision = None
-            if st.timeline.cost_at(step).encoder > 0 or self.learner.declared.encoder > 0:
-                vision = np.zeros(len(pieces))
-                for i in np.unique(pieces[:, P.SOURCE]):
-                    sel = pieces[:, P.SOURCE] == i
-                    vision[sel] = st.streams.streams[int(i)].piece_vision(pieces[sel][:, P.EPOCH : P.STOP + 1])
-            feats = step_features(pieces, slot, vision, st.topology.dp, st.topology.micro_batches, per_step=False)
+            pieces = entry["pieces"]
+            vision = st.streams.piece_vision(pieces) if st.timeline.cost_at(step).encoder > 0 or self.learner.declared.encoder > 0 else None
+            feats = step_features(pieces, entry["slot"], vision, st.topology.dp, st.topology.micro_batches)
             self._features[step] = feats
             while len(self._features) > 64:
                 self._features.popitem(last=False)
@@ -148,7 +141,7 @@ class FeedbackLoop:
                 s = self.learner.status()
                 why = (f"fit settled over {s['observations']} observations: median error {s['error_fitted']:.1%} "
                        f"(declared model at its best scale: {s['error_declared']:.1%})")
-                out.append(st.timeline.decide("cost", frontier + self.learn.lag, values, why))
+                out.append(st.timeline.decide("cost", frontier + self.learner.config.lag, values, why))
         if self.controller is not None and self._mixing_due():
             self.decided_at = self.newest
             at = max(self.newest + self.mixing.lag, st.frontier)

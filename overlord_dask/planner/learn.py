@@ -33,9 +33,10 @@ UNIT = 1e6  # a learned model's costs are in microseconds
 HUBER_K = 1.345
 
 
-def features(lengths: np.ndarray, vision: np.ndarray | None, groups: np.ndarray, n_groups: int, per_group: np.ndarray | None = None) -> np.ndarray:
-    """``[n_groups, 5]`` regression rows: ΣL², ΣL, pieces, ΣV and the fixed count of each group
-    (``groups[i]``: the group of piece ``i``; ``per_group``: micro-batches per group, default 1)."""
+def features(lengths: np.ndarray, vision: np.ndarray | None, groups: np.ndarray, n_groups: int) -> np.ndarray:
+    """``[n_groups, 5]`` regression rows of micro-batches: ΣL², ΣL, pieces, ΣV and 1 (the fixed
+    term) of each group (``groups[i]``: the group of piece ``i``). A rank's step is the sum of its
+    micro-batches' rows."""
     L = lengths.astype(np.float64)
     out = np.zeros((n_groups, len(TERMS)))
     out[:, 0] = np.bincount(groups, weights=L * L, minlength=n_groups)
@@ -43,7 +44,7 @@ def features(lengths: np.ndarray, vision: np.ndarray | None, groups: np.ndarray,
     out[:, 2] = np.bincount(groups, minlength=n_groups)
     if vision is not None:
         out[:, 3] = np.bincount(groups, weights=vision.astype(np.float64), minlength=n_groups)
-    out[:, 4] = 1.0 if per_group is None else per_group
+    out[:, 4] = 1.0
     return out
 
 
@@ -112,6 +113,7 @@ class CostLearner:
         self._last_step: int | None = None
         self.settled_at: int | None = None  # the reported step at which the fit first settled
         self.error_fitted = self.error_declared = float("nan")
+        self.declared_scaled: np.ndarray | None = None  # the declared model at its best scale over the last fit's window
 
     def observe(self, rows: np.ndarray, seconds: np.ndarray, step: int) -> None:
         """One rank's report of ``step``: its rows (micro-batches, or its step) and their seconds."""
@@ -141,7 +143,8 @@ class CostLearner:
         if self.settled and self.settled_at is None:
             self.settled_at = step
         self.error_fitted = median_rel_error(pred, y)
-        self.error_declared = median_rel_error(self._scaled(declared_row(self.declared), X, y) @ X.T, y)
+        self.declared_scaled = self._scaled(declared_row(self.declared), X, y)
+        self.error_declared = median_rel_error(X @ self.declared_scaled, y)
         return True
 
     def window(self) -> tuple[np.ndarray, np.ndarray]:
@@ -163,14 +166,14 @@ class CostLearner:
         return out
 
     def proposal(self, in_force: CostModel) -> dict | None:
-        """The fitted coefficients as a cost model's fields, if settled and its median relative
-        error over the window beats the model in force (at that model's best scale) by more than
-        ``refit_change``; else None."""
+        """(Right after :meth:`refit`.) The fitted coefficients as a cost model's fields, if
+        settled and its median relative error over the window beats the model in force (at that
+        model's best scale) by more than ``refit_change``; else None."""
         if not self.settled:
             return None
         X, y = self.window()
         theirs = median_rel_error(X @ self._scaled(declared_row(in_force), X, y), y)
-        if theirs - median_rel_error(X @ self.fitted, y) <= self.config.refit_change:
+        if theirs - self.error_fitted <= self.config.refit_change:
             return None
         a, b, c, e, _ = self.fitted * UNIT
         return {"attention": float(a), "linear": float(b), "constant": float(c), "encoder": float(e)}
@@ -179,17 +182,13 @@ class CostLearner:
         """Declared (at their best scale, in seconds) vs fitted coefficients and their errors."""
         out = {"observations": self._n, "fits": self.fits, "settled": self.settled, "settled_at": self.settled_at,
                "error_fitted": self.error_fitted, "error_declared": self.error_declared}
-        if self.fitted is not None and self._n:
-            X, y = self.window()
+        if self.fitted is not None:
             out["fitted"] = dict(zip(TERMS, map(float, self.fitted)))
-            out["declared"] = dict(zip(TERMS, map(float, self._scaled(declared_row(self.declared), X, y))))
+            out["declared"] = dict(zip(TERMS, map(float, self.declared_scaled)))
         return out
 
 
-def step_features(pieces: np.ndarray, slot: np.ndarray, vision: np.ndarray | None, dp: int, micro_batches: int, per_step: bool) -> np.ndarray:
-    """A planned step's regression rows: ``[dp, micro_batches, 5]`` (``[dp, 1, 5]`` per step)."""
-    lens = P.lengths(pieces)
-    if per_step:
-        return features(lens, vision, slot[:, 0].astype(np.int64), dp, np.full(dp, float(micro_batches)))[:, None, :]
+def step_features(pieces: np.ndarray, slot: np.ndarray, vision: np.ndarray | None, dp: int, micro_batches: int) -> np.ndarray:
+    """A planned step's regression rows, ``[dp, micro_batches, 5]``."""
     g = slot[:, 0].astype(np.int64) * micro_batches + slot[:, 1]
-    return features(lens, vision, g, dp * micro_batches).reshape(dp, micro_batches, len(TERMS))
+    return features(P.lengths(pieces), vision, g, dp * micro_batches).reshape(dp, micro_batches, len(TERMS))

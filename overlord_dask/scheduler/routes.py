@@ -242,13 +242,13 @@ class Routes:
 
     # ---- views -----------------------------------------------------------------------------------------
     async def status(self) -> dict:
-        st = await self.p.thread.run(self.state.status)
+        thread = self.p.thread
+        st = await thread.run(lambda: {**self.state.status(), "feedback": thread.feedback_status()})  # one hop to the planner thread
         snaps = self.p.snapshots_loop
         return {**st, **self.p.losses.status(), "loop": self.loop(), "chunk_steps": self.p.chunk_steps, **self.p.held.figures(), **self.p.held.block_figures(),
                 "channels": len(self.p.channels.streams), "subscribed": sum(len(s) for s in self.p.channels.subs.values()),
                 "snapshot_error": snaps.error if snaps is not None else None,
-                "stop_requested": self.stop_requested, "rank_wait_share": self.wait_shares(), **self.counters(),
-                "feedback": await self.p.thread.run(self.p.thread.feedback_status)}
+                "stop_requested": self.stop_requested, "rank_wait_share": self.wait_shares(), **self.counters()}
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
         return await self.p.thread.run(lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)])

@@ -80,6 +80,11 @@ class Reporting:
             self._reports.append({"s": self._handed_step, "t": max(total, 0.0), "mb": mb})
         self._handed_step = None
 
+    def _iterated(self, times: list[float]) -> None:
+        """The trainer went through the step's micro-batches in these times (unless part of the
+        step went to the stream's own calls: then the step's total without them is reported)."""
+        self._mb_times = times if self._excluded == 0 else None
+
     def _handed(self, step: int) -> None:
         self._handed_step, self._handed_at, self._excluded, self._mb_times = step, time.perf_counter(), 0.0, None
 

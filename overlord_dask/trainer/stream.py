@@ -166,7 +166,8 @@ class RankStream(Reporting):
                 t0 = time.perf_counter()
                 yield item
                 times.append(time.perf_counter() - t0)
-            self._mb_times = times if self._excluded == 0 else None
+            self._iterated(times)
+
     def eval_batches(self) -> Iterator[dict]:
         """This rank's evaluation micro-batches (the plan's held-out units): a finite stream, the
         same at every call, that leaves the training stream where it is (``evaluation.py``)."""
@@ -315,7 +316,7 @@ def _can_pin() -> bool:
 
     if torch.cuda.is_available():
         return True
-    warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=4)
+    warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=3)
     return False
 
 

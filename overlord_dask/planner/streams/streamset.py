@@ -119,9 +119,15 @@ class StreamSet:
         encoder's cost of their image tokens."""
         out = doc_costs(P.lengths(rows), cost)
         if cost.encoder > 0:
-            for i in np.unique(rows[:, P.SOURCE]):
-                sel = rows[:, P.SOURCE] == i
-                out[sel] += cost.encoder * self.streams[int(i)].piece_vision(rows[sel][:, P.EPOCH : P.STOP + 1])
+            out += cost.encoder * self.piece_vision(rows)
+        return out
+
+    def piece_vision(self, rows: np.ndarray) -> np.ndarray:
+        """Image tokens in planned piece rows (each source's share of its documents' images)."""
+        out = np.zeros(len(rows))
+        for i in np.unique(rows[:, P.SOURCE]):
+            sel = rows[:, P.SOURCE] == i
+            out[sel] = self.streams[int(i)].piece_vision(rows[sel][:, P.EPOCH : P.STOP + 1])
         return out
 
     def passed_units(self, rows: np.ndarray) -> list[list]:
