@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -40,6 +41,7 @@ def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> Non
     ds = OverlordDataset(address, rank=rank, dp=dp)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
     kept, tokens = [], 0  # per step: (step, its micro-batches' identity arrays)
+    digest = hashlib.sha256()  # every token this rank received, in order: equal across runs of one plan and seed
     step_end, step_tokens = [], []  # per step: when this rank finished it, and its real tokens
     current: list[dict] = []
     in_step = 0
@@ -51,6 +53,7 @@ def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> Non
         # a real trainer would run forward/backward here; we only touch the tensors
         n = int(mb["num_tokens"])
         tokens += n
+        digest.update(mb["input_ids"].numpy()[:n].astype("<i4").tobytes())
         in_step += n
         current.append({k: mb[k].numpy() for k in _IDENTITY_FIELDS})  # what exactly-once accounting reads, after the run
         if mb["last_in_step"]:
@@ -70,7 +73,8 @@ def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> Non
     merged = {k: np.concatenate([r[k] for r in records]) for k in records[0]} if records else {}
     # the first wait includes attaching and the service's warm-up: report it apart
     np.savez(out, wait_s=np.array(ds.stream.wait_s[1:]), first_wait_s=ds.stream.wait_s[0], tokens=tokens,
-             t_start=t_start, t_first=t_first, t_end=t_end, step_end=np.array(step_end), step_tokens=np.array(step_tokens), **merged)
+             t_start=t_start, t_first=t_first, t_end=t_end, step_end=np.array(step_end), step_tokens=np.array(step_tokens),
+             digest=digest.hexdigest(), **merged)
     ds.close()
 
 
@@ -146,6 +150,7 @@ def run_demo(*, steps: int = 100, dp: int = 4, workers: int = 2, data: str = "de
         "wait_p99_ms": round(percentile(waits, 99) * 1e3, 2),
         "duplicates": duplicates,
         "missing": missing,
+        "digest": hashlib.sha256("".join(str(r["digest"]) for r in ranks).encode()).hexdigest()[:16],
     }
 
 
