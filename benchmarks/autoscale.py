@@ -163,10 +163,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--compute-ms", type=float, default=None,
-                    help="trainer compute per step (default: so that photos need --photos-cores after the stage, at the measured cost)")
-    ap.add_argument("--photos-cores", type=float, default=1.0,
-                    help="CPU the photo source's loading needs after the stage (a whole core by default)")
+    ap.add_argument(
+        "--compute-ms",
+        type=float,
+        default=None,
+        help="trainer compute per step (default: so that photos need --photos-cores after the stage, "
+        "at the measured cost)",
+    )
+    ap.add_argument(
+        "--photos-cores",
+        type=float,
+        default=1.0,
+        help="CPU the photo source's loading needs after the stage (a whole core by default)",
+    )
     ap.add_argument("--budget", type=int, default=4, help="workers in all (static: one per source plus one shared)")
     ap.add_argument("--data", default="demo-data")
     args = ap.parse_args(argv)
@@ -180,32 +189,63 @@ def main(argv=None) -> dict:
         plan = _plan(args.data, args.steps, "static", args.budget)
         photos_share = plan.stages[1].weights["photos"] / sum(plan.stages[1].weights.values())
         args.compute_ms = round(plan.topology.step_tokens * photos_share * costs["photos"] / args.photos_cores * 1e3, 1)
-    static = _run(_plan(args.data, args.steps, "static", args.budget), max(0, args.budget - n_sources), args.steps,
-                  args.compute_ms / 1e3, args.warmup)
-    auto = _run(_plan(args.data, args.steps, "autoscaled", args.budget), 0, args.steps, args.compute_ms / 1e3, args.warmup)
+    static = _run(
+        _plan(args.data, args.steps, "static", args.budget),
+        max(0, args.budget - n_sources),
+        args.steps,
+        args.compute_ms / 1e3,
+        args.warmup,
+    )
+    auto = _run(
+        _plan(args.data, args.steps, "autoscaled", args.budget), 0, args.steps, args.compute_ms / 1e3, args.warmup
+    )
     stage = args.steps // 2
     grew = [h["step"] for h in auto["history"] if h["pool"] == "photos" and h["delta"] > 0 and h["step"] is not None]
     ref, got = static.pop("ids"), auto.pop("ids")
     ref_ids = {i for v in ref.values() for i in v}
     ids = [i for v in got.values() for i in v]
     out = {
-        "benchmark": "autoscale", "cores": os.cpu_count(), "steps": args.steps, "stage_step": stage, "compute_ms": args.compute_ms,
+        "benchmark": "autoscale",
+        "cores": os.cpu_count(),
+        "steps": args.steps,
+        "stage_step": stage,
+        "compute_ms": args.compute_ms,
         "budget": args.budget,
         "seconds_per_token": {k: float(f"{v:.3g}") for k, v in costs.items()},
         "heavy_ratio": round(costs["photos"] / max(costs["web"], costs["chat"]), 1),
-        "static": static, "autoscaled": auto,
+        "static": static,
+        "autoscaled": auto,
         "lead_steps": (stage - min(grew)) if grew else None,
-        "identical": got == ref, "duplicates": len(ids) - len(set(ids)), "missing": len(ref_ids - set(ids)),
+        "identical": got == ref,
+        "duplicates": len(ids) - len(set(ids)),
+        "missing": len(ref_ids - set(ids)),
     }
     if args.json:
         import json
 
         print(json.dumps(out))
     else:
-        rows = [{"mode": m, **{k: v for k, v in out[m].items() if not isinstance(v, (list, dict))}} for m in ("static", "autoscaled")]
-        print_rows(rows, ["mode", "wait_share", "wait_p99_ms", "wait_share_after_stage", "tokens_per_s", "worker_seconds", "workers_max"])
-        print(f"photos: {out['heavy_ratio']}x the CPU per token of the heaviest other source; pool grew {out['lead_steps']} steps "
-              f"before the stage change at step {stage}")
+        rows = [
+            {"mode": m, **{k: v for k, v in out[m].items() if not isinstance(v, (list, dict))}}
+            for m in ("static", "autoscaled")
+        ]
+        print_rows(
+            rows,
+            [
+                "mode",
+                "wait_share",
+                "wait_p99_ms",
+                "wait_share_after_stage",
+                "tokens_per_s",
+                "worker_seconds",
+                "workers_max",
+            ],
+        )
+        print(
+            f"photos: {out['heavy_ratio']}x the CPU per token of the heaviest other source; pool grew "
+            f"{out['lead_steps']} steps "
+            f"before the stage change at step {stage}"
+        )
         print(f"identical {out['identical']}, duplicates {out['duplicates']}, missing {out['missing']}")
         for h in auto["history"]:
             print(f"  step {h['step']}: pool {h['pool']} {h['from']} -> {h['to']} ({h['reason']})")

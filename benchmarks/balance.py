@@ -32,9 +32,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from overlord_dask.observe.figures import step_imbalance  # noqa: E402
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.cost import doc_costs  # noqa: E402
-from overlord_dask.observe.figures import step_imbalance  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
 
 MAX_DOC = 131_072
@@ -56,7 +56,11 @@ DISTRIBUTIONS = {
     # dp=8, 4 micro-batches of 128k tokens; documents from 16 tokens to 128k, long-tailed
     "long_tail": {
         "topology": {"dp": 8, "micro_batches": 4, "tokens_per_micro_batch": 131_072},
-        "sources": {"web": (0.5, _lognormal(6.5, 1.2)), "code": (0.3, _lognormal(7.5, 1.4)), "books": (0.2, _pareto(0.9, 4096))},
+        "sources": {
+            "web": (0.5, _lognormal(6.5, 1.2)),
+            "code": (0.3, _lognormal(7.5, 1.4)),
+            "books": (0.2, _pareto(0.9, 4096)),
+        },
     },
     # short chat-like samples (~10,000 per step), a thin tail
     "chat_short": {
@@ -72,14 +76,20 @@ DISTRIBUTIONS = {
     # tokens to 64k (longer than a micro-batch: split into pieces), long-tailed
     "large_dp_1024": {
         "topology": {"dp": 1024, "micro_batches": 1, "tokens_per_micro_batch": 8192},
-        "sources": {"web": (0.5, _lognormal(6.5, 1.2, 16, 65_536)), "code": (0.3, _lognormal(7.5, 1.4, 16, 65_536)),
-                    "books": (0.2, _pareto(0.9, 4096, 16, 65_536))},
+        "sources": {
+            "web": (0.5, _lognormal(6.5, 1.2, 16, 65_536)),
+            "code": (0.3, _lognormal(7.5, 1.4, 16, 65_536)),
+            "books": (0.2, _pareto(0.9, 4096, 16, 65_536)),
+        },
         "steps": 64,
     },
     "large_dp_4096": {
         "topology": {"dp": 4096, "micro_batches": 1, "tokens_per_micro_batch": 8192},
-        "sources": {"web": (0.5, _lognormal(6.5, 1.2, 16, 65_536)), "code": (0.3, _lognormal(7.5, 1.4, 16, 65_536)),
-                    "books": (0.2, _pareto(0.9, 4096, 16, 65_536))},
+        "sources": {
+            "web": (0.5, _lognormal(6.5, 1.2, 16, 65_536)),
+            "code": (0.3, _lognormal(7.5, 1.4, 16, 65_536)),
+            "books": (0.2, _pareto(0.9, 4096, 16, 65_536)),
+        },
         "steps": 32,
     },
 }
@@ -123,8 +133,13 @@ def run_planner(dist: dict, steps: int, seed: int, **balance) -> dict:
             for r in range(plan.topology.dp):
                 st.ack(r, p["step"])
     per_step_ms = [1e3 * t / plan.balance.window for t in st.plan_seconds]
-    return {"bins": out[:steps], "samples_per_s": samples / plan_s, "ms_per_step": per_step_ms, "samples_per_step": samples / len(out),
-            "lengths": np.concatenate(lengths)}
+    return {
+        "bins": out[:steps],
+        "samples_per_s": samples / plan_s,
+        "ms_per_step": per_step_ms,
+        "samples_per_step": samples / len(out),
+        "lengths": np.concatenate(lengths),
+    }
 
 
 def _bins(entry: dict, plan) -> tuple[np.ndarray, np.ndarray, float]:
@@ -160,7 +175,8 @@ def run_baseline(dist: dict, lengths: np.ndarray, steps: int, seed: int, fill: f
                 p = int(streams[r][cursor[r]])
                 fits = np.flatnonzero(C - tok[r] >= p)
                 if len(fits) == 0 or (tok[r].sum() + p > budget and tok[r].sum() > 0):
-                    break  # waits for the rank's next step (a piece longer than the budget goes alone into an empty one)
+                    # waits for the rank's next step (a piece longer than the budget goes alone into an empty one)
+                    break
                 b = int(fits[0])  # first fit
                 tok[r, b] += p
                 cost = float(doc_costs(np.array([p]), plan.cost)[0])
@@ -182,7 +198,14 @@ def summarize(bins: list) -> dict:
         step_t += rank.max()
         mb_t += c.max(axis=0).sum()
         tokens += int(tok.sum())
-    return {"imb": np.array(imb), "mb": np.array(mb_imb), "lb": np.array(lb), "time_per_token": step_t / tokens, "mb_time_per_token": mb_t / tokens, "tokens": tokens}
+    return {
+        "imb": np.array(imb),
+        "mb": np.array(mb_imb),
+        "lb": np.array(lb),
+        "time_per_token": step_t / tokens,
+        "mb_time_per_token": mb_t / tokens,
+        "tokens": tokens,
+    }
 
 
 def bench(name: str, dist: dict, steps: int, seed: int, **balance) -> dict:
@@ -225,7 +248,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sync", default="micro_batch", choices=["step", "micro_batch"])
     ap.add_argument("--window", type=int, default=None, help="steps planned together (default: the plan default)")
     ap.add_argument("--only", default=None, help="one distribution")
-    ap.add_argument("--heavy-fraction", type=float, default=None, help="heavy_tokens as a fraction of the micro-batch capacity")
+    ap.add_argument(
+        "--heavy-fraction", type=float, default=None, help="heavy_tokens as a fraction of the micro-batch capacity"
+    )
     args = ap.parse_args(argv)
     from overlord_dask.planner.policies import kernels
 
@@ -234,10 +259,16 @@ def main(argv=None) -> dict:
     for name, dist in DISTRIBUTIONS.items():
         if args.only and name != args.only:
             continue
-        extra = {"heavy_tokens": int(args.heavy_fraction * dist["topology"]["tokens_per_micro_batch"])} if args.heavy_fraction else {}
+        extra = (
+            {"heavy_tokens": int(args.heavy_fraction * dist["topology"]["tokens_per_micro_batch"])}
+            if args.heavy_fraction
+            else {}
+        )
         if args.window:
             extra["window"] = args.window
-        out[name] = bench(name, dist, min(args.steps, dist.get("steps", args.steps)), args.seed, sync=args.sync, **extra)
+        out[name] = bench(
+            name, dist, min(args.steps, dist.get("steps", args.steps)), args.seed, sync=args.sync, **extra
+        )
     if args.json:
         print(json.dumps(out))
     else:

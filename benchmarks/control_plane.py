@@ -111,12 +111,30 @@ def _lean_hosts_process(address: str, hosts: list[list[int]], stop_at: float, ou
                     await self.ready.wait()
                     continue
                 d = self.descs.pop(step)
-                await fetch_batches(io, planner, d, d["steps"], rank=self.rank, cp_rank=0, timeout=300, abort=asyncio.Event(),
-                                    address=address)
+                await fetch_batches(
+                    io,
+                    planner,
+                    d,
+                    d["steps"],
+                    rank=self.rank,
+                    cp_rank=0,
+                    timeout=300,
+                    abort=asyncio.Event(),
+                    address=address,
+                )
                 step = d["steps"][-1] + 1
                 n += len(d["steps"])
-                self.channel.send({"op": "ack", "rank": self.rank, "step": step - 1, "cp_rank": 0, "replica": 0,
-                                   "generation": self.generation, "durable": True})
+                self.channel.send(
+                    {
+                        "op": "ack",
+                        "rank": self.rank,
+                        "step": step - 1,
+                        "cp_rank": 0,
+                        "replica": 0,
+                        "generation": self.generation,
+                        "durable": True,
+                    }
+                )
             counts[h] = counts.get(h, 0) + n
 
     async def host(h: int, ranks: list[int]) -> None:
@@ -140,16 +158,30 @@ def _lean_hosts_process(address: str, hosts: list[list[int]], stop_at: float, ou
     out.put(counts)
 
 
-def measure(cluster, data: str, dp: int, tokens: int, procs: int, seconds: float, warmup_steps: int, batch_steps: int | None,
-            prefetch: int, ranks_per_host: int, consumers: str = "lean") -> dict:
+def measure(
+    cluster,
+    data: str,
+    dp: int,
+    tokens: int,
+    procs: int,
+    seconds: float,
+    warmup_steps: int,
+    batch_steps: int | None,
+    prefetch: int,
+    ranks_per_host: int,
+    consumers: str = "lean",
+) -> dict:
     import psutil
 
     from overlord_dask import Service
     from overlord_dask.service.demo import demo_plan
 
-    plan = demo_plan(data, topology={"dp": dp, "micro_batches": 1, "tokens_per_micro_batch": tokens},
-                     loading={"prefetch_steps": prefetch, "batch_steps": batch_steps, "units_ahead": 4},
-                     balance={"window": 16, "heavy_tokens": tokens // 2})
+    plan = demo_plan(
+        data,
+        topology={"dp": dp, "micro_batches": 1, "tokens_per_micro_batch": tokens},
+        loading={"prefetch_steps": prefetch, "batch_steps": batch_steps, "units_ahead": 4},
+        balance={"window": 16, "heavy_tokens": tokens // 2},
+    )
     me = psutil.Process()
     ctx = mp.get_context("spawn")
     with Service.start(plan, cluster=cluster) as service:
@@ -194,8 +226,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank and step (one micro-batch)")
     ap.add_argument("--procs", type=int, default=8, help="consumer processes the simulated hosts are spread over")
     ap.add_argument("--ranks-per-host", type=int, default=8, help="ranks per simulated host (one connection each)")
-    ap.add_argument("--consumers", choices=["lean", "rankstream"], default="lean",
-                    help="lean: asyncio stand-ins (fetch and ack, no decoding); rankstream: a RankStream per rank, a thread per host")
+    ap.add_argument(
+        "--consumers",
+        choices=["lean", "rankstream"],
+        default="lean",
+        help="lean: asyncio stand-ins (fetch and ack, no decoding); "
+        "rankstream: a RankStream per rank, a thread per host",
+    )
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--workers", type=int, default=2)
@@ -213,18 +250,63 @@ def main(argv=None) -> dict:
     rows = []
     with local_cluster(n_workers=args.workers) as cluster:
         if not args.no_baseline:
-            base = measure(cluster, args.data, min(args.dp), args.tokens, args.procs, args.seconds, args.warmup_steps, 1, args.prefetch, args.ranks_per_host, args.consumers)
+            base = measure(
+                cluster,
+                args.data,
+                min(args.dp),
+                args.tokens,
+                args.procs,
+                args.seconds,
+                args.warmup_steps,
+                1,
+                args.prefetch,
+                args.ranks_per_host,
+                args.consumers,
+            )
             rows.append({**base, "row": "baseline: one step per chunk"})
         for dp in args.dp:
-            rows.append({**measure(cluster, args.data, dp, args.tokens, args.procs, args.seconds, args.warmup_steps, args.batch_steps or args.prefetch // 2, args.prefetch,
-                                     args.ranks_per_host, args.consumers),
-                         "row": "chunked"})
-    out = {"benchmark": "control_plane", "cores": os.cpu_count(), "workers": args.workers, "tokens_per_rank_step": args.tokens, "rows": rows}
+            rows.append(
+                {
+                    **measure(
+                        cluster,
+                        args.data,
+                        dp,
+                        args.tokens,
+                        args.procs,
+                        args.seconds,
+                        args.warmup_steps,
+                        args.batch_steps or args.prefetch // 2,
+                        args.prefetch,
+                        args.ranks_per_host,
+                        args.consumers,
+                    ),
+                    "row": "chunked",
+                }
+            )
+    out = {
+        "benchmark": "control_plane",
+        "cores": os.cpu_count(),
+        "workers": args.workers,
+        "tokens_per_rank_step": args.tokens,
+        "rows": rows,
+    }
     if args.json:
         print(json.dumps(out))
     else:
-        print_rows(rows, ["row", "dp", "batch_steps", "connections", "steps_per_s", "cpu_ms_per_step_rank", "cpu_ms_per_step", "loop_block_max_ms",
-                          "loop_block_p99_ms"])
+        print_rows(
+            rows,
+            [
+                "row",
+                "dp",
+                "batch_steps",
+                "connections",
+                "steps_per_s",
+                "cpu_ms_per_step_rank",
+                "cpu_ms_per_step",
+                "loop_block_max_ms",
+                "loop_block_p99_ms",
+            ],
+        )
     return out
 
 

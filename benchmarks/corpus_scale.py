@@ -10,7 +10,8 @@ groups (one load unit each). Then, for ``cold`` (every file evicted from the pag
 
 - **index**, in a fresh process: the service's ``index_sources`` (footers only; on remote storage
   sources and each source's files are read in parallel, on a local disk in turn): seconds, units
-  found, bytes the process read per file (``rchar``: metadata-only means the footer's speculative read, 64 KB per file in pyarrow,
+  found, bytes the process read per file (``rchar``: metadata-only means the footer's speculative read, 64 KB per file
+  in pyarrow,
   whatever the file's size; the share of the corpus is reported too), the index's Python heap
   (``tracemalloc`` peak) and the process's RSS growth. Baseline in the same run: the same
   discovery one source and one file at a time (``index (in turn)``).
@@ -56,7 +57,8 @@ else:
     units = index_sources(plan)
 secs = time.perf_counter() - t
 peak = tracemalloc.get_traced_memory()[1]
-print(json.dumps({"seconds": secs, "units": sum(map(len, units.values())), "read_bytes": me.io_counters().read_chars - io0,
+read = me.io_counters().read_chars - io0
+print(json.dumps({"seconds": secs, "units": sum(map(len, units.values())), "read_bytes": read,
                   "heap_mb": peak / 2**20, "rss_growth_mb": (me.memory_info().rss - rss0) / 2**20}))
 """
 
@@ -72,7 +74,11 @@ def _evict(files: list[str]) -> None:
 
 
 def _index(plan: dict, root: str, sequential: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", _INDEX, json.dumps(plan), root, "1" if sequential else "0"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _INDEX, json.dumps(plan), root, "1" if sequential else "0"],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         raise RuntimeError(out.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -117,12 +123,26 @@ def _s3_rows(plan: dict, root: str, names: list[str]) -> list[dict]:
         fs = s3fs.S3FileSystem(**opts)
         for n in names:
             fs.put(os.path.join(root, n), f"overlord/corpus/{n}", recursive=True)
-        remote = {**plan, "sources": [{**s, "url": f"s3://overlord/corpus/{s['name']}/*.parquet", "storage_options": opts} for s in plan["sources"]]}
+        remote = {
+            **plan,
+            "sources": [
+                {**s, "url": f"s3://overlord/corpus/{s['name']}/*.parquet", "storage_options": opts}
+                for s in plan["sources"]
+            ],
+        }
         rows = []
         for how in ("service", "in turn"):
             r = _index(remote, root, how == "in turn")
-            rows.append({"phase": "s3", "what": f"index ({how})", "seconds": round(r["seconds"], 3), "units": r["units"],
-                         "heap_mb": round(r["heap_mb"], 1), "rss_growth_mb": round(r["rss_growth_mb"], 1)})
+            rows.append(
+                {
+                    "phase": "s3",
+                    "what": f"index ({how})",
+                    "seconds": round(r["seconds"], 3),
+                    "units": r["units"],
+                    "heap_mb": round(r["heap_mb"], 1),
+                    "rss_growth_mb": round(r["rss_growth_mb"], 1),
+                }
+            )
         return rows
     finally:
         proc.terminate()
@@ -145,44 +165,95 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data or tmp
         t = time.perf_counter()
-        names = generate_text_sources(root, args.sources, files=args.files, docs_per_file=args.row_groups * args.rows, row_group=args.rows)
+        names = generate_text_sources(
+            root, args.sources, files=args.files, docs_per_file=args.row_groups * args.rows, row_group=args.rows
+        )
         generated = time.perf_counter() - t
         files = sorted(glob.glob(os.path.join(root, "src-*", "*.parquet")))
         corpus_bytes = sum(os.path.getsize(f) for f in files)
-        plan = text_sources_plan(names, topology={"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 8192},
-                                 loading={"unit_rows": args.rows})
+        plan = text_sources_plan(
+            names,
+            topology={"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 8192},
+            loading={"unit_rows": args.rows},
+        )
         rows = []
         for phase in ("cold", "warm"):
             for how in ("service", "in turn"):
                 if phase == "cold":
                     _evict(files)
                 r = _index(plan, root, how == "in turn")
-                rows.append({"phase": phase, "what": f"index ({how})", "seconds": round(r["seconds"], 3), "units": r["units"],
-                             "read_kb_per_file": round(r["read_bytes"] / len(files) / 1024, 1),
-                             "read_share": round(r["read_bytes"] / corpus_bytes, 4), "heap_mb": round(r["heap_mb"], 1),
-                             "rss_growth_mb": round(r["rss_growth_mb"], 1)})
+                rows.append(
+                    {
+                        "phase": phase,
+                        "what": f"index ({how})",
+                        "seconds": round(r["seconds"], 3),
+                        "units": r["units"],
+                        "read_kb_per_file": round(r["read_bytes"] / len(files) / 1024, 1),
+                        "read_share": round(r["read_bytes"] / corpus_bytes, 4),
+                        "heap_mb": round(r["heap_mb"], 1),
+                        "rss_growth_mb": round(r["rss_growth_mb"], 1),
+                    }
+                )
             if phase == "cold":
                 _evict(files)
             fb = _first_batch(plan, root)
-            rows.append({"phase": phase, "what": "time to first batch", "seconds": round(fb["first_batch_s"], 2),
-                         "service_up_s": round(fb["service_up_s"], 2), "service_pss_mb": round(fb["service_pss_mb"], 1)})
+            rows.append(
+                {
+                    "phase": phase,
+                    "what": "time to first batch",
+                    "seconds": round(fb["first_batch_s"], 2),
+                    "service_up_s": round(fb["service_up_s"], 2),
+                    "service_pss_mb": round(fb["service_pss_mb"], 1),
+                }
+            )
         if args.s3:
             rows += _s3_rows(plan, root, names)
 
     def pick(phase: str, what: str) -> dict:
         return next(r for r in rows if r["phase"] == phase and r["what"] == what)
 
-    out = {"benchmark": "corpus_scale", "cores": os.cpu_count(), "sources": args.sources, "files": len(files),
-           "units": pick("cold", "index (service)")["units"], "corpus_mb": round(corpus_bytes / 2**20, 1), "generate_s": round(generated, 1),
-           "index_cold_s": pick("cold", "index (service)")["seconds"], "index_warm_s": pick("warm", "index (service)")["seconds"],
-           "index_sequential_cold_s": pick("cold", "index (in turn)")["seconds"],
-           "index_heap_mb": pick("cold", "index (service)")["heap_mb"], "index_read_kb_per_file": pick("cold", "index (service)")["read_kb_per_file"],
-           "index_read_share": pick("cold", "index (service)")["read_share"],
-           "first_batch_cold_s": pick("cold", "time to first batch")["seconds"], "first_batch_warm_s": pick("warm", "time to first batch")["seconds"],
-           **({"index_s3_s": pick("s3", "index (service)")["seconds"], "index_s3_sequential_s": pick("s3", "index (in turn)")["seconds"]}
-              if args.s3 else {}),
-           "rows": rows}
-    emit_rows(out, args.json, ["phase", "what", "seconds", "units", "read_kb_per_file", "read_share", "heap_mb", "rss_growth_mb", "service_up_s", "service_pss_mb"])
+    out = {
+        "benchmark": "corpus_scale",
+        "cores": os.cpu_count(),
+        "sources": args.sources,
+        "files": len(files),
+        "units": pick("cold", "index (service)")["units"],
+        "corpus_mb": round(corpus_bytes / 2**20, 1),
+        "generate_s": round(generated, 1),
+        "index_cold_s": pick("cold", "index (service)")["seconds"],
+        "index_warm_s": pick("warm", "index (service)")["seconds"],
+        "index_sequential_cold_s": pick("cold", "index (in turn)")["seconds"],
+        "index_heap_mb": pick("cold", "index (service)")["heap_mb"],
+        "index_read_kb_per_file": pick("cold", "index (service)")["read_kb_per_file"],
+        "index_read_share": pick("cold", "index (service)")["read_share"],
+        "first_batch_cold_s": pick("cold", "time to first batch")["seconds"],
+        "first_batch_warm_s": pick("warm", "time to first batch")["seconds"],
+        **(
+            {
+                "index_s3_s": pick("s3", "index (service)")["seconds"],
+                "index_s3_sequential_s": pick("s3", "index (in turn)")["seconds"],
+            }
+            if args.s3
+            else {}
+        ),
+        "rows": rows,
+    }
+    emit_rows(
+        out,
+        args.json,
+        [
+            "phase",
+            "what",
+            "seconds",
+            "units",
+            "read_kb_per_file",
+            "read_share",
+            "heap_mb",
+            "rss_growth_mb",
+            "service_up_s",
+            "service_pss_mb",
+        ],
+    )
     return out
 
 

@@ -20,7 +20,8 @@ Scenarios:
   unanswered for 2 s goes to the batch's shadow, and the scheduler removes the worker after the
   worker TTL (20 s in ``deploy.py``), rebuilding what it was building. SIGCONT at the end.
 - ``slow_trainer``: rank 1 computes 10× longer per step than the others for ``--slow-seconds``
-  (60 s by default; the scenario runs that many steps, with a reference run of its own), while the memory (RSS) of the service process and of
+  (60 s by default; the scenario runs that many steps, with a reference run of its own), while the memory (RSS) of the
+  service process and of
   every worker is sampled: ``rss_growth_mb`` is the largest growth of any of them from the first
   to the last third of the samples (a bounded pipeline shows none). The fast ranks wait for the
   slow one by design (the prefetch bound): their stall is not a fault's.
@@ -75,12 +76,17 @@ def _plan(data: str, dp: int, shadows: int, checkpoint: str | None = None):
     from overlord_dask.service.demo import demo_plan
 
     extra = {"checkpoint": {"url": checkpoint}} if checkpoint else {}
-    return demo_plan(data, topology={"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 8192},
-                     loading={"prefetch_steps": 8, "batch_steps": 2, "shadows": shadows}, **extra)
+    return demo_plan(
+        data,
+        topology={"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 8192},
+        loading={"prefetch_steps": 8, "batch_steps": 2, "shadows": shadows},
+        **extra,
+    )
 
 
-def _train(streams: dict, steps: int, compute_s: float, fault_at: int | None = None, fault=None,
-           slow: dict | None = None) -> tuple[dict, list, float]:
+def _train(
+    streams: dict, steps: int, compute_s: float, fault_at: int | None = None, fault=None, slow: dict | None = None
+) -> tuple[dict, list, float]:
     """Every rank takes ``steps`` steps, computing ``compute_s`` each; ``fault`` runs when rank 0
     reaches step ``fault_at``. Returns (identities per (rank, step), waits after the fault, wait max before)."""
     from overlord_dask.observe.figures import delivered_identities, delivered_record
@@ -104,13 +110,17 @@ def _train(streams: dict, steps: int, compute_s: float, fault_at: int | None = N
         t.start()
     for t in threads:
         t.join()
-    return got, after, max(before[len(streams):], default=0.0)  # the first step of each rank is the start
+    return got, after, max(before[len(streams) :], default=0.0)  # the first step of each rank is the start
 
 
 def _compare(reference: dict, got: dict) -> dict:
     ref_ids = [i for v in reference.values() for i in v]
     ids = [i for v in got.values() for i in v]
-    return {"identical": got == reference, "duplicates": len(ids) - len(set(ids)), "missing": len(set(ref_ids) - set(ids))}
+    return {
+        "identical": got == reference,
+        "duplicates": len(ids) - len(set(ids)),
+        "missing": len(set(ref_ids) - set(ids)),
+    }
 
 
 def _service_run(plan, cluster, steps, compute_s, fault_at=None, fault_on=None, slow=None):
@@ -138,9 +148,14 @@ def _service_run(plan, cluster, steps, compute_s, fault_at=None, fault_on=None, 
         threading.Thread(target=sample, daemon=True).start()
         out = _train(streams, steps, compute_s, fault_at, fault, slow)
         done.set()
-        shadowed = {"batches_shadowed": service.status()["shadowed"], "batch_bytes_max": max((m[0] for m in memory), default=0),
-                    "shadow_bytes_max": max((m[1] for m in memory), default=0), "block_bytes_max": max((m[2] for m in memory), default=0),
-                    "block_shadow_bytes_max": max((m[3] for m in memory), default=0), "rss_growth_mb": _growth(rss)}
+        shadowed = {
+            "batches_shadowed": service.status()["shadowed"],
+            "batch_bytes_max": max((m[0] for m in memory), default=0),
+            "shadow_bytes_max": max((m[1] for m in memory), default=0),
+            "block_bytes_max": max((m[2] for m in memory), default=0),
+            "block_shadow_bytes_max": max((m[3] for m in memory), default=0),
+            "rss_growth_mb": _growth(rss),
+        }
         for s in streams.values():
             s.close()
     return (*out, shadowed)
@@ -162,7 +177,9 @@ def _growth(rss: list[dict]) -> float:
 
 def _signal_a_worker(sig: int, stopped: list):
     def fault(service) -> None:
-        pids = service.client.run(os.getpid, on_error="ignore")  # a worker replaced in an earlier scenario may still be listed
+        pids = service.client.run(
+            os.getpid, on_error="ignore"
+        )  # a worker replaced in an earlier scenario may still be listed
         pid = pids[sorted(pids)[0]]
         os.kill(pid, sig)
         stopped.append(pid)
@@ -171,9 +188,15 @@ def _signal_a_worker(sig: int, stopped: list):
 
 
 def _serve(plan_file: Path, port: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask", "serve", str(plan_file), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overlord_dask", "serve", str(plan_file), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     return proc, json.loads(proc.stdout.readline())["address"]
 
 
@@ -193,7 +216,9 @@ def _service_restart(plan, steps, compute_s, fault_at, tmp) -> tuple[dict, list]
     plan_file.write_text(yaml.safe_dump(d))
     procs = [_serve(plan_file, port)[0]]
     address = f"tcp://127.0.0.1:{port}"
-    streams = {r: connect(address, r, timeout=120, prefetch_steps=1, reconnect_timeout=120) for r in range(plan.topology.dp)}
+    streams = {
+        r: connect(address, r, timeout=120, prefetch_steps=1, reconnect_timeout=120) for r in range(plan.topology.dp)
+    }
 
     def restart():
         os.killpg(procs[-1].pid, signal.SIGKILL)
@@ -224,6 +249,7 @@ def _trainer_restart(plan, cluster, steps: int, compute_s: float, fault_at: int)
         return sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
 
     with Service.start(plan, cluster=cluster) as service:
+
         def run(r):
             stream = connect(service.address, r, timeout=120, prefetch_steps=1)
             for _ in range(steps):
@@ -304,8 +330,13 @@ def _bad_inputs() -> tuple[int, int]:
     """(cases in the catalogue, cases that pass): the catalogue test, run as CI runs it."""
     from tests.test_bad_inputs import CASES
 
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_bad_inputs.py"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_bad_inputs.py"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
     passed = 0
     for line in out.stdout.splitlines():
         if " passed" in line:
@@ -320,11 +351,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--fault-at", type=int, default=15)
     ap.add_argument("--compute-ms", type=float, default=50.0)
-    ap.add_argument("--slow-seconds", type=float, default=60.0, help="how long the slow trainer runs (10x --compute-ms per step)")
+    ap.add_argument(
+        "--slow-seconds", type=float, default=60.0, help="how long the slow trainer runs (10x --compute-ms per step)"
+    )
     ap.add_argument("--data", default="demo-data")
     ap.add_argument("--no-catalogue", action="store_true", help="skip running the bad-input catalogue")
-    ap.add_argument("--restart-ks", type=int, nargs="*", default=[1, 17, 200],
-                    help="job_restart_from_checkpoint: how many steps old the checkpoint is (none: skip)")
+    ap.add_argument(
+        "--restart-ks",
+        type=int,
+        nargs="*",
+        default=[1, 17, 200],
+        help="job_restart_from_checkpoint: how many steps old the checkpoint is (none: skip)",
+    )
     args = ap.parse_args(argv)
 
     from overlord_dask.service.demo import generate_demo_corpus
@@ -336,58 +374,135 @@ def main(argv=None) -> dict:
     rows = []
     with local_cluster(n_workers=2) as cluster:
         reference, _, base_wait, _ = _service_run(_plan(args.data, args.dp, 1), cluster, args.steps, compute_s)
-        for name, shadows, sig in (("worker_kill_shadows", 1, signal.SIGKILL), ("worker_kill_no_shadows", 0, signal.SIGKILL),
-                                   ("worker_hung_shadows", 1, signal.SIGSTOP)):
+        for name, shadows, sig in (
+            ("worker_kill_shadows", 1, signal.SIGKILL),
+            ("worker_kill_no_shadows", 0, signal.SIGKILL),
+            ("worker_hung_shadows", 1, signal.SIGSTOP),
+        ):
             hit: list[int] = []
             try:
-                got, after, _, shadowed = _service_run(_plan(args.data, args.dp, shadows), cluster, args.steps, compute_s, args.fault_at,
-                                                       _signal_a_worker(sig, hit))
+                got, after, _, shadowed = _service_run(
+                    _plan(args.data, args.dp, shadows),
+                    cluster,
+                    args.steps,
+                    compute_s,
+                    args.fault_at,
+                    _signal_a_worker(sig, hit),
+                )
             finally:
                 for pid in hit if sig == signal.SIGSTOP else ():
                     try:
                         os.kill(pid, signal.SIGCONT)
                     except ProcessLookupError:  # its nanny already replaced it
                         pass
-            rows.append({"scenario": name, "stall_max_s": round(max(after, default=0.0), 3), "baseline_wait_max_s": round(base_wait, 3),
-                         **shadowed, **_compare(reference, got)})
+            rows.append(
+                {
+                    "scenario": name,
+                    "stall_max_s": round(max(after, default=0.0), 3),
+                    "baseline_wait_max_s": round(base_wait, 3),
+                    **shadowed,
+                    **_compare(reference, got),
+                }
+            )
             deadline = time.monotonic() + 60  # the nanny starts a new worker
             while len(cluster.scheduler_info["workers"]) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
         got, stall = _trainer_restart(_plan(args.data, args.dp, 1), cluster, args.steps, compute_s, args.fault_at)
-        rows.append({"scenario": "trainer_restart", "stall_max_s": round(stall, 3), "baseline_wait_max_s": round(base_wait, 3),
-                     "batches_shadowed": "", **_compare(reference, got)})
+        rows.append(
+            {
+                "scenario": "trainer_restart",
+                "stall_max_s": round(stall, 3),
+                "baseline_wait_max_s": round(base_wait, 3),
+                "batches_shadowed": "",
+                **_compare(reference, got),
+            }
+        )
         if args.restart_ks:
             tail = 5  # steps run after the restart, past the step the job died at
             kill_ats = {k: max(args.fault_at, k + 1) for k in args.restart_ks}
             total = max(kill_ats.values()) + tail
-            long_ref = _service_run(_plan(args.data, args.dp, 1), cluster, total, compute_s)[0] if total > args.steps else reference
+            long_ref = (
+                _service_run(_plan(args.data, args.dp, 1), cluster, total, compute_s)[0]
+                if total > args.steps
+                else reference
+            )
             for k in args.restart_ks:
-                kept, first_life, stall = _job_restart(_plan(args.data, args.dp, 1), cluster, kill_ats[k], k, kill_ats[k] + tail, compute_s)
+                kept, first_life, stall = _job_restart(
+                    _plan(args.data, args.dp, 1), cluster, kill_ats[k], k, kill_ats[k] + tail, compute_s
+                )
                 ref = {key: v for key, v in long_ref.items() if key[1] < kill_ats[k] + tail}
                 again = all(kept[key] == v for key, v in first_life.items())
-                rows.append({"scenario": f"job_restart_from_checkpoint_k{k}", "stall_max_s": round(stall, 3),
-                             "baseline_wait_max_s": round(base_wait, 3), "batches_shadowed": "", **_compare(ref, kept),
-                             "repeats_first_life": again})
+                rows.append(
+                    {
+                        "scenario": f"job_restart_from_checkpoint_k{k}",
+                        "stall_max_s": round(stall, 3),
+                        "baseline_wait_max_s": round(base_wait, 3),
+                        "batches_shadowed": "",
+                        **_compare(ref, kept),
+                        "repeats_first_life": again,
+                    }
+                )
         slow_steps = max(args.steps, round(args.slow_seconds / (10 * compute_s)))
-        slow_ref = reference if slow_steps == args.steps else _service_run(_plan(args.data, args.dp, 1), cluster, slow_steps, compute_s)[0]
+        slow_ref = (
+            reference
+            if slow_steps == args.steps
+            else _service_run(_plan(args.data, args.dp, 1), cluster, slow_steps, compute_s)[0]
+        )
         got, after, _, mem = _service_run(_plan(args.data, args.dp, 1), cluster, slow_steps, compute_s, slow={1: 10})
-        rows.append({"scenario": "slow_trainer", "stall_max_s": round(max(after, default=0.0), 3), "baseline_wait_max_s": round(base_wait, 3),
-                     "seconds": round(slow_steps * 10 * compute_s, 1), **mem, **_compare(slow_ref, got)})
+        rows.append(
+            {
+                "scenario": "slow_trainer",
+                "stall_max_s": round(max(after, default=0.0), 3),
+                "baseline_wait_max_s": round(base_wait, 3),
+                "seconds": round(slow_steps * 10 * compute_s, 1),
+                **mem,
+                **_compare(slow_ref, got),
+            }
+        )
     with tempfile.TemporaryDirectory() as tmp:
         plan = _plan(args.data, args.dp, 1, checkpoint=os.path.join(tmp, "ck"))
         got, after = _service_restart(plan, args.steps, compute_s, args.fault_at, tmp)
-        rows.append({"scenario": "service_restart", "stall_max_s": round(max(after, default=0.0), 3), "baseline_wait_max_s": round(base_wait, 3),
-                     "batches_shadowed": "", **_compare(reference, got)})
+        rows.append(
+            {
+                "scenario": "service_restart",
+                "stall_max_s": round(max(after, default=0.0), 3),
+                "baseline_wait_max_s": round(base_wait, 3),
+                "batches_shadowed": "",
+                **_compare(reference, got),
+            }
+        )
     cases, clear = (0, 0) if args.no_catalogue else _bad_inputs()
-    out = {"benchmark": "faults", "cores": os.cpu_count(), "dp": args.dp, "steps": args.steps, "compute_ms": args.compute_ms,
-           "scenarios": {r["scenario"]: {k: v for k, v in r.items() if k != "scenario"} for r in rows},
-           "bad_inputs": cases, "bad_inputs_clear": clear}
+    out = {
+        "benchmark": "faults",
+        "cores": os.cpu_count(),
+        "dp": args.dp,
+        "steps": args.steps,
+        "compute_ms": args.compute_ms,
+        "scenarios": {r["scenario"]: {k: v for k, v in r.items() if k != "scenario"} for r in rows},
+        "bad_inputs": cases,
+        "bad_inputs_clear": clear,
+    }
     if args.json:
         print(json.dumps(out))
     else:
-        print_rows(rows, ["scenario", "stall_max_s", "baseline_wait_max_s", "batches_shadowed", "batch_bytes_max", "shadow_bytes_max",
-                          "block_bytes_max", "block_shadow_bytes_max", "rss_growth_mb", "identical", "duplicates", "missing",
-                          "repeats_first_life"])
+        print_rows(
+            rows,
+            [
+                "scenario",
+                "stall_max_s",
+                "baseline_wait_max_s",
+                "batches_shadowed",
+                "batch_bytes_max",
+                "shadow_bytes_max",
+                "block_bytes_max",
+                "block_shadow_bytes_max",
+                "rss_growth_mb",
+                "identical",
+                "duplicates",
+                "missing",
+                "repeats_first_life",
+            ],
+        )
         print(f"bad inputs: {clear} of {cases} get their clear error or handling (tests/test_bad_inputs.py)")
     return out
 

@@ -71,7 +71,11 @@ def generate(kind: str, n_docs: int, rng: np.random.Generator, tables: dict) -> 
 def rules(seed: int) -> dict:
     rng = np.random.default_rng(seed)
     probs = rng.dirichlet(np.full(4, 0.7), V * V)
-    return {"perm": rng.permutation(V), "next": rng.integers(0, V, (V * V, 4)), "cum": np.minimum(np.cumsum(probs, axis=1), 1 - 1e-12)}
+    return {
+        "perm": rng.permutation(V),
+        "next": rng.integers(0, V, (V * V, 4)),
+        "cum": np.minimum(np.cumsum(probs, axis=1), 1 - 1e-12),
+    }
 
 
 def write_sources(root: Path, docs: int, seed: int) -> dict[str, list[np.ndarray]]:
@@ -88,7 +92,9 @@ def write_sources(root: Path, docs: int, seed: int) -> dict[str, list[np.ndarray
         lens = np.array([len(d) for d in train])
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         g = zarr.open_group(str(root / f"{name}.zarr"), mode="w")
-        g.create_array("tokens", shape=(int(offsets[-1]),), chunks=(1 << 18,), dtype="int32")[:] = np.concatenate(train).astype(np.int32)
+        g.create_array("tokens", shape=(int(offsets[-1]),), chunks=(1 << 18,), dtype="int32")[:] = np.concatenate(
+            train
+        ).astype(np.int32)
         g.create_array("offsets", shape=offsets.shape, chunks=(1 << 16,), dtype="int64")[:] = offsets
     return held
 
@@ -101,8 +107,12 @@ class Model:
 
         torch.manual_seed(seed)
         self.torch = torch
-        self.net = torch.nn.ModuleDict({"emb": torch.nn.Embedding(VOCAB + 1, 32), "mlp": torch.nn.Sequential(
-            torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, VOCAB))})
+        self.net = torch.nn.ModuleDict(
+            {
+                "emb": torch.nn.Embedding(VOCAB + 1, 32),
+                "mlp": torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, VOCAB)),
+            }
+        )
         self.opt = torch.optim.Adam(self.net.parameters(), lr=2e-3)
 
     def token_losses(self, ids, prev, labels):
@@ -143,13 +153,17 @@ class Model:
 def make_plan(root: Path, tokens: int, mixing: dict | None):
     from overlord_dask.plan import plan_from_dict
 
-    return plan_from_dict({
-        "name": "feedback-mixing", "seed": 3,
-        "sources": [{"name": n, "format": "zarr", "url": f"{n}.zarr", "weight": 1.0} for n in SOURCES],
-        "topology": {"dp": 1, "micro_batches": 1, "tokens_per_micro_batch": tokens},
-        "loading": {"prefetch_steps": 8, "unit_tokens": 1 << 16},
-        **({"mixing": mixing} if mixing else {}),
-    }, base_dir=str(root))
+    return plan_from_dict(
+        {
+            "name": "feedback-mixing",
+            "seed": 3,
+            "sources": [{"name": n, "format": "zarr", "url": f"{n}.zarr", "weight": 1.0} for n in SOURCES],
+            "topology": {"dp": 1, "micro_batches": 1, "tokens_per_micro_batch": tokens},
+            "loading": {"prefetch_steps": 8, "unit_tokens": 1 << 16},
+            **({"mixing": mixing} if mixing else {}),
+        },
+        base_dir=str(root),
+    )
 
 
 def train(plan, cluster, steps: int, held: dict, eval_every: int, seed: int) -> dict:
@@ -200,8 +214,14 @@ def main(argv=None) -> dict:
     from overlord_dask.service.deploy import local_cluster
     from overlord_dask.service.replay import replay
 
-    mixing = {"controller": "odm", "interval": args.interval, "lag": 2, "max_change": 0.1, "min_share": 0.05,
-              "options": {"exploration": 0.02, "eta": 2.0}}
+    mixing = {
+        "controller": "odm",
+        "interval": args.interval,
+        "lag": 2,
+        "max_change": 0.1,
+        "min_share": 0.05,
+        "options": {"exploration": 0.02, "eta": 2.0},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         held = write_sources(root, args.docs, args.seed)
@@ -217,12 +237,18 @@ def main(argv=None) -> dict:
         dup, miss = exactly_once([planned_identities(ledger[s]) for s in range(args.steps)], ctl["delivered"])
         shares = [d for d in ctl["timeline"].decisions if d.kind == "weights"]
         out = {
-            "benchmark": "feedback_mixing", "steps": args.steps, "tokens_per_step": args.tokens,
-            "held_out_final_static": round(target, 4), "held_out_final_controller": round(float(np.mean([x for _, x in ctl["curve"][-3:]])), 4),
-            "tokens_to_target_static": t_static, "tokens_to_target_controller": t_ctl,
+            "benchmark": "feedback_mixing",
+            "steps": args.steps,
+            "tokens_per_step": args.tokens,
+            "held_out_final_static": round(target, 4),
+            "held_out_final_controller": round(float(np.mean([x for _, x in ctl["curve"][-3:]])), 4),
+            "tokens_to_target_static": t_static,
+            "tokens_to_target_controller": t_ctl,
             "token_saving": round(1 - t_ctl / t_static, 4) if t_static and t_ctl else None,
             "replay_identical": all(np.array_equal(again[s]["pieces"], ledger[s]["pieces"]) for s in range(args.steps)),
-            "duplicates": dup, "missing": miss, "decisions": len(shares),
+            "duplicates": dup,
+            "missing": miss,
+            "decisions": len(shares),
             "final_shares": {k: round(v, 3) for k, v in shares[-1].values.items()} if shares else None,
         }
     emit(out, args.json)

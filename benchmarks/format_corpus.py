@@ -20,8 +20,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 FORMATS = ("parquet", "jsonl", "jsonl.zst", "jsonl.gz", "arrow", "webdataset", "megatron")
-WORDS = ("the", "data", "loader", "plans", "every", "step", "of", "a", "run", "über", "naïve", "东京", "token", "mix",
-         "source", "balance", "rank", "\"quoted\"", "tab\there", "line\nbreak")
+WORDS = (
+    "the",
+    "data",
+    "loader",
+    "plans",
+    "every",
+    "step",
+    "of",
+    "a",
+    "run",
+    "über",
+    "naïve",
+    "东京",
+    "token",
+    "mix",
+    "source",
+    "balance",
+    "rank",
+    '"quoted"',
+    "tab\there",
+    "line\nbreak",
+)
 
 
 def make_records(n: int, seed: int = 0, mean_words: int = 60) -> list[dict]:
@@ -31,8 +51,15 @@ def make_records(n: int, seed: int = 0, mean_words: int = 60) -> list[dict]:
     lens = np.clip(rng.lognormal(np.log(mean_words), 0.8, n), 0, 40 * mean_words).astype(int)
     lens[rng.random(n) < 0.02] = 0
     words = np.array(WORDS)
-    return [{"id": i, "text": " ".join(words[rng.integers(0, len(words), k)]), "lang": ["en", "fr", "de"][int(rng.integers(0, 3))],
-             "quality": round(float(rng.random()), 4)} for i, k in enumerate(lens)]
+    return [
+        {
+            "id": i,
+            "text": " ".join(words[rng.integers(0, len(words), k)]),
+            "lang": ["en", "fr", "de"][int(rng.integers(0, 3))],
+            "quality": round(float(rng.random()), 4),
+        }
+        for i, k in enumerate(lens)
+    ]
 
 
 def _split(records: list[dict], files: int) -> list[list[dict]]:
@@ -43,14 +70,18 @@ def _jsonl(records: list[dict]) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
 
 
-def write(root: Path, records: list[dict], fmt: str, *, files: int = 4, frame_bytes: int = 1 << 20, row_group: int = 2000) -> str:
+def write(
+    root: Path, records: list[dict], fmt: str, *, files: int = 4, frame_bytes: int = 1 << 20, row_group: int = 2000
+) -> str:
     """Write ``records`` as ``fmt`` under ``root``; returns the source URL (relative to ``root``)."""
     root = Path(root)
     parts = _split(records, files)
     if fmt == "parquet":
         (root / "parquet").mkdir(parents=True, exist_ok=True)
         for i, part in enumerate(parts):
-            pq.write_table(pa.Table.from_pylist(part), root / "parquet" / f"part-{i:03d}.parquet", row_group_size=row_group)
+            pq.write_table(
+                pa.Table.from_pylist(part), root / "parquet" / f"part-{i:03d}.parquet", row_group_size=row_group
+            )
         return "parquet"
     if fmt.startswith("jsonl"):
         folder = root / fmt.replace(".", "_")
@@ -64,7 +95,9 @@ def write(root: Path, records: list[dict], fmt: str, *, files: int = 4, frame_by
                 import zstandard
 
                 c = zstandard.ZstdCompressor(level=3)
-                path.write_bytes(b"".join(c.compress(raw[a: a + frame_bytes]) for a in range(0, len(raw), frame_bytes)))
+                path.write_bytes(
+                    b"".join(c.compress(raw[a : a + frame_bytes]) for a in range(0, len(raw), frame_bytes))
+                )
             else:
                 path.write_bytes(raw)
         return folder.name
@@ -82,7 +115,13 @@ def write(root: Path, records: list[dict], fmt: str, *, files: int = 4, frame_by
         for i, part in enumerate(parts):
             with wds.TarWriter(str(root / "wds" / f"shard-{i:03d}.tar")) as w:
                 for r in part:
-                    w.write({"__key__": f"{r['id']:09d}", "txt": r["text"], "json": json.dumps({"lang": r["lang"], "quality": r["quality"]})})
+                    w.write(
+                        {
+                            "__key__": f"{r['id']:09d}",
+                            "txt": r["text"],
+                            "json": json.dumps({"lang": r["lang"], "quality": r["quality"]}),
+                        }
+                    )
         return f"wds/shard-{{000..{files - 1:03d}}}.tar"
     if fmt == "megatron":
         from overlord_dask.sources.tokenizers import byte_tokenize
@@ -90,7 +129,9 @@ def write(root: Path, records: list[dict], fmt: str, *, files: int = 4, frame_by
         (root / "megatron").mkdir(parents=True, exist_ok=True)
         for i, part in enumerate(parts):
             t, o = byte_tokenize(pa.array([r["text"] for r in part], pa.string()))
-            write_megatron(root / "megatron" / f"part-{i:03d}_text_document", [t[o[k]: o[k + 1]] for k in range(len(o) - 1)])
+            write_megatron(
+                root / "megatron" / f"part-{i:03d}_text_document", [t[o[k] : o[k + 1]] for k in range(len(o) - 1)]
+            )
         return "megatron"
     raise ValueError(f"unknown format {fmt!r}")
 
@@ -115,7 +156,11 @@ def _write_megatron_layout(prefix: Path, docs: list[np.ndarray]) -> None:
     with open(f"{prefix}.bin", "wb") as f:
         for d in docs:
             f.write(np.asarray(d, np.uint16).tobytes())
-    pointers = np.concatenate([[0], np.cumsum(sizes[:-1].astype(np.int64) * 2)]).astype(np.int64) if len(docs) else np.zeros(0, np.int64)
+    pointers = (
+        np.concatenate([[0], np.cumsum(sizes[:-1].astype(np.int64) * 2)]).astype(np.int64)
+        if len(docs)
+        else np.zeros(0, np.int64)
+    )
     with open(f"{prefix}.idx", "wb") as f:
         f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(sizes), len(sizes) + 1))
         f.write(sizes.tobytes() + pointers.tobytes() + np.arange(len(sizes) + 1, dtype=np.int64).tobytes())

@@ -45,10 +45,17 @@ WORDS_PER_DOC = 80  # about 450 bytes of text per record (lognormal lengths)
 def _plan(root: Path, fmt: str, url: str, dp: int, tokens_per_mb: int):
     from overlord_dask.plan import plan_from_dict
 
-    return plan_from_dict({"name": f"formats-{fmt.replace('.', '-')}", "base_dir": str(root), "seed": 1,
-                           "sources": [source_for(fmt, url)],
-                           "topology": {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": tokens_per_mb},
-                           "loading": {"prefetch_steps": 8}}, where="<benchmark plan>")
+    return plan_from_dict(
+        {
+            "name": f"formats-{fmt.replace('.', '-')}",
+            "base_dir": str(root),
+            "seed": 1,
+            "sources": [source_for(fmt, url)],
+            "topology": {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": tokens_per_mb},
+            "loading": {"prefetch_steps": 8},
+        },
+        where="<benchmark plan>",
+    )
 
 
 def _index_s(plan) -> tuple[float, int]:
@@ -66,6 +73,7 @@ def _service(plan, dp: int, tokens: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     first, counts, done = [], [0] * dp, threading.Event()
     with Service.start(plan, n_workers=2) as service:
+
         def rank(r):
             with connect(service.address, r, timeout=600) as s:
                 b = s.next_batch()
@@ -117,7 +125,9 @@ def _peer(root: Path, fmt: str, url: str, tokens: int) -> tuple[str, float]:
 
         datasets.disable_progress_bars()
         files = sorted(str(p) for p in (root / url).iterdir())
-        ds = datasets.load_dataset("parquet" if fmt == "parquet" else "json", data_files=files, split="train", streaming=True)
+        ds = datasets.load_dataset(
+            "parquet" if fmt == "parquet" else "json", data_files=files, split="train", streaming=True
+        )
         return "datasets streaming", _stream_texts((r["text"] for r in ds), tokens)
     if fmt == "arrow":
         import datasets
@@ -147,7 +157,7 @@ def _megatron_mmap(folder: Path, tokens: int) -> float:
         pointers = np.frombuffer(raw, np.int64, seqs, 34 + 4 * seqs)
         data = np.memmap(str(idx)[:-4] + ".bin", dtype=np.uint16, mode="r")
         for p, s in zip(pointers // 2, sizes):
-            n += int(np.asarray(data[p: p + s], dtype=np.int32).size)
+            n += int(np.asarray(data[p : p + s], dtype=np.int32).size)
             if n >= tokens:
                 return n / (time.perf_counter() - t0)
     return n / (time.perf_counter() - t0)
@@ -181,17 +191,53 @@ def main(argv=None) -> dict:
             first_s, tps = _service(plan, args.dp, args.tokens)
             peer, peer_tps = _peer(root, fmt, url, args.tokens)
             size = sum(p.stat().st_size for p in (root / url.split("/")[0]).rglob("*") if p.is_file())
-            rows.append({"format": fmt, "files_mb": round(size / 1e6, 1), "write_s": round(write_s, 1), "units": units,
-                         "index_s": float(f"{index_s:.3g}"), "first_batch_s": float(f"{first_s:.3g}"), "tokens_per_s": round(tps),
-                         "peer": peer, "peer_tokens_per_s": round(peer_tps), "ratio": round(tps / peer_tps, 2)})
-        out = {"benchmark": "formats", "records": n, "text_mb": round(text_mb, 1), "dp": args.dp, "tokens": args.tokens,
-               "cpus": os.cpu_count(), "total_s": round(time.perf_counter() - t0, 1), "rows": rows,
-               "formats": {r["format"]: {k: r[k] for k in ("index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s")} for r in rows}}
+            rows.append(
+                {
+                    "format": fmt,
+                    "files_mb": round(size / 1e6, 1),
+                    "write_s": round(write_s, 1),
+                    "units": units,
+                    "index_s": float(f"{index_s:.3g}"),
+                    "first_batch_s": float(f"{first_s:.3g}"),
+                    "tokens_per_s": round(tps),
+                    "peer": peer,
+                    "peer_tokens_per_s": round(peer_tps),
+                    "ratio": round(tps / peer_tps, 2),
+                }
+            )
+        out = {
+            "benchmark": "formats",
+            "records": n,
+            "text_mb": round(text_mb, 1),
+            "dp": args.dp,
+            "tokens": args.tokens,
+            "cpus": os.cpu_count(),
+            "total_s": round(time.perf_counter() - t0, 1),
+            "rows": rows,
+            "formats": {
+                r["format"]: {k: r[k] for k in ("index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s")}
+                for r in rows
+            },
+        }
     finally:
         if args.data is None:
             shutil.rmtree(root, ignore_errors=True)
-    emit_rows({k: v for k, v in out.items() if k != "formats"} if not args.json else out, args.json,
-              ["format", "files_mb", "write_s", "units", "index_s", "first_batch_s", "tokens_per_s", "peer", "peer_tokens_per_s", "ratio"])
+    emit_rows(
+        {k: v for k, v in out.items() if k != "formats"} if not args.json else out,
+        args.json,
+        [
+            "format",
+            "files_mb",
+            "write_s",
+            "units",
+            "index_s",
+            "first_batch_s",
+            "tokens_per_s",
+            "peer",
+            "peer_tokens_per_s",
+            "ratio",
+        ],
+    )
     return out
 
 

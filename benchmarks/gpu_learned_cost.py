@@ -50,14 +50,23 @@ def lengths(cap: int):
         rng = np.random.default_rng(stable_seed("gpu-learned-cost", name, epoch, unit))
         mu, sigma, _ = SOURCES[name]
         return np.clip(rng.lognormal(mu, sigma, DOCS), 16, cap).astype(np.int64)
+
     return of
 
 
 def make_plan(dp: int, tokens: int, cost: dict):
-    return plan_from_dict({
-        "seed": 5, "sources": [{"name": n, "format": "zarr", "url": f"{n}.zarr", "weight": w} for n, (_, _, w) in SOURCES.items()],
-        "topology": {"dp": dp, "micro_batches": 1, "tokens_per_micro_batch": tokens},
-        "balance": {"sync": "micro_batch", "window": 8}, "cost": cost, "loading": {"prefetch_steps": 8, "units_ahead": 8}})
+    return plan_from_dict(
+        {
+            "seed": 5,
+            "sources": [
+                {"name": n, "format": "zarr", "url": f"{n}.zarr", "weight": w} for n, (_, _, w) in SOURCES.items()
+            ],
+            "topology": {"dp": dp, "micro_batches": 1, "tokens_per_micro_batch": tokens},
+            "balance": {"sync": "micro_batch", "window": 8},
+            "cost": cost,
+            "loading": {"prefetch_steps": 8, "units_ahead": 8},
+        }
+    )
 
 
 class Model:
@@ -69,11 +78,21 @@ class Model:
         torch.manual_seed(0)
         self.torch, self.device, self.heads = torch, device, heads
         self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        self.blocks = torch.nn.ModuleList([torch.nn.ModuleDict({
-            "norm1": torch.nn.LayerNorm(hidden), "qkv": torch.nn.Linear(hidden, 3 * hidden, bias=False),
-            "out": torch.nn.Linear(hidden, hidden, bias=False), "norm2": torch.nn.LayerNorm(hidden),
-            "up": torch.nn.Linear(hidden, 4 * hidden, bias=False), "down": torch.nn.Linear(4 * hidden, hidden, bias=False)})
-            for _ in range(layers)]).to(device=device, dtype=self.dtype)
+        self.blocks = torch.nn.ModuleList(
+            [
+                torch.nn.ModuleDict(
+                    {
+                        "norm1": torch.nn.LayerNorm(hidden),
+                        "qkv": torch.nn.Linear(hidden, 3 * hidden, bias=False),
+                        "out": torch.nn.Linear(hidden, hidden, bias=False),
+                        "norm2": torch.nn.LayerNorm(hidden),
+                        "up": torch.nn.Linear(hidden, 4 * hidden, bias=False),
+                        "down": torch.nn.Linear(4 * hidden, hidden, bias=False),
+                    }
+                )
+                for _ in range(layers)
+            ]
+        ).to(device=device, dtype=self.dtype)
         self.hidden = hidden
         self.flex = None
         if device == "cuda":
@@ -85,6 +104,7 @@ class Model:
     def _attend(self, q, k, v, doc):
         torch = self.torch
         if self.flex is not None:
+
             def mask_mod(b, h, qi, ki):
                 return (doc[qi] == doc[ki]) & (qi >= ki)
 
@@ -154,7 +174,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="a small model and micro-batch (CPU check)")
     args = ap.parse_args(argv)
     if args.tiny:
-        args.tokens, args.hidden, args.heads, args.layers, args.steps, args.warmup = 1024, 32, 2, 1, min(args.steps, 24), 1
+        args.tokens, args.hidden, args.heads, args.layers, args.steps, args.warmup = (
+            1024,
+            32,
+            2,
+            1,
+            min(args.steps, 24),
+            1,
+        )
 
     import torch
 
@@ -165,7 +192,13 @@ def main(argv=None) -> dict:
         model.timed(np.array([n // 2, n - n // 2]), args.tokens)
     declared = {"hidden": args.hidden}
     learn = {"min_observations": 16, "every": 1, "patience": 2, "window": 100_000}
-    t_decl, fb = run_pass(make_plan(args.dp, args.tokens, {**declared, "learn": learn}), model, args.steps + args.warmup, args.tokens, True)
+    t_decl, fb = run_pass(
+        make_plan(args.dp, args.tokens, {**declared, "learn": learn}),
+        model,
+        args.steps + args.warmup,
+        args.tokens,
+        True,
+    )
     fit = fb.learner.status()
     if not fit.get("fitted"):
         raise SystemExit("the fit did not run: give more --steps")
@@ -174,18 +207,30 @@ def main(argv=None) -> dict:
     f = fit["fitted"]
     learned = {"attention": f["attention"] * UNIT, "linear": f["linear"] * UNIT, "constant": f["constant"] * UNIT}
     t_learn, _ = run_pass(make_plan(args.dp, args.tokens, learned), model, args.steps + args.warmup, args.tokens, False)
-    d, lrn = t_decl[args.warmup:], t_learn[args.warmup:]
+    d, lrn = t_decl[args.warmup :], t_learn[args.warmup :]
     imb = lambda t: float(np.median(t.max(axis=1) / t.mean(axis=1)))  # noqa: E731
     out = {
-        "benchmark": "gpu_learned_cost", "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
-        "dp": args.dp, "tokens_per_micro_batch": args.tokens, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
+        "benchmark": "gpu_learned_cost",
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dp": args.dp,
+        "tokens_per_micro_batch": args.tokens,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "steps": args.steps,
         "attention": "flex" if model.flex is not None else "sdpa dense mask",
-        "declared_step_ms": round(float(d.max(axis=1).mean()) * 1e3, 2), "learned_step_ms": round(float(lrn.max(axis=1).mean()) * 1e3, 2),
-        "declared_mean_rank_ms": round(float(d.mean()) * 1e3, 2), "learned_mean_rank_ms": round(float(lrn.mean()) * 1e3, 2),
-        "declared_imbalance_p50": round(imb(d), 4), "learned_imbalance_p50": round(imb(lrn), 4),
+        "declared_step_ms": round(float(d.max(axis=1).mean()) * 1e3, 2),
+        "learned_step_ms": round(float(lrn.max(axis=1).mean()) * 1e3, 2),
+        "declared_mean_rank_ms": round(float(d.mean()) * 1e3, 2),
+        "learned_mean_rank_ms": round(float(lrn.mean()) * 1e3, 2),
+        "declared_imbalance_p50": round(imb(d), 4),
+        "learned_imbalance_p50": round(imb(lrn), 4),
         "speedup": round(float(d.max(axis=1).mean() / lrn.max(axis=1).mean()), 4),
-        "settle_steps": fit["settled_at"], "fit_error": round(fit["error_fitted"], 4), "declared_fit_error": round(fit["error_declared"], 4),
-        "fitted": {k: float(f"{v:.4g}") for k, v in f.items()}, "declared_scaled": {k: float(f"{v:.4g}") for k, v in fit["declared"].items()},
+        "settle_steps": fit["settled_at"],
+        "fit_error": round(fit["error_fitted"], 4),
+        "declared_fit_error": round(fit["error_declared"], 4),
+        "fitted": {k: float(f"{v:.4g}") for k, v in f.items()},
+        "declared_scaled": {k: float(f"{v:.4g}") for k, v in fit["declared"].items()},
         "linear_over_attention_fitted": round(f["linear"] / f["attention"], 1) if f["attention"] > 0 else None,
         "linear_over_attention_declared": 6 * args.hidden,
     }

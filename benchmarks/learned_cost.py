@@ -49,7 +49,8 @@ from output import emit  # noqa: E402  (benchmarks/output.py)
 
 SOURCES = {"web": (6.5, 1.0, 0.4), "books": (8.0, 0.7, 0.3), "chat": (4.5, 0.6, 0.3)}  # lognormal mu, sigma; weight
 HIDDEN = 8192
-# true cost per term, relative: attention 3x (vs 1 declared), linear 6*hidden (as declared), per document 500 tokens' worth
+# true cost per term, relative: attention 3x (vs 1 declared), linear 6*hidden (as declared), per document 500 tokens'
+# worth
 # of linear cost, per micro-batch 1,000 tokens' worth
 TRUE_SHAPE = np.array([3.0, 6.0 * HIDDEN, 6.0 * HIDDEN * 500, 6.0 * HIDDEN * 1000])
 
@@ -83,13 +84,20 @@ def mean_step_cost(lengths: dict[str, np.ndarray], tokens: int) -> float:
 def make_plan(root: Path, dp: int, tokens: int, cost: dict):
     from overlord_dask.plan import plan_from_dict
 
-    return plan_from_dict({
-        "name": "learned-cost", "seed": 11,
-        "sources": [{"name": n, "format": "zarr", "url": f"{n}.zarr", "weight": w} for n, (_, _, w) in SOURCES.items()],
-        "topology": {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": tokens},
-        "cost": cost, "balance": {"sync": "step", "window": 8},
-        "loading": {"prefetch_steps": 8, "unit_tokens": 1 << 18},
-    }, base_dir=str(root))
+    return plan_from_dict(
+        {
+            "name": "learned-cost",
+            "seed": 11,
+            "sources": [
+                {"name": n, "format": "zarr", "url": f"{n}.zarr", "weight": w} for n, (_, _, w) in SOURCES.items()
+            ],
+            "topology": {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": tokens},
+            "cost": cost,
+            "balance": {"sync": "step", "window": 8},
+            "loading": {"prefetch_steps": 8, "unit_tokens": 1 << 18},
+        },
+        base_dir=str(root),
+    )
 
 
 def trainer(address: str, rank: int, dp: int, steps: int, unit_s: float, out) -> None:
@@ -130,7 +138,12 @@ def run_service(plan, cluster, dp: int, steps: int, unit_s: float, ctx) -> tuple
         deadline = time.monotonic() + 10
         while (fb := service.status()["feedback"])["newest_reported"] < steps - 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        return np.array([got[r] for r in range(dp)]).transpose(1, 2, 0), fb, service.timeline(), service.ledger(0, steps)
+        return (
+            np.array([got[r] for r in range(dp)]).transpose(1, 2, 0),
+            fb,
+            service.timeline(),
+            service.ledger(0, steps),
+        )
 
 
 def imbalance(t: np.ndarray) -> np.ndarray:
@@ -155,27 +168,40 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-true-model", action="store_true", help="skip the run with the true coefficients declared")
     args = ap.parse_args(argv)
 
+    from overlord_dask.planner.learn import TERMS
     from overlord_dask.service.deploy import local_cluster
     from overlord_dask.service.replay import replay
-    from overlord_dask.planner.learn import TERMS
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         lengths = write_corpus(root, args.docs, args.tokens, seed=5)
         declared = {"hidden": HIDDEN}
-        unit_s = args.step_ms / 1e3 / mean_step_cost(lengths, args.tokens)  # seconds per TRUE_SHAPE unit: a mean step takes --step-ms
+        unit_s = (
+            args.step_ms / 1e3 / mean_step_cost(lengths, args.tokens)
+        )  # seconds per TRUE_SHAPE unit: a mean step takes --step-ms
         true = np.append(TRUE_SHAPE[:3], 0.0) * unit_s  # seconds per unit of attention, linear, constant, encoder
         true_fixed = TRUE_SHAPE[3] * unit_s
-        out = {"benchmark": "learned_cost", "cores": os.cpu_count(), "dp": args.dp, "micro_batches": 2, "tokens_per_micro_batch": args.tokens,
-               "steps": args.steps, "step_ms": args.step_ms}
+        out = {
+            "benchmark": "learned_cost",
+            "cores": os.cpu_count(),
+            "dp": args.dp,
+            "micro_batches": 2,
+            "tokens_per_micro_batch": args.tokens,
+            "steps": args.steps,
+            "step_ms": args.step_ms,
+        }
         with local_cluster(n_workers=args.workers) as cluster:
-            t_decl, _, _, _ = run_service(make_plan(root, args.dp, args.tokens, declared), cluster, args.dp, args.steps, unit_s, ctx)
+            t_decl, _, _, _ = run_service(
+                make_plan(root, args.dp, args.tokens, declared), cluster, args.dp, args.steps, unit_s, ctx
+            )
             plan = make_plan(root, args.dp, args.tokens, {**declared, "learn": True})
             t_learn, fb, tl, ledger = run_service(plan, cluster, args.dp, args.steps, unit_s, ctx)
             if not args.no_true_model:
                 oracle = {"attention": TRUE_SHAPE[0], "linear": TRUE_SHAPE[1], "constant": TRUE_SHAPE[2]}
-                t_true, _, _, _ = run_service(make_plan(root, args.dp, args.tokens, oracle), cluster, args.dp, args.steps, unit_s, ctx)
+                t_true, _, _, _ = run_service(
+                    make_plan(root, args.dp, args.tokens, oracle), cluster, args.dp, args.steps, unit_s, ctx
+                )
                 out["true_model_imbalance_p50"] = p50(t_true[0], args.warmup)
                 out["true_model_intended_p50"] = p50(t_true[1], args.warmup)
         switches = [d for d in tl.decisions if d.kind == "cost"]
@@ -194,12 +220,17 @@ def main(argv=None) -> dict:
             out["coefficient_error"] = round(max(errs["attention"], errs["constant"]), 4)
             out["coefficient_errors"] = {t: round(e, 4) for t, e in errs.items()}
             full = args.tokens * 0.97  # a full micro-batch's linear plus fixed time
-            out["linear_fixed_error"] = round(abs(f["linear"] * full + f["fixed"] - (true[1] * full + true_fixed)) / (true[1] * full + true_fixed), 4)
+            out["linear_fixed_error"] = round(
+                abs(f["linear"] * full + f["fixed"] - (true[1] * full + true_fixed)) / (true[1] * full + true_fixed), 4
+            )
             out["fit_error"] = round(fit["error_fitted"], 4)
             out["declared_fit_error"] = round(fit["error_declared"], 4)
         again = replay(plan, tl, args.steps)
-        out["replay_identical"] = all(np.array_equal(again[s]["pieces"], ledger[s]["pieces"]) and np.array_equal(again[s]["slot"], ledger[s]["slot"])
-                                      for s in range(args.steps))
+        out["replay_identical"] = all(
+            np.array_equal(again[s]["pieces"], ledger[s]["pieces"])
+            and np.array_equal(again[s]["slot"], ledger[s]["slot"])
+            for s in range(args.steps)
+        )
         out["decisions"] = len(tl.decisions)
     emit(out, args.json)
     return out

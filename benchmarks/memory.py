@@ -128,8 +128,15 @@ def _run(kind: str, dp: int, cfg: dict, seconds: float, interval: float, extra_p
     return {"pss_mb": samples, "first_batch_s": first, "tokens_per_s": tokens / secs if secs else 0.0}
 
 
-def _serve(root: str, names: list[str], dp: int, tokens: int, workers: int, weights: list[float] | None = None,
-           seed: int | None = None) -> tuple[subprocess.Popen, str]:
+def _serve(
+    root: str,
+    names: list[str],
+    dp: int,
+    tokens: int,
+    workers: int,
+    weights: list[float] | None = None,
+    seed: int | None = None,
+) -> tuple[subprocess.Popen, str]:
     """``overlord serve`` over the generated sources under ``root``, in its own process tree."""
     import yaml
 
@@ -163,8 +170,13 @@ def measure(root: str, dp: int, n_sources: int, args) -> dict:
 
     names = generate_text_sources(os.path.join(root, f"s{n_sources}"), n_sources)
     data = os.path.join(root, f"s{n_sources}")
-    cfg = {"tokens": args.tokens, "compute_s": args.compute_ms / 1e3, "workers": args.baseline_workers,
-           "files": {n: sorted(glob.glob(os.path.join(data, n, "*.parquet"))) for n in names}, "weights": {n: 1.0 for n in names}}
+    cfg = {
+        "tokens": args.tokens,
+        "compute_s": args.compute_ms / 1e3,
+        "workers": args.baseline_workers,
+        "files": {n: sorted(glob.glob(os.path.join(data, n, "*.parquet"))) for n in names},
+        "weights": dict.fromkeys(names, 1.0),
+    }
     bare = _run("bare", dp, cfg, min(args.seconds, 3.0), args.interval)
     base = _run("baseline", dp, cfg, args.seconds, args.interval)
     proc, address = _serve(data, names, dp, args.tokens, args.workers)
@@ -179,11 +191,20 @@ def measure(root: str, dp: int, n_sources: int, args) -> dict:
         return round(float(np.median(s)), 1), round(float(s.max()), 1)
 
     (b_med, b_peak), (o_med, o_peak) = share(base), share(ours)
-    return {"ranks": dp, "sources": n_sources, "bare_trainers_mb": round(bare_mb, 1),
-            "baseline_mb": b_med, "baseline_peak_mb": b_peak, "ours_mb": o_med, "ours_peak_mb": o_peak,
-            "memory_ratio": round(b_med / o_med, 2) if o_med > 0 else None,
-            "baseline_tokens_per_s": round(base["tokens_per_s"]), "ours_tokens_per_s": round(ours["tokens_per_s"]),
-            "baseline_first_batch_s": round(base["first_batch_s"], 2), "ours_first_batch_s": round(ours["first_batch_s"], 2)}
+    return {
+        "ranks": dp,
+        "sources": n_sources,
+        "bare_trainers_mb": round(bare_mb, 1),
+        "baseline_mb": b_med,
+        "baseline_peak_mb": b_peak,
+        "ours_mb": o_med,
+        "ours_peak_mb": o_peak,
+        "memory_ratio": round(b_med / o_med, 2) if o_med > 0 else None,
+        "baseline_tokens_per_s": round(base["tokens_per_s"]),
+        "ours_tokens_per_s": round(ours["tokens_per_s"]),
+        "baseline_first_batch_s": round(base["first_batch_s"], 2),
+        "ours_first_batch_s": round(ours["first_batch_s"], 2),
+    }
 
 
 def fit(rows: list[dict], project: tuple[int, int]) -> dict:
@@ -196,19 +217,32 @@ def fit(rows: list[dict], project: tuple[int, int]) -> dict:
     pr, ps = project
     ours_at = ours[0] + ours[1] * pr + ours[2] * ps
     base_at = base[0] + base[1] * pr + base[2] * pr * ps
-    return {"ours_fixed_mb": round(float(ours[0]), 1), "ours_per_rank_mb": round(float(ours[1]), 2),
-            "ours_per_source_mb": round(float(ours[2]), 2), "baseline_fixed_mb": round(float(base[0]), 1),
-            "baseline_per_rank_mb": round(float(base[1]), 2), "baseline_per_rank_source_mb": round(float(base[2]), 3),
-            "projected_at": {"ranks": pr, "sources": ps}, "projected_ours_gb": round(float(ours_at) / 1024, 1),
-            "projected_baseline_gb": round(float(base_at) / 1024, 1), "projected_ratio": round(float(base_at / ours_at), 1)}
+    return {
+        "ours_fixed_mb": round(float(ours[0]), 1),
+        "ours_per_rank_mb": round(float(ours[1]), 2),
+        "ours_per_source_mb": round(float(ours[2]), 2),
+        "baseline_fixed_mb": round(float(base[0]), 1),
+        "baseline_per_rank_mb": round(float(base[1]), 2),
+        "baseline_per_rank_source_mb": round(float(base[2]), 3),
+        "projected_at": {"ranks": pr, "sources": ps},
+        "projected_ours_gb": round(float(ours_at) / 1024, 1),
+        "projected_baseline_gb": round(float(base_at) / 1024, 1),
+        "projected_ratio": round(float(base_at / ours_at), 1),
+    }
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16], help="ranks measured at the default source count")
-    ap.add_argument("--sources", type=int, nargs="+", default=[4, 8, 16], help="source counts measured at the default rank count")
-    ap.add_argument("--at", type=int, nargs=2, default=[8, 16], metavar=("RANKS", "SOURCES"), help="the default size (memory_ratio)")
+    ap.add_argument(
+        "--ranks", type=int, nargs="+", default=[2, 4, 8, 16], help="ranks measured at the default source count"
+    )
+    ap.add_argument(
+        "--sources", type=int, nargs="+", default=[4, 8, 16], help="source counts measured at the default rank count"
+    )
+    ap.add_argument(
+        "--at", type=int, nargs=2, default=[8, 16], metavar=("RANKS", "SOURCES"), help="the default size (memory_ratio)"
+    )
     ap.add_argument("--project", type=int, nargs=2, default=[1024, 100], metavar=("RANKS", "SOURCES"))
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank and step")
     ap.add_argument("--compute-ms", type=float, default=100.0)
@@ -225,11 +259,33 @@ def main(argv=None) -> dict:
         root = args.data or tmp
         rows = [measure(root, r, s, args) for r, s in sizes]
     at = next(r for r in rows if (r["ranks"], r["sources"]) == (R0, S0))
-    out = {"benchmark": "memory", "cores": os.cpu_count(), "workers": args.workers, "baseline_workers": args.baseline_workers,
-           "tokens_per_rank_step": args.tokens, "compute_ms": args.compute_ms, "at": {"ranks": R0, "sources": S0},
-           "memory_ratio": at["memory_ratio"], **fit(rows, tuple(args.project)), "rows": rows}
-    emit_rows(out, args.json, ["ranks", "sources", "baseline_mb", "baseline_peak_mb", "ours_mb", "ours_peak_mb", "memory_ratio",
-                          "baseline_tokens_per_s", "ours_tokens_per_s"])
+    out = {
+        "benchmark": "memory",
+        "cores": os.cpu_count(),
+        "workers": args.workers,
+        "baseline_workers": args.baseline_workers,
+        "tokens_per_rank_step": args.tokens,
+        "compute_ms": args.compute_ms,
+        "at": {"ranks": R0, "sources": S0},
+        "memory_ratio": at["memory_ratio"],
+        **fit(rows, tuple(args.project)),
+        "rows": rows,
+    }
+    emit_rows(
+        out,
+        args.json,
+        [
+            "ranks",
+            "sources",
+            "baseline_mb",
+            "baseline_peak_mb",
+            "ours_mb",
+            "ours_peak_mb",
+            "memory_ratio",
+            "baseline_tokens_per_s",
+            "ours_tokens_per_s",
+        ],
+    )
     return out
 
 

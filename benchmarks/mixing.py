@@ -42,10 +42,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from output import emit  # noqa: E402  (benchmarks/output.py)
 
+from overlord_dask.observe.figures import window_mix_errors  # noqa: E402
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
 from overlord_dask.planner.streams.order import stable_seed  # noqa: E402
-from overlord_dask.observe.figures import window_mix_errors  # noqa: E402
 
 SOURCES = {  # name: (lognormal mu, sigma) of document lengths
     "web": (6.6, 1.0),
@@ -81,8 +81,17 @@ def curriculum(policy: str = "cost", seed: int = 0, micro_batches: int = 8, step
         ],
         "stages": [
             {"name": "warmup", "start_step": 0},
-            {"name": "mid", "start_step": at(300), "weights": {"web": 0.35, "code": 0.25, "books": 0.15, "math": 0.15, "chat": 0.1}},
-            {"name": "late", "start_step": at(600), "ramp_steps": at(50), "weights": {"web": 0.25, "code": 0.3, "books": 0.1, "math": 0.25, "chat": 0.1}},
+            {
+                "name": "mid",
+                "start_step": at(300),
+                "weights": {"web": 0.35, "code": 0.25, "books": 0.15, "math": 0.15, "chat": 0.1},
+            },
+            {
+                "name": "late",
+                "start_step": at(600),
+                "ramp_steps": at(50),
+                "weights": {"web": 0.25, "code": 0.3, "books": 0.1, "math": 0.25, "chat": 0.1},
+            },
         ],
         "topology": {"dp": 8, "micro_batches": micro_batches, "tokens_per_micro_batch": 8192},
         "balance": {"policy": policy},
@@ -100,8 +109,14 @@ def live_update(base: dict) -> dict:
     return new
 
 
-def simulate(plan_dict: dict, steps: int, update: dict | None = None, update_at: int = 800, live_from: int | None = 780,
-             known_upfront: bool = False) -> tuple[PlannerState, dict[int, dict]]:
+def simulate(
+    plan_dict: dict,
+    steps: int,
+    update: dict | None = None,
+    update_at: int = 800,
+    live_from: int | None = 780,
+    known_upfront: bool = False,
+) -> tuple[PlannerState, dict[int, dict]]:
     """Plan ``steps`` steps with every rank acknowledging at once. The update is applied when
     the planner reaches ``live_from`` (live) or before the first step (``known_upfront``)."""
     plan = plan_from_dict(plan_dict)

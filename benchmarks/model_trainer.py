@@ -38,7 +38,9 @@ class TokenLM(nn.Module):
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_positions, dim)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(layers))
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
 
@@ -53,7 +55,17 @@ class ModelTrainer:
     """Trains ``TokenLM`` on the micro-batches given to :meth:`micro_batch`; :meth:`end_step`
     applies the optimizer once per step and returns the step's mean loss (a host sync)."""
 
-    def __init__(self, *, vocab: int, dim: int, layers: int, capacity: int, device: str = "auto", lr: float | None = None, seed: int = 0):
+    def __init__(
+        self,
+        *,
+        vocab: int,
+        dim: int,
+        layers: int,
+        capacity: int,
+        device: str = "auto",
+        lr: float | None = None,
+        seed: int = 0,
+    ):
         self.device = pick_device(device)
         if self.device == "cpu":
             torch.set_num_threads(1)  # one core, as a GPU trainer's host thread: the loaders keep the rest
@@ -107,7 +119,9 @@ def calibrate(trainer: ModelTrainer, capacity: int, micro_batches: int, steps: i
     from overlord_dask.sources.tokenizers import BYTE_OFFSET
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(BYTE_OFFSET, min(trainer.vocab, BYTE_OFFSET + 256), (capacity,), generator=g)  # byte-tokenizer ids
+    ids = torch.randint(
+        BYTE_OFFSET, min(trainer.vocab, BYTE_OFFSET + 256), (capacity,), generator=g
+    )  # byte-tokenizer ids
     mb = {"input_ids": ids, "position_ids": torch.arange(capacity), "labels": torch.roll(ids, -1)}
     times = []
     for _ in range(steps + 1):

@@ -70,7 +70,11 @@ def _torchdata_loader(files: dict, weights: dict, capacity: int, rank: int, worl
             if self.table is None:
                 path, g = self.groups[self.group]
                 self.table = pq.ParquetFile(path).read_row_group(g, columns=["id", "text"])
-            doc = {"source": self.source, "id": self.table.column(0)[self.row].as_py(), "text": self.table.column(1)[self.row].as_py()}
+            doc = {
+                "source": self.source,
+                "id": self.table.column(0)[self.row].as_py(),
+                "text": self.table.column(1)[self.row].as_py(),
+            }
             self.row += 1
             if self.row == self.table.num_rows:
                 self.group, self.row, self.table = (self.group + 1) % len(self.groups), 0, None
@@ -122,7 +126,9 @@ def _torchdata_loader(files: dict, weights: dict, capacity: int, rank: int, worl
 
     names = sorted(files)
     nodes = {n: ParquetDocs(i, files[n]) for i, n in enumerate(names)}
-    mixed = MultiNodeWeightedSampler(nodes, weights, stop_criteria="CYCLE_FOREVER", rank=rank, world_size=world, seed=seed)
+    mixed = MultiNodeWeightedSampler(
+        nodes, weights, stop_criteria="CYCLE_FOREVER", rank=rank, world_size=world, seed=seed
+    )
     tokenized = ParallelMapper(mixed, map_fn=_tokenize_doc, num_workers=2, method="process", in_order=True)
     return Loader(Prefetcher(Packer(tokenized), prefetch_factor=2))
 
@@ -163,14 +169,23 @@ def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, 
         if step == first:
             ready.put(os.getpid())
         lens = np.diff(mb["cu_seqlens"].numpy().astype(np.int64))
-        steps.append({"source_ids": mb["source_ids"].tolist(), "sample_ids": mb["sample_ids"].tolist(), "lengths": lens.tolist()})
+        steps.append(
+            {"source_ids": mb["source_ids"].tolist(), "sample_ids": mb["sample_ids"].tolist(), "lengths": lens.tolist()}
+        )
         time.sleep(cfg["compute_s"])
         ends.append(time.perf_counter())
     wall = time.perf_counter() - t_start
     saved = holder.state_dict()
     first_s = ends[0] - t_start - cfg["compute_s"]
     # pickled here: the state holds tensors, which a queue would share by file descriptor (gone with this process)
-    out.put((rank, pickle.dumps({"waits": waits, "ends": ends, "steps": steps, "wall": wall, "first_s": first_s, "state": saved})))
+    out.put(
+        (
+            rank,
+            pickle.dumps(
+                {"waits": waits, "ends": ends, "steps": steps, "wall": wall, "first_s": first_s, "state": saved}
+            ),
+        )
+    )
     stop.wait()  # alive (and measured) until every rank is done
     if system == "ours":
         ds.close()
@@ -179,8 +194,12 @@ def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, 
 def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, extra_pids=(), sample=True) -> dict:
     ctx = mp.get_context("spawn")
     ready, out, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    ps = [ctx.Process(target=_trainer, args=(system, r, dp, cfg, first, last, states[r] if states else None, ready, stop, out))
-          for r in range(dp)]
+    ps = [
+        ctx.Process(
+            target=_trainer, args=(system, r, dp, cfg, first, last, states[r] if states else None, ready, stop, out)
+        )
+        for r in range(dp)
+    ]
     for p in ps:
         p.start()
     pids = [ready.get(timeout=600) for _ in range(dp)]
@@ -194,7 +213,7 @@ def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, ex
             res[r] = pickle.loads(v)
         except queue.Empty:
             if any(p.exitcode not in (None, 0) for p in ps):
-                raise RuntimeError(f"a {system} trainer died: exit codes {[p.exitcode for p in ps]}")
+                raise RuntimeError(f"a {system} trainer died: exit codes {[p.exitcode for p in ps]}") from None
         if system == "bare" and len(samples) >= 4:
             break
     stop.set()
@@ -209,7 +228,9 @@ def _stream(ranks: list[dict]) -> list:
     return [[list(zip(s["source_ids"], s["sample_ids"])) for s in r["steps"]] for r in ranks]
 
 
-def _figures(system: str, full: dict, bare_mb: float, n_sources: int, weights: np.ndarray, warmup: int, window: int) -> dict:
+def _figures(
+    system: str, full: dict, bare_mb: float, n_sources: int, weights: np.ndarray, warmup: int, window: int
+) -> dict:
     from overlord_dask.observe.figures import window_mix_errors
 
     ranks = full["ranks"]
@@ -223,10 +244,17 @@ def _figures(system: str, full: dict, bare_mb: float, n_sources: int, weights: n
     share = np.mean([sum(r["waits"][warmup:]) / max(r["ends"][-1] - r["ends"][warmup - 1], 1e-9) for r in ranks])
     wall = max(r["ends"][-1] for r in ranks) - min(r["ends"][warmup - 1] for r in ranks)  # after the warm-up, all ranks
     mem = np.asarray(full["pss_mb"][len(full["pss_mb"]) // 4 :] or full["pss_mb"]) - bare_mb
-    return {"system": system, "tokens_per_s": round(tokens / wall), "wait_share": round(float(share), 4),
-            "wait_p99_ms": round(float(np.percentile(waits, 99)) * 1e3, 2),
-            "time_to_first_batch_s": round(float(np.mean([r["first_s"] for r in ranks])), 2), "memory_mb": round(float(np.median(mem)), 1),
-            "mix_error_window_max": round(float(window_mix_errors(per_step, np.tile(weights, (steps, 1)), window).max()), 4)}
+    return {
+        "system": system,
+        "tokens_per_s": round(tokens / wall),
+        "wait_share": round(float(share), 4),
+        "wait_p99_ms": round(float(np.percentile(waits, 99)) * 1e3, 2),
+        "time_to_first_batch_s": round(float(np.mean([r["first_s"] for r in ranks])), 2),
+        "memory_mb": round(float(np.median(mem)), 1),
+        "mix_error_window_max": round(
+            float(window_mix_errors(per_step, np.tile(weights, (steps, 1)), window).max()), 4
+        ),
+    }
 
 
 def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weights: np.ndarray, serve=None) -> dict:
@@ -252,8 +280,11 @@ def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weight
     resumed = [h + t for h, t in zip(_stream(head["ranks"]), _stream(tail["ranks"]))]
     reference = _stream(full["ranks"])
     mismatched = sum(a != b for ra, rb in zip(reference, resumed) for a, b in zip(ra, rb))
-    return {**_figures(system, full, bare_mb, len(weights), weights, args.warmup, args.window),
-            "resume_identical": mismatched == 0, "resume_steps_differing": mismatched}
+    return {
+        **_figures(system, full, bare_mb, len(weights), weights, args.warmup, args.window),
+        "resume_identical": mismatched == 0,
+        "resume_steps_differing": mismatched,
+    }
 
 
 def main(argv=None) -> dict:
@@ -278,17 +309,45 @@ def main(argv=None) -> dict:
         names = generate_text_sources(root, args.sources)
         raw = np.arange(args.sources, 0, -1, dtype=float)
         weights = raw / raw.sum()
-        cfg = {"tokens": args.tokens, "compute_s": args.compute_ms / 1e3, "seed": args.seed,
-               "files": {n: sorted(glob.glob(os.path.join(root, n, "*.parquet"))) for n in names},
-               "weights": {n: float(w) for n, w in zip(names, weights)}}
+        cfg = {
+            "tokens": args.tokens,
+            "compute_s": args.compute_ms / 1e3,
+            "seed": args.seed,
+            "files": {n: sorted(glob.glob(os.path.join(root, n, "*.parquet"))) for n in names},
+            "weights": {n: float(w) for n, w in zip(names, weights)},
+        }
         bare = _run("bare", args.dp, cfg, 0, 1)
         bare_mb = float(np.median(bare["pss_mb"]))
         serve = lambda: _serve(root, names, args.dp, args.tokens, 2, weights=list(map(float, weights)), seed=args.seed)  # noqa: E731
-        rows = [measure_system("torchdata", args.dp, cfg, args, bare_mb, weights),
-                measure_system("ours", args.dp, cfg, args, bare_mb, weights, serve=serve)]
-    out = {"benchmark": "peers", "cores": os.cpu_count(), "dp": args.dp, "sources": args.sources, "tokens_per_rank_step": args.tokens,
-           "compute_ms": args.compute_ms, "steps": args.steps, "kill_at": args.kill_at, "rows": rows}
-    emit_rows(out, args.json, ["system", "tokens_per_s", "wait_share", "wait_p99_ms", "time_to_first_batch_s", "memory_mb", "mix_error_window_max", "resume_identical"])
+        rows = [
+            measure_system("torchdata", args.dp, cfg, args, bare_mb, weights),
+            measure_system("ours", args.dp, cfg, args, bare_mb, weights, serve=serve),
+        ]
+    out = {
+        "benchmark": "peers",
+        "cores": os.cpu_count(),
+        "dp": args.dp,
+        "sources": args.sources,
+        "tokens_per_rank_step": args.tokens,
+        "compute_ms": args.compute_ms,
+        "steps": args.steps,
+        "kill_at": args.kill_at,
+        "rows": rows,
+    }
+    emit_rows(
+        out,
+        args.json,
+        [
+            "system",
+            "tokens_per_s",
+            "wait_share",
+            "wait_p99_ms",
+            "time_to_first_batch_s",
+            "memory_mb",
+            "mix_error_window_max",
+            "resume_identical",
+        ],
+    )
     return out
 
 

@@ -53,8 +53,16 @@ def _tokens(text: str) -> np.ndarray:
 class MixedSources(torch.utils.data.IterableDataset):
     """One rank's view of every source, mixed by weight and packed into micro-batches."""
 
-    def __init__(self, sources: dict[str, list[str]], weights: dict[str, float], capacity: int, rank: int, world: int,
-                 shuffle_buffer: int = SHUFFLE_BUFFER, seed: int = 0):
+    def __init__(
+        self,
+        sources: dict[str, list[str]],
+        weights: dict[str, float],
+        capacity: int,
+        rank: int,
+        world: int,
+        shuffle_buffer: int = SHUFFLE_BUFFER,
+        seed: int = 0,
+    ):
         super().__init__()
         self.sources, self.capacity, self.rank, self.world = sources, capacity, rank, world
         names = sorted(sources)
@@ -89,12 +97,27 @@ def as_batch(ids: np.ndarray, cu: list[int], capacity: int) -> dict:
     labels[cu[1:] - 1] = -100
     pos = np.arange(capacity, dtype=np.int64)
     pos[:n] -= np.repeat(cu[:-1], np.diff(cu))
-    return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels), "position_ids": torch.from_numpy(pos),
-            "cu_seqlens": torch.from_numpy(cu.astype(np.int32))}
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(pos),
+        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+    }
 
 
-def loader(sources: dict[str, list[str]], weights: dict[str, float], capacity: int, rank: int, world: int, workers: int = 2,
-           **kw) -> torch.utils.data.DataLoader:
+def loader(
+    sources: dict[str, list[str]],
+    weights: dict[str, float],
+    capacity: int,
+    rank: int,
+    world: int,
+    workers: int = 2,
+    **kw,
+) -> torch.utils.data.DataLoader:
     """The rank's ``DataLoader`` at its documented defaults (prefetch factor 2)."""
-    return torch.utils.data.DataLoader(MixedSources(sources, weights, capacity, rank, world, **kw), batch_size=None,
-                                       num_workers=workers, prefetch_factor=2 if workers else None)
+    return torch.utils.data.DataLoader(
+        MixedSources(sources, weights, capacity, rank, world, **kw),
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=2 if workers else None,
+    )

@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from output import emit  # noqa: E402  (benchmarks/output.py)
 
+from overlord_dask.observe.figures import exactly_once  # noqa: E402
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
 from overlord_dask.planner.streams.order import stable_seed  # noqa: E402
-from overlord_dask.observe.figures import exactly_once  # noqa: E402
 from overlord_dask.snapshots import SnapshotStore, SnapshotWriter  # noqa: E402
 
 N_SOURCES, UNITS_PER_SOURCE, DOCS_PER_UNIT = 100, 100, 256
@@ -49,7 +49,10 @@ def make_plan(seed: int):
         {
             "name": "resume-bench",
             "seed": seed,
-            "sources": [{"name": f"src{i:03d}", "format": "zarr", "url": f"s{i}.zarr", "weight": float(w)} for i, w in enumerate(weights)],
+            "sources": [
+                {"name": f"src{i:03d}", "format": "zarr", "url": f"s{i}.zarr", "weight": float(w)}
+                for i, w in enumerate(weights)
+            ],
             "topology": {"dp": 8, "micro_batches": 4, "tokens_per_micro_batch": 32_768},
             "loading": {"prefetch_steps": 20, "units_ahead": 4},
         }
@@ -118,7 +121,9 @@ def part1(steps: int, seed: int, base_every: int = 50) -> dict:
         after = run(resumed, steps, on_commit=lambda st: first_out or first_out.append(time.perf_counter()))
         restore_s = first_out[0] - t0
     combined = {**before, **after}
-    identical = sorted(combined) == sorted(reference) and all(np.array_equal(combined[s], reference[s]) for s in reference)
+    identical = sorted(combined) == sorted(reference) and all(
+        np.array_equal(combined[s], reference[s]) for s in reference
+    )
     planned = [reference[s][:, :4] for s in sorted(reference)]
     delivered = [combined[s][:, :4] for s in sorted(combined)]
     duplicates, missing = exactly_once(planned, delivered)
@@ -187,7 +192,7 @@ def part3(data: str, steps: int = 30) -> dict:
             with Service.start(plan, n_workers=2) as service:
                 streams = [connect(service.address, r) for r in range(plan.topology.dp)]
                 first = None
-                for k in range(max(consume, 1)):
+                for _ in range(max(consume, 1)):
                     for s in streams:
                         s.next_batch()
                         first = first or time.perf_counter() - t0

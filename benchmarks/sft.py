@@ -61,7 +61,9 @@ class _Keep:
         return mb
 
 
-def _overlord(address: str, rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, check: int, start, out) -> None:
+def _overlord(
+    address: str, rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, check: int, start, out
+) -> None:
     from overlord_dask import OverlordDataset
 
     t0 = time.perf_counter()
@@ -99,31 +101,43 @@ class PackedChat(torch.utils.data.IterableDataset):
         ids, labels, pos, cu = np.zeros(cap, np.int64), np.full(cap, -100, np.int64), 0, [0]
         while True:
             for f, g in mine:
-                for msgs in pq.ParquetFile(f).read_row_group(g, columns=["messages"], use_threads=False).column(0).to_pylist():
+                for msgs in (
+                    pq.ParquetFile(f).read_row_group(g, columns=["messages"], use_threads=False).column(0).to_pylist()
+                ):
                     t, m = reference(tok, msgs)
                     L = min(len(t), cap)
                     if pos + L > cap:
-                        yield {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+                        yield {
+                            "input_ids": torch.from_numpy(ids),
+                            "labels": torch.from_numpy(labels),
+                            "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+                        }
                         ids, labels, pos, cu = np.zeros(cap, np.int64), np.full(cap, -100, np.int64), 0, [0]
-                    ids[pos:pos + L] = t[:L]
+                    ids[pos : pos + L] = t[:L]
                     nxt = np.asarray(t[1:L] + [0])
                     lab = np.where(np.asarray(m[1:L] + [0]) == 1, nxt, -100)
-                    labels[pos:pos + L] = lab
+                    labels[pos : pos + L] = lab
                     pos += L
                     cu.append(pos)
 
 
 def _peer(files, tokenizer, rank, dp, steps, compute_s, micro_batches, capacity, workers, start, out) -> None:
     t0 = time.perf_counter()
-    loader = torch.utils.data.DataLoader(PackedChat(files, tokenizer, capacity, rank, dp), batch_size=None, num_workers=workers,
-                                         prefetch_factor=2 if workers else None)
+    loader = torch.utils.data.DataLoader(
+        PackedChat(files, tokenizer, capacity, rank, dp),
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=2 if workers else None,
+    )
     res = _train(loader, micro_batches, steps, compute_s, start)
     res["t_start"] = t0
     out.put((rank, res))
 
 
 def _tokens_per_s(results: list[dict], warmup: int) -> float:
-    return round(float(sum(sum(r["tokens"][warmup:]) / max(r["ends"][-1] - r["ends"][warmup - 1], 1e-9) for r in results)), 1)
+    return round(
+        float(sum(sum(r["tokens"][warmup:]) / max(r["ends"][-1] - r["ends"][warmup - 1], 1e-9) for r in results)), 1
+    )
 
 
 def mask_mismatches(results: list[dict], convs: list, tokenizer: str) -> tuple[int, int]:
@@ -143,7 +157,10 @@ def mask_mismatches(results: list[dict], convs: list, tokenizer: str) -> tuple[i
                 ids, mask = refs[sid]
                 n = cu[k + 1] - cu[k]
                 want = [ids[p + 1] if p + 1 < len(ids) and mask[p + 1] else -100 for p in range(start, start + n)]
-                same = mb["input_ids"][cu[k]:cu[k + 1]].tolist() == ids[start:start + n] and mb["labels"][cu[k]:cu[k + 1]].tolist() == want
+                same = (
+                    mb["input_ids"][cu[k] : cu[k + 1]].tolist() == ids[start : start + n]
+                    and mb["labels"][cu[k] : cu[k + 1]].tolist() == want
+                )
                 bad += not same
                 checked += 1
     return bad, checked
@@ -177,21 +194,53 @@ def main(argv=None) -> dict:
     folder = generate_chat_corpus(data, n=args.convs, files=4, seed=1, turns=(1, 6), words=(5, 120))
     files = sorted(str(p) for p in folder.glob("*.parquet"))
     convs = [c for f in files for c in pq.read_table(f).column("messages").to_pylist()]
-    plan = plan_from_dict({"name": "sft", "tokenizer": tok,
-                           "sources": [{"name": "chat", "format": "parquet", "url": f"{folder}/*.parquet", "messages_field": "messages"}],
-                           "topology": {"dp": args.dp, "micro_batches": args.micro_batches, "tokens_per_micro_batch": args.tokens}},
-                          base_dir=data)
+    plan = plan_from_dict(
+        {
+            "name": "sft",
+            "tokenizer": tok,
+            "sources": [
+                {"name": "chat", "format": "parquet", "url": f"{folder}/*.parquet", "messages_field": "messages"}
+            ],
+            "topology": {"dp": args.dp, "micro_batches": args.micro_batches, "tokens_per_micro_batch": args.tokens},
+        },
+        base_dir=data,
+    )
     ctx = mp.get_context("spawn")
     compute_s = args.compute_ms / 1e3
     with local_cluster(n_workers=args.workers) as cluster, Service.start(plan, cluster=cluster) as service:
-        res = _run_procs(ctx, _overlord, lambda r: (service.address, r, args.dp, args.steps, compute_s, args.micro_batches, args.check_steps), args.dp)
-    peer = _run_procs(ctx, _peer, lambda r: (files, tok, r, args.dp, args.steps, compute_s, args.micro_batches, args.tokens, args.peer_workers), args.dp)
+        res = _run_procs(
+            ctx,
+            _overlord,
+            lambda r: (service.address, r, args.dp, args.steps, compute_s, args.micro_batches, args.check_steps),
+            args.dp,
+        )
+    peer = _run_procs(
+        ctx,
+        _peer,
+        lambda r: (files, tok, r, args.dp, args.steps, compute_s, args.micro_batches, args.tokens, args.peer_workers),
+        args.dp,
+    )
     bad, checked = mask_mismatches(res, convs, tok)
-    row = {"tokens_per_s": _tokens_per_s(res, args.warmup), "peer_tokens_per_s": _tokens_per_s(peer, args.warmup),
-           "wait_share": _summarise(res, args.warmup)["wait_share"], "peer_wait_share": _summarise(peer, args.warmup)["wait_share"],
-           "mask_mismatches": bad, "pieces_checked": checked}
-    out = {"benchmark": "sft", "cores": os.cpu_count(), "dp": args.dp, "micro_batches": args.micro_batches, "tokens_per_micro_batch": args.tokens,
-           "steps": args.steps, "warmup": args.warmup, "compute_ms": args.compute_ms, "convs": args.convs, **row}
+    row = {
+        "tokens_per_s": _tokens_per_s(res, args.warmup),
+        "peer_tokens_per_s": _tokens_per_s(peer, args.warmup),
+        "wait_share": _summarise(res, args.warmup)["wait_share"],
+        "peer_wait_share": _summarise(peer, args.warmup)["wait_share"],
+        "mask_mismatches": bad,
+        "pieces_checked": checked,
+    }
+    out = {
+        "benchmark": "sft",
+        "cores": os.cpu_count(),
+        "dp": args.dp,
+        "micro_batches": args.micro_batches,
+        "tokens_per_micro_batch": args.tokens,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "compute_ms": args.compute_ms,
+        "convs": args.convs,
+        **row,
+    }
     if args.json:
         print(json.dumps(out))
     else:

@@ -32,7 +32,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.output import print_rows  # noqa: E402
 
 
-def soak(data: str, slurm_dir: str, *, seconds: float, lifetime: float, stagger: float, jobs: int, dp: int, compute_s: float) -> dict:
+def soak(
+    data: str, slurm_dir: str, *, seconds: float, lifetime: float, stagger: float, jobs: int, dp: int, compute_s: float
+) -> dict:
     """One soak run; returns its figures."""
     from overlord_dask import Service, connect
     from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities
@@ -42,10 +44,19 @@ def soak(data: str, slurm_dir: str, *, seconds: float, lifetime: float, stagger:
     os.environ["PATH"] = f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}"
     os.environ["FAKE_SLURM_DIR"] = slurm_dir
     corpus = generate_demo_corpus(data, scale=0.1, seed=7)
-    plan = demo_plan(corpus, topology={"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 4096},
-                     loading={"prefetch_steps": 8, "shadows": 1, "shadow_blocks": True, "unit_rows": 300, "unit_tokens": 65536})
-    cluster = slurm_cluster(cores=1, memory="2GB", walltime="00:30:00", lifetime=f"{lifetime:g}s", lifetime_stagger=f"{stagger:g}s",
-                            scheduler_options={"host": "127.0.0.1"})
+    plan = demo_plan(
+        corpus,
+        topology={"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 4096},
+        loading={"prefetch_steps": 8, "shadows": 1, "shadow_blocks": True, "unit_rows": 300, "unit_tokens": 65536},
+    )
+    cluster = slurm_cluster(
+        cores=1,
+        memory="2GB",
+        walltime="00:30:00",
+        lifetime=f"{lifetime:g}s",
+        lifetime_stagger=f"{stagger:g}s",
+        scheduler_options={"host": "127.0.0.1"},
+    )
     got: dict = {}
     waits: list[float] = []
     try:
@@ -86,10 +97,18 @@ def soak(data: str, slurm_dir: str, *, seconds: float, lifetime: float, stagger:
     delivered = [__import__("numpy").concatenate([got[(r, s)] for r in range(dp) for s in range(n)])]
     duplicates, missing = exactly_once(planned, delivered)
     submitted = len(list(Path(slurm_dir).glob("*.sh")))
-    return {"workers_replaced": submitted - jobs, "jobs_submitted": submitted, "stall_max_s": round(max(waits, default=0.0), 3),
-            "wait_p99_s": round(sorted(waits)[int(0.99 * (len(waits) - 1))] if waits else 0.0, 4),
-            "stalls_over_1s": sum(w > 1.0 for w in waits), "duplicates": duplicates,
-            "missing": missing, "seconds": seconds, "steps": n, "failure": failure}
+    return {
+        "workers_replaced": submitted - jobs,
+        "jobs_submitted": submitted,
+        "stall_max_s": round(max(waits, default=0.0), 3),
+        "wait_p99_s": round(sorted(waits)[int(0.99 * (len(waits) - 1))] if waits else 0.0, 4),
+        "stalls_over_1s": sum(w > 1.0 for w in waits),
+        "duplicates": duplicates,
+        "missing": missing,
+        "seconds": seconds,
+        "steps": n,
+        "failure": failure,
+    }
 
 
 def main(argv=None) -> dict:
@@ -105,10 +124,25 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     data = args.data or tempfile.mkdtemp(prefix="soak-data-")
     with tempfile.TemporaryDirectory(prefix="fake-slurm-") as slurm:
-        res = soak(data, slurm, seconds=args.seconds, lifetime=args.lifetime, stagger=args.stagger, jobs=args.jobs, dp=args.dp,
-                   compute_s=args.compute_ms / 1e3)
-    out = {"benchmark": "soak", "cores": os.cpu_count(), "lifetime_s": args.lifetime, "jobs": args.jobs, "dp": args.dp,
-           "compute_ms": args.compute_ms, **res}
+        res = soak(
+            data,
+            slurm,
+            seconds=args.seconds,
+            lifetime=args.lifetime,
+            stagger=args.stagger,
+            jobs=args.jobs,
+            dp=args.dp,
+            compute_s=args.compute_ms / 1e3,
+        )
+    out = {
+        "benchmark": "soak",
+        "cores": os.cpu_count(),
+        "lifetime_s": args.lifetime,
+        "jobs": args.jobs,
+        "dp": args.dp,
+        "compute_ms": args.compute_ms,
+        **res,
+    }
     if args.json:
         print(json.dumps(out))
     else:

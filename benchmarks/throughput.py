@@ -79,7 +79,9 @@ def raw_rates(plan, max_tokens: int, repeats: int, sources: list | None = None) 
     return rates
 
 
-def bracketed(run, plan, max_tokens: int, repeats: int, sources: list | None = None) -> tuple[object, float, list[float]]:
+def bracketed(
+    run, plan, max_tokens: int, repeats: int, sources: list | None = None
+) -> tuple[object, float, list[float]]:
     """``run()`` between ``repeats`` raw passes before it and ``repeats`` after it; returns its
     result, the median raw rate of all passes, and every pass's rate. A machine whose speed drifts
     moves the raw loop's seconds as much as the run's: passes taken only after a 20-second run
@@ -142,10 +144,27 @@ def by_workers(args, plan_path: str | None, steps: int) -> list[dict]:
     runs: dict[int, list[dict]] = {w: [] for w in args.scaling}
     for _ in range(args.repeats):
         for w in args.scaling:
-            runs[w].append(run_demo(steps=steps, dp=args.dp, workers=w, data=args.data, scale=args.scale, plan_path=plan_path, quiet=True))
-    return [{"workers": w, "tokens_per_s": round(float(np.median([r["tokens_per_s"] for r in rs])), 1),
-             "runs": [r["tokens_per_s"] for r in rs], "duplicates": sum(r["duplicates"] for r in rs),
-             "missing": sum(r["missing"] for r in rs)} for w, rs in runs.items()]
+            runs[w].append(
+                run_demo(
+                    steps=steps,
+                    dp=args.dp,
+                    workers=w,
+                    data=args.data,
+                    scale=args.scale,
+                    plan_path=plan_path,
+                    quiet=True,
+                )
+            )
+    return [
+        {
+            "workers": w,
+            "tokens_per_s": round(float(np.median([r["tokens_per_s"] for r in rs])), 1),
+            "runs": [r["tokens_per_s"] for r in rs],
+            "duplicates": sum(r["duplicates"] for r in rs),
+            "missing": sum(r["missing"] for r in rs),
+        }
+        for w, rs in runs.items()
+    ]
 
 
 def per_rank_baseline(args, plan, steps: int) -> dict:
@@ -165,15 +184,39 @@ def per_rank_baseline(args, plan, steps: int) -> dict:
     files = sorted(glob.glob(os.path.join(plan.base_dir, src.url)))
     topo = plan.topology
     res, raw_rate, passes = bracketed(
-        lambda: _run_procs(mp.get_context("spawn"), _baseline_trainer,
-                           lambda r: (files, r, topo.dp, steps, 0.0, topo.micro_batches, topo.tokens_per_micro_batch, args.baseline_workers),
-                           topo.dp, tokenizer=plan.tokenizer_of(src), base_dir=plan.base_dir),
-        plan, steps * topo.step_tokens, args.raw_repeats, [src])
+        lambda: _run_procs(
+            mp.get_context("spawn"),
+            _baseline_trainer,
+            lambda r: (
+                files,
+                r,
+                topo.dp,
+                steps,
+                0.0,
+                topo.micro_batches,
+                topo.tokens_per_micro_batch,
+                args.baseline_workers,
+            ),
+            topo.dp,
+            tokenizer=plan.tokenizer_of(src),
+            base_dir=plan.base_dir,
+        ),
+        plan,
+        steps * topo.step_tokens,
+        args.raw_repeats,
+        [src],
+    )
     s0 = steady_from(steps, 0)
     stream_s = max(r["ends"][-1] for r in res) - min(r["ends"][s0 - 1] for r in res)
     rate = sum(sum(r["tokens"][s0:]) for r in res) / stream_s
-    return {"source": src.name, "workers_per_rank": args.baseline_workers, "tokens_per_s": round(rate, 1),
-            "raw_tokens_per_s": round(raw_rate, 1), "raw_passes": passes, "ratio_to_raw": round(rate / raw_rate, 3)}
+    return {
+        "source": src.name,
+        "workers_per_rank": args.baseline_workers,
+        "tokens_per_s": round(rate, 1),
+        "raw_tokens_per_s": round(raw_rate, 1),
+        "raw_passes": passes,
+        "ratio_to_raw": round(rate / raw_rate, 3),
+    }
 
 
 def measure(args, plan_path: str | None, steps: int) -> dict:
@@ -181,13 +224,36 @@ def measure(args, plan_path: str | None, steps: int) -> dict:
 
     plan = demo_plan(args.data, topology={"dp": args.dp}) if plan_path is None else load_plan(plan_path)
     svc, raw_rate, passes = bracketed(
-        lambda: run_demo(steps=steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale, plan_path=plan_path, quiet=True),
-        plan, steps * plan.topology.step_tokens, args.raw_repeats)
-    out = {"tokens": svc["tokens"], "tokens_per_s": svc["tokens_per_s"], "wait_p50_ms": svc["wait_p50_ms"], "wait_p99_ms": svc["wait_p99_ms"],
-           "time_to_first_batch_s": svc["time_to_first_batch_s"], "raw_tokens_per_s": round(raw_rate, 1), "raw_passes": passes,
-           "ratio_to_raw": round(svc["tokens_per_s"] / raw_rate, 3), "imbalance_p50": svc["imbalance_p50"],
-           "imbalance_p99": svc["imbalance_p99"], "duplicates": svc["duplicates"], "missing": svc["missing"], "steps": svc["steps"],
-           "steady_from_step": svc["steady_from_step"], "dp": svc["dp"]}
+        lambda: run_demo(
+            steps=steps,
+            dp=args.dp,
+            workers=args.workers,
+            data=args.data,
+            scale=args.scale,
+            plan_path=plan_path,
+            quiet=True,
+        ),
+        plan,
+        steps * plan.topology.step_tokens,
+        args.raw_repeats,
+    )
+    out = {
+        "tokens": svc["tokens"],
+        "tokens_per_s": svc["tokens_per_s"],
+        "wait_p50_ms": svc["wait_p50_ms"],
+        "wait_p99_ms": svc["wait_p99_ms"],
+        "time_to_first_batch_s": svc["time_to_first_batch_s"],
+        "raw_tokens_per_s": round(raw_rate, 1),
+        "raw_passes": passes,
+        "ratio_to_raw": round(svc["tokens_per_s"] / raw_rate, 3),
+        "imbalance_p50": svc["imbalance_p50"],
+        "imbalance_p99": svc["imbalance_p99"],
+        "duplicates": svc["duplicates"],
+        "missing": svc["missing"],
+        "steps": svc["steps"],
+        "steady_from_step": svc["steady_from_step"],
+        "dp": svc["dp"],
+    }
     if args.baseline_workers:
         base = per_rank_baseline(args, plan, steps)
         out.update({"baseline": base, "vs_baseline": round(svc["tokens_per_s"] / base["tokens_per_s"], 2)})
@@ -208,10 +274,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokenizer", choices=["byte", "bpe", "both"], default="both")
     ap.add_argument("--bpe-vocab", type=int, default=8192)
     ap.add_argument("--bpe-docs", type=int, default=5000, help="web documents the BPE is trained on")
-    ap.add_argument("--scaling", type=int, nargs="*", default=[1, 2, 4], help="worker counts to run the service with again (none: skip)")
+    ap.add_argument(
+        "--scaling",
+        type=int,
+        nargs="*",
+        default=[1, 2, 4],
+        help="worker counts to run the service with again (none: skip)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per worker count of --scaling")
-    ap.add_argument("--raw-repeats", type=int, default=3, help="raw-loop passes before and after each run (the median of all)")
-    ap.add_argument("--baseline-workers", type=int, default=2, help="DataLoader workers per rank of the per-rank baseline (0: skip it)")
+    ap.add_argument(
+        "--raw-repeats", type=int, default=3, help="raw-loop passes before and after each run (the median of all)"
+    )
+    ap.add_argument(
+        "--baseline-workers",
+        type=int,
+        default=2,
+        help="DataLoader workers per rank of the per-rank baseline (0: skip it)",
+    )
     args = ap.parse_args(argv)
     generate_demo_corpus(args.data, scale=args.scale)
     out = {"benchmark": "throughput", "workers": args.workers, "cores": os.cpu_count()}

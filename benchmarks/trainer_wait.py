@@ -91,7 +91,14 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start, mod
             ends.append(time.perf_counter())
             tokens.append(step_tokens)
             step_wait, step_tokens = 0.0, 0
-    res = {"waits": waits, "ends": ends, "tokens": tokens, "t_start": t_start, "t_first": t_first, "barrier_s": barrier_s}
+    res = {
+        "waits": waits,
+        "ends": ends,
+        "tokens": tokens,
+        "t_start": t_start,
+        "t_first": t_first,
+        "barrier_s": barrier_s,
+    }
     if model is not None:
         res["losses"] = model.losses  # marks a model rank (_summarise_model)
     return res
@@ -104,18 +111,34 @@ def _model(spec: dict | None, rank: int, capacity: int, micro_batches: int):
         return None, None
     from benchmarks.model_trainer import ModelTrainer, calibrate
 
-    model = ModelTrainer(vocab=spec["vocab"], dim=spec["dim"], layers=spec["layers"], capacity=capacity, device=spec["device"], seed=rank)
+    model = ModelTrainer(
+        vocab=spec["vocab"], dim=spec["dim"], layers=spec["layers"], capacity=capacity, device=spec["device"], seed=rank
+    )
     return model, calibrate(model, capacity, micro_batches)
 
 
-def _overlord_trainer(address: str, rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, start, out,
-                      model_spec: dict | None = None, capacity: int = 0) -> None:
+def _overlord_trainer(
+    address: str,
+    rank: int,
+    dp: int,
+    steps: int,
+    compute_s: float,
+    micro_batches: int,
+    start,
+    out,
+    model_spec: dict | None = None,
+    capacity: int = 0,
+) -> None:
     from overlord_dask import OverlordDataset
 
-    model, synthetic_s = _model(model_spec, rank, capacity, micro_batches)  # before the clock: not the loader's time to a first batch
+    model, synthetic_s = _model(
+        model_spec, rank, capacity, micro_batches
+    )  # before the clock: not the loader's time to a first batch
     t0 = time.perf_counter()
     ds = OverlordDataset(address, rank=rank, dp=dp, pin_memory=model is not None and model.device == "cuda")
-    res = _train(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0), micro_batches, steps, compute_s, start, model)
+    res = _train(
+        torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0), micro_batches, steps, compute_s, start, model
+    )
     res["t_start"], res["synthetic_s"] = t0, synthetic_s
     ds.stream.commit()
     ds.close()
@@ -127,7 +150,9 @@ class PackedWeb(torch.utils.data.IterableDataset):
     ``tokenizer`` spec resolved against ``base_dir``) and packed first-fit into micro-batches;
     each DataLoader worker reads its own share of the rank's row groups."""
 
-    def __init__(self, files: list[str], capacity: int, rank: int, world: int, tokenizer="byte", base_dir: str | None = None):
+    def __init__(
+        self, files: list[str], capacity: int, rank: int, world: int, tokenizer="byte", base_dir: str | None = None
+    ):
         super().__init__()
         self.files, self.capacity, self.rank, self.world = files, capacity, rank, world
         self.tokenizer, self.base_dir = tokenizer, base_dir
@@ -143,12 +168,18 @@ class PackedWeb(torch.utils.data.IterableDataset):
         groups = [(f, g) for f in self.files for g in range(pq.ParquetFile(f).num_row_groups)]
         mine = groups[self.rank * nw + wid :: self.world * nw]
         cap = self.capacity
-        ids, pos, cu = np.zeros(cap, np.int64), 0, [0]  # a micro-batch goes on across row groups: no tokens read for nothing
+        ids, pos, cu = (
+            np.zeros(cap, np.int64),
+            0,
+            [0],
+        )  # a micro-batch goes on across row groups: no tokens read for nothing
         while True:
             for f, g in mine:
                 # one thread per DataLoader worker, as torch sets its own: no Arrow thread pool
                 # left running in a worker that the DataLoader shuts down mid-read
-                col = pq.ParquetFile(f).read_row_group(g, columns=["text"], use_threads=False).column(0).combine_chunks()
+                col = (
+                    pq.ParquetFile(f).read_row_group(g, columns=["text"], use_threads=False).column(0).combine_chunks()
+                )
                 tokens, offsets = tokenize(col)
                 for a, b in zip(offsets[:-1], offsets[1:]):
                     L = min(int(b - a), cap)
@@ -160,13 +191,31 @@ class PackedWeb(torch.utils.data.IterableDataset):
                     cu.append(pos)
 
 
-def _baseline_trainer(files: list[str], rank: int, dp: int, steps: int, compute_s: float, micro_batches: int, capacity: int,
-                      workers: int, start, out, tokenizer="byte", base_dir: str | None = None, model_spec: dict | None = None) -> None:
+def _baseline_trainer(
+    files: list[str],
+    rank: int,
+    dp: int,
+    steps: int,
+    compute_s: float,
+    micro_batches: int,
+    capacity: int,
+    workers: int,
+    start,
+    out,
+    tokenizer="byte",
+    base_dir: str | None = None,
+    model_spec: dict | None = None,
+) -> None:
     model, synthetic_s = _model(model_spec, rank, capacity, micro_batches)
     t0 = time.perf_counter()
-    loader = torch.utils.data.DataLoader(PackedWeb(files, capacity, rank, dp, tokenizer, base_dir), batch_size=None, num_workers=workers,
-                                         prefetch_factor=2 if workers else None, persistent_workers=False,
-                                         pin_memory=model is not None and model.device == "cuda")
+    loader = torch.utils.data.DataLoader(
+        PackedWeb(files, capacity, rank, dp, tokenizer, base_dir),
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=2 if workers else None,
+        persistent_workers=False,
+        pin_memory=model is not None and model.device == "cuda",
+    )
     res = _train(loader, micro_batches, steps, compute_s, start, model)
     res["t_start"], res["synthetic_s"] = t0, synthetic_s
     out.put((rank, res))
@@ -180,7 +229,9 @@ def _summarise(results: list[dict], warmup: int) -> dict:
         "wait_share": round(float(np.mean(share)), 4),
         "wait_p50_ms": round(float(np.percentile(waits, 50)) * 1e3, 3),
         "wait_p99_ms": round(float(np.percentile(waits, 99)) * 1e3, 3),
-        "time_to_first_batch_s": round(float(np.mean([r["t_first"] - r["t_start"] - r["barrier_s"] for r in results])), 3),
+        "time_to_first_batch_s": round(
+            float(np.mean([r["t_first"] - r["t_start"] - r["barrier_s"] for r in results])), 3
+        ),
     }
 
 
@@ -190,17 +241,21 @@ def _summarise_model(results: list[dict], warmup: int) -> dict:
     the first and last step (it falls: the model learns from the batches it is handed)."""
     ranks = [r for r in results if "losses" in r]
     out = {f"model_{k}": v for k, v in _summarise(ranks, warmup).items() if k != "time_to_first_batch_s"}
-    compute = np.concatenate([np.diff(r["ends"][warmup - 1:]) - np.asarray(r["waits"][warmup:]) for r in ranks])
-    out.update(model_compute_ms=round(float(np.median(compute)) * 1e3, 3),
-               model_synthetic_ms=round(float(np.median([r["synthetic_s"] for r in ranks])) * 1e3, 3),
-               model_loss_first=round(float(np.mean([r["losses"][0] for r in ranks])), 4),
-               model_loss_last=round(float(np.mean([r["losses"][-1] for r in ranks])), 4))
+    compute = np.concatenate([np.diff(r["ends"][warmup - 1 :]) - np.asarray(r["waits"][warmup:]) for r in ranks])
+    out.update(
+        model_compute_ms=round(float(np.median(compute)) * 1e3, 3),
+        model_synthetic_ms=round(float(np.median([r["synthetic_s"] for r in ranks])) * 1e3, 3),
+        model_loss_first=round(float(np.mean([r["losses"][0] for r in ranks])), 4),
+        model_loss_last=round(float(np.mean([r["losses"][-1] for r in ranks])), 4),
+    )
     return out
 
 
 def _run_procs(ctx, target, args_for_rank, dp: int, **kwargs) -> list[dict]:
     q, start = ctx.Queue(), ctx.Barrier(dp)
-    ps = [ctx.Process(target=target, args=(*args_for_rank(r), start, q), kwargs=kwargs) for r in range(dp)]  # not daemonic: DataLoader workers are children
+    ps = [
+        ctx.Process(target=target, args=(*args_for_rank(r), start, q), kwargs=kwargs) for r in range(dp)
+    ]  # not daemonic: DataLoader workers are children
     for p in ps:
         p.start()
     out = dict(q.get(timeout=900) for _ in range(dp))
@@ -224,9 +279,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--baseline-workers", type=int, default=2, help="DataLoader workers per rank in the baseline")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--data", default="demo-data")
-    ap.add_argument("--model", action="store_true", help="the first --model-ranks ranks train a real model (model_trainer.py) instead of sleeping")
+    ap.add_argument(
+        "--model",
+        action="store_true",
+        help="the first --model-ranks ranks train a real model (model_trainer.py) instead of sleeping",
+    )
     ap.add_argument("--model-ranks", type=int, default=1)
-    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="the model's device (auto: cuda where torch sees one)")
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="the model's device (auto: cuda where torch sees one)",
+    )
     ap.add_argument("--model-dim", type=int, default=None, help="model width (default 2048 on cuda, 64 on cpu)")
     ap.add_argument("--model-layers", type=int, default=None, help="MLP blocks (default 4 on cuda, 1 on cpu)")
     ap.add_argument("--vocab", type=int, default=512, help="the model's vocabulary (the demo's byte ids are below 260)")
@@ -237,8 +301,13 @@ def main(argv=None) -> dict:
 
         device = pick_device(args.device)
         gpu = device == "cuda"
-        model_spec = {"ranks": min(args.model_ranks, args.dp), "device": device, "vocab": args.vocab,
-                      "dim": args.model_dim or (2048 if gpu else 64), "layers": args.model_layers or (4 if gpu else 1)}
+        model_spec = {
+            "ranks": min(args.model_ranks, args.dp),
+            "device": device,
+            "vocab": args.vocab,
+            "dim": args.model_dim or (2048 if gpu else 64),
+            "layers": args.model_layers or (4 if gpu else 1),
+        }
 
     from overlord_dask import Service
     from overlord_dask.service.demo import demo_plan, generate_demo_corpus
@@ -246,41 +315,103 @@ def main(argv=None) -> dict:
 
     if not os.path.exists(os.path.join(args.data, "CORPUS.json")):  # an existing corpus (any scale) is used as it is
         generate_demo_corpus(args.data)
-    plan = demo_plan(args.data, topology={"dp": args.dp, "micro_batches": args.micro_batches, "tokens_per_micro_batch": args.tokens})
+    plan = demo_plan(
+        args.data, topology={"dp": args.dp, "micro_batches": args.micro_batches, "tokens_per_micro_batch": args.tokens}
+    )
     ctx = mp.get_context("spawn")
     files = sorted(glob.glob(os.path.join(os.path.abspath(args.data), "web", "*.parquet")))
     rows = []
     with local_cluster(n_workers=args.workers) as cluster:
         for compute_ms in args.compute_ms:
             with Service.start(plan, cluster=cluster) as service:
-                res = _run_procs(ctx, _overlord_trainer, lambda r: (service.address, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches), args.dp,
-                                 model_spec=model_spec, capacity=args.tokens)
+                res = _run_procs(
+                    ctx,
+                    _overlord_trainer,
+                    lambda r: (service.address, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches),
+                    args.dp,
+                    model_spec=model_spec,
+                    capacity=args.tokens,
+                )
                 loop = service.loop_stats()
-            row = {"system": "overlord", "compute_ms": compute_ms, **_summarise(res, args.warmup), "loop_block_max_ms": loop["block_max_ms"]}
+            row = {
+                "system": "overlord",
+                "compute_ms": compute_ms,
+                **_summarise(res, args.warmup),
+                "loop_block_max_ms": loop["block_max_ms"],
+            }
             if model_spec:
                 row.update(_summarise_model(res, args.warmup))
             if not args.no_baseline:
-                base = _run_procs(ctx, _baseline_trainer, lambda r: (files, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches, args.tokens,
-                                                                     args.baseline_workers), args.dp, model_spec=model_spec)
+                base = _run_procs(
+                    ctx,
+                    _baseline_trainer,
+                    lambda r: (
+                        files,
+                        r,
+                        args.dp,
+                        args.steps,
+                        compute_ms / 1e3,
+                        args.micro_batches,
+                        args.tokens,
+                        args.baseline_workers,
+                    ),
+                    args.dp,
+                    model_spec=model_spec,
+                )
                 b = _summarise(base, args.warmup)
                 if model_spec:
                     b.update(_summarise_model(base, args.warmup))
                 row.update({f"baseline_{k}": v for k, v in b.items()})
             rows.append(row)
-    out = {"benchmark": "trainer_wait", "cores": os.cpu_count(), "dp": args.dp, "micro_batches": args.micro_batches,
-           "tokens_per_micro_batch": args.tokens, "steps": args.steps, "warmup": args.warmup, "rows": rows}
+    out = {
+        "benchmark": "trainer_wait",
+        "cores": os.cpu_count(),
+        "dp": args.dp,
+        "micro_batches": args.micro_batches,
+        "tokens_per_micro_batch": args.tokens,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": rows,
+    }
     if model_spec:
         out["model"] = {**model_spec, "gpu": torch.cuda.get_device_name(0) if model_spec["device"] == "cuda" else None}
     if args.json:
         print(json.dumps(out))
     elif model_spec:
-        print(f"model on {model_spec['device']} for rank(s) < {model_spec['ranks']} (dim {model_spec['dim']}, {model_spec['layers']} layers); "
-              f"the other ranks sleep compute_ms")
-        print_rows(rows, ["compute_ms", "model_synthetic_ms", "model_compute_ms", "model_wait_share", "model_wait_p99_ms", "baseline_model_compute_ms",
-                          "baseline_model_wait_share", "baseline_model_wait_p99_ms", "model_loss_first", "model_loss_last"])
+        print(
+            f"model on {model_spec['device']} for rank(s) < {model_spec['ranks']} (dim {model_spec['dim']}, "
+            f"{model_spec['layers']} layers); "
+            f"the other ranks sleep compute_ms"
+        )
+        print_rows(
+            rows,
+            [
+                "compute_ms",
+                "model_synthetic_ms",
+                "model_compute_ms",
+                "model_wait_share",
+                "model_wait_p99_ms",
+                "baseline_model_compute_ms",
+                "baseline_model_wait_share",
+                "baseline_model_wait_p99_ms",
+                "model_loss_first",
+                "model_loss_last",
+            ],
+        )
     else:
-        print_rows(rows, ["compute_ms", "wait_share", "wait_p50_ms", "wait_p99_ms", "time_to_first_batch_s", "loop_block_max_ms",
-                          "baseline_wait_share", "baseline_wait_p99_ms"])
+        print_rows(
+            rows,
+            [
+                "compute_ms",
+                "wait_share",
+                "wait_p50_ms",
+                "wait_p99_ms",
+                "time_to_first_batch_s",
+                "loop_block_max_ms",
+                "baseline_wait_share",
+                "baseline_wait_p99_ms",
+            ],
+        )
     return out
 
 

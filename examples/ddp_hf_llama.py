@@ -28,14 +28,24 @@ from overlord_dask.trainer.masks import document_mask  # overlord
 
 
 def tiny_llama(vocab: int, hidden: int = 64, layers: int = 2) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 16, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1 << 16,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--address", default=os.environ.get("OVERLORD_ADDRESS", "run.json"), help="service address or scheduler file")
+    ap.add_argument(
+        "--address", default=os.environ.get("OVERLORD_ADDRESS", "run.json"), help="service address or scheduler file"
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=512, help="the model's vocabulary (the demo's byte ids are below 260)")
     ap.add_argument("--device", default="cpu")
@@ -44,7 +54,11 @@ def main() -> None:
 
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
+        if args.device == "cuda"
+        else torch.device("cpu")
+    )
     torch.manual_seed(0)  # the same initial weights on every rank
     model = DDP(tiny_llama(args.vocab).to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -57,8 +71,13 @@ def main() -> None:
         mask = document_mask(mb["cu_seqlens"], capacity).to(device)  # overlord: no attention across documents
         sync = mb["last_in_step"]
         with model.no_sync() if not sync else contextlib.nullcontext():  # DDP all-reduces once per step
-            out = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device), attention_mask=mask,
-                        labels=mb["labels"].to(device), num_items_in_batch=mb["step_loss_tokens"])  # overlord: the whole step's tokens
+            out = model(
+                input_ids=mb["input_ids"].to(device),
+                position_ids=mb["position_ids"].to(device),
+                attention_mask=mask,
+                labels=mb["labels"].to(device),
+                num_items_in_batch=mb["step_loss_tokens"],
+            )  # overlord: the whole step's tokens
             (out.loss * world).backward()  # DDP averages over ranks: the step's gradient is that of the mean token loss
         step_loss += out.loss.detach()
         if sync:
@@ -66,7 +85,10 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             dist.all_reduce(step_loss)  # for the log only: the mean token loss of the whole step
             if log:
-                log.write(json.dumps({"step": mb["step"], "loss": step_loss.item(), "tokens": int(mb["step_loss_tokens"])}) + "\n")
+                log.write(
+                    json.dumps({"step": mb["step"], "loss": step_loss.item(), "tokens": int(mb["step_loss_tokens"])})
+                    + "\n"
+                )
             if rank == 0:
                 print(f"step {mb['step']}: loss {step_loss.item():.4f}", flush=True)
             step_loss.zero_()

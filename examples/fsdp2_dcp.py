@@ -53,7 +53,9 @@ class TrainState(Stateful):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--address", default=os.environ.get("OVERLORD_ADDRESS", "run.json"), help="service address or scheduler file")
+    ap.add_argument(
+        "--address", default=os.environ.get("OVERLORD_ADDRESS", "run.json"), help="service address or scheduler file"
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--checkpoint-dir", default="ckpt")
@@ -90,8 +92,13 @@ def main() -> None:
     for mb in DataLoader(ds, batch_size=None, num_workers=0):
         step_ids += int(mb["input_ids"].sum())
         mask = document_mask(mb["cu_seqlens"], mb["input_ids"].shape[-1]).to(device)
-        out = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device), attention_mask=mask,
-                    labels=mb["labels"].to(device), num_items_in_batch=mb["step_loss_tokens"])  # overlord: the step's loss tokens
+        out = model(
+            input_ids=mb["input_ids"].to(device),
+            position_ids=mb["position_ids"].to(device),
+            attention_mask=mask,
+            labels=mb["labels"].to(device),
+            num_items_in_batch=mb["step_loss_tokens"],
+        )  # overlord: the step's loss tokens
         (out.loss * dist.get_world_size()).backward()  # FSDP averages gradients over ranks
         step_loss += out.loss.detach()
         if not mb["last_in_step"]:

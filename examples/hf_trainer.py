@@ -54,9 +54,18 @@ def main() -> None:
     batches = HFBatches(args.address)  # overlord: rank and world size from torchrun
     micro_batches = batches.dataset.stream.micro_batches  # overlord: micro-batches per planned step
     training = TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.steps, gradient_accumulation_steps=micro_batches,
-        per_device_train_batch_size=1, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
-        dataloader_num_workers=0, remove_unused_columns=False, use_cpu=True, ddp_backend="gloo",
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        gradient_accumulation_steps=micro_batches,
+        per_device_train_batch_size=1,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        use_cpu=True,
+        ddp_backend="gloo",
     )
     callbacks = [Record(f"{args.record}.rank{batches.dataset.rank}")] if args.record else []
     trainer = OverlordTrainer(model=tiny_llama(args.vocab), args=training, train_dataset=batches, callbacks=callbacks)

@@ -37,9 +37,13 @@ class LitLM(L.LightningModule):
         return DataLoader(self.dataset, batch_size=None, num_workers=0)  # overlord: the rank's stream, whole
 
     def training_step(self, mb, batch_idx):
-        out = self.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], labels=mb["labels"],
-                         attention_mask=document_mask(mb["cu_seqlens"], mb["input_ids"].shape[-1]),
-                         num_items_in_batch=mb["step_loss_tokens"])  # overlord: the whole step's loss tokens
+        out = self.model(
+            input_ids=mb["input_ids"],
+            position_ids=mb["position_ids"],
+            labels=mb["labels"],
+            attention_mask=document_mask(mb["cu_seqlens"], mb["input_ids"].shape[-1]),
+            num_items_in_batch=mb["step_loss_tokens"],
+        )  # overlord: the whole step's loss tokens
         if self.record and mb["last_in_step"]:
             with open(self.record, "a") as f:
                 f.write(json.dumps({"step": mb["step"], "rank": mb["rank"], "loss": out.loss.item()}) + "\n")
@@ -66,9 +70,17 @@ def main() -> None:
     torch.manual_seed(0)
     ds = OverlordDataset(args.address, labels="hf", batch_dim=True)  # overlord: rank and world size from torchrun
     record = f"{args.record}.rank{ds.rank}" if args.record else None
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), strategy="ddp",
-                        max_steps=args.steps, accumulate_grad_batches=ds.stream.micro_batches,  # overlord
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        strategy="ddp",
+        max_steps=args.steps,
+        accumulate_grad_batches=ds.stream.micro_batches,  # overlord
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(LitLM(ds, args.vocab, record))
     ds.close()
 

@@ -58,7 +58,10 @@ def main() -> None:
     for mb in DataLoader(ds, batch_size=None, num_workers=0):
         digest.update(mb["input_ids"].numpy().tobytes())
         logits = model(mb["input_ids"])
-        loss = torch.nn.functional.cross_entropy(logits, mb["labels"], ignore_index=-100, reduction="sum") / mb["step_loss_tokens"]
+        loss = (
+            torch.nn.functional.cross_entropy(logits, mb["labels"], ignore_index=-100, reduction="sum")
+            / mb["step_loss_tokens"]
+        )
         loss.backward()
         step_loss += loss.item()
         if mb["last_in_step"]:
@@ -68,8 +71,18 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             if record:
-                record.write(json.dumps({"step": mb["step"], "dp_rank": ds.rank, "tp_rank": ds.replica, "digest": digest.hexdigest(),
-                                         "loss": step_loss}) + "\n")
+                record.write(
+                    json.dumps(
+                        {
+                            "step": mb["step"],
+                            "dp_rank": ds.rank,
+                            "tp_rank": ds.replica,
+                            "digest": digest.hexdigest(),
+                            "loss": step_loss,
+                        }
+                    )
+                    + "\n"
+                )
             digest, step_loss = hashlib.sha256(), 0.0
             if mb["step"] + 1 >= args.steps:
                 break

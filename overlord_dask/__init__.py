@@ -17,9 +17,18 @@ __version__ = "0.1.0"
 # ``from overlord_dask import OverlordDataset`` then imports the trainer side (numpy and Dask's
 # comms), not the planner, pyarrow, zarr or pydantic (benchmarks/memory.py: memory per rank).
 _LAZY = {
-    "RankStream": "trainer.stream", "connect": "trainer.stream", "OverlordDataset": "trainer.dataset", "Service": "service.service",
-    "CostModel": "plan", "Loading": "plan", "Plan": "plan", "Source": "plan", "Topology": "plan",
-    "load_plan": "plan", "plan_from_dict": "plan", "loss_by_source": "trainer.feedback",
+    "RankStream": "trainer.stream",
+    "connect": "trainer.stream",
+    "OverlordDataset": "trainer.dataset",
+    "Service": "service.service",
+    "CostModel": "plan",
+    "Loading": "plan",
+    "Plan": "plan",
+    "Source": "plan",
+    "Topology": "plan",
+    "load_plan": "plan",
+    "plan_from_dict": "plan",
+    "loss_by_source": "trainer.feedback",
 }
 
 
@@ -39,6 +48,21 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CostModel", "Loading", "OverlordDataset", "OverlordError", "Plan", "PlanError", "RankError", "RankStream",
-    "Service", "ServiceError", "Source", "SourceError", "Topology", "connect", "load_plan", "loss_by_source", "plan_from_dict",
+    "CostModel",
+    "Loading",
+    "OverlordDataset",
+    "OverlordError",
+    "Plan",
+    "PlanError",
+    "RankError",
+    "RankStream",
+    "Service",
+    "ServiceError",
+    "Source",
+    "SourceError",
+    "Topology",
+    "connect",
+    "load_plan",
+    "loss_by_source",
+    "plan_from_dict",
 ]

@@ -37,10 +37,27 @@ class PlannerClient:
         """The job restarted from its checkpoint at ``step`` with ``dp`` ranks: serve from there."""
         return await self._route(Route.REWIND)(rank=rank, step=step, dp=dp, cp_rank=cp_rank, replica=replica)
 
-    async def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
-                  since_s: float | None = None, replica: int = 0, generation: int | None = None) -> dict:
-        return await self._route(Route.ACK)(rank=rank, step=step, cp_rank=cp_rank, durable=durable, wait_s=wait_s, since_s=since_s,
-                                            replica=replica, generation=generation)
+    async def ack(
+        self,
+        rank: int,
+        step: int,
+        cp_rank: int = 0,
+        durable: bool = False,
+        wait_s: float | None = None,
+        since_s: float | None = None,
+        replica: int = 0,
+        generation: int | None = None,
+    ) -> dict:
+        return await self._route(Route.ACK)(
+            rank=rank,
+            step=step,
+            cp_rank=cp_rank,
+            durable=durable,
+            wait_s=wait_s,
+            since_s=since_s,
+            replica=replica,
+            generation=generation,
+        )
 
     async def where(self, key: str, timeout: float, run_id: str | None = None) -> dict:
         return await self._route(Route.WHERE)(key=key, timeout=timeout, run_id=run_id)
@@ -102,13 +119,37 @@ def channel_open(channel_id: str, run_id: str) -> dict:
     return {"op": Route.CHANNEL, "channel_id": channel_id, "run_id": run_id, "reply": False}
 
 
-def lengths_report(run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None, seconds: float,
-                   nbytes: int, part: list | None, dropped: int = 0, quarantined: str | None = None, masked: bytes | None = None) -> dict:
+def lengths_report(
+    run_id: str,
+    source: str,
+    epoch: int,
+    unit: int,
+    lengths: bytes,
+    vision: bytes | None,
+    seconds: float,
+    nbytes: int,
+    part: list | None,
+    dropped: int = 0,
+    quarantined: str | None = None,
+    masked: bytes | None = None,
+) -> dict:
     """A load task's one-way report on its worker's stream (``Route.LENGTHS``); ``masked``: the
     unit's masked runs (``runs.py``), where the loss ignores some of its tokens."""
-    return {"op": Route.LENGTHS, "run_id": run_id, "source": source, "epoch": epoch, "unit": unit, "lengths": lengths,
-            "vision": vision, "seconds": seconds, "nbytes": nbytes, "part": part, "dropped": dropped, "quarantined": quarantined,
-            "masked": masked}
+    return {
+        "op": Route.LENGTHS,
+        "run_id": run_id,
+        "source": source,
+        "epoch": epoch,
+        "unit": unit,
+        "lengths": lengths,
+        "vision": vision,
+        "seconds": seconds,
+        "nbytes": nbytes,
+        "part": part,
+        "dropped": dropped,
+        "quarantined": quarantined,
+        "masked": masked,
+    }
 
 
 async def fetch(rpc, key: str, rank: int, steps: list[int], cp_rank: int | None) -> dict:

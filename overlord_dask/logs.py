@@ -147,7 +147,6 @@ def settings() -> dict | None:
     return {"fmt": _HANDLER["fmt"], "level": _HANDLER["level"]} if _HANDLER.get("handler") is not None else None
 
 
-
 def reset() -> None:
     """Undo :func:`setup`: ``overlord_dask`` records go to the root logger's handlers again."""
     handler = _HANDLER.pop("handler", None)

@@ -28,7 +28,9 @@ def encode(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     n = len(offsets) - 1
     run_off = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(doc, minlength=n), out=run_off[1:])
-    return np.concatenate([run_off, np.stack([a - offsets[doc], b - offsets[doc]], axis=1).reshape(-1)]).astype(np.int64)
+    return np.concatenate([run_off, np.stack([a - offsets[doc], b - offsets[doc]], axis=1).reshape(-1)]).astype(
+        np.int64
+    )
 
 
 def split(runs: np.ndarray, n_docs: int) -> tuple[np.ndarray, np.ndarray]:

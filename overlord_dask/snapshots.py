@@ -57,7 +57,9 @@ class SnapshotStore:
             self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
             self.fs.makedirs(self.root, exist_ok=True)
         except Exception as err:  # a missing server, bad credentials, a read-only folder: one clear line
-            raise SnapshotError(f"checkpoint location {self.url} cannot be used: {type(err).__name__}: {_first_line(err)}") from None
+            raise SnapshotError(
+                f"checkpoint location {self.url} cannot be used: {type(err).__name__}: {_first_line(err)}"
+            ) from None
         self._local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
     def check_writable(self) -> None:
@@ -68,7 +70,9 @@ class SnapshotStore:
             self._write_bytes(name, b"probe")
             self.fs.rm_file(f"{self.root}/{name}")
         except Exception as err:
-            raise SnapshotError(f"checkpoint location {self.url} is not writable: {type(err).__name__}: {_first_line(err)}") from None
+            raise SnapshotError(
+                f"checkpoint location {self.url} is not writable: {type(err).__name__}: {_first_line(err)}"
+            ) from None
 
     # ---- writing ------------------------------------------------------------------------------
     def _put(self, name: str, payload: dict) -> int:
@@ -93,8 +97,15 @@ class SnapshotStore:
             payload["time"] = written_at  # wall-clock seconds: what keep_hours measures
         return self._put(f"base-{seq:012d}.msgpack", payload)
 
-    def write_delta(self, seq: int, base: int, committed: int, window_step: int | None = None, window: dict | None = None,
-                    decisions: tuple[int, list] | None = None) -> int:
+    def write_delta(
+        self,
+        seq: int,
+        base: int,
+        committed: int,
+        window_step: int | None = None,
+        window: dict | None = None,
+        decisions: tuple[int, list] | None = None,
+    ) -> int:
         """A delta; ``decisions``: ``(first index, the planner's decisions from there)`` made
         since the last snapshot (they only grow: a delta carries the new ones)."""
         payload = {"kind": "delta", "seq": seq, "base": base, "committed": committed}
@@ -131,7 +142,9 @@ class SnapshotStore:
             return raw
         if version != SNAPSHOT_VERSION:
             if isinstance(version, int) and version > SNAPSHOT_VERSION:
-                raise SnapshotError(f"{path}: snapshot version {version!r} is newer than this overlord-dask reads ({SNAPSHOT_VERSION})")
+                raise SnapshotError(
+                    f"{path}: snapshot version {version!r} is newer than this overlord-dask reads ({SNAPSHOT_VERSION})"
+                )
             raise _Unreadable(f"{path}: no valid snapshot header")
         body = raw.get("body")
         if not isinstance(body, bytes) or zlib.crc32(body) != raw.get("crc32"):
@@ -151,7 +164,7 @@ class SnapshotStore:
         """(state, last seq) from the newest readable base and its deltas, or None if empty."""
         entries = self._entries()
         bases = [e for e in entries if e[0] == "base"]
-        for kind, seq, path in reversed(bases):
+        for _kind, seq, path in reversed(bases):
             try:
                 base = self._read(path)
                 state = dict(base["state"])
@@ -171,22 +184,36 @@ class SnapshotStore:
                 except SnapshotError:
                     raise
                 except Exception as err:  # the chain ends at its last good delta
-                    logger.warning("snapshot delta %s is unreadable (%s); resuming from step %s of base %s", dpath, err,
-                                   state["committed"], seq)
+                    logger.warning(
+                        "snapshot delta %s is unreadable (%s); resuming from step %s of base %s",
+                        dpath,
+                        err,
+                        state["committed"],
+                        seq,
+                    )
                     break
                 if dbase != seq:
                     break  # deltas of a newer base that could not be read
                 if dseq != last + 1:
-                    raise SnapshotError(f"snapshot chain at {self.url} has a gap: delta {last + 1} is missing before {dseq}")
+                    raise SnapshotError(
+                        f"snapshot chain at {self.url} has a gap: delta {last + 1} is missing before {dseq}"
+                    )
                 if committed < int(state["committed"]):
-                    logger.warning("snapshot delta %s goes back to step %s from %s; resuming from %s", dpath, committed,
-                                   state["committed"], state["committed"])
+                    logger.warning(
+                        "snapshot delta %s goes back to step %s from %s; resuming from %s",
+                        dpath,
+                        committed,
+                        state["committed"],
+                        state["committed"],
+                    )
                     break
                 state["committed"] = committed
                 if "window" in delta:
                     state["window_step"], state["window"] = delta["window_step"], delta["window"]
                 if "decisions" in delta:
-                    state["decisions"] = list(state.get("decisions", []))[: int(delta["decisions_from"])] + list(delta["decisions"])
+                    state["decisions"] = list(state.get("decisions", []))[: int(delta["decisions_from"])] + list(
+                        delta["decisions"]
+                    )
                 last = dseq
             return state, last
         if bases:
@@ -221,7 +248,7 @@ class SnapshotStore:
 
     def oldest_window_step(self) -> int | None:
         """The first step of the oldest window a stored base can re-plan from."""
-        for kind, seq, path in self._entries():
+        for kind, _seq, path in self._entries():
             if kind == "base":
                 try:
                     return int(self._read(path)["state"]["window_step"])
@@ -265,8 +292,16 @@ class _Unreadable(Exception):
 def _unpack(data: bytes):
     # bounded by the input: a damaged length field cannot ask for more memory than the file has
     n = len(data)
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=n, max_str_len=n, max_array_len=n,
-                           max_map_len=n, max_ext_len=n)
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=False,
+        max_bin_len=n,
+        max_str_len=n,
+        max_array_len=n,
+        max_map_len=n,
+        max_ext_len=n,
+    )
 
 
 def _first_line(err: BaseException) -> str:
@@ -284,9 +319,19 @@ class SnapshotWriter:
     a new window since the last snapshot, and the planner's decisions made since (a run steered
     by a controller decides every few dozen steps: a base each time would rewrite them all)."""
 
-    def __init__(self, store: SnapshotStore, *, keep_bases: int = 2, base_every_steps: int = 1000,
-                 base_every_seconds: float = 600.0, seq: int = -1, clock=None, keep_steps: int = 0,
-                 keep_hours: float | None = None, wall_clock=None):
+    def __init__(
+        self,
+        store: SnapshotStore,
+        *,
+        keep_bases: int = 2,
+        base_every_steps: int = 1000,
+        base_every_seconds: float = 600.0,
+        seq: int = -1,
+        clock=None,
+        keep_steps: int = 0,
+        keep_hours: float | None = None,
+        wall_clock=None,
+    ):
         import time
 
         self.store = store
@@ -316,19 +361,36 @@ class SnapshotWriter:
         self.seq += 1
         went_back = self._committed is not None and state["committed"] < self._committed
         self._committed = state["committed"]
-        if (self._base_seq is None or shape != self._shape or went_back or state["committed"] - self._base_committed >= self.base_every_steps
-                or now - self._base_time >= self.base_every_seconds or len(decisions) < self._decisions):
+        if (
+            self._base_seq is None
+            or shape != self._shape
+            or went_back
+            or state["committed"] - self._base_committed >= self.base_every_steps
+            or now - self._base_time >= self.base_every_seconds
+            or len(decisions) < self._decisions
+        ):
             written_at = self.wall_clock()
             n = self.store.write_base(self.seq, state, written_at)
-            self._shape, self._base_seq, self._base_committed, self._base_time = shape, self.seq, state["committed"], now
+            self._shape, self._base_seq, self._base_committed, self._base_time = (
+                shape,
+                self.seq,
+                state["committed"],
+                now,
+            )
             self._window_step = state["window_step"]
             self._decisions = len(decisions)
             self._collect(self.seq, state["committed"], written_at)
             return "base", n
         moved = state["window_step"] != self._window_step
-        new = (self._decisions, decisions[self._decisions:]) if len(decisions) > self._decisions else None
-        n = self.store.write_delta(self.seq, self._base_seq, state["committed"],
-                                   state["window_step"] if moved else None, state["window"] if moved else None, new)
+        new = (self._decisions, decisions[self._decisions :]) if len(decisions) > self._decisions else None
+        n = self.store.write_delta(
+            self.seq,
+            self._base_seq,
+            state["committed"],
+            state["window_step"] if moved else None,
+            state["window"] if moved else None,
+            new,
+        )
         self._window_step, self._decisions = state["window_step"], len(decisions)
         return "delta", n
 

@@ -60,7 +60,10 @@ PIECE_FIELDS = ("sample_ids", "source_ids", "chunk_ids", "piece_starts", "epochs
 piece's length (``cu_seqlens`` follows) and last label: one narrowing and one pickled array per
 micro-batch instead of seven (narrowing even a tiny array costs two reductions); the trainer
 copies the columns out contiguous when it decodes."""
-_NARROW = tuple((np.dtype(dt), int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for dt in (np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64))
+_NARROW = tuple(
+    (np.dtype(dt), int(np.iinfo(dt).min), int(np.iinfo(dt).max))
+    for dt in (np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64)
+)
 
 
 def narrow(a: np.ndarray) -> np.ndarray:
@@ -76,7 +79,9 @@ def narrow(a: np.ndarray) -> np.ndarray:
 
 def piece_table(lengths: np.ndarray, last_labels: np.ndarray, fields: dict) -> np.ndarray:
     """The wire's ``"pieces"`` table: per piece its length, its last label and ``PIECE_FIELDS``."""
-    return narrow(np.stack([lengths, last_labels, *(fields[k] for k in PIECE_FIELDS)], axis=1).astype(np.int64, copy=False))
+    return narrow(
+        np.stack([lengths, last_labels, *(fields[k] for k in PIECE_FIELDS)], axis=1).astype(np.int64, copy=False)
+    )
 
 
 def pack_mask(mask: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ batches' fields."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 

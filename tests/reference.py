@@ -78,4 +78,4 @@ def tokens_of(texts: list) -> list[np.ndarray]:
     import pyarrow as pa
 
     t, o = byte_tokenize(pa.array([x if x is not None else "" for x in texts], pa.string()))
-    return [t[o[i]: o[i + 1]] for i in range(len(o) - 1)]
+    return [t[o[i] : o[i + 1]] for i in range(len(o) - 1)]

@@ -26,11 +26,11 @@ import zarr
 
 from overlord_dask import PlanError, ServiceError, SourceError
 from overlord_dask.errors import OverlordError
-from overlord_dask.worker.loaders import load_block
 from overlord_dask.plan import plan_from_dict, plan_to_dict
+from overlord_dask.snapshots import SnapshotError, SnapshotStore
 from overlord_dask.sources import discover_units
 from overlord_dask.sources.blocks import SampleBlock
-from overlord_dask.snapshots import SnapshotError, SnapshotStore
+from overlord_dask.worker.loaders import load_block
 
 ROOT = Path(__file__).resolve().parents[1]
 U = "tests.test_bad_inputs:"  # where the user functions below are imported from
@@ -68,9 +68,11 @@ def two_d_in_place(block):
 
 # ---- helpers ------------------------------------------------------------------------------------
 def _plan(tmp_path, topology=None, loading=None, checkpoint=None, **src):
-    d = {"sources": [{"name": "s", "weight": 1.0, **src}],
-         "topology": {"dp": 1, "micro_batches": 1, "tokens_per_micro_batch": 1024, **(topology or {})},
-         "loading": {"unit_rows": 3, "unit_tokens": 50, **(loading or {})}}
+    d = {
+        "sources": [{"name": "s", "weight": 1.0, **src}],
+        "topology": {"dp": 1, "micro_batches": 1, "tokens_per_micro_batch": 1024, **(topology or {})},
+        "loading": {"unit_rows": 3, "unit_tokens": 50, **(loading or {})},
+    }
     if checkpoint:
         d["checkpoint"] = checkpoint
     return plan_from_dict(d, base_dir=tmp_path)
@@ -183,7 +185,9 @@ def case_tiny_source(tmp_path, cluster):
 
 
 def case_micro_batch_far_larger_than_corpus(tmp_path, cluster):
-    return _run_until_error(_text_source(tmp_path, texts=["some text"] * 50, topology={"tokens_per_micro_batch": 16_000_000}), cluster)
+    return _run_until_error(
+        _text_source(tmp_path, texts=["some text"] * 50, topology={"tokens_per_micro_batch": 16_000_000}), cluster
+    )
 
 
 def case_newest_base_flipped_bit(tmp_path, cluster):
@@ -241,8 +245,15 @@ def case_checkpoint_location_unusable(tmp_path, cluster):
 def case_s3_checkpoint_without_server(tmp_path, cluster):
     t0 = time.monotonic()
     with pytest.raises(SnapshotError) as exc:
-        SnapshotStore("s3://overlord-ck/run", {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
-                                                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}})
+        SnapshotStore(
+            "s3://overlord-ck/run",
+            {
+                "key": "k",
+                "secret": "s",
+                "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+            },
+        )
     assert time.monotonic() - t0 < 30
     return str(exc.value)
 
@@ -312,8 +323,14 @@ def case_service_killed_for_good(tmp_path, cluster):
     from overlord_dask import connect
 
     plan = _text_source(tmp_path, texts=["some text here"] * 3000, loading={"unit_rows": 1000})
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask", "serve", _plan_file(tmp_path / "p.yaml", plan)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overlord_dask", "serve", _plan_file(tmp_path / "p.yaml", plan)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         stream = connect(json.loads(proc.stdout.readline())["address"], 0, timeout=60, reconnect_timeout=3)
         stream.next_batch()
@@ -326,8 +343,14 @@ def case_service_killed_for_good(tmp_path, cluster):
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "overlord_dask", *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "overlord_dask", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def case_cli_demo_zero_workers(tmp_path, cluster):
@@ -352,9 +375,20 @@ def case_cli_validate_unreachable_store(tmp_path, cluster):
 
 
 def _photo_source(tmp_path, images, positions, **src):
-    pq.write_table(pa.table({"text": ["a caption", "another one", "third"], "images": images, "image_positions": positions}),
-                   tmp_path / "p.parquet")
-    return _plan(tmp_path, format="parquet", url="p.parquet", text_field="text", images_field="images", image_size=8, patch_size=4, **src)
+    pq.write_table(
+        pa.table({"text": ["a caption", "another one", "third"], "images": images, "image_positions": positions}),
+        tmp_path / "p.parquet",
+    )
+    return _plan(
+        tmp_path,
+        format="parquet",
+        url="p.parquet",
+        text_field="text",
+        images_field="images",
+        image_size=8,
+        patch_size=4,
+        **src,
+    )
 
 
 def _png(size=8) -> bytes:
@@ -398,7 +432,10 @@ def case_float_patches_through_torch(tmp_path, cluster):
     g.create_array("image_offsets", shape=(n + 1,), dtype="int64")[:] = np.arange(n + 1)
     g.create_array("image_positions", shape=(n,), dtype="int64")[:] = 5
     plan = _plan(tmp_path, topology={"tokens_per_micro_batch": 512}, format="zarr", url="m.zarr", images_field="images")
-    with Service.start(plan, cluster=cluster) as service, connect(service.address, 0, as_torch=True, timeout=60) as stream:
+    with (
+        Service.start(plan, cluster=cluster) as service,
+        connect(service.address, 0, as_torch=True, timeout=60) as stream,
+    ):
         mb = stream.next_batch()["micro_batches"][0]
     patches = mb["image_patches"]
     ids = mb["sample_ids"].numpy()
@@ -418,50 +455,146 @@ def case_autoscale_without_a_cluster(tmp_path, cluster):
 
 def case_pool_declared_twice(tmp_path, cluster):
     with pytest.raises(PlanError) as exc:
-        plan_from_dict({"sources": [{"name": "a", "format": "zarr", "url": "a.zarr", "pool": {"name": "p", "cores": 2}},
-                                    {"name": "b", "format": "zarr", "url": "b.zarr", "pool": {"name": "p", "cores": 4}}],
-                        "topology": {"dp": 1, "tokens_per_micro_batch": 1024}})
+        plan_from_dict(
+            {
+                "sources": [
+                    {"name": "a", "format": "zarr", "url": "a.zarr", "pool": {"name": "p", "cores": 2}},
+                    {"name": "b", "format": "zarr", "url": "b.zarr", "pool": {"name": "p", "cores": 4}},
+                ],
+                "topology": {"dp": 1, "tokens_per_micro_batch": 1024},
+            }
+        )
     return str(exc.value)
 
 
 CASES = {
-    "token list column with a null row": (case_token_list_null_row, r"handled: null row loaded as an empty document, lengths \[2, 0, 1\]"),
-    "tokenizer yields negative ids": (_loading_text_with(tokenizer=U + "negative_ids", add_eos=False), r"unit 0 \(.*t\.parquet.*source 's': token ids must lie in \[0, \d+\], got min -2"),
-    "tokenizer yields floats": (_loading_text_with(tokenizer=U + "float_ids", add_eos=False), r"tokenizer tests\.test_bad_inputs:float_ids returned float64 values for document 0"),
-    "tokenizer yields a 2-D array": (_loading_text_with(tokenizer=U + "two_d_ids", add_eos=False), r"tokenizer tests\.test_bad_inputs:two_d_ids returned a 2-D array"),
-    "tokenizer returns fewer documents than texts": (_loading_text_with(tokenizer=U + "too_few_docs", add_eos=False), r"returned 1 documents for 3 texts"),
-    "tokenizer raises on undecodable bytes": (_loading_text_with(tokenizer=U + "not_utf8", add_eos=False), r"loading source 's' unit 0 .*UnicodeDecodeError: 'utf-8' codec can't decode"),
-    "transform returns 2-D tokens": (_loading_text_with(transform=U + "two_d_transform"), r"source 's': tokens must be a 1-D array of ids, got shape \(\d+, 1\)"),
-    "transform makes its block's tokens 2-D": (_loading_text_with(transform=U + "two_d_in_place"),
-                                               r"source 's': transform tests\.test_bad_inputs:two_d_in_place returned a bad block: tokens must be a 1-D array of ids, got shape \(\d+, 1\)"),
-    "zarr token array with negative ids": (case_zarr_negative_ids, r"z\.zarr.*token ids must lie in \[0, \d+\], got min -3"),
-    "zarr token array of floats": (case_zarr_float_tokens, r"source 's': 'tokens' has dtype float64, expected integers"),
+    "token list column with a null row": (
+        case_token_list_null_row,
+        r"handled: null row loaded as an empty document, lengths \[2, 0, 1\]",
+    ),
+    "tokenizer yields negative ids": (
+        _loading_text_with(tokenizer=U + "negative_ids", add_eos=False),
+        r"unit 0 \(.*t\.parquet.*source 's': token ids must lie in \[0, \d+\], got min -2",
+    ),
+    "tokenizer yields floats": (
+        _loading_text_with(tokenizer=U + "float_ids", add_eos=False),
+        r"tokenizer tests\.test_bad_inputs:float_ids returned float64 values for document 0",
+    ),
+    "tokenizer yields a 2-D array": (
+        _loading_text_with(tokenizer=U + "two_d_ids", add_eos=False),
+        r"tokenizer tests\.test_bad_inputs:two_d_ids returned a 2-D array",
+    ),
+    "tokenizer returns fewer documents than texts": (
+        _loading_text_with(tokenizer=U + "too_few_docs", add_eos=False),
+        r"returned 1 documents for 3 texts",
+    ),
+    "tokenizer raises on undecodable bytes": (
+        _loading_text_with(tokenizer=U + "not_utf8", add_eos=False),
+        r"loading source 's' unit 0 .*UnicodeDecodeError: 'utf-8' codec can't decode",
+    ),
+    "transform returns 2-D tokens": (
+        _loading_text_with(transform=U + "two_d_transform"),
+        r"source 's': tokens must be a 1-D array of ids, got shape \(\d+, 1\)",
+    ),
+    "transform makes its block's tokens 2-D": (
+        _loading_text_with(transform=U + "two_d_in_place"),
+        r"source 's': transform tests\.test_bad_inputs:two_d_in_place returned a bad block: tokens must be a 1-D array "
+        r"of ids, got shape \(\d+, 1\)",
+    ),
+    "zarr token array with negative ids": (
+        case_zarr_negative_ids,
+        r"z\.zarr.*token ids must lie in \[0, \d+\], got min -3",
+    ),
+    "zarr token array of floats": (
+        case_zarr_float_tokens,
+        r"source 's': 'tokens' has dtype float64, expected integers",
+    ),
     "parquet token column with negative ids": (case_parquet_negative_token_ids, r"l\.parquet.*got min -1"),
-    "text source of empty documents": (case_all_empty_documents, r"source 's' holds only 30 tokens in a whole pass over its files"),
-    "source of two tiny documents": (case_tiny_source, r"source 's' holds only \d+ tokens .* passes: every document would repeat"),
-    "micro-batch far larger than the corpus": (case_micro_batch_far_larger_than_corpus, r"tokens_per_micro_batch=16,000,000"),
-    "newest base with a flipped bit": (case_newest_base_flipped_bit, r"handled: damaged base skipped, resumed from base 0 at committed 6 \(seq 1\)"),
-    "delta with an altered committed step": (case_delta_committed_altered, r"handled: altered delta rejected, committed 9 \(seq 3\)"),
-    "truncated newest base": (case_newest_base_truncated, r"handled: truncated base skipped, resumed from base 0 at committed 6 \(seq 1\)"),
-    "snapshot from a newer version": (case_snapshot_from_a_newer_version, r"base-000000000005\.msgpack: snapshot version 99 is newer"),
-    "checkpoint location that cannot be written": (case_checkpoint_location_unusable, r"checkpoint location .*file/ck cannot be used"),
-    "s3 checkpoint with no server": (case_s3_checkpoint_without_server, r"checkpoint location s3://overlord-ck/run cannot be used: \w+"),
-    "Service.attach to a plain Dask scheduler": (case_attach_to_a_plain_scheduler, r"the scheduler there runs no overlord planner"),
-    "Service.attach where nothing listens": (case_attach_where_nothing_listens,
-                                             r"no overlord service at tcp://127\.0\.0\.1:\d+: nothing answered within 3s \(is the service running\? a scheduler file"),
-    "trainer state with a negative step": (case_state_with_a_negative_step, r"consumer state next_step must be a step number >= 0, got -1"),
+    "text source of empty documents": (
+        case_all_empty_documents,
+        r"source 's' holds only 30 tokens in a whole pass over its files",
+    ),
+    "source of two tiny documents": (
+        case_tiny_source,
+        r"source 's' holds only \d+ tokens .* passes: every document would repeat",
+    ),
+    "micro-batch far larger than the corpus": (
+        case_micro_batch_far_larger_than_corpus,
+        r"tokens_per_micro_batch=16,000,000",
+    ),
+    "newest base with a flipped bit": (
+        case_newest_base_flipped_bit,
+        r"handled: damaged base skipped, resumed from base 0 at committed 6 \(seq 1\)",
+    ),
+    "delta with an altered committed step": (
+        case_delta_committed_altered,
+        r"handled: altered delta rejected, committed 9 \(seq 3\)",
+    ),
+    "truncated newest base": (
+        case_newest_base_truncated,
+        r"handled: truncated base skipped, resumed from base 0 at committed 6 \(seq 1\)",
+    ),
+    "snapshot from a newer version": (
+        case_snapshot_from_a_newer_version,
+        r"base-000000000005\.msgpack: snapshot version 99 is newer",
+    ),
+    "checkpoint location that cannot be written": (
+        case_checkpoint_location_unusable,
+        r"checkpoint location .*file/ck cannot be used",
+    ),
+    "s3 checkpoint with no server": (
+        case_s3_checkpoint_without_server,
+        r"checkpoint location s3://overlord-ck/run cannot be used: \w+",
+    ),
+    "Service.attach to a plain Dask scheduler": (
+        case_attach_to_a_plain_scheduler,
+        r"the scheduler there runs no overlord planner",
+    ),
+    "Service.attach where nothing listens": (
+        case_attach_where_nothing_listens,
+        r"no overlord service at tcp://127\.0\.0\.1:\d+: nothing answered within 3s \(is the service running\? a "
+        r"scheduler file",
+    ),
+    "trainer state with a negative step": (
+        case_state_with_a_negative_step,
+        r"consumer state next_step must be a step number >= 0, got -1",
+    ),
     "consumer with the wrong dp": (case_dp_mismatch, r"consumer asked for dp=8, but the service at .* runs dp=2"),
     "two consumers on one rank": (case_two_consumers_on_one_rank, r"another consumer attached as rank 0"),
-    "service killed and not restarted": (case_service_killed_for_good, r"rank 0: lost the overlord service at tcp://.* did not come back within 3s"),
-    "parquet photo that is not an image": (case_photo_not_an_image, r"source 's' unit 0 .*p\.parquet.*record 1 \(sample id 1\): image 1 of the record: cannot decode image"),
-    "parquet photos without their positions": (case_photo_positions_missing, r"row 1 \(sample id 1\) has 2 images but 1 image positions"),
-    "parquet images column of strings": (case_photo_column_of_strings, r"images_field 'images' in .*p\.parquet has type string, expected list<binary>"),
-    "float image patches through torch": (case_float_patches_through_torch, r"handled: image_patches torch\.float32, min -0\.\d+"),
-    "autoscaling with only a scheduler address": (case_autoscale_without_a_cluster, r"loading\.autoscale needs a cluster object .*--resources overlord-pool-<pool>"),
-    "one pool declared two ways": (case_pool_declared_twice, r"sources 'a' and 'b' share pool 'p' but declare it differently"),
+    "service killed and not restarted": (
+        case_service_killed_for_good,
+        r"rank 0: lost the overlord service at tcp://.* did not come back within 3s",
+    ),
+    "parquet photo that is not an image": (
+        case_photo_not_an_image,
+        r"source 's' unit 0 .*p\.parquet.*record 1 \(sample id 1\): image 1 of the record: cannot decode image",
+    ),
+    "parquet photos without their positions": (
+        case_photo_positions_missing,
+        r"row 1 \(sample id 1\) has 2 images but 1 image positions",
+    ),
+    "parquet images column of strings": (
+        case_photo_column_of_strings,
+        r"images_field 'images' in .*p\.parquet has type string, expected list<binary>",
+    ),
+    "float image patches through torch": (
+        case_float_patches_through_torch,
+        r"handled: image_patches torch\.float32, min -0\.\d+",
+    ),
+    "autoscaling with only a scheduler address": (
+        case_autoscale_without_a_cluster,
+        r"loading\.autoscale needs a cluster object .*--resources overlord-pool-<pool>",
+    ),
+    "one pool declared two ways": (
+        case_pool_declared_twice,
+        r"sources 'a' and 'b' share pool 'p' but declare it differently",
+    ),
     "overlord demo --workers 0": (case_cli_demo_zero_workers, r"argument --workers: must be at least 1, got 0"),
     "overlord validate with several plans": (case_cli_validate_many_plans, r"bad\.yaml"),
-    "overlord validate on an unreachable store": (case_cli_validate_unreachable_store, r"overlord: error: source 'web': cannot read 's3://"),
+    "overlord validate on an unreachable store": (
+        case_cli_validate_unreachable_store,
+        r"overlord: error: source 'web': cannot read 's3://",
+    ),
 }
 
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overlord_dask.plan import plan_from_dict
-from overlord_dask.planner.policies.balance import _level, group_heavy
-from overlord_dask.planner.cost import doc_costs
 from overlord_dask.observe.figures import step_imbalance
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.planner.cost import doc_costs
+from overlord_dask.planner.policies.balance import _level, group_heavy
 from overlord_dask.planner.state import PlannerState
 
 
@@ -19,7 +19,9 @@ def make_state(weights, topo, balance, seed=0, cost=None):
     plan = plan_from_dict(
         {
             "seed": seed,
-            "sources": [{"name": f"s{i}", "format": "zarr", "url": f"s{i}.zarr", "weight": w} for i, w in enumerate(weights)],
+            "sources": [
+                {"name": f"s{i}", "format": "zarr", "url": f"s{i}.zarr", "weight": w} for i, w in enumerate(weights)
+            ],
             "topology": topo,
             "balance": balance,
             "loading": {"prefetch_steps": 2 * balance.get("window", 8), "units_ahead": 32},
@@ -63,7 +65,9 @@ def piece_ids(state, step):
 def test_cost_policy_properties(k, dp, mbs, cap, window, sync, seed):
     rng = np.random.default_rng(seed)
     params = [(rng.uniform(3, 7.5), rng.uniform(0.3, 1.5)) for _ in range(k)]
-    gens = [lambda r, n, mu=mu, sg=sg: np.clip(r.lognormal(mu, sg, n), 0, 5 * cap).astype(np.int64) for mu, sg in params]
+    gens = [
+        lambda r, n, mu=mu, sg=sg: np.clip(r.lognormal(mu, sg, n), 0, 5 * cap).astype(np.int64) for mu, sg in params
+    ]
     weights = list(rng.dirichlet(np.ones(k)) + 0.05)
     topo = {"dp": dp, "micro_batches": mbs, "tokens_per_micro_batch": cap}
     state = make_state(weights, topo, {"window": window, "sync": sync}, seed=seed)
@@ -159,7 +163,12 @@ def custom_cost(lengths):
 
 
 def test_custom_cost_function_is_used():
-    state = make_state([1.0], {"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 1024}, {"window": 2}, cost={"function": "tests.test_balance:custom_cost"})
+    state = make_state(
+        [1.0],
+        {"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 1024},
+        {"window": 2},
+        cost={"function": "tests.test_balance:custom_cost"},
+    )
     steps = drive(state, [lambda r, n: r.integers(1, 900, n)], 4)
     m = state.metrics[steps[0]]
     assert m["cost_mean"] * 2 == pytest.approx(2.0 * m["tokens"])
@@ -169,7 +178,13 @@ def test_cost_function_must_import():
     from overlord_dask import PlanError
 
     with pytest.raises(PlanError, match=r"cost.function: Value error, cannot import 'nope:fn'"):
-        plan_from_dict({"sources": [{"name": "a", "format": "zarr", "url": "a", "weight": 1}], "topology": {"dp": 1, "tokens_per_micro_batch": 64}, "cost": {"function": "nope:fn"}})
+        plan_from_dict(
+            {
+                "sources": [{"name": "a", "format": "zarr", "url": "a", "weight": 1}],
+                "topology": {"dp": 1, "tokens_per_micro_batch": 64},
+                "cost": {"function": "nope:fn"},
+            }
+        )
 
 
 def test_tiny_weights_do_not_starve_the_planner():
@@ -191,9 +206,15 @@ def test_tiny_weights_do_not_starve_the_planner():
     assert state.next_step >= 24
 
 
-@pytest.mark.parametrize("dp,n_sources,capacity,cost", [(4, 2, 16_384, None), (4, 3, 2048, None),
-                                                      (12, 10, 16_384, {"attention": 0.7, "hidden": 1000, "constant": 13.37}),
-                                                      (160, 3, 4096, None)])
+@pytest.mark.parametrize(
+    "dp,n_sources,capacity,cost",
+    [
+        (4, 2, 16_384, None),
+        (4, 3, 2048, None),
+        (12, 10, 16_384, {"attention": 0.7, "hidden": 1000, "constant": 13.37}),
+        (160, 3, 4096, None),
+    ],
+)
 def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacity, cost):
     """The balancer's loops run compiled (``kernels``, numba) or, where numba is missing, in
     numpy: both make the very same plan, piece for piece, so a run resumed without numba re-plans
@@ -208,8 +229,11 @@ def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacit
     gens = []
     for k in range(n_sources):
         a, b = shapes[k % len(shapes)]
-        gens.append((lambda r, n, a=a, b=b: np.clip((r.pareto(a, n) + 1) * b, 16, 16_384).astype(np.int64)) if a else
-                    (lambda r, n, b=b: np.clip(r.lognormal(b, 1.0, n), 16, 16_384).astype(np.int64)))
+        gens.append(
+            (lambda r, n, a=a, b=b: np.clip((r.pareto(a, n) + 1) * b, 16, 16_384).astype(np.int64))
+            if a
+            else (lambda r, n, b=b: np.clip(r.lognormal(b, 1.0, n), 16, 16_384).astype(np.int64))
+        )
     weights = list(np.random.default_rng(n_sources).dirichlet(np.ones(n_sources)) + 0.02)
     topo = {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": capacity}
     plans = []
@@ -260,7 +284,9 @@ def test_a_windows_light_quotas_at_once_are_each_steps_bit_for_bit(dp, micro_bat
         rho = float(costs[idx].sum()) / max(total, 1)
         room = (capacity - bin_tok[s]).reshape(dp, micro_batches).astype(np.float64)
         row_room = room.sum(axis=0)
-        alone = _level(bin_cost[s].reshape(dp, micro_batches), room, total * row_room / max(row_room.sum(), 1.0), rho).ravel()
+        alone = _level(
+            bin_cost[s].reshape(dp, micro_batches), room, total * row_room / max(row_room.sum(), 1.0), rho
+        ).ravel()
         assert q.shape == alone.shape and q.tobytes() == alone.tobytes()
 
 
@@ -306,7 +332,11 @@ def _level_by_kinks(h, room, tokens, rho):
             out[:, c] = room2[:, c]
             continue
         j = int(np.searchsorted(vals, tok, side="left"))
-        q = kinks[0] if j == 0 else kinks[j - 1] + (tok - vals[j - 1]) * (kinks[j] - kinks[j - 1]) / max(vals[j] - vals[j - 1], 1e-300)
+        q = (
+            kinks[0]
+            if j == 0
+            else kinks[j - 1] + (tok - vals[j - 1]) * (kinks[j] - kinks[j - 1]) / max(vals[j] - vals[j - 1], 1e-300)
+        )
         out[:, c] = np.clip((q - h2[:, c]) / r, 0, room2[:, c])
     return out.reshape(h.shape)
 
@@ -359,7 +389,15 @@ def test_polish_lowers_the_costliest_container_keeps_capacity_and_steps(monkeypa
     pieces[:, 3] = np.arange(n)
     pieces[:, 5] = lens
     costs = 3.0 * lens.astype(float) ** 2 + 49152.0 * lens + 49152.0 * 300 * (lens > 0)
-    kw = dict(steps=steps, dp=dp, micro_batches=mbs, capacity=cap, step_budget=int(0.97 * dp * mbs * cap), heavy_tokens=cap // 16, sync=sync)
+    kw = {
+        "steps": steps,
+        "dp": dp,
+        "micro_batches": mbs,
+        "capacity": cap,
+        "step_budget": int(0.97 * dp * mbs * cap),
+        "heavy_tokens": cap // 16,
+        "sync": sync,
+    }
 
     def plan():
         wp = balance.balance_window(pieces.copy(), costs, **kw)

@@ -16,9 +16,17 @@ import balance  # noqa: E402
 import mixing  # noqa: E402
 
 KEYS = {
-    "imbalance_p50", "imbalance_p99", "mb_imbalance_p50", "mb_imbalance_p99", "baseline_imbalance_p50",
-    "baseline_imbalance_p99", "lower_bound_p50", "speedup_vs_baseline", "capacity_violations",
-    "planner_samples_per_s", "planner_ms_p99",
+    "imbalance_p50",
+    "imbalance_p99",
+    "mb_imbalance_p50",
+    "mb_imbalance_p99",
+    "baseline_imbalance_p50",
+    "baseline_imbalance_p99",
+    "lower_bound_p50",
+    "speedup_vs_baseline",
+    "capacity_violations",
+    "planner_samples_per_s",
+    "planner_ms_p99",
 }
 
 
@@ -43,10 +51,34 @@ def test_mixing_benchmark_runs(capsys):
 def test_trainer_wait_benchmark_runs(capsys, corpus):
     import trainer_wait
 
-    out = trainer_wait.main(["--dp", "2", "--steps", "12", "--warmup", "3", "--compute-ms", "20", "--tokens", "4096", "--baseline-workers", "1",
-                             "--data", str(corpus), "--json"])
+    out = trainer_wait.main(
+        [
+            "--dp",
+            "2",
+            "--steps",
+            "12",
+            "--warmup",
+            "3",
+            "--compute-ms",
+            "20",
+            "--tokens",
+            "4096",
+            "--baseline-workers",
+            "1",
+            "--data",
+            str(corpus),
+            "--json",
+        ]
+    )
     (row,) = out["rows"]
-    assert {"wait_share", "wait_p50_ms", "wait_p99_ms", "time_to_first_batch_s", "compute_ms", "baseline_wait_share"} <= set(row)
+    assert {
+        "wait_share",
+        "wait_p50_ms",
+        "wait_p99_ms",
+        "time_to_first_batch_s",
+        "compute_ms",
+        "baseline_wait_share",
+    } <= set(row)
     assert 0 <= row["wait_share"] < 1 and row["compute_ms"] == 20
     assert '"trainer_wait"' in capsys.readouterr().out
 
@@ -57,12 +89,38 @@ def test_trainer_wait_trains_a_real_model_from_both_loaders(capsys, corpus):
     (real, aligned input_ids / labels / position_ids reach the model)."""
     import trainer_wait
 
-    out = trainer_wait.main(["--model", "--device", "cpu", "--model-dim", "16", "--vocab", "300", "--dp", "2", "--steps", "16", "--warmup", "3",
-                             "--compute-ms", "20", "--tokens", "1024", "--baseline-workers", "1", "--data", str(corpus), "--json"])
+    out = trainer_wait.main(
+        [
+            "--model",
+            "--device",
+            "cpu",
+            "--model-dim",
+            "16",
+            "--vocab",
+            "300",
+            "--dp",
+            "2",
+            "--steps",
+            "16",
+            "--warmup",
+            "3",
+            "--compute-ms",
+            "20",
+            "--tokens",
+            "1024",
+            "--baseline-workers",
+            "1",
+            "--data",
+            str(corpus),
+            "--json",
+        ]
+    )
     (row,) = out["rows"]
     assert out["model"]["device"] == "cpu" and out["model"]["ranks"] == 1
     for prefix in ("model_", "baseline_model_"):
-        assert 0 <= row[prefix + "wait_share"] < 1 and row[prefix + "compute_ms"] > 0 and row[prefix + "synthetic_ms"] > 0
+        assert (
+            0 <= row[prefix + "wait_share"] < 1 and row[prefix + "compute_ms"] > 0 and row[prefix + "synthetic_ms"] > 0
+        )
         assert row[prefix + "loss_last"] < row[prefix + "loss_first"] - 0.5, (prefix, row)
     assert '"trainer_wait"' in capsys.readouterr().out
 
@@ -77,7 +135,11 @@ def test_model_trainer_names_a_token_past_its_vocabulary(calibrated):
     if calibrated:
         calibrate(m, capacity=4, micro_batches=1, steps=1)
         assert m.losses == []
-    mb = {"input_ids": torch.tensor([1, 2, 9, 3]), "position_ids": torch.arange(4), "labels": torch.tensor([2, 9, 3, -100])}
+    mb = {
+        "input_ids": torch.tensor([1, 2, 9, 3]),
+        "position_ids": torch.arange(4),
+        "labels": torch.tensor([2, 9, 3, -100]),
+    }
     with pytest.raises(ValueError, match="token id 9 .* vocabulary of 8"):
         m.micro_batch(mb)
 
@@ -86,10 +148,35 @@ def test_model_trainer_names_a_token_past_its_vocabulary(calibrated):
 def test_control_plane_benchmark_runs(capsys, corpus, consumers):
     import control_plane
 
-    out = control_plane.main(["--dp", "6", "--ranks-per-host", "4", "--procs", "2", "--seconds", "2", "--warmup-steps", "3", "--no-baseline",
-                              "--consumers", consumers, "--data", str(corpus), "--json"])
+    out = control_plane.main(
+        [
+            "--dp",
+            "6",
+            "--ranks-per-host",
+            "4",
+            "--procs",
+            "2",
+            "--seconds",
+            "2",
+            "--warmup-steps",
+            "3",
+            "--no-baseline",
+            "--consumers",
+            consumers,
+            "--data",
+            str(corpus),
+            "--json",
+        ]
+    )
     (row,) = out["rows"]
-    assert {"dp", "steps_per_s", "cpu_ms_per_step_rank", "cpu_ms_per_step", "loop_block_max_ms", "consumer_processes"} <= set(row)
+    assert {
+        "dp",
+        "steps_per_s",
+        "cpu_ms_per_step_rank",
+        "cpu_ms_per_step",
+        "loop_block_max_ms",
+        "consumer_processes",
+    } <= set(row)
     assert row["dp"] == 6 and row["steps"] > 0 and row["cpu_ms_per_step_rank"] > 0
     assert row["connections"] == 2 and row["consumer_processes"] == 2 and row["consumers"] == consumers
     assert '"control_plane"' in capsys.readouterr().out
@@ -98,10 +185,35 @@ def test_control_plane_benchmark_runs(capsys, corpus, consumers):
 def test_faults_benchmark_runs(capsys, corpus):
     import faults
 
-    out = faults.main(["--steps", "12", "--fault-at", "5", "--compute-ms", "20", "--slow-seconds", "1", "--no-catalogue", "--data", str(corpus),
-                       "--restart-ks", "1", "3", "--json"])
-    assert set(out["scenarios"]) == {"worker_kill_shadows", "worker_kill_no_shadows", "worker_hung_shadows", "trainer_restart", "slow_trainer",
-                                     "service_restart", "job_restart_from_checkpoint_k1", "job_restart_from_checkpoint_k3"}
+    out = faults.main(
+        [
+            "--steps",
+            "12",
+            "--fault-at",
+            "5",
+            "--compute-ms",
+            "20",
+            "--slow-seconds",
+            "1",
+            "--no-catalogue",
+            "--data",
+            str(corpus),
+            "--restart-ks",
+            "1",
+            "3",
+            "--json",
+        ]
+    )
+    assert set(out["scenarios"]) == {
+        "worker_kill_shadows",
+        "worker_kill_no_shadows",
+        "worker_hung_shadows",
+        "trainer_restart",
+        "slow_trainer",
+        "service_restart",
+        "job_restart_from_checkpoint_k1",
+        "job_restart_from_checkpoint_k3",
+    }
     assert all(out["scenarios"][f"job_restart_from_checkpoint_k{k}"]["repeats_first_life"] for k in (1, 3))
     assert out["scenarios"]["slow_trainer"]["rss_growth_mb"] < 200
     for name, row in out["scenarios"].items():
@@ -127,10 +239,37 @@ def test_autoscale_benchmark_runs(capsys, corpus):
 def test_memory_benchmark_runs(capsys, tmp_path):
     import memory
 
-    out = memory.main(["--ranks", "1", "2", "--sources", "1", "--at", "1", "1", "--seconds", "1.5", "--compute-ms", "20",
-                       "--tokens", "2048", "--baseline-workers", "1", "--data", str(tmp_path), "--json"])
+    out = memory.main(
+        [
+            "--ranks",
+            "1",
+            "2",
+            "--sources",
+            "1",
+            "--at",
+            "1",
+            "1",
+            "--seconds",
+            "1.5",
+            "--compute-ms",
+            "20",
+            "--tokens",
+            "2048",
+            "--baseline-workers",
+            "1",
+            "--data",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     assert {(r["ranks"], r["sources"]) for r in out["rows"]} == {(1, 1), (2, 1)}
-    assert {"memory_ratio", "projected_ratio", "ours_fixed_mb", "ours_per_rank_mb", "baseline_per_rank_source_mb"} <= set(out)
+    assert {
+        "memory_ratio",
+        "projected_ratio",
+        "ours_fixed_mb",
+        "ours_per_rank_mb",
+        "baseline_per_rank_source_mb",
+    } <= set(out)
     for row in out["rows"]:
         assert row["baseline_mb"] > 0 and row["ours_mb"] > 0, row  # both loaders really add memory over bare trainers
         assert row["baseline_tokens_per_s"] > 0 and row["ours_tokens_per_s"] > 0, row
@@ -140,8 +279,29 @@ def test_memory_benchmark_runs(capsys, tmp_path):
 def test_peers_benchmark_runs(capsys, tmp_path):
     import peers
 
-    out = peers.main(["--dp", "2", "--sources", "2", "--tokens", "4096", "--steps", "16", "--kill-at", "6", "--warmup", "3", "--window", "5",
-                      "--compute-ms", "20", "--data", str(tmp_path), "--json"])
+    out = peers.main(
+        [
+            "--dp",
+            "2",
+            "--sources",
+            "2",
+            "--tokens",
+            "4096",
+            "--steps",
+            "16",
+            "--kill-at",
+            "6",
+            "--warmup",
+            "3",
+            "--window",
+            "5",
+            "--compute-ms",
+            "20",
+            "--data",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     rows = {r["system"]: r for r in out["rows"]}
     assert set(rows) == {"torchdata", "ours"}
     for name, row in rows.items():
@@ -153,7 +313,9 @@ def test_peers_benchmark_runs(capsys, tmp_path):
 def test_corpus_scale_benchmark_runs(capsys, tmp_path):
     import corpus_scale
 
-    out = corpus_scale.main(["--sources", "3", "--files", "2", "--row-groups", "4", "--rows", "5", "--data", str(tmp_path), "--json"])
+    out = corpus_scale.main(
+        ["--sources", "3", "--files", "2", "--row-groups", "4", "--rows", "5", "--data", str(tmp_path), "--json"]
+    )
     assert out["units"] == 3 * 2 * 4 and out["files"] == 6
     assert out["first_batch_cold_s"] > 0 and out["first_batch_warm_s"] > 0
     assert {r["units"] for r in out["rows"] if r["what"].startswith("index")} == {24}
@@ -163,8 +325,33 @@ def test_corpus_scale_benchmark_runs(capsys, tmp_path):
 def test_throughput_benchmark_with_a_trained_bpe(capsys, corpus):
     import throughput
 
-    out = throughput.main(["--steps", "6", "--bpe-steps", "6", "--dp", "2", "--tokenizer", "both", "--bpe-vocab", "400", "--bpe-docs", "200", "--data", str(corpus),
-                           "--scaling", "1", "--repeats", "1", "--baseline-workers", "1", "--raw-repeats", "2", "--json"])
+    out = throughput.main(
+        [
+            "--steps",
+            "6",
+            "--bpe-steps",
+            "6",
+            "--dp",
+            "2",
+            "--tokenizer",
+            "both",
+            "--bpe-vocab",
+            "400",
+            "--bpe-docs",
+            "200",
+            "--data",
+            str(corpus),
+            "--scaling",
+            "1",
+            "--repeats",
+            "1",
+            "--baseline-workers",
+            "1",
+            "--raw-repeats",
+            "2",
+            "--json",
+        ]
+    )
     for res in (out, out["bpe"]):
         assert res["tokens"] > 0 and res["ratio_to_raw"] > 0 and res["duplicates"] == 0 and res["missing"] == 0
         assert [r["workers"] for r in res["by_workers"]] == [1] and res["by_workers"][0]["missing"] == 0
@@ -191,20 +378,64 @@ def test_formats_benchmark_runs(capsys, tmp_path):
 def test_sft_benchmark_checks_every_label_against_transformers(capsys, tmp_path):
     import sft
 
-    out = sft.main(["--convs", "300", "--steps", "6", "--warmup", "2", "--check-steps", "3", "--tokens", "2048", "--compute-ms", "5",
-                    "--data", str(tmp_path), "--json"])
+    out = sft.main(
+        [
+            "--convs",
+            "300",
+            "--steps",
+            "6",
+            "--warmup",
+            "2",
+            "--check-steps",
+            "3",
+            "--tokens",
+            "2048",
+            "--compute-ms",
+            "5",
+            "--data",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     assert out["mask_mismatches"] == 0 and out["pieces_checked"] > 10
-    assert out["tokens_per_s"] > 0 and out["peer_tokens_per_s"] > 0 and 0 <= out["wait_share"] <= 1 and 0 <= out["peer_wait_share"] <= 1
+    assert (
+        out["tokens_per_s"] > 0
+        and out["peer_tokens_per_s"] > 0
+        and 0 <= out["wait_share"] <= 1
+        and 0 <= out["peer_wait_share"] <= 1
+    )
     assert '"sft"' in capsys.readouterr().out
 
 
 def test_learned_cost_benchmark_runs(capsys):
     import learned_cost
 
-    out = learned_cost.main(["--dp", "4", "--tokens", "8192", "--steps", "70", "--warmup", "3", "--step-ms", "10", "--docs", "3000",
-                             "--no-true-model", "--json"])
+    out = learned_cost.main(
+        [
+            "--dp",
+            "4",
+            "--tokens",
+            "8192",
+            "--steps",
+            "70",
+            "--warmup",
+            "3",
+            "--step-ms",
+            "10",
+            "--docs",
+            "3000",
+            "--no-true-model",
+            "--json",
+        ]
+    )
     capsys.readouterr()
-    for k in ("declared_imbalance_p50", "learned_imbalance_p50", "coefficient_error", "settle_steps", "replay_identical"):
+    for k in (
+        "declared_imbalance_p50",
+        "learned_imbalance_p50",
+        "coefficient_error",
+        "settle_steps",
+        "replay_identical",
+    ):
         assert k in out, k
     assert out["replay_identical"] is True and out["switch_step"] is not None and out["settle_steps"] <= 60
 
@@ -212,9 +443,18 @@ def test_learned_cost_benchmark_runs(capsys):
 def test_feedback_mixing_benchmark_runs(capsys):
     import feedback_mixing
 
-    out = feedback_mixing.main(["--steps", "40", "--tokens", "1024", "--docs", "600", "--interval", "5", "--eval-every", "5", "--json"])
+    out = feedback_mixing.main(
+        ["--steps", "40", "--tokens", "1024", "--docs", "600", "--interval", "5", "--eval-every", "5", "--json"]
+    )
     capsys.readouterr()
-    for k in ("tokens_to_target_static", "tokens_to_target_controller", "token_saving", "replay_identical", "duplicates", "missing"):
+    for k in (
+        "tokens_to_target_static",
+        "tokens_to_target_controller",
+        "token_saving",
+        "replay_identical",
+        "duplicates",
+        "missing",
+    ):
         assert k in out, k
     assert out["replay_identical"] is True and (out["duplicates"], out["missing"]) == (0, 0) and out["decisions"] >= 3
 

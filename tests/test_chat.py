@@ -14,7 +14,12 @@ import pytest
 from overlord_dask import Service, connect
 from overlord_dask.errors import SourceError
 from overlord_dask.plan.loading import plan_from_dict
-from overlord_dask.service.chat_demo import PLAIN_CHAT_TEMPLATE, conversation, generate_chat_corpus, llama3_style_tokenizer
+from overlord_dask.service.chat_demo import (
+    PLAIN_CHAT_TEMPLATE,
+    conversation,
+    generate_chat_corpus,
+    llama3_style_tokenizer,
+)
 from overlord_dask.sources import discover_units, read_unit
 from tests.harness import run_ranks
 
@@ -39,9 +44,16 @@ def reference(hf, messages) -> tuple[list[int], list[int]]:
 
 
 def _plan(tmp_path, llama3, sources, **top):
-    return plan_from_dict({"sources": sources, "tokenizer": str(llama3),
-                           "topology": {"dp": 1, "tokens_per_micro_batch": 1024, **top.pop("topology", {})},
-                           "loading": {"unit_rows": 40}, **top}, base_dir=tmp_path)
+    return plan_from_dict(
+        {
+            "sources": sources,
+            "tokenizer": str(llama3),
+            "topology": {"dp": 1, "tokens_per_micro_batch": 1024, **top.pop("topology", {})},
+            "loading": {"unit_rows": 40},
+            **top,
+        },
+        base_dir=tmp_path,
+    )
 
 
 def _load(plan, i=0):
@@ -55,21 +67,49 @@ def test_chat_records_are_masked_as_transformers_masks_them(tmp_path, llama3, hf
     rng = np.random.default_rng(3)
     convs = [conversation(rng) for _ in range(60)]
     pq.write_table(pa.table({"messages": pa.array(convs, MSG)}), tmp_path / "c.parquet", row_group_size=25)
-    tok = {"path": str(llama3)} if template == "generation blocks" else {"path": str(llama3), "chat_template": PLAIN_CHAT_TEMPLATE}
-    plan = _plan(tmp_path, llama3, [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages",
-                                     "tokenizer": tok}])
+    tok = (
+        {"path": str(llama3)}
+        if template == "generation blocks"
+        else {"path": str(llama3), "chat_template": PLAIN_CHAT_TEMPLATE}
+    )
+    plan = _plan(
+        tmp_path,
+        llama3,
+        [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages", "tokenizer": tok}],
+    )
     blocks, dropped = _load(plan)
     assert dropped == 0
-    docs = [(b.doc(i).tolist(), b.loss_mask[b.offsets[i]:b.offsets[i + 1]].tolist()) for b in blocks for i in range(len(b))]
+    docs = [
+        (b.doc(i).tolist(), b.loss_mask[b.offsets[i] : b.offsets[i + 1]].tolist())
+        for b in blocks
+        for i in range(len(b))
+    ]
     assert docs == [reference(hf, c) for c in convs]
     assert all(d[0][0] == hf.bos_token_id for d in docs)  # the template writes BOS; no second one, no EOS added
 
 
 def test_roles_to_train_on_are_configurable(tmp_path, llama3, hf):
-    convs = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat"}]]
+    convs = [
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "the cat"},
+            {"role": "assistant", "content": "sat"},
+        ]
+    ]
     pq.write_table(pa.table({"messages": pa.array(convs, MSG)}), tmp_path / "c.parquet")
-    plan = _plan(tmp_path, llama3, [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages",
-                                     "train_roles": ["user", "assistant"]}])
+    plan = _plan(
+        tmp_path,
+        llama3,
+        [
+            {
+                "name": "chat",
+                "format": "parquet",
+                "url": "c.parquet",
+                "messages_field": "messages",
+                "train_roles": ["user", "assistant"],
+            }
+        ],
+    )
     (block,), _ = _load(plan)
     ids, mask = block.tokens.tolist(), block.loss_mask.tolist()
     trained = hf.decode([t for t, m in zip(ids, mask) if m])
@@ -78,40 +118,57 @@ def test_roles_to_train_on_are_configurable(tmp_path, llama3, hf):
 
 def test_pre_tokenized_labels_and_masks(tmp_path, llama3):
     ids = [[5, 6, 7, 8], [9, 10]]
-    pq.write_table(pa.table({"ids": ids, "labels": [[-100, -100, 7, 8], [-100, 10]], "m": [[0, 1, 1, 0], [1, 1]]}), tmp_path / "t.parquet")
+    pq.write_table(
+        pa.table({"ids": ids, "labels": [[-100, -100, 7, 8], [-100, 10]], "m": [[0, 1, 1, 0], [1, 1]]}),
+        tmp_path / "t.parquet",
+    )
     base = {"name": "t", "format": "parquet", "url": "t.parquet", "tokens_field": "ids"}
     (b,), _ = _load(_plan(tmp_path, llama3, [{**base, "labels_field": "labels"}]))
     assert b.loss_mask.tolist() == [0, 0, 1, 1, 0, 1]
     (b,), _ = _load(_plan(tmp_path, llama3, [{**base, "loss_mask_field": "m"}]))
     assert b.loss_mask.tolist() == [0, 1, 1, 0, 1, 1]
     pq.write_table(pa.table({"ids": ids, "labels": [[-100, 3, 7, 8], [-100, 10]]}), tmp_path / "t.parquet")
-    with pytest.raises(SourceError, match=r"source 't': .*row 0: label 3 at token 1 is neither -100 nor the token \(6\)"):
+    with pytest.raises(
+        SourceError, match=r"source 't': .*row 0: label 3 at token 1 is neither -100 nor the token \(6\)"
+    ):
         _load(_plan(tmp_path, llama3, [{**base, "labels_field": "labels"}]))
 
 
 def test_bad_conversations_name_their_record_or_are_dropped(tmp_path, llama3):
-    convs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
-             [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}],
-             [{"role": "user", "content": "only a question"}],
-             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]]
+    convs = [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+        [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}],
+        [{"role": "user", "content": "only a question"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+    ]
     pq.write_table(pa.table({"messages": pa.array(convs, MSG)}), tmp_path / "c.parquet")
     src = {"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages"}
-    with pytest.raises(SourceError, match=r"source 'chat' unit 0 \(.*c\.parquet.*\): record 1 \(sample id 1\): message 1 has role 'robot', "
-                                          r"not one of \['system', 'user', 'assistant', 'tool'\]"):
+    with pytest.raises(
+        SourceError,
+        match=r"source 'chat' unit 0 \(.*c\.parquet.*\): record 1 \(sample id 1\): message 1 has role 'robot', "
+        r"not one of \['system', 'user', 'assistant', 'tool'\]",
+    ):
         _load(_plan(tmp_path, llama3, [src]))
     blocks, dropped = _load(_plan(tmp_path, llama3, [{**src, "on_bad_record": "drop"}]))
     assert dropped == 2 and blocks[0].lengths().tolist()[1:3] == [0, 0] and min(blocks[0].lengths()[[0, 3]]) > 0
     pq.write_table(pa.table({"messages": pa.array(convs[2:3], MSG)}), tmp_path / "c.parquet")
-    with pytest.raises(SourceError, match=r"record 0 \(sample id 0\): no turn to train on \(no message of roles \['assistant'\]\)"):
+    with pytest.raises(
+        SourceError, match=r"record 0 \(sample id 0\): no turn to train on \(no message of roles \['assistant'\]\)"
+    ):
         _load(_plan(tmp_path, llama3, [src]))
     # a tokenizer without a chat template: the plan field that fixes it
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "tokenizer.json").write_text((llama3 / "tokenizer.json").read_text())
     (bare / "tokenizer_config.json").write_text('{"eos_token": "<|end_of_text|>"}')
-    with pytest.raises(SourceError, match=r"source 'chat': tokenizer '.*bare' has no chat template .*set tokenizer.chat_template in the plan"):
+    with pytest.raises(
+        SourceError,
+        match=r"source 'chat': tokenizer '.*bare' has no chat template .*set tokenizer.chat_template in the plan",
+    ):
         _load(_plan(tmp_path, llama3, [{**src, "tokenizer": str(bare)}]))
-    with pytest.raises(SourceError, match=r"messages_field 'text' in .* has type string, expected a list of \{role, content\} messages"):
+    with pytest.raises(
+        SourceError, match=r"messages_field 'text' in .* has type string, expected a list of \{role, content\} messages"
+    ):
         pq.write_table(pa.table({"text": ["x"]}), tmp_path / "c.parquet")
         _load(_plan(tmp_path, llama3, [{**src, "messages_field": "text"}]))
 
@@ -119,11 +176,19 @@ def test_bad_conversations_name_their_record_or_are_dropped(tmp_path, llama3):
 def _chat_and_text(tmp_path, llama3, **topology):
     chat_dir = generate_chat_corpus(tmp_path, n=240, files=2, seed=5, words=(3, 60))
     rng = np.random.default_rng(0)
-    pq.write_table(pa.table({"text": [" ".join(["the cat sat on a mat"] * int(rng.integers(1, 30))) for _ in range(400)]}),
-                   tmp_path / "web.parquet")
-    plan = _plan(tmp_path, llama3, [{"name": "chat", "format": "parquet", "url": "chat/*.parquet", "messages_field": "messages", "weight": 2},
-                                    {"name": "web", "format": "parquet", "url": "web.parquet", "text_field": "text"}],
-                 topology={"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 512, "max_doc_tokens": 96, **topology})
+    pq.write_table(
+        pa.table({"text": [" ".join(["the cat sat on a mat"] * int(rng.integers(1, 30))) for _ in range(400)]}),
+        tmp_path / "web.parquet",
+    )
+    plan = _plan(
+        tmp_path,
+        llama3,
+        [
+            {"name": "chat", "format": "parquet", "url": "chat/*.parquet", "messages_field": "messages", "weight": 2},
+            {"name": "web", "format": "parquet", "url": "web.parquet", "text_field": "text"},
+        ],
+        topology={"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 512, "max_doc_tokens": 96, **topology},
+    )
     convs = [c for f in sorted(chat_dir.glob("*.parquet")) for c in pq.read_table(f).column("messages").to_pylist()]
     return plan, convs
 
@@ -142,6 +207,7 @@ def test_masks_travel_through_packing_splits_and_the_wire(cluster, tmp_path, lla
     ref = [tuple(reference(hf, c)) for c in [[{k: v for k, v in m.items() if v is not None} for m in c] for c in convs]]
     dp, steps, got = 2, 10, {}
     with Service.start(plan, cluster=cluster) as service:
+
         def consume(key):
             rank, conv = key
             opts = {"loss_mask": True} if conv == "shifted" else {"labels": "hf"}
@@ -163,18 +229,22 @@ def test_masks_travel_through_packing_splits_and_the_wire(cluster, tmp_path, lla
                     a, b = cu[k], cu[k + 1]
                     start = int(ma["piece_starts"][k])
                     if ma["source_ids"][k] != 0:
-                        assert (ma["labels"][a:b - 1] != -100).all()
+                        assert (ma["labels"][a : b - 1] != -100).all()
                         continue
                     chat_pieces += 1
                     sample = int(ma["sample_ids"][k])
-                    assert ma["input_ids"][a:b].tolist() == ref[sample][0][start:start + b - a]
+                    assert ma["input_ids"][a:b].tolist() == ref[sample][0][start : start + b - a]
                     want = [_expected_label(ref, sample, start + i) for i in range(b - a)]
                     assert ma["labels"][a:b].tolist() == want
                     masked += want.count(-100)
-                    hf_want = [-100] + [ref[sample][0][start + i] if ref[sample][1][start + i] else -100 for i in range(1, b - a)]
+                    hf_want = [-100] + [
+                        ref[sample][0][start + i] if ref[sample][1][start + i] else -100 for i in range(1, b - a)
+                    ]
                     assert mh["labels"][a:b].tolist() == hf_want
                 np.testing.assert_array_equal(ma["loss_mask"], (ma["labels"] != -100).astype(np.float32))
-                np.testing.assert_array_equal(mh["loss_mask"], (mh["labels"] != -100).astype(np.float32))  # a masked plan: by default
+                np.testing.assert_array_equal(
+                    mh["loss_mask"], (mh["labels"] != -100).astype(np.float32)
+                )  # a masked plan: by default
                 counts["shifted"] += int((ma["labels"] != -100).sum())
                 counts["hf"] += int((mh["labels"] != -100).sum())
         for rank in range(dp):
@@ -188,6 +258,7 @@ def test_masks_survive_context_parallel_slices(cluster, tmp_path, llama3, hf):
     ref = [tuple(reference(hf, c)) for c in [[{k: v for k, v in m.items() if v is not None} for m in c] for c in convs]]
     dp, steps, got = 2, 6, {}
     with Service.start(plan, cluster=cluster) as service:
+
         def consume(key):
             rank, cp_rank = key
             with connect(service.address, rank, dp, cp_rank=cp_rank, timeout=120) as s:
@@ -196,7 +267,7 @@ def test_masks_survive_context_parallel_slices(cluster, tmp_path, llama3, hf):
 
         run_ranks(consume, [(r, c) for r in range(dp) for c in range(2)])
     checked = 0
-    for (rank, cp_rank), batches in got.items():
+    for batches in got.values():
         for batch in batches:
             for sl in batch["micro_batches"]:
                 cu = sl["cu_seqlens"].astype(int)
@@ -224,7 +295,11 @@ def test_chat_records_read_alike_from_every_record_format(tmp_path, llama3, fmt)
     rng = np.random.default_rng(9)
     convs = [conversation(rng) for _ in range(50)]
     pq.write_table(pa.table({"messages": pa.array(convs, MSG)}), tmp_path / "c.parquet")
-    want, _ = _load(_plan(tmp_path, llama3, [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages"}]))
+    want, _ = _load(
+        _plan(
+            tmp_path, llama3, [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages"}]
+        )
+    )
     if fmt == "webdataset":
         import webdataset as wds
 
@@ -235,10 +310,18 @@ def test_chat_records_read_alike_from_every_record_format(tmp_path, llama3, fmt)
         src = {"format": "webdataset", "url": "wds/shard-000.tar", "messages_field": "json"}
     else:
         url = write(tmp_path, [{"id": i, "messages": c} for i, c in enumerate(convs)], fmt, files=2)
-        src = {"format": fmt.split(".")[0], "url": url + ("/*.jsonl.zst" if fmt == "jsonl.zst" else ""), "messages_field": "messages"}
+        src = {
+            "format": fmt.split(".")[0],
+            "url": url + ("/*.jsonl.zst" if fmt == "jsonl.zst" else ""),
+            "messages_field": "messages",
+        }
     got, _ = _load(_plan(tmp_path, llama3, [{"name": "chat", **src}]))
-    flat = lambda blocks: ([b.doc(i).tolist() for b in blocks for i in range(len(b))],  # noqa: E731
-                           np.concatenate([b.loss_mask for b in blocks]).tolist())
+
+    def flat(blocks):
+        return [b.doc(i).tolist() for b in blocks for i in range(len(b))], np.concatenate(
+            [b.loss_mask for b in blocks]
+        ).tolist()
+
     assert flat(got) == flat(want)
 
 
@@ -249,23 +332,37 @@ def test_other_backends_mask_the_same_characters(tmp_path, llama3, backend):
     rng = np.random.default_rng(4)
     convs = [conversation(rng) for _ in range(20)]
     pq.write_table(pa.table({"messages": pa.array(convs, MSG)}), tmp_path / "c.parquet")
-    ref, _ = _load(_plan(tmp_path, llama3, [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages"}]))
-    tok = {"transformers": {"path": str(llama3), "backend": "transformers"},
-           "byte": {"path": "byte"},
-           "callable": {"path": "tests.test_tokenizers:shifted_bytes", "kwargs": {"shift": 3}, "eos_id": 2}}[backend]
+    ref, _ = _load(
+        _plan(
+            tmp_path, llama3, [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages"}]
+        )
+    )
+    tok = {
+        "transformers": {"path": str(llama3), "backend": "transformers"},
+        "byte": {"path": "byte"},
+        "callable": {"path": "tests.test_tokenizers:shifted_bytes", "kwargs": {"shift": 3}, "eos_id": 2},
+    }[backend]
     if backend != "transformers":
         import json
 
         tok["chat_template"] = json.loads((llama3 / "tokenizer_config.json").read_text())["chat_template"]
-    got, _ = _load(_plan(tmp_path, llama3, [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages",
-                                             "tokenizer": tok}]))
+    got, _ = _load(
+        _plan(
+            tmp_path,
+            llama3,
+            [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages", "tokenizer": tok}],
+        )
+    )
     from tokenizers import Tokenizer
 
     rt = Tokenizer.from_file(str(llama3 / "tokenizer.json"))
 
     def trained_text(blocks, decode):
-        return [decode([t for t, m in zip(b.doc(i).tolist(), b.loss_mask[b.offsets[i]:b.offsets[i + 1]].tolist()) if m])
-                for b in blocks for i in range(len(b))]
+        return [
+            decode([t for t, m in zip(b.doc(i).tolist(), b.loss_mask[b.offsets[i] : b.offsets[i + 1]].tolist()) if m])
+            for b in blocks
+            for i in range(len(b))
+        ]
 
     want = trained_text(ref, lambda ids: rt.decode(ids, skip_special_tokens=False))
     if backend == "transformers":

@@ -16,15 +16,42 @@ OVERLORD = [sys.executable, "-m", "overlord_dask"]
 
 def test_demo_prints_a_summary_with_exactly_once(tmp_path):
     out = subprocess.run(
-        [*OVERLORD, "demo", "--dp", "2", "--steps", "16", "--scale", "0.05", "--data", str(tmp_path / "data"), "--quiet"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [
+            *OVERLORD,
+            "demo",
+            "--dp",
+            "2",
+            "--steps",
+            "16",
+            "--scale",
+            "0.05",
+            "--data",
+            str(tmp_path / "data"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("steps", "dp", "tokens", "tokens_per_s", "imbalance_p50", "imbalance_p99", "mix_error_max", "duplicates", "missing"):
+    for key in (
+        "steps",
+        "dp",
+        "tokens",
+        "tokens_per_s",
+        "imbalance_p50",
+        "imbalance_p99",
+        "mix_error_max",
+        "duplicates",
+        "missing",
+    ):
         assert key in summary, key
     assert summary["steps"] == 16 and summary["dp"] == 2 and summary["tokens"] > 0
-    assert summary["steady_from_step"] == 8 and summary["tokens_per_s"] > 0  # half the run: 16 steps < the demo's prefetch
+    assert (
+        summary["steady_from_step"] == 8 and summary["tokens_per_s"] > 0
+    )  # half the run: 16 steps < the demo's prefetch
     assert summary["duplicates"] == 0 and summary["missing"] == 0
     assert summary["imbalance_p50"] >= 1.0 and summary["mix_error_max"] < 0.05
     assert (tmp_path / "data" / "CORPUS.json").exists()  # the corpus was generated because it was missing
@@ -69,8 +96,14 @@ def test_validate_and_bad_plan_exit_codes(tmp_path, corpus):
 
 
 def _serve(plan_file: Path, *args) -> subprocess.Popen:
-    return subprocess.Popen([*OVERLORD, "serve", str(plan_file), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, start_new_session=True)
+    return subprocess.Popen(
+        [*OVERLORD, "serve", str(plan_file), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
 
 
 def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
@@ -127,7 +160,9 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
     try:
         json.loads(proc.stdout.readline())
         status = json.loads(_cli("status", str(sf), "--json").stdout)
-        assert status["committed"] == 6 and status["last_snapshot"]["committed"] == 6  # resumed, and a first base written
+        assert (
+            status["committed"] == 6 and status["last_snapshot"]["committed"] == 6
+        )  # resumed, and a first base written
         with connect(str(sf), 0, timeout=60) as s:
             assert s.next_batch()["step"] == 6  # exactly after the last step every rank consumed
         assert at >= 6
@@ -139,8 +174,10 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
 
 def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("from overlord_dask import Service\nfrom overlord_dask.service.demo import demo_plan\n"
-                      f"service = Service.start(demo_plan({str(tmp_path)!r}))\n")
+    script.write_text(
+        "from overlord_dask import Service\nfrom overlord_dask.service.demo import demo_plan\n"
+        f"service = Service.start(demo_plan({str(tmp_path)!r}))\n"
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode != 0
     assert f"{script}:3 starts a service at module level" in out.stderr and 'if __name__ == "__main__":' in out.stderr
@@ -164,10 +201,32 @@ def test_plan_report_counts_tokens_and_epochs_without_a_cluster(tmp_path, corpus
     from overlord_dask.service.cli import main
     from overlord_dask.sources import discover_units, read_unit
 
-    path = _demo_plan_file(tmp_path, corpus, stages=[{"name": "base", "start_step": 0}, {"name": "late", "start_step": 300,
-                                                                                         "weights": {"web": 1.0, "chat": 0.0, "books": 0.0}}])
-    out = subprocess.run([*OVERLORD, "plan-report", str(path), "--steps", "500", "--sample-units", "1000", "--plot", str(tmp_path / "r.png"),
-                          "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    path = _demo_plan_file(
+        tmp_path,
+        corpus,
+        stages=[
+            {"name": "base", "start_step": 0},
+            {"name": "late", "start_step": 300, "weights": {"web": 1.0, "chat": 0.0, "books": 0.0}},
+        ],
+    )
+    out = subprocess.run(
+        [
+            *OVERLORD,
+            "plan-report",
+            str(path),
+            "--steps",
+            "500",
+            "--sample-units",
+            "1000",
+            "--plot",
+            str(tmp_path / "r.png"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     plan = load_plan(path)
@@ -175,7 +234,9 @@ def test_plan_report_counts_tokens_and_epochs_without_a_cluster(tmp_path, corpus
     by = {s["source"]: s for s in report["sources"]}
     assert abs(sum(s["tokens"] for s in by.values()) - 500 * budget) / (500 * budget) < 0.01
     w = plan.weights_at(0)
-    assert abs(by["chat"]["tokens"] - 300 * budget * w["chat"]) / (300 * budget * w["chat"]) < 0.02  # none after step 300
+    assert (
+        abs(by["chat"]["tokens"] - 300 * budget * w["chat"]) / (300 * budget * w["chat"]) < 0.02
+    )  # none after step 300
     src = plan.source("books")
     tokens = sum(int(read_unit(src, plan, u).block.lengths().sum()) for u in discover_units(src, plan))
     assert by["books"]["pass_exact"] and by["books"]["tokens_per_pass"] == tokens
@@ -195,13 +256,24 @@ def test_preview_shows_decoded_documents_and_the_trained_part(tmp_path, capsys):
     tok = llama3_style_tokenizer(tmp_path / "tok")
     msgs = [[{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on the mat"}]]
     pq.write_table(pa.table({"messages": msgs, "text": ["data loaders"]}), tmp_path / "c.parquet")
-    (tmp_path / "p.yaml").write_text(yaml.safe_dump({
-        "tokenizer": str(tok), "topology": {"dp": 1, "tokens_per_micro_batch": 1024},
-        "sources": [{"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages"},
-                    {"name": "text", "format": "parquet", "url": "c.parquet", "text_field": "text"}]}))
+    (tmp_path / "p.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "tokenizer": str(tok),
+                "topology": {"dp": 1, "tokens_per_micro_batch": 1024},
+                "sources": [
+                    {"name": "chat", "format": "parquet", "url": "c.parquet", "messages_field": "messages"},
+                    {"name": "text", "format": "parquet", "url": "c.parquet", "text_field": "text"},
+                ],
+            }
+        )
+    )
     assert main(["preview", str(tmp_path / "p.yaml"), "--source", "chat", "-n", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["text"].startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>") and doc["trained_text"] == "sat on the mat<|eot_id|>"
+    assert (
+        doc["text"].startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>")
+        and doc["trained_text"] == "sat on the mat<|eot_id|>"
+    )
     assert main(["preview", str(tmp_path / "p.yaml"), "--source", "text"]) == 0
     assert "<|begin_of_text|>data loaders<|end_of_text|>" in capsys.readouterr().out
 
@@ -225,8 +297,13 @@ def test_status_watch_follows_a_service_until_it_is_gone(tmp_path, corpus):
     proc = _serve(path, "--dp", "1", "--scheduler-file", str(tmp_path / "run.json"))
     try:
         json.loads(proc.stdout.readline())  # serving
-        watch = subprocess.Popen([*OVERLORD, "status", str(tmp_path / "run.json"), "--watch", "0.3", "--json"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        watch = subprocess.Popen(
+            [*OVERLORD, "status", str(tmp_path / "run.json"), "--watch", "0.3", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
         lines = [json.loads(watch.stdout.readline()) for _ in range(3)]
         assert all("committed" in line for line in lines)
         assert _cli("stop", str(tmp_path / "run.json")).returncode == 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from overlord_dask.worker.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch
 from overlord_dask.sources.blocks import SampleBlock
+from overlord_dask.worker.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch
 
 from .harness import same_fields
 
@@ -19,7 +19,11 @@ def _block(lengths, first_id=100, source="s"):
 def test_pack_fields_are_consistent():
     blocks = {block_key(0, 0, 0): _block([5, 9, 3]), block_key(1, 2, 7): _block([12], first_id=7)}
     mbs = [
-        [[0, 0, 0, 0, 0, 5], [1, 2, 7, 0, 4, 8], [0, 0, 0, 2, 0, 3]],  # a whole doc, the middle piece of a split doc, a whole doc
+        [
+            [0, 0, 0, 0, 0, 5],
+            [1, 2, 7, 0, 4, 8],
+            [0, 0, 0, 2, 0, 3],
+        ],  # a whole doc, the middle piece of a split doc, a whole doc
         [[0, 0, 0, 1, 0, 9]],
     ]
     batch = build_rank_batch(3, 1, mbs, blocks, capacity=20, piece_tokens=4)
@@ -28,7 +32,11 @@ def test_pack_fields_are_consistent():
     check_micro_batch(mb, 20)
     assert mb["cu_seqlens"].tolist() == [0, 5, 9, 12] and mb["num_tokens"] == 12
     assert mb["sample_ids"].tolist() == [100, 7, 102]
-    assert mb["source_ids"].tolist() == [0, 1, 0] and mb["chunk_ids"].tolist() == [0, 1, 0] and mb["epochs"].tolist() == [0, 2, 0]
+    assert (
+        mb["source_ids"].tolist() == [0, 1, 0]
+        and mb["chunk_ids"].tolist() == [0, 1, 0]
+        and mb["epochs"].tolist() == [0, 2, 0]
+    )
     b1 = blocks[block_key(1, 2, 7)].doc(0)
     assert mb["input_ids"][5:9].tolist() == b1[4:8].tolist()
     # a split piece keeps its document's true next token; a document's last token gets -100
@@ -61,9 +69,9 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
 
     from dask.sizeof import sizeof
 
-    from overlord_dask.worker.constructors import build_chunk
     from overlord_dask import pieces as P
     from overlord_dask.wire import decode_batch, nbytes
+    from overlord_dask.worker.constructors import build_chunk
 
     blocks = {block_key(0, 0, 0): _block([5, 9, 3])}
     pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3]])
@@ -82,7 +90,11 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
     for r in (0, 1):
         held = np.frombuffer(chunk.packed(4, r), np.uint8)
         assert any(np.shares_memory(np.frombuffer(f, np.uint8), held) for f in frames if len(memoryview(f)))
-    for copy in (pickle.loads(pickle.dumps(chunk)), pickle.loads(pickle.dumps(chunk, protocol=5)), loads(frames)["data"]):
+    for copy in (
+        pickle.loads(pickle.dumps(chunk)),
+        pickle.loads(pickle.dumps(chunk, protocol=5)),
+        loads(frames)["data"],
+    ):
         assert copy.nbytes == chunk.nbytes
         for r in (0, 1):
             a, b = decode_batch(chunk.batch(4, r)), decode_batch(copy.batch(4, r))
@@ -100,19 +112,23 @@ def test_a_fetch_sends_the_batches_the_constructor_packed_as_frames():
 
     from distributed.protocol import dumps, loads, to_serialize
 
-    from overlord_dask.worker.constructors import build_chunk
     from overlord_dask import pieces as P
     from overlord_dask.wire import Payload, pack_batch
+    from overlord_dask.worker.constructors import build_chunk
 
     blocks = {block_key(0, 0, 0): _block([5, 9, 3, 7])}
     pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3], [0, 0, 0, 3, 0, 7]])
     slot = np.array([[0, 0], [1, 0], [1, 1], [0, 1]])
-    steps = [{"step": s, "pieces": P.to_bytes(pieces, "<i4"), "slot": P.to_bytes(slot, "<i4"), "piece_tokens": 16} for s in (4, 5)]
+    steps = [
+        {"step": s, "pieces": P.to_bytes(pieces, "<i4"), "slot": P.to_bytes(slot, "<i4"), "piece_tokens": 16}
+        for s in (4, 5)
+    ]
     chunk = build_chunk(steps, 0, 2, 2, blocks, capacity=16)
     for per_rank in chunk.batches.values():
         assert all(isinstance(b, bytes) for b in per_rank.values())
     packed = [chunk.packed(s, 1) for s in (4, 5)]
     frames = dumps({"status": "OK", "payload": to_serialize(Payload(packed))})  # as the worker's reply goes on the wire
+
     def sent_as_is(f):
         return any(f is b or getattr(f, "obj", None) is b for b in packed)
 

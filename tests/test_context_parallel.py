@@ -3,15 +3,20 @@ cp > 1 serves each (rank, cp rank) its own slice."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlord_dask import RankError, Service, connect
-from overlord_dask.worker.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch, zigzag_chunks
 from overlord_dask.sources.blocks import SampleBlock
+from overlord_dask.worker.constructors import (
+    IGNORE_INDEX,
+    block_key,
+    build_rank_batch,
+    check_micro_batch,
+    zigzag_chunks,
+)
 
 from .harness import run_ranks
 from .reference import read_source
@@ -21,7 +26,9 @@ def _mb(lengths, capacity, split, cp):
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     block = SampleBlock("s", np.arange(3, 3 + offsets[-1]), offsets, np.arange(len(lengths)))
     pieces = [[0, 0, 0, d, 0, int(L)] for d, L in enumerate(lengths)]
-    return build_rank_batch(0, 0, [pieces], {block_key(0, 0, 0): block}, capacity, capacity, cp=cp, cp_split_tokens=split)["micro_batches"][0]
+    return build_rank_batch(
+        0, 0, [pieces], {block_key(0, 0, 0): block}, capacity, capacity, cp=cp, cp_split_tokens=split
+    )["micro_batches"][0]
 
 
 @settings(max_examples=60, deadline=None)
@@ -64,7 +71,9 @@ def test_zigzag_chunks_are_near_equal():
 
 
 def test_service_with_context_parallelism(cluster, small_plan):
-    plan = small_plan(topology={"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 4096, "cp": 2, "cp_min_tokens": 512})
+    plan = small_plan(
+        topology={"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 4096, "cp": 2, "cp_min_tokens": 512}
+    )
     steps = 6
     got: dict = {}
     with Service.start(plan, cluster=cluster) as service:

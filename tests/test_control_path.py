@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from overlord_dask import Service, ServiceError, connect
-from overlord_dask.worker.constructors import build_rank_batch, check_micro_batch
 from overlord_dask.protocol import block_key
-from overlord_dask.trainer.tensors import TORCH_DTYPES
 from overlord_dask.sources.blocks import SampleBlock
+from overlord_dask.trainer.tensors import TORCH_DTYPES
 from overlord_dask.wire import decode, decode_batch, encode, encode_batch, nbytes
+from overlord_dask.worker.constructors import build_rank_batch, check_micro_batch
 
 from .harness import same_fields
 
@@ -25,7 +25,9 @@ from .harness import same_fields
 def _block(rng, n_docs=40, vocab=300):
     lens = rng.integers(1, 400, n_docs)
     offsets = np.concatenate([[0], np.cumsum(lens)])
-    return SampleBlock("s", rng.integers(0, vocab, int(offsets[-1])).astype(np.int32), offsets, np.arange(n_docs) + 1000)
+    return SampleBlock(
+        "s", rng.integers(0, vocab, int(offsets[-1])).astype(np.int32), offsets, np.arange(n_docs) + 1000
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -72,7 +74,9 @@ def test_constructors_build_the_wire_form_directly(seed):
         lens = np.diff(blocks[block_key(*key)].offsets)
         d = int(rng.integers(0, len(lens)))
         a = int(rng.integers(0, lens[d])) if rng.random() < 0.5 else 0  # inside the document, or from its start
-        b = int(lens[d]) if rng.random() < 0.5 else min(int(lens[d]), a + int(rng.integers(1, 100)))  # to its end, or not
+        b = (
+            int(lens[d]) if rng.random() < 0.5 else min(int(lens[d]), a + int(rng.integers(1, 100)))
+        )  # to its end, or not
         pieces.append([*key, d, a, b])
     for mb in (pieces, pieces[:1], []):
         same_fields(encode(pack_micro_batch(mb, blocks, 4096, 64)), wire_micro_batch(mb, blocks, 4096, 64))
@@ -87,11 +91,15 @@ def test_a_chunk_built_at_once_decodes_to_the_packed_micro_batches(seed):
     a rank group that does not start at rank 0."""
     import pickle
 
-    from overlord_dask.worker.constructors import build_chunk, pack_micro_batch
     from overlord_dask import pieces as P
+    from overlord_dask.worker.constructors import build_chunk, pack_micro_batch
 
     rng = np.random.default_rng(seed)
-    blocks = {block_key(0, 0, 0): _block(rng), block_key(2, 1, 5): _block(rng, vocab=70_000), block_key(0, 1, 0): _block(rng, n_docs=3)}
+    blocks = {
+        block_key(0, 0, 0): _block(rng),
+        block_key(2, 1, 5): _block(rng, vocab=70_000),
+        block_key(0, 1, 0): _block(rng, n_docs=3),
+    }
     keys = [(0, 0, 0), (2, 1, 5), (0, 1, 0)]
     dp, mb, lo, hi, capacity = 4, 2, 1, 3, 2048
     steps, expected = [], {}
@@ -118,10 +126,14 @@ def test_a_chunk_built_at_once_decodes_to_the_packed_micro_batches(seed):
         rows, slots = np.array(rows), np.array(slots)
         order = rng.permutation(len(rows))  # the ledger need not list a step's pieces by rank
         rows, slots = rows[order], slots[order]
-        steps.append({"step": step, "pieces": P.to_bytes(rows, "<i4"), "slot": P.to_bytes(slots, "<i4"), "piece_tokens": 64})
+        steps.append(
+            {"step": step, "pieces": P.to_bytes(rows, "<i4"), "slot": P.to_bytes(slots, "<i4"), "piece_tokens": 64}
+        )
         for rank in range(lo, hi):
-            expected[step, rank] = [pack_micro_batch(rows[(slots[:, 0] == rank) & (slots[:, 1] == m)].tolist(), blocks, capacity, 64)
-                                    for m in range(mb)]
+            expected[step, rank] = [
+                pack_micro_batch(rows[(slots[:, 0] == rank) & (slots[:, 1] == m)].tolist(), blocks, capacity, 64)
+                for m in range(mb)
+            ]
     chunk = build_chunk(steps, lo, hi, mb, blocks, capacity)
     assert sorted(chunk.batches) == [7, 8, 9] and all(sorted(b) == [lo, hi - 1] for b in chunk.batches.values())
     for (step, rank), packed in expected.items():
@@ -130,7 +142,10 @@ def test_a_chunk_built_at_once_decodes_to_the_packed_micro_batches(seed):
         for dtypes in (None, TORCH_DTYPES):
             got = decode_batch(batch, *(() if dtypes is None else (dtypes,)))["micro_batches"]
             for want, have in zip(packed, got):
-                want = {k: v.astype(dtypes[k]) if dtypes and k in dtypes and isinstance(v, np.ndarray) else v for k, v in want.items()}
+                want = {
+                    k: v.astype(dtypes[k]) if dtypes and k in dtypes and isinstance(v, np.ndarray) else v
+                    for k, v in want.items()
+                }
                 same_fields(want, have)
                 assert all(have[k].dtype == want[k].dtype for k in want if isinstance(want[k], np.ndarray))
     with pytest.raises(ValueError, match="over capacity"):
@@ -142,8 +157,16 @@ def test_wire_form_keeps_context_parallel_slices_whole():
 
     rng = np.random.default_rng(3)
     block = _block(rng)
-    batch = build_rank_batch(0, 0, [[[0, 0, 0, 1, 0, int(np.diff(block.offsets)[1])]]], {block_key(0, 0, 0): block}, 1024, 1024, cp=2,
-                             cp_split_tokens=4)
+    batch = build_rank_batch(
+        0,
+        0,
+        [[[0, 0, 0, 1, 0, int(np.diff(block.offsets)[1])]]],
+        {block_key(0, 0, 0): block},
+        1024,
+        1024,
+        cp=2,
+        cp_split_tokens=4,
+    )
     sl = select_cp(batch, 1)["micro_batches"][0]
     back = decode(encode(sl))
     for k, v in sl.items():
@@ -159,8 +182,9 @@ from overlord_dask.trainer.tensors import TORCH_DTYPES
 from overlord_dask.wire import decode, encode
 
 C, n = 16384, 16000
-w = encode({"input_ids": np.arange(C, dtype=np.int32) % 1000, "labels": np.zeros(C, np.int32), "position_ids": np.zeros(C, np.int32),
-            "cu_seqlens": np.array([0, 5000, 9000, n], np.int32), "num_tokens": n})
+w = encode({"input_ids": np.arange(C, dtype=np.int32) % 1000, "labels": np.zeros(C, np.int32),
+            "position_ids": np.zeros(C, np.int32), "cu_seqlens": np.array([0, 5000, 9000, n], np.int32), "num_tokens":
+            n})
 
 def faults_per_decode():
     held = collections.deque(maxlen=64)  # a consumer holds the batches it fetched ahead
@@ -183,7 +207,9 @@ def test_consumers_decode_into_reused_memory_even_under_dasks_trim_setting():
     process that starts a LocalCluster) faults in fresh pages for every decoded micro-batch;
     after ``keep_freed_memory`` (which every ``RankStream`` calls) it reuses freed memory."""
     env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "65536", "OVERLORD_KEEP_FREED_MEMORY": "1"}
-    out = subprocess.run([sys.executable, "-c", _FAULTS_PER_DECODE], env=env, capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS_PER_DECODE], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     before, tuned, after = out.stdout.split()
     assert tuned == "True"
     assert float(before) >= 8 and float(after) < 1, out.stdout  # a 128 KiB array is 32 pages, three per decode
@@ -327,6 +353,7 @@ def test_batched_writer_batches_and_leaves_no_cyclic_garbage():
             await asyncio.sleep(0.05)
             gc.set_debug(gc.DEBUG_SAVEALL)
             gc.collect()
+
             def ours(e):  # raised in the writer (other tests' Dask clients may still run their own BatchedSends)
                 tb = e.__traceback__
                 while tb is not None:
@@ -410,4 +437,8 @@ def test_pin_memory_without_an_accelerator_warns_and_still_delivers(cluster, sma
             mb = next(iter(ds))
         ds.close()
     assert torch.cuda.is_available() or any("pin_memory" in str(w.message) for w in caught)
-    assert mb["input_ids"].dtype == torch.int64 and mb["labels"].dtype == torch.int64 and mb["cu_seqlens"].dtype == torch.int32
+    assert (
+        mb["input_ids"].dtype == torch.int64
+        and mb["labels"].dtype == torch.int64
+        and mb["cu_seqlens"].dtype == torch.int32
+    )

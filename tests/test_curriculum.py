@@ -9,10 +9,16 @@ import numpy as np
 import pytest
 
 from overlord_dask import PlanError, Service, connect
+from overlord_dask.observe.figures import (
+    delivered_identities,
+    delivered_record,
+    exactly_once,
+    planned_identities,
+    window_mix_errors,
+)
 from overlord_dask.plan import plan_from_dict, plan_to_dict
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.planner.streams.order import stable_seed
-from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities, window_mix_errors
 
 from .harness import run_ranks
 
@@ -72,21 +78,43 @@ def drive(state: PlannerState, until: int, updates: dict[int, tuple] | None = No
 
 def source_tokens(state, ledger):
     n = len(state.streams)
-    return np.array([np.bincount(ledger[s]["pieces"][:, 0], weights=ledger[s]["pieces"][:, 5] - ledger[s]["pieces"][:, 4], minlength=n)
-                     for s in sorted(ledger)])
+    return np.array(
+        [
+            np.bincount(
+                ledger[s]["pieces"][:, 0], weights=ledger[s]["pieces"][:, 5] - ledger[s]["pieces"][:, 4], minlength=n
+            )
+            for s in sorted(ledger)
+        ]
+    )
 
 
 # ---- the plan ---------------------------------------------------------------------------------
 def test_schedules_stages_and_functions():
-    p = plan_from_dict(plan_dict(
-        sources=[
-            {"name": "a", "format": "zarr", "url": "a.zarr", "weight": {"function": "tests.test_curriculum:wave"}},
-            {"name": "b", "format": "zarr", "url": "b.zarr", "weight": {"ramp": [[10, 0.0], [20, 1.0]]}, "stop_step": 50},
-            {"name": "c", "format": "zarr", "url": "c.zarr", "weight": 1.0, "start_step": 5},
-        ],
-        stages=[{"name": "anneal", "start_step": 60, "ramp_steps": 9, "weights": {"a": 1.0, "c": 3.0}, "max_doc_tokens": 1024,
-                 "long_policy": "drop"}],
-    ))
+    p = plan_from_dict(
+        plan_dict(
+            sources=[
+                {"name": "a", "format": "zarr", "url": "a.zarr", "weight": {"function": "tests.test_curriculum:wave"}},
+                {
+                    "name": "b",
+                    "format": "zarr",
+                    "url": "b.zarr",
+                    "weight": {"ramp": [[10, 0.0], [20, 1.0]]},
+                    "stop_step": 50,
+                },
+                {"name": "c", "format": "zarr", "url": "c.zarr", "weight": 1.0, "start_step": 5},
+            ],
+            stages=[
+                {
+                    "name": "anneal",
+                    "start_step": 60,
+                    "ramp_steps": 9,
+                    "weights": {"a": 1.0, "c": 3.0},
+                    "max_doc_tokens": 1024,
+                    "long_policy": "drop",
+                }
+            ],
+        )
+    )
     w = p.weights_at(0, normalise=False)
     assert w == {"a": pytest.approx(0.2), "b": 0.0, "c": 0.0}
     assert p.weights_at(15, normalise=False)["b"] == pytest.approx(0.5)  # half-way up the ramp
@@ -102,18 +130,49 @@ def test_schedules_stages_and_functions():
     assert p.jumps() == [5, 50, 60]  # a window never straddles these; ramps are followed per step
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"sources": [{"name": "a", "format": "zarr", "url": "a", "weight": {"function": "tests.test_curriculum:negative_late"}}]},
-     "source 'a' has weight -0.5 at step 37"),
-    ({"sources": [{"name": "a", "format": "zarr", "url": "a", "weight": 1.0, "stop_step": 40},
-                  {"name": "b", "format": "zarr", "url": "b", "weight": 1.0, "start_step": 45}]},
-     "no source is active at step 40 (every weight is 0 there; 'a' stops at 40; 'b' starts at 45)"),
-    ({"stages": [{"name": "s", "start_step": 3, "weights": {"a": 1.0, "zz": 1.0}}]}, "stage 's' weights name unknown sources ['zz']"),
-    ({"stages": [{"name": "s", "start_step": 3, "max_doc_tokens": 9000}]}, "stage 's': max_doc_tokens=9000 exceeds tokens_per_micro_batch=4096"),
-    ({"stages": [{"name": "s", "start_step": 9}, {"name": "t", "start_step": 4}]}, "stages must start at strictly increasing steps"),
-    ({"sources": [{"name": "a", "format": "zarr", "url": "a", "weight": {"stages": [[0, 1.0], [10, -2]]}}]},
-     "sources[0](a).weight: Value error, stages: weight at step 10 must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {
+                "sources": [
+                    {
+                        "name": "a",
+                        "format": "zarr",
+                        "url": "a",
+                        "weight": {"function": "tests.test_curriculum:negative_late"},
+                    }
+                ]
+            },
+            "source 'a' has weight -0.5 at step 37",
+        ),
+        (
+            {
+                "sources": [
+                    {"name": "a", "format": "zarr", "url": "a", "weight": 1.0, "stop_step": 40},
+                    {"name": "b", "format": "zarr", "url": "b", "weight": 1.0, "start_step": 45},
+                ]
+            },
+            "no source is active at step 40 (every weight is 0 there; 'a' stops at 40; 'b' starts at 45)",
+        ),
+        (
+            {"stages": [{"name": "s", "start_step": 3, "weights": {"a": 1.0, "zz": 1.0}}]},
+            "stage 's' weights name unknown sources ['zz']",
+        ),
+        (
+            {"stages": [{"name": "s", "start_step": 3, "max_doc_tokens": 9000}]},
+            "stage 's': max_doc_tokens=9000 exceeds tokens_per_micro_batch=4096",
+        ),
+        (
+            {"stages": [{"name": "s", "start_step": 9}, {"name": "t", "start_step": 4}]},
+            "stages must start at strictly increasing steps",
+        ),
+        (
+            {"sources": [{"name": "a", "format": "zarr", "url": "a", "weight": {"stages": [[0, 1.0], [10, -2]]}}]},
+            "sources[0](a).weight: Value error, stages: weight at step 10 must be a finite number >= 0",
+        ),
+    ],
+)
 def test_curriculum_errors_name_the_step_and_source(change, message):
     with pytest.raises(PlanError) as err:
         plan_from_dict(plan_dict(**change))
@@ -121,8 +180,13 @@ def test_curriculum_errors_name_the_step_and_source(change, message):
 
 
 def test_a_weight_function_failing_beyond_the_checked_steps_stops_the_planner_with_its_name():
-    d = plan_dict(steps=20, sources=[{"name": "a", "format": "zarr", "url": "a", "weight": {"function": "tests.test_curriculum:negative_late"}},
-                                     {"name": "b", "format": "zarr", "url": "b", "weight": 1.0}])
+    d = plan_dict(
+        steps=20,
+        sources=[
+            {"name": "a", "format": "zarr", "url": "a", "weight": {"function": "tests.test_curriculum:negative_late"}},
+            {"name": "b", "format": "zarr", "url": "b", "weight": 1.0},
+        ],
+    )
     plan = plan_from_dict(d)  # validated over its 20 steps; the function turns negative at 37
     with pytest.raises(ValueError, match="source 'a' has weight -0.5 at step 37"):
         plan.weights_at(37)
@@ -164,11 +228,16 @@ def test_cost_policy_cuts_windows_at_jumps_and_tracks_the_mix():
 def test_live_update_is_deterministic_and_never_touches_planned_steps():
     base = plan_from_dict(plan_dict(balance={"policy": "cost", "window": 4}))
     upd = plan_dict(balance={"policy": "cost", "window": 4})
-    upd["sources"] = [upd["sources"][0], {"name": "d", "format": "zarr", "url": "d.zarr", "weight": 0.5}]  # b, c leave; d enters
+    upd["sources"] = [
+        upd["sources"][0],
+        {"name": "d", "format": "zarr", "url": "d.zarr", "weight": 0.5},
+    ]  # b, c leave; d enters
     new = plan_from_dict(upd)
     live = PlannerState(base, FIRST_IDS)
     drive(live, 10)
-    with pytest.raises(PlanError, match=r"steps up to \d+ are already planned; the earliest step an update can apply from is"):
+    with pytest.raises(
+        PlanError, match=r"steps up to \d+ are already planned; the earliest step an update can apply from is"
+    ):
         live.update(new, 5, {"d": FIRST_IDS["d"]})
     changed = plan_from_dict({**upd, "topology": {"dp": 4, "micro_batches": 2, "tokens_per_micro_batch": 4096}})
     with pytest.raises(PlanError, match="'topology' differs from the running plan"):
@@ -199,7 +268,9 @@ def test_a_paused_source_continues_where_it_stopped():
     c = 2
     before = [tuple(r) for s in range(12) for r in ledger[s]["pieces"][ledger[s]["pieces"][:, 0] == c].tolist()]
     after = [tuple(r) for s in range(30, 40) for r in ledger[s]["pieces"][ledger[s]["pieces"][:, 0] == c].tolist()]
-    assert all(not np.any(ledger[s]["pieces"][:, 0] == c) for s in range(15, 30))  # paused (its own zero stage, then the update)
+    assert all(
+        not np.any(ledger[s]["pieces"][:, 0] == c) for s in range(15, 30)
+    )  # paused (its own zero stage, then the update)
     assert before and after and not set(before) & set(after)
     # across the pause, c's pieces are exactly the first ones of c's own order (a run of c alone)
     ref = PlannerState(plan_from_dict({**d, "sources": [{**d["sources"][2], "weight": 1.0}]}), {"c": FIRST_IDS["c"]})
@@ -216,8 +287,12 @@ def test_a_paused_source_continues_where_it_stopped():
 
 
 def test_stage_context_splits_or_drops_long_documents_and_records_drops():
-    d = plan_dict(stages=[{"name": "short", "start_step": 6, "max_doc_tokens": 512, "long_policy": "drop"},
-                          {"name": "split", "start_step": 14, "max_doc_tokens": 1024}])
+    d = plan_dict(
+        stages=[
+            {"name": "short", "start_step": 6, "max_doc_tokens": 512, "long_policy": "drop"},
+            {"name": "split", "start_step": 14, "max_doc_tokens": 1024},
+        ]
+    )
     state = PlannerState(plan_from_dict(d), FIRST_IDS)
     ledger = drive(state, 24)
     longest = [int((ledger[s]["pieces"][:, 5] - ledger[s]["pieces"][:, 4]).max()) for s in range(24)]
@@ -230,7 +305,9 @@ def test_stage_context_splits_or_drops_long_documents_and_records_drops():
     delivered = {tuple(r) for r in pieces[:, :4].tolist()}
     assert not delivered & {tuple(r) for r in drops[:, :4].tolist()}
     for i, s in enumerate(state.streams):
-        seen = {tuple(r[1:4]) for r in pieces[pieces[:, 0] == i][:, :4].tolist()} | {tuple(r[1:4]) for r in drops[drops[:, 0] == i].tolist()}
+        seen = {tuple(r[1:4]) for r in pieces[pieces[:, 0] == i][:, :4].tolist()} | {
+            tuple(r[1:4]) for r in drops[drops[:, 0] == i].tolist()
+        }
         e, pos = 0, 0
         while (e, pos) < (s.epoch, s.pos):  # every document of every unit the cursor passed
             unit = int(s.ordering.units(e)[pos])
@@ -261,12 +338,19 @@ def _consume(address, ranks, steps, between=None):
 def test_live_update_through_the_service(cluster, small_plan):
     plan = small_plan(balance={"policy": "cost", "window": 3})
     d = plan_to_dict(plan)
-    d["sources"] = [s for s in d["sources"] if s["name"] != "books"] + [{**d["sources"][0], "name": "web_late", "weight": 0.4}]
+    d["sources"] = [s for s in d["sources"] if s["name"] != "books"] + [
+        {**d["sources"][0], "name": "web_late", "weight": 0.4}
+    ]
     new = plan_from_dict(d)
     steps, dp = 24, plan.topology.dp
     with Service.start(plan, cluster=cluster) as service:
         applied = {}
-        got = _consume(service.address, list(range(dp)), steps, between=(4, lambda: applied.setdefault("at", service.update_plan(new))))
+        got = _consume(
+            service.address,
+            list(range(dp)),
+            steps,
+            between=(4, lambda: applied.setdefault("at", service.update_plan(new))),
+        )
         service.wait_for_step(steps, timeout=60)
         ledger, metrics = service.ledger(0, steps), service.metrics(0, steps)
         assert service.status()["plan_version"] == 1
@@ -296,7 +380,13 @@ def _long_plan(**over):
         balance={"policy": "cost", "window": 4},
         stages=[
             {"name": "short", "start_step": 0},
-            {"name": "long", "start_step": 10, "long_tokens": 2000, "long_share": 0.7, "long_sources": {"a": 0.5, "c": 0.5}},
+            {
+                "name": "long",
+                "start_step": 10,
+                "long_tokens": 2000,
+                "long_share": 0.7,
+                "long_sources": {"a": 0.5, "c": 0.5},
+            },
             {"name": "after", "start_step": 50},
         ],
         loading={"prefetch_steps": 40, "units_ahead": 2},
@@ -308,8 +398,9 @@ def _long_plan(**over):
 def _check_classes_exactly_once(state, ledger, threshold=2000):
     """Every document up to the trailing cursor is delivered whole, once; between the cursors,
     exactly the leading class's documents are; none beyond; nothing twice."""
-    pieces = np.concatenate([ledger[s]["pieces"] for s in ledger] + [state.pending[:, :6]]
-                            + [r for r, *_ in state.ready])
+    pieces = np.concatenate(
+        [ledger[s]["pieces"] for s in ledger] + [state.pending[:, :6]] + [r for r, *_ in state.ready]
+    )
     for i, s in enumerate(state.streams):
         spans: dict = {}
         for _, e, u, d, a, b in pieces[pieces[:, 0] == i].tolist():
@@ -359,7 +450,10 @@ def test_long_share_stage_reads_each_class_once_and_meets_the_share():
         return lens[full > 2000].sum() / lens.sum()
 
     natural, stage = long_share(0, 10), long_share(14, 40)
-    assert natural < 0.4 and abs(stage - 0.7) < 0.02, (natural, stage)  # the stage asks for 70% from documents over 2000 tokens
+    assert natural < 0.4 and abs(stage - 0.7) < 0.02, (
+        natural,
+        stage,
+    )  # the stage asks for 70% from documents over 2000 tokens
     # each source delivers its declared share: (1 - 0.7)·weight + 0.7·long weight
     tokens = source_tokens(state, ledger)[14:40].sum(axis=0)
     np.testing.assert_allclose(tokens / tokens.sum(), [0.3 * 0.6 + 0.35, 0.3 * 0.4 + 0.35], atol=0.01)
@@ -371,7 +465,9 @@ def test_long_share_stage_reads_each_class_once_and_meets_the_share():
         lead = s.leading()[:2]
         for e, u in s.lengths:
             p = s.ordering.position(e, u)
-            assert (e, p) >= lead or e * s.n_units + p <= te * s.n_units + tp + max(s.evict_after, s.loads.keep_units), (s.name, e, p)
+            assert (e, p) >= lead or e * s.n_units + p <= te * s.n_units + tp + max(
+                s.evict_after, s.loads.keep_units
+            ), (s.name, e, p)
         assert s.loads.keep_units < 20
 
 
@@ -415,7 +511,9 @@ def test_a_live_update_can_change_the_context_strategy():
     d = plan_dict(balance={"policy": "cost", "window": 4})
     state = PlannerState(plan_from_dict(d), FIRST_IDS)
     drive(state, 8)
-    short = plan_from_dict({**d, "stages": [{"name": "short-docs", "start_step": 0, "max_doc_tokens": 700, "long_policy": "drop"}]})
+    short = plan_from_dict(
+        {**d, "stages": [{"name": "short-docs", "start_step": 0, "max_doc_tokens": 700, "long_policy": "drop"}]}
+    )
     at = state.update(short, None, {})
     ledger = drive(state, at + 12)
     assert at >= 8 and state.metrics[at]["stage"] == "short-docs" and state.metrics[at - 1]["stage"] is None

@@ -35,8 +35,13 @@ def test_the_embedded_cluster_quiets_dasks_housekeeping_timers(cluster):
         import dask
 
         pcs = dask_worker.periodic_callbacks
-        return (dask.config.get("distributed.worker.profile.enabled"), sorted(pcs), pcs["monitor"].callback_time,
-                dask_worker.memory_manager.memory_monitor_interval, dask_worker.monitor.monitor_disk_io)
+        return (
+            dask.config.get("distributed.worker.profile.enabled"),
+            sorted(pcs),
+            pcs["monitor"].callback_time,
+            dask_worker.memory_manager.memory_monitor_interval,
+            dask_worker.monitor.monitor_disk_io,
+        )
 
     with Client(cluster, set_as_default=False) as c:
         per_worker = c.run(settings)
@@ -99,7 +104,14 @@ def test_slurm_job_script_renders():
     pytest.importorskip("dask_jobqueue")
     from overlord_dask.service.deploy import slurm_cluster
 
-    cluster = slurm_cluster(cores=4, memory="16GB", queue="cpu", account="proj", walltime="01:00:00", scheduler_options={"host": "127.0.0.1"})
+    cluster = slurm_cluster(
+        cores=4,
+        memory="16GB",
+        queue="cpu",
+        account="proj",
+        walltime="01:00:00",
+        scheduler_options={"host": "127.0.0.1"},
+    )
     try:
         script = cluster.job_script()
     finally:
@@ -113,8 +125,20 @@ def test_slurm_launcher_prints_job_script(corpus, tmp_path):
     pytest.importorskip("dask_jobqueue")
     plan = ROOT / "pipelines" / "demo.yaml"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "cluster" / "slurm.py"), str(plan), "--print-job-script", "--queue", "gpu", "--host", "127.0.0.1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "cluster" / "slurm.py"),
+            str(plan),
+            "--print-job-script",
+            "--queue",
+            "gpu",
+            "--host",
+            "127.0.0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "#SBATCH -p gpu" in out.stdout
@@ -129,8 +153,8 @@ def test_pools_scale_as_slurm_jobs_through_the_real_slurmcluster(corpus, tmp_pat
 
     pytest.importorskip("dask_jobqueue")
     from overlord_dask import Service
-    from overlord_dask.service.deploy import slurm_cluster
     from overlord_dask.plan import plan_from_dict
+    from overlord_dask.service.deploy import slurm_cluster
 
     from .test_pools import _consume, _photos_plan
 
@@ -146,14 +170,19 @@ def test_pools_scale_as_slurm_jobs_through_the_real_slurmcluster(corpus, tmp_pat
         with Service.start(plan, cluster=cluster) as service:
             _consume(service, 2, 80, compute_s=0.05)
             deadline = time.monotonic() + 30  # the photo stage is over: its pool shrinks after `down_after` decisions
-            while time.monotonic() < deadline and not any(h["pool"] == "photos" and h["delta"] < 0 for h in service.scaling_history()):
+            while time.monotonic() < deadline and not any(
+                h["pool"] == "photos" and h["delta"] < 0 for h in service.scaling_history()
+            ):
                 time.sleep(0.2)
             history = service.scaling_history()
             names = {w["name"] for w in service.client.scheduler_info(n_workers=-1)["workers"].values()}
     finally:
         cluster.close()
     scripts = {p.stem: p.read_text() for p in slurm.glob("*.sh")}
-    by_pool = {pool: [s for s in scripts.values() if f"--resources overlord-pool-{pool}=1" in s] for pool in ("web", "chat", "photos")}
+    by_pool = {
+        pool: [s for s in scripts.values() if f"--resources overlord-pool-{pool}=1" in s]
+        for pool in ("web", "chat", "photos")
+    }
     assert all(by_pool.values()), by_pool  # one job per pool worker, pinned by resource
     assert all("#SBATCH" in s and "--name overlord-pool-" in s for s in scripts.values())
     grew = [h for h in history if h["pool"] == "photos" and h["delta"] > 0]
@@ -175,7 +204,16 @@ def test_shared_jobs_that_end_are_replaced_without_a_stall_or_a_lost_step(tmp_pa
     sys.path.insert(0, str(ROOT))
     from benchmarks.soak import soak
 
-    res = soak(str(tmp_path / "data"), str(tmp_path / "slurm"), seconds=45, lifetime=15, stagger=3, jobs=2, dp=2, compute_s=0.05)
+    res = soak(
+        str(tmp_path / "data"),
+        str(tmp_path / "slurm"),
+        seconds=45,
+        lifetime=15,
+        stagger=3,
+        jobs=2,
+        dp=2,
+        compute_s=0.05,
+    )
     assert res["failure"] is None
     assert res["workers_replaced"] >= 4, res
     assert res["duplicates"] == 0 and res["missing"] == 0 and res["steps"] > 100, res
@@ -191,8 +229,12 @@ def test_worker_lifetimes_follow_the_walltime():
         script = cluster.job_script()
     finally:
         cluster.close()
-    assert "--lifetime 6480s --lifetime-stagger 600s" in script and "#SBATCH -t 02:00:00" in script  # 2 h less 12 min, staggered
-    with pytest.raises(ValueError, match=r"a worker's lifetime \(7200s\) must end before its job's walltime \(01:00:00\)"):
+    assert (
+        "--lifetime 6480s --lifetime-stagger 600s" in script and "#SBATCH -t 02:00:00" in script
+    )  # 2 h less 12 min, staggered
+    with pytest.raises(
+        ValueError, match=r"a worker's lifetime \(7200s\) must end before its job's walltime \(01:00:00\)"
+    ):
         slurm_cluster(walltime="01:00:00", lifetime="2h")
 
 
@@ -217,17 +259,23 @@ def test_the_service_outlives_its_own_job_through_the_scheduler_file(cluster, co
     slurm = tmp_path / "slurm"
     monkeypatch.setenv("PATH", f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SLURM_DIR", str(slurm))
-    plan = demo_plan(corpus, topology={"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 4096},
-                     loading={"prefetch_steps": 4, "unit_rows": 300, "unit_tokens": 65536},
-                     checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 20, "base_every_seconds": 2})
+    plan = demo_plan(
+        corpus,
+        topology={"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 4096},
+        loading={"prefetch_steps": 4, "unit_rows": 300, "unit_tokens": 65536},
+        checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 20, "base_every_seconds": 2},
+    )
     d = plan.model_dump(mode="json")
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(d))
     run_file, job = tmp_path / "run.json", tmp_path / "service.sh"
     job.write_text(
         "#!/bin/bash\n"
         f"if [ -e {tmp_path}/second ]; then WALL=00:10:00; else touch {tmp_path}/second; WALL=00:00:15; fi\n"
-        f"exec {sys.executable} -m overlord_dask slurm {tmp_path / 'plan.yaml'} --jobs 1 --cores 1 --memory 2GB --walltime 00:30:00 "
-        f"--host 127.0.0.1 --scheduler-file {run_file} --service-walltime $WALL --resubmit-before 0s --resubmit 'sbatch {job}'\n")
+        f"exec {sys.executable} -m overlord_dask slurm {tmp_path / 'plan.yaml'} --jobs 1 --cores 1 --memory 2GB "
+        "--walltime 00:30:00 "
+        f"--host 127.0.0.1 --scheduler-file {run_file} --service-walltime $WALL --resubmit-before 0s --resubmit "
+        f"'sbatch {job}'\n"
+    )
     subprocess.run(["sbatch", str(job)], check=True, capture_output=True)
     deadline = time.monotonic() + 120
     while not run_file.exists():
@@ -251,7 +299,12 @@ def test_the_service_outlives_its_own_job_through_the_scheduler_file(cluster, co
         return out
 
     got = consume(str(run_file), 0.25, 120)  # 25 s of training: past the first job's walltime
-    assert subprocess.run([sys.executable, "-m", "overlord_dask", "stop", str(run_file)], capture_output=True, timeout=120).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "overlord_dask", "stop", str(run_file)], capture_output=True, timeout=120
+        ).returncode
+        == 0
+    )
     logs = sorted(slurm.glob("*.log"))
     assert sum("event=resubmit" in p.read_text() for p in logs) == 1, [p.read_text()[-2000:] for p in logs]
     with Service.start(demo_plan(corpus, topology=d["topology"], loading=d["loading"]), cluster=cluster) as service:

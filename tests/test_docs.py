@@ -14,8 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_docs_site_builds_strictly(tmp_path):
     """``mkdocs build --strict``: every page in the nav, every link and every API reference
     resolves (mkdocstrings reads the docstrings), or the build fails."""
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     page = (tmp_path / "site" / "reference" / "trainer" / "index.html").read_text()
     assert "OverlordDataset" in page and "state_dict" in page  # the API reference is rendered from the code
@@ -36,9 +41,18 @@ def test_benchmark_results_say_where_they_come_from():
     """One section per benchmark script, each with the command, the machine and the date."""
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     sections = re.split(r"^## ", results, flags=re.M)[1:]
-    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__", "output", "per_rank", "model_trainer", "s3", "format_corpus"}
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {
+        "__init__",
+        "output",
+        "per_rank",
+        "model_trainer",
+        "s3",
+        "format_corpus",
+    }
     named = {re.search(r"benchmarks/(\w+)\.py", s).group(1) for s in sections if re.search(r"benchmarks/(\w+)\.py", s)}
     assert scripts <= named, f"no results for {sorted(scripts - named)}"
     for s in sections:
         title = s.splitlines()[0]
-        assert "Command:" in s and "Machine:" in s and re.search(r"Date: \d{4}-\d{2}-\d{2}", s), f"section {title!r} lacks its provenance"
+        assert "Command:" in s and "Machine:" in s and re.search(r"Date: \d{4}-\d{2}-\d{2}", s), (
+            f"section {title!r} lacks its provenance"
+        )

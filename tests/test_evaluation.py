@@ -27,11 +27,34 @@ def _corpus(tmp_path):
 
 
 def _plan(tmp_path, evaluation=None, **top):
-    return plan_from_dict({"seed": 3, "sources": [
-        {"name": "web", "format": "parquet", "url": "web/*.parquet", "text_field": "text", "weight": 0.6, "holdout": 0.2},
-        {"name": "code", "format": "parquet", "url": "code/*.parquet", "text_field": "text", "weight": 0.4, "holdout": ["part-2.parquet"]}],
-        "topology": {"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 1024}, "loading": {"unit_rows": 50},
-        **({"evaluation": evaluation} if evaluation else {}), **top}, base_dir=tmp_path)
+    return plan_from_dict(
+        {
+            "seed": 3,
+            "sources": [
+                {
+                    "name": "web",
+                    "format": "parquet",
+                    "url": "web/*.parquet",
+                    "text_field": "text",
+                    "weight": 0.6,
+                    "holdout": 0.2,
+                },
+                {
+                    "name": "code",
+                    "format": "parquet",
+                    "url": "code/*.parquet",
+                    "text_field": "text",
+                    "weight": 0.4,
+                    "holdout": ["part-2.parquet"],
+                },
+            ],
+            "topology": {"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 1024},
+            "loading": {"unit_rows": 50},
+            **({"evaluation": evaluation} if evaluation else {}),
+            **top,
+        },
+        base_dir=tmp_path,
+    )
 
 
 def _held_ids(plan) -> dict[str, set]:
@@ -51,12 +74,22 @@ def test_holdout_is_a_stable_choice_of_units(tmp_path):
     assert split(plan.seed, plan.source("web"), units["web"])[1] == held  # the same every time
     _, code = split(plan.seed, plan.source("code"), units["code"])
     assert {u.path.rsplit("/", 1)[-1] for u in code} == {"part-2.parquet"}
-    bad = plan_from_dict({"sources": [{"name": "s", "format": "parquet", "url": "code/*.parquet", "text_field": "text", "holdout": ["nope*"]}],
-                          "topology": {"dp": 1, "tokens_per_micro_batch": 1024}}, base_dir=tmp_path)
+    bad = plan_from_dict(
+        {
+            "sources": [
+                {"name": "s", "format": "parquet", "url": "code/*.parquet", "text_field": "text", "holdout": ["nope*"]}
+            ],
+            "topology": {"dp": 1, "tokens_per_micro_batch": 1024},
+        },
+        base_dir=tmp_path,
+    )
     with pytest.raises(PlanError, match=r"source 's': holdout patterns \['nope\*'\] match none of its files"):
         split(0, bad.sources[0], index_sources(bad)["s"])
     with pytest.raises(PlanError, match="holdout as a fraction of the units must lie in"):
-        _plan(tmp_path, sources=[{"name": "s", "format": "parquet", "url": "code/*.parquet", "text_field": "text", "holdout": 1.0}])
+        _plan(
+            tmp_path,
+            sources=[{"name": "s", "format": "parquet", "url": "code/*.parquet", "text_field": "text", "holdout": 1.0}],
+        )
 
 
 def test_held_out_documents_never_reach_training_and_every_rank_reads_the_same_eval_stream(cluster, tmp_path):
@@ -69,13 +102,16 @@ def test_held_out_documents_never_reach_training_and_every_rank_reads_the_same_e
     for run in range(2):  # a second run (a restart) reads the same evaluation stream
         got = {}
         with Service.start(plan, cluster=cluster) as service:
+
             def train(rank):
                 with connect(service.address, rank, 2, timeout=60) as s:
                     for _ in range(60 if run == 0 else 2):  # past a whole pass of both sources
                         for mb in s.next_batch()["micro_batches"]:
                             for src, sid in zip(mb["source_ids"], mb["sample_ids"]):
                                 trained[names[src]].add(int(sid))
-                    got[rank] = [list(EvalStream(service.address, rank, 2)) for _ in range(2)]  # read twice, beside training
+                    got[rank] = [
+                        list(EvalStream(service.address, rank, 2)) for _ in range(2)
+                    ]  # read twice, beside training
                     s.commit()
 
             run_ranks(train, [0, 1])
@@ -88,7 +124,9 @@ def test_held_out_documents_never_reach_training_and_every_rank_reads_the_same_e
     assert len(first[0][0]) == len(first[1][0]) > 0  # every rank the same number of micro-batches
     seen: dict[str, set] = {n: set() for n in names}
     for rank in (0, 1):
-        for a, b, c in zip(first[rank][0], first[rank][1], evals[1][rank][0]):  # read again, and in the next run: identical
+        for a, b, c in zip(
+            first[rank][0], first[rank][1], evals[1][rank][0]
+        ):  # read again, and in the next run: identical
             for k in ("input_ids", "labels", "cu_seqlens", "sample_ids"):
                 np.testing.assert_array_equal(a[k], b[k])
                 np.testing.assert_array_equal(a[k], c[k])
@@ -105,7 +143,9 @@ def test_an_evaluation_budget_is_shared_by_weight(cluster, tmp_path):
         mbs = [mb for r in (0, 1) for mb in EvalStream(service.address, r)]
     plain = _plan(tmp_path, sources=[{"name": "w", "format": "parquet", "url": "web/*.parquet", "text_field": "text"}])
     with Service.start(plain, cluster=cluster) as other:
-        with pytest.raises(ServiceError, match=r"rank 0: the plan holds out no evaluation data \(set a source's holdout\)"):
+        with pytest.raises(
+            ServiceError, match=r"rank 0: the plan holds out no evaluation data \(set a source's holdout\)"
+        ):
             list(EvalStream(other.address, 0))
     tokens = {0: 0, 1: 0}
     for mb in mbs:

@@ -24,18 +24,33 @@ EXAMPLES = ROOT / "examples"
 
 
 def _plan(small_plan, dp: int):
-    return small_plan(topology={"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 1024}, loading={"prefetch_steps": 4})
+    return small_plan(
+        topology={"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 1024}, loading={"prefetch_steps": 4}
+    )
 
 
 def _torchrun(script: str, nproc: int, *args, wait: bool = True, timeout: float = 300):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(EXAMPLES / script), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        str(EXAMPLES / script),
+        *map(str, args),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
@@ -84,7 +99,7 @@ def test_a_document_loses_the_same_packed_or_alone():
         packed = model(ids, position_ids=pos, attention_mask=document_mask(cu, ids.shape[1])).logits[0]
         for k, d in enumerate(docs):
             alone = model(d[None], position_ids=torch.arange(len(d))[None]).logits[0]
-            piece = packed[cu[k]:cu[k + 1]]
+            piece = packed[cu[k] : cu[k + 1]]
             loss_packed = torch.nn.functional.cross_entropy(piece[:-1], d[1:])
             loss_alone = torch.nn.functional.cross_entropy(alone[:-1], d[1:])
             assert torch.allclose(loss_packed, loss_alone, atol=1e-5), (k, loss_packed, loss_alone)
@@ -108,10 +123,30 @@ def test_fsdp2_recipe_killed_mid_run_resumes_from_its_dcp_checkpoint_exactly(clu
     plan = _plan(small_plan, 2)
     args = ["--steps", 9, "--checkpoint-every", 4]
     with Service.start(plan, cluster=cluster) as service:
-        _torchrun("fsdp2_dcp.py", 2, "--address", service.address, *args, "--checkpoint-dir", tmp_path / "a", "--record", tmp_path / "a.rec")
+        _torchrun(
+            "fsdp2_dcp.py",
+            2,
+            "--address",
+            service.address,
+            *args,
+            "--checkpoint-dir",
+            tmp_path / "a",
+            "--record",
+            tmp_path / "a.rec",
+        )
     with Service.start(plan, cluster=cluster) as service:
-        job = _torchrun("fsdp2_dcp.py", 2, "--address", service.address, *args, "--checkpoint-dir", tmp_path / "b",
-                        "--record", tmp_path / "b.rec", wait=False)
+        job = _torchrun(
+            "fsdp2_dcp.py",
+            2,
+            "--address",
+            service.address,
+            *args,
+            "--checkpoint-dir",
+            tmp_path / "b",
+            "--record",
+            tmp_path / "b.rec",
+            wait=False,
+        )
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and job.poll() is None:
             try:
@@ -124,14 +159,29 @@ def test_fsdp2_recipe_killed_mid_run_resumes_from_its_dcp_checkpoint_exactly(clu
         killed_at = [len(r) for r in _records(tmp_path / "b.rec", 2)]  # steps each rank finished before the kill
         resume_at = int((tmp_path / "b" / "latest").read_text().split("-")[1])  # the last complete checkpoint
         assert resume_at == 4 < min(killed_at) and max(killed_at) < 8
-        _torchrun("fsdp2_dcp.py", 2, "--address", service.address, *args, "--checkpoint-dir", tmp_path / "b", "--record", tmp_path / "b.rec")
+        _torchrun(
+            "fsdp2_dcp.py",
+            2,
+            "--address",
+            service.address,
+            *args,
+            "--checkpoint-dir",
+            tmp_path / "b",
+            "--record",
+            tmp_path / "b.rec",
+        )
     uninterrupted, resumed = _records(tmp_path / "a.rec", 2), _records(tmp_path / "b.rec", 2)
     for rank in range(2):
-        assert [r["step"] for r in resumed[rank]] == list(range(killed_at[rank])) + list(range(resume_at, 9))  # from the checkpoint again
+        assert [r["step"] for r in resumed[rank]] == list(range(killed_at[rank])) + list(
+            range(resume_at, 9)
+        )  # from the checkpoint again
         first = {r["step"]: r for r in uninterrupted[rank]}
         for r in resumed[rank]:
             assert r["ids"] == first[r["step"]]["ids"], (rank, r["step"])  # the same batches
-            assert r["loss"] == pytest.approx(first[r["step"]]["loss"], rel=1e-5), (rank, r["step"])  # the same loss curve
+            assert r["loss"] == pytest.approx(first[r["step"]]["loss"], rel=1e-5), (
+                rank,
+                r["step"],
+            )  # the same loss curve
 
 
 def test_tensor_parallel_replicas_receive_identical_batches(cluster, small_plan, tmp_path):
@@ -152,8 +202,18 @@ def test_hf_trainer_recipe_feeds_every_rank_its_own_stream(cluster, small_plan, 
     stream whole (accelerate neither shards it nor dispatches rank 0's), one planned step per
     optimizer step."""
     with Service.start(_plan(small_plan, 2), cluster=cluster) as service:
-        _torchrun("hf_trainer.py", 2, "--address", service.address, "--steps", 3, "--output-dir", tmp_path / "out",
-                  "--record", tmp_path / "rec")
+        _torchrun(
+            "hf_trainer.py",
+            2,
+            "--address",
+            service.address,
+            "--steps",
+            3,
+            "--output-dir",
+            tmp_path / "out",
+            "--record",
+            tmp_path / "rec",
+        )
         acked = service.status()["acked"]
     recs = _records(tmp_path / "rec", 2)
     assert [r["step"] for r in recs[0]] == [1, 2, 3] and all(5.0 < r["loss"] < 7.0 for r in recs[0])
@@ -177,7 +237,10 @@ def test_titan_shaped_loader_iterates_inputs_and_labels_and_resumes(cluster, sma
         loader = TitanDataLoader(service.address, 0, 1)
         it = iter(loader)
         inputs, labels = next(it)
-        assert set(inputs) == {"input", "position_ids", "cu_seqlens", "max_seqlen"} and labels.shape == inputs["input"].shape
+        assert (
+            set(inputs) == {"input", "position_ids", "cu_seqlens", "max_seqlen"}
+            and labels.shape == inputs["input"].shape
+        )
         next(it)  # the step's second micro-batch
         state = loader.state_dict()
         after = next(it)[0]["input"]

@@ -12,12 +12,14 @@ import pytest
 from dask.utils import parse_timedelta
 
 from overlord_dask import Service, connect
-from overlord_dask.service.deploy import WORKER_CONFIG
 from overlord_dask.observe.figures import delivered_identities, delivered_record
+from overlord_dask.service.deploy import WORKER_CONFIG
 
 from .harness import run_ranks
 
-PEER_CONNECT_S = parse_timedelta(WORKER_CONFIG["distributed"]["comm"]["timeouts"]["connect"])  # a worker's wait on a dead peer
+PEER_CONNECT_S = parse_timedelta(
+    WORKER_CONFIG["distributed"]["comm"]["timeouts"]["connect"]
+)  # a worker's wait on a dead peer
 
 
 def _consume(streams, steps, waits=None, at_step=None, action=None) -> dict:

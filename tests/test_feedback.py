@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from overlord_dask import PlanError, Service, connect, loss_by_source
+from overlord_dask import pieces as P
 from overlord_dask.plan import plan_from_dict, plan_to_dict
 from overlord_dask.plan.timeline import PlanTimeline
 from overlord_dask.planner import snapshot
@@ -21,12 +22,12 @@ from overlord_dask.planner.learn import TERMS, features, robust_fit
 from overlord_dask.planner.mixing import ODM, Controller, project
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.planner.streams.order import stable_seed
-from overlord_dask import pieces as P
 
 UNITS, DOCS = 300, 64
 IDS = {n: list(range(0, UNITS * DOCS, DOCS)) for n in ("web", "books", "chat")}
 MU = {"web": (6.5, 1.0), "books": (8.0, 0.7), "chat": (4.5, 0.6)}
-# true seconds per unit of each term (attention 3x heavier relative to linear than declared, a per-document cost the formula lacks)
+# true seconds per unit of each term (attention 3x heavier relative to linear than declared, a per-document cost the
+# formula lacks)
 TRUE = np.array([3.0e-10, 6 * 8192e-10, 6 * 8192e-10 * 300, 0.0, 5e-3])
 
 
@@ -37,13 +38,18 @@ def lengths(name, epoch, unit):
 
 
 def plan_dict(**over) -> dict:
-    d = {"seed": 1, "sources": [{"name": "web", "format": "zarr", "url": "w.zarr", "weight": 0.4},
-                                {"name": "books", "format": "zarr", "url": "b.zarr", "weight": 0.3},
-                                {"name": "chat", "format": "zarr", "url": "c.zarr", "weight": 0.3}],
-         "topology": {"dp": 4, "micro_batches": 2, "tokens_per_micro_batch": 32768},
-         "balance": {"sync": "step", "window": 8},
-         "cost": {"hidden": 8192, "learn": {"min_observations": 64, "every": 4}},
-         "loading": {"prefetch_steps": 8, "units_ahead": 8}}
+    d = {
+        "seed": 1,
+        "sources": [
+            {"name": "web", "format": "zarr", "url": "w.zarr", "weight": 0.4},
+            {"name": "books", "format": "zarr", "url": "b.zarr", "weight": 0.3},
+            {"name": "chat", "format": "zarr", "url": "c.zarr", "weight": 0.3},
+        ],
+        "topology": {"dp": 4, "micro_batches": 2, "tokens_per_micro_batch": 32768},
+        "balance": {"sync": "step", "window": 8},
+        "cost": {"hidden": 8192, "learn": {"min_observations": 64, "every": 4}},
+        "loading": {"prefetch_steps": 8, "units_ahead": 8},
+    }
     d.update(over)
     return d
 
@@ -53,7 +59,9 @@ def true_times(st: PlannerState, step: int, rng) -> np.ndarray:
     e = st.ledger[step]
     dp, mbs = st.topology.dp, st.topology.micro_batches
     g = e["slot"][:, 0].astype(np.int64) * mbs + e["slot"][:, 1]
-    return ((features(P.lengths(e["pieces"]), None, g, dp * mbs) @ TRUE) * rng.lognormal(0, 0.01, dp * mbs)).reshape(dp, mbs)
+    return ((features(P.lengths(e["pieces"]), None, g, dp * mbs) @ TRUE) * rng.lognormal(0, 0.01, dp * mbs)).reshape(
+        dp, mbs
+    )
 
 
 def run(st: PlannerState, fb: FeedbackLoop | None, until: int, seed: int = 0, report=True) -> dict[int, np.ndarray]:
@@ -78,8 +86,11 @@ def run(st: PlannerState, fb: FeedbackLoop | None, until: int, seed: int = 0, re
 
 
 def same_stream(a: PlannerState, b: PlannerState, steps) -> bool:
-    return all(np.array_equal(a.ledger[s]["pieces"], b.ledger[s]["pieces"]) and np.array_equal(a.ledger[s]["slot"], b.ledger[s]["slot"])
-               for s in steps)
+    return all(
+        np.array_equal(a.ledger[s]["pieces"], b.ledger[s]["pieces"])
+        and np.array_equal(a.ledger[s]["slot"], b.ledger[s]["slot"])
+        for s in steps
+    )
 
 
 # ---- the fit ------------------------------------------------------------------------------------
@@ -111,12 +122,16 @@ def test_learned_cost_switches_at_a_recorded_step_lowers_the_measured_imbalance_
     for term in ("attention", "constant"):
         assert fitted[term] == pytest.approx(TRUE[TERMS.index(term)], rel=0.05), (term, fitted)
     assert status["error_fitted"] < 0.02 < status["error_declared"]
-    imb = {s: t.sum(1).max() / t.sum(1).mean() for s, t in times.items()}  # sync step: the slowest rank's step over the mean
+    imb = {
+        s: t.sum(1).max() / t.sum(1).mean() for s, t in times.items()
+    }  # sync step: the slowest rank's step over the mean
     before = np.median([imb[s] for s in range(first.at)])
     after = np.median([imb[s] for s in range(first.at + 10, 120)])
     assert after < before - 0.02, (before, after)
     # the learned model is what the planner used from that step on (its cost figures are in microseconds)
-    assert st.timeline.cost_at(first.at - 1) == plan.cost and st.timeline.cost_at(first.at).attention == pytest.approx(first.values["attention"])
+    assert st.timeline.cost_at(first.at - 1) == plan.cost and st.timeline.cost_at(first.at).attention == pytest.approx(
+        first.values["attention"]
+    )
     # a replay with the recorded decisions plans the identical stream, without any report
     again = PlannerState(plan, IDS, decisions=st.timeline.decisions)
     run(again, None, 120)
@@ -130,7 +145,9 @@ def test_learned_cost_switches_at_a_recorded_step_lowers_the_measured_imbalance_
 
 
 def test_decisions_survive_a_snapshot_restore_and_a_rewind_to_another_dp():
-    plan = plan_from_dict(plan_dict(mixing={"controller": "tests.test_feedback:Fixed", "interval": 5, "lag": 3, "max_change": 0.2}))
+    plan = plan_from_dict(
+        plan_dict(mixing={"controller": "tests.test_feedback:Fixed", "interval": 5, "lag": 3, "max_change": 0.2})
+    )
     st = PlannerState(plan, IDS)
     fb = FeedbackLoop(st)
     run(st, fb, 40)
@@ -173,8 +190,14 @@ class Fixed(Controller):
 
 
 def test_controller_decisions_respect_lag_bounds_and_max_change_and_the_mix_follows():
-    mixing = {"controller": "tests.test_feedback:Fixed", "interval": 6, "lag": 5, "max_change": 0.15,
-              "bounds": {"web": [0.2, 0.6]}, "min_share": 0.05}
+    mixing = {
+        "controller": "tests.test_feedback:Fixed",
+        "interval": 6,
+        "lag": 5,
+        "max_change": 0.15,
+        "bounds": {"web": [0.2, 0.6]},
+        "min_share": 0.05,
+    }
     plan = plan_from_dict(plan_dict(cost={"hidden": 8192}, mixing=mixing))
     st = PlannerState(plan, IDS)
     fb = FeedbackLoop(st)
@@ -244,11 +267,17 @@ def test_odm_moves_the_mix_from_a_source_that_teaches_nothing():
     shares = []
     for k in range(12):  # noise: flat loss; easy: falls fast then saturates; hard: falls slowly
         for _ in range(5):
-            ctl.observe(k, {"noise": (10.0 * 100, 100), "easy": ((1 + 3 * 0.6 ** k) * 100, 100), "hard": ((5 - 0.2 * k) * 100, 100)}, {})
+            ctl.observe(
+                k,
+                {"noise": (10.0 * 100, 100), "easy": ((1 + 3 * 0.6**k) * 100, 100), "hard": ((5 - 0.2 * k) * 100, 100)},
+                {},
+            )
         got = ctl.propose(k, {})
         if got is not None:
             shares.append(got[0])
-    assert shares[-1]["noise"] == min(shares[-1].values()) < 0.2  # from a third: the softmax of rewards in [-1, 1] at eta 2
+    assert (
+        shares[-1]["noise"] == min(shares[-1].values()) < 0.2
+    )  # from a third: the softmax of rewards in [-1, 1] at eta 2
     state = ctl.state_dict()
     again = ODM(["noise", "easy", "hard"], exploration=0.05)
     again.load_state_dict(state)
@@ -273,8 +302,11 @@ def test_plan_validation_of_feedback_settings():
 
 # ---- the trainer's side ---------------------------------------------------------------------------
 def test_loss_by_source_counts_only_labelled_tokens_of_each_document():
-    mb = {"cu_seqlens": np.array([0, 3, 5, 9, 10]), "source_ids": np.array([1, 0, 1, 2], np.int32),
-          "labels": np.array([5, 6, -100, 7, 8, 1, 2, 3, -100, 4, -100, -100])}
+    mb = {
+        "cu_seqlens": np.array([0, 3, 5, 9, 10]),
+        "source_ids": np.array([1, 0, 1, 2], np.int32),
+        "labels": np.array([5, 6, -100, 7, 8, 1, 2, 3, -100, 4, -100, -100]),
+    }
     losses = np.arange(12, dtype=np.float64)
     got = loss_by_source(mb, losses)
     assert got == {1: (0 + 1 + 5 + 6 + 7, 5), 0: (3 + 4, 2), 2: (9, 1)}  # position 2, 8 masked; 10, 11 padding
@@ -287,8 +319,10 @@ def test_loss_by_source_counts_only_labelled_tokens_of_each_document():
 def test_reports_reach_the_planner_and_a_controlled_run_replays(cluster, small_plan):
     from overlord_dask.service.replay import replay
 
-    plan = small_plan(cost={"learn": {"min_observations": 24, "every": 2, "patience": 2}},
-                      mixing={"controller": "odm", "interval": 6, "lag": 2, "options": {"exploration": 0.1}})
+    plan = small_plan(
+        cost={"learn": {"min_observations": 24, "every": 2, "patience": 2}},
+        mixing={"controller": "odm", "interval": 6, "lag": 2, "options": {"exploration": 0.1}},
+    )
     steps, dp = 30, plan.topology.dp
     per_mb = {}
 
@@ -338,7 +372,11 @@ def test_reports_reach_the_planner_and_a_controlled_run_replays(cluster, small_p
     assert {d.kind for d in tl.decisions} == {"cost", "weights"}, fb
     # the page shows the fit and every decision with its reason; the gauges carry the fit
     assert 'id="decisions"' in page and "odm round" in page and 'id="cost-fit"' in page
-    assert "overlord_cost_error" in metrics and "overlord_feedback_reports_total" in metrics and 'model="fitted"' in metrics
+    assert (
+        "overlord_cost_error" in metrics
+        and "overlord_feedback_reports_total" in metrics
+        and 'model="fitted"' in metrics
+    )
     again = replay(plan, tl, steps)
     for s in range(steps):
         np.testing.assert_array_equal(again[s]["pieces"], ledger[s]["pieces"])
@@ -399,8 +437,13 @@ def test_with_snapshots_no_step_a_decision_governs_goes_out_before_a_snapshot_ho
     snapshot holding the decision is written (``release_hold``); steps before it go out."""
     from overlord_dask.scheduler.planner_thread import PlannerThread
 
-    plan = plan_from_dict(plan_dict(cost={"hidden": 8192}, mixing={"controller": "tests.test_feedback:Fixed", "interval": 2, "lag": 0},
-                                    loading={"prefetch_steps": 8, "units_ahead": 8}))
+    plan = plan_from_dict(
+        plan_dict(
+            cost={"hidden": 8192},
+            mixing={"controller": "tests.test_feedback:Fixed", "interval": 2, "lag": 0},
+            loading={"prefetch_steps": 8, "units_ahead": 8},
+        )
+    )
     thread = PlannerThread("run", 2, on_tasks=lambda *a: None, observe=dict, on_failure=pytest.fail)
     thread.state = st = PlannerState(plan, IDS)
     thread.feedback = FeedbackLoop(st)

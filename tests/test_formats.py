@@ -45,15 +45,24 @@ def fc(tmp_path_factory):
     os.environ["OVERLORD_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     root = tmp_path_factory.mktemp("formats")
     records = make_records(N_RECORDS, seed=3, mean_words=25)
-    urls = {fmt: write(root, records, fmt, files=FILES, frame_bytes=4000, row_group=50) for fmt in
-            ("parquet", "jsonl", "jsonl.gz", "jsonl.zst", "arrow", "webdataset", "megatron")}
+    urls = {
+        fmt: write(root, records, fmt, files=FILES, frame_bytes=4000, row_group=50)
+        for fmt in ("parquet", "jsonl", "jsonl.gz", "jsonl.zst", "arrow", "webdataset", "megatron")
+    }
     return root, records, urls
 
 
 def make_plan(root, *sources, topology=None, loading=None, **extra) -> object:
-    data = {"name": "formats", "base_dir": str(root), "sources": list(sources), "seed": 11,
-            "topology": {"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 2048, **(topology or {})},
-            "loading": {"prefetch_steps": 3, **(loading or {})}, "balance": {"window": 4}, **extra}
+    data = {
+        "name": "formats",
+        "base_dir": str(root),
+        "sources": list(sources),
+        "seed": 11,
+        "topology": {"dp": 2, "micro_batches": 1, "tokens_per_micro_batch": 2048, **(topology or {})},
+        "loading": {"prefetch_steps": 3, **(loading or {})},
+        "balance": {"window": 4},
+        **extra,
+    }
     return plan_from_dict(data, where="<test plan>")
 
 
@@ -96,7 +105,9 @@ def test_units_read_every_document_once_in_file_order(fc, fmt, small):
     loading = {"unit_bytes": 3000, "unit_rows": 17, "unit_tokens": 2000} if small else {}
     plan = make_plan(root, source_for(fmt, urls[fmt]), loading=loading)
     want = reference_docs(root, fmt, urls[fmt])
-    assert len(want) == N_RECORDS and all(np.array_equal(a, b) for a, b in zip(want, ref.tokens_of([r["text"] for r in records])))
+    assert len(want) == N_RECORDS and all(
+        np.array_equal(a, b) for a, b in zip(want, ref.tokens_of([r["text"] for r in records]))
+    )
     units, docs, ids = _units_in_order(plan)
     assert len(docs) == len(want) and all(np.array_equal(np.asarray(a), b) for a, b in zip(docs, want))
     if all(u.n_docs is not None for u in units):  # counted at indexing: dense ids, file order
@@ -137,13 +148,19 @@ def test_zstd_seek_table_and_single_frames(fc, tmp_path):
     _, records, _ = fc
     raw = "".join(json.dumps(r) + "\n" for r in records).encode()
     c = zstandard.ZstdCompressor()
-    frames = [(raw[a: a + 5000], c.compress(raw[a: a + 5000])) for a in range(0, len(raw), 5000)]
-    table = b"".join(struct.pack("<II", len(z), len(d)) for d, z in frames) + struct.pack("<IBI", len(frames), 0, 0x8F92EAB1)
-    (tmp_path / "seekable.jsonl.zst").write_bytes(b"".join(z for _, z in frames) + struct.pack("<II", 0x184D2A5E, len(table)) + table)
+    frames = [(raw[a : a + 5000], c.compress(raw[a : a + 5000])) for a in range(0, len(raw), 5000)]
+    table = b"".join(struct.pack("<II", len(z), len(d)) for d, z in frames) + struct.pack(
+        "<IBI", len(frames), 0, 0x8F92EAB1
+    )
+    (tmp_path / "seekable.jsonl.zst").write_bytes(
+        b"".join(z for _, z in frames) + struct.pack("<II", 0x184D2A5E, len(table)) + table
+    )
     (tmp_path / "one.jsonl.zst").write_bytes(c.compress(raw))
     want = ref.tokens_of([r["text"] for r in records])
     for name, counted in (("seekable.jsonl.zst", False), ("one.jsonl.zst", True)):
-        plan = make_plan(tmp_path, {"name": "z", "format": "jsonl", "url": name, "text_field": "text"}, loading={"unit_bytes": 12000})
+        plan = make_plan(
+            tmp_path, {"name": "z", "format": "jsonl", "url": name, "text_field": "text"}, loading={"unit_bytes": 12000}
+        )
         units, docs, _ = _units_in_order(plan)
         assert len(units) > 3 and all((u.n_docs is not None) == counted for u in units)
         assert len(docs) == len(want) and all(np.array_equal(np.asarray(a), b) for a, b in zip(docs, want)), name
@@ -154,16 +171,23 @@ def test_a_counted_unit_read_in_parts_equals_the_whole(fc):
     concatenated are the whole (the gzip index's units too)."""
     root, _, urls = fc
     for fmt in ("jsonl.gz", "arrow", "megatron", "parquet"):
-        plan = make_plan(root, source_for(fmt, urls[fmt]), loading={"unit_bytes": 6000, "unit_rows": 40, "unit_tokens": 4000})
+        plan = make_plan(
+            root, source_for(fmt, urls[fmt]), loading={"unit_bytes": 6000, "unit_rows": 40, "unit_tokens": 4000}
+        )
         from overlord_dask.plan.loading import plan_to_dict
 
         d = plan_to_dict(plan)
         for u in discover_units(*_src(plan))[:3]:
             whole = load_block(d, f"k-{fmt}", u.to_dict())
             n = u.n_docs
-            parts = [load_block(d, f"k-{fmt}", u.to_dict(), part=(a, b)) for a, b in ((0, n // 3), (n // 3, n - 1), (n - 1, n))]
+            parts = [
+                load_block(d, f"k-{fmt}", u.to_dict(), part=(a, b))
+                for a, b in ((0, n // 3), (n // 3, n - 1), (n - 1, n))
+            ]
             joined = SampleBlock.concat(parts)
-            assert np.array_equal(joined.tokens, whole.tokens) and np.array_equal(joined.sample_ids, whole.sample_ids), fmt
+            assert np.array_equal(joined.tokens, whole.tokens) and np.array_equal(
+                joined.sample_ids, whole.sample_ids
+            ), fmt
 
 
 def test_units_round_trip_through_the_wire():
@@ -186,9 +210,14 @@ def _id_map(root: Path, fmt: str, url: str, plan) -> dict[int, np.ndarray]:
         return dict(enumerate(docs))
     if fmt == "webdataset":
         shards = sorted((root / "wds").glob("shard-*.tar"))
-        keys = [(i, k) for i, shard in enumerate(ref.webdataset_samples([str(p) for p in shards])) for k in range(len(shard))]
+        keys = [
+            (i, k)
+            for i, shard in enumerate(ref.webdataset_samples([str(p) for p in shards]))
+            for k in range(len(shard))
+        ]
         return {i * UNKNOWN_BASE + k: d for (i, k), d in zip(keys, docs)}
-    # plain jsonl: unit = the file's units before it + the line's byte offset // unit_bytes; the k-th line starting there
+    # plain jsonl: unit = the file's units before it + the line's byte offset // unit_bytes; the k-th line starting
+    # there
     # jsonl.zst with one unit per file (unit_bytes above the file size): unit = the file
     step = plan.loading.unit_bytes
     out, base, it = {}, 0, iter(docs)
@@ -219,7 +248,9 @@ def _serve_and_check(plan, root, fmt, url, cluster, steps: int) -> set:
                 for k in range(len(mb["sample_ids"])):
                     doc = docs[int(mb["sample_ids"][k])]
                     start = int(mb["piece_starts"][k])
-                    np.testing.assert_array_equal(mb["input_ids"][cu[k]: cu[k + 1]], doc[start: start + cu[k + 1] - cu[k]])
+                    np.testing.assert_array_equal(
+                        mb["input_ids"][cu[k] : cu[k + 1]], doc[start : start + cu[k + 1] - cu[k]]
+                    )
                 epochs.update(mb["epochs"].tolist())
     return epochs
 
@@ -227,7 +258,9 @@ def _serve_and_check(plan, root, fmt, url, cluster, steps: int) -> set:
 @pytest.mark.parametrize("fmt", SERVED)
 def test_the_service_delivers_each_format_exactly_once_as_in_the_files(fc, cluster, fmt):
     root, _, urls = fc
-    loading = {"unit_bytes": 1 << 30} if fmt == "jsonl.zst" else {"unit_bytes": 5000, "unit_rows": 30, "unit_tokens": 3000}
+    loading = (
+        {"unit_bytes": 1 << 30} if fmt == "jsonl.zst" else {"unit_bytes": 5000, "unit_rows": 30, "unit_tokens": 3000}
+    )
     plan = make_plan(root, source_for(fmt, urls[fmt]), loading=loading)
     assert _serve_and_check(plan, root, fmt, urls[fmt], cluster, steps=14) == {0, 1}  # past the end of the first pass
 
@@ -236,12 +269,17 @@ def test_the_stream_does_not_depend_on_the_worker_count(fc, cluster):
     """Units counted only when loaded (plain jsonl byte ranges, webdataset shards): the same
     plan on 2 and on 1 worker processes plans the same pieces, step by step."""
     root, _, urls = fc
-    plan = make_plan(root, source_for("jsonl", urls["jsonl"]), source_for("webdataset", urls["webdataset"], weight=0.5),
-                     loading={"unit_bytes": 4000})
+    plan = make_plan(
+        root,
+        source_for("jsonl", urls["jsonl"]),
+        source_for("webdataset", urls["webdataset"], weight=0.5),
+        loading={"unit_bytes": 4000},
+    )
     steps = 10
     ledgers = []
     for where in ({"cluster": cluster}, {"n_workers": 1}):
         with Service.start(plan, **where) as service:
+
             def consume(rank):
                 with connect(service.address, rank, timeout=120) as s:
                     for _ in range(steps):
@@ -277,7 +315,9 @@ def test_a_restarted_service_resumes_a_jsonl_run_exactly(fc, cluster, tmp_path):
     plain = make_plan(root, src, loading={"unit_bytes": 4000})
     with Service.start(plain, cluster=cluster) as service:
         want, _, _ = _run(service.address, 2, 16)
-    ck = make_plan(root, src, loading={"unit_bytes": 4000}, checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 3})
+    ck = make_plan(
+        root, src, loading={"unit_bytes": 4000}, checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 3}
+    )
     with Service.start(ck, cluster=cluster) as service:
         first, _, saved = _run(service.address, 2, 7, save_at=(7,))
         service.wait_for_step(7, timeout=60)
@@ -291,13 +331,13 @@ def keep_english(record: dict, min_quality: float = 0.5):
     """A record filter and map (``tests.test_formats:keep_english``)."""
     if record["lang"] != "en" or record["quality"] <= min_quality:
         return None
-    return {**record, "text": record["text"].replace("\"quoted\"", "").strip()}
+    return {**record, "text": record["text"].replace('"quoted"', "").strip()}
 
 
 def keep_english_batch(table: pa.Table, min_quality: float = 0.5) -> pa.Table:
     """The same as a batch step (``tests.test_formats:keep_english_batch``)."""
     kept = table.filter(pc.and_(pc.equal(table["lang"], "en"), pc.greater(table["quality"], min_quality)))
-    text = pc.utf8_trim_whitespace(pc.replace_substring(kept["text"], "\"quoted\"", ""))
+    text = pc.utf8_trim_whitespace(pc.replace_substring(kept["text"], '"quoted"', ""))
     return kept.set_column(kept.column_names.index("text"), "text", text)
 
 
@@ -305,17 +345,33 @@ def needs_topic(record: dict):
     return record if record["topic"] == "science" else None
 
 
-RECORD, BATCH, WDS = ({"record": "tests.test_formats:keep_english"}, {"batch": "tests.test_formats:keep_english_batch"},
-                      {"record": "tests.test_formats:keep_english_wds"})
+RECORD, BATCH, WDS = (
+    {"record": "tests.test_formats:keep_english"},
+    {"batch": "tests.test_formats:keep_english_batch"},
+    {"record": "tests.test_formats:keep_english_wds"},
+)
 
 
-@pytest.mark.parametrize("fmt,step", [("jsonl", RECORD), ("jsonl", BATCH), ("parquet", RECORD), ("parquet", BATCH), ("arrow", RECORD),
-                                      ("arrow", BATCH), ("webdataset", WDS)], ids=lambda v: v if isinstance(v, str) else next(iter(v)))
+@pytest.mark.parametrize(
+    "fmt,step",
+    [
+        ("jsonl", RECORD),
+        ("jsonl", BATCH),
+        ("parquet", RECORD),
+        ("parquet", BATCH),
+        ("arrow", RECORD),
+        ("arrow", BATCH),
+        ("webdataset", WDS),
+    ],
+    ids=lambda v: v if isinstance(v, str) else next(iter(v)),
+)
 def test_prepare_filters_and_maps_records_with_every_column(fc, fmt, step):
     """Dropped records stay in place as empty documents (ids unchanged) and are counted (the
     webdataset samples' metadata is their ``json`` member: a record step reads it)."""
     root, records, urls = fc
-    plan = make_plan(root, source_for(fmt, urls[fmt], prepare=[{**step, "kwargs": {"min_quality": 0.4}}]), loading={"unit_rows": 50})
+    plan = make_plan(
+        root, source_for(fmt, urls[fmt], prepare=[{**step, "kwargs": {"min_quality": 0.4}}]), loading={"unit_rows": 50}
+    )
     src = plan.sources[0]
     docs, dropped = [], 0
     for u in discover_units(src, plan):
@@ -340,17 +396,24 @@ def keep_english_wds(record: dict, min_quality: float = 0.5):
 
 def test_dropped_records_are_counted_in_status_and_the_dashboard(fc, cluster):
     root, records, urls = fc
-    plan = make_plan(root, source_for("jsonl", urls["jsonl"], prepare=[{"record": "tests.test_formats:keep_english"}]),
-                     loading={"unit_bytes": 1 << 30})  # one unit per file: every record read by step 14
+    plan = make_plan(
+        root,
+        source_for("jsonl", urls["jsonl"], prepare=[{"record": "tests.test_formats:keep_english"}]),
+        loading={"unit_bytes": 1 << 30},
+    )  # one unit per file: every record read by step 14
     kept = [keep_english(dict(r)) for r in records]
     steps = 6
     with Service.start(plan, cluster=cluster) as service:
+
         def consume(rank):
             with connect(service.address, rank, timeout=120) as s:
                 for _ in range(steps):
                     b = s.next_batch()
                     for mb in b["micro_batches"]:
-                        assert all(kept[int(i) % UNKNOWN_BASE + _file_base(records, int(i) // UNKNOWN_BASE)] is not None for i in mb["sample_ids"])
+                        assert all(
+                            kept[int(i) % UNKNOWN_BASE + _file_base(records, int(i) // UNKNOWN_BASE)] is not None
+                            for i in mb["sample_ids"]
+                        )
                 s.commit()
 
         run_ranks(consume, range(2))
@@ -360,7 +423,9 @@ def test_dropped_records_are_counted_in_status_and_the_dashboard(fc, cluster):
         assert per["read"] == N_RECORDS and per["dropped"] == sum(k is None for k in kept)
         deadline = time.monotonic() + 30
         while True:  # the dashboard's view is refreshed by the planner thread every few seconds
-            page = service.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["overlord-planner"].observed)
+            page = service.client.run_on_scheduler(
+                lambda dask_scheduler: dask_scheduler.plugins["overlord-planner"].observed
+            )
             row = next(s for s in page["sources"] if s["source"] == "jsonl")
             if row["records_dropped"] == per["dropped"] or time.monotonic() > deadline:
                 break
@@ -377,15 +442,22 @@ def test_a_prepare_step_that_asks_for_a_missing_column_names_it(fc):
     root, _, urls = fc
     plan = make_plan(root, source_for("jsonl", urls["jsonl"], prepare=[{"record": "tests.test_formats:needs_topic"}]))
     src = plan.sources[0]
-    with pytest.raises(SourceError, match=r"prepare tests.test_formats:needs_topic asks for column 'topic' that record 0 of source "
-                                          r"'jsonl' unit 0 \(.*part-000.jsonl.*\) does not have \(columns: \['id', 'lang', 'quality', 'text'\]\)"):
+    with pytest.raises(
+        SourceError,
+        match=r"prepare tests.test_formats:needs_topic asks for column 'topic' that record 0 of source "
+        r"'jsonl' unit 0 \(.*part-000.jsonl.*\) does not have \(columns: \['id', 'lang', 'quality', 'text'\]\)",
+    ):
         read_unit(src, plan, discover_units(src, plan)[0])
 
 
 def test_prepare_is_refused_for_token_formats(fc):
     root, _, urls = fc
-    with pytest.raises(PlanError, match="megatron source 'megatron' stores token ids, not records: prepare is not allowed"):
-        make_plan(root, source_for("megatron", urls["megatron"], prepare=[{"record": "tests.test_formats:keep_english"}]))
+    with pytest.raises(
+        PlanError, match="megatron source 'megatron' stores token ids, not records: prepare is not allowed"
+    ):
+        make_plan(
+            root, source_for("megatron", urls["megatron"], prepare=[{"record": "tests.test_formats:keep_english"}])
+        )
 
 
 # ---- a changed prepare function is noticed on resume ---------------------------------------------------------
@@ -399,17 +471,25 @@ def test_resuming_with_changed_prepare_code_is_refused_or_accepted_and_logged(fc
     mod = tmp_path / "mods"
     mod.mkdir()
     monkeypatch.syspath_prepend(str(mod))
-    monkeypatch.setenv("PYTHONPATH", f"{mod}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # the workers started below import it
+    monkeypatch.setenv(
+        "PYTHONPATH", f"{mod}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    )  # the workers started below import it
 
     def write_filter(threshold: float) -> None:  # as a user edits the file between two runs (each a new process)
-        (mod / "my_filters.py").write_text(f"def keep(record):\n    return record if record['quality'] > {threshold} else None\n")
+        (mod / "my_filters.py").write_text(
+            f"def keep(record):\n    return record if record['quality'] > {threshold} else None\n"
+        )
         sys.modules.pop("my_filters", None)
         identity.cache_clear()
         linecache.checkcache()
 
     def plan(**ck):
-        return make_plan(root, source_for("jsonl", urls["jsonl"], prepare=[{"record": "my_filters:keep"}]), topology={"dp": 1},
-                         checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 1, **ck})
+        return make_plan(
+            root,
+            source_for("jsonl", urls["jsonl"], prepare=[{"record": "my_filters:keep"}]),
+            topology={"dp": 1},
+            checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 1, **ck},
+        )
 
     def consume(service, steps):
         with connect(service.address, 0, timeout=120) as s:
@@ -422,8 +502,11 @@ def test_resuming_with_changed_prepare_code_is_refused_or_accepted_and_logged(fc
     with Service.start(plan(), n_workers=1) as service:
         consume(service, 3)
     write_filter(0.3)
-    with pytest.raises(PlanError, match=r"the code of jsonl: my_filters:keep changed since the snapshot of step \d+: resuming would "
-                                        r"yield other documents .* set checkpoint.on_code_change: accept"):
+    with pytest.raises(
+        PlanError,
+        match=r"the code of jsonl: my_filters:keep changed since the snapshot of step \d+: resuming would "
+        r"yield other documents .* set checkpoint.on_code_change: accept",
+    ):
         Service.start(plan(), n_workers=1)
     caplog.set_level(logging.INFO, logger="overlord_dask.events")
     with Service.start(plan(on_code_change="accept"), n_workers=1) as service:
@@ -450,9 +533,11 @@ def test_a_malformed_json_line_is_named_by_file_and_line(tmp_path):
     import zstandard
 
     c = zstandard.ZstdCompressor()
-    (tmp_path / "c.jsonl.zst").write_bytes(b"".join(c.compress(raw[a: a + 1500]) for a in range(0, len(raw), 1500)))
+    (tmp_path / "c.jsonl.zst").write_bytes(b"".join(c.compress(raw[a : a + 1500]) for a in range(0, len(raw), 1500)))
     for name in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst"):
-        plan = make_plan(tmp_path, {"name": "j", "format": "jsonl", "url": name, "text_field": "text"}, loading={"unit_bytes": 2000})
+        plan = make_plan(
+            tmp_path, {"name": "j", "format": "jsonl", "url": name, "text_field": "text"}, loading={"unit_bytes": 2000}
+        )
         with pytest.raises(SourceError, match=rf"malformed JSON in .*{name}, line 322: Unterminated string"):
             _read_all(plan)
 
@@ -499,8 +584,11 @@ def test_an_idx_that_does_not_match_its_bin_is_named(tmp_path):
     bin_path = tmp_path / "c_text_document.bin"
     bin_path.write_bytes(bin_path.read_bytes()[:-6])
     plan = make_plan(tmp_path, {"name": "m", "format": "megatron", "url": "c_text_document"})
-    with pytest.raises(SourceError, match=r"c_text_document.idx does not match .*c_text_document.bin: the index describes 2,000 bytes "
-                                          r"of uint16 tokens, the .bin holds 1,994"):
+    with pytest.raises(
+        SourceError,
+        match=r"c_text_document.idx does not match .*c_text_document.bin: the index describes 2,000 bytes "
+        r"of uint16 tokens, the .bin holds 1,994",
+    ):
         _read_all(plan)
     (tmp_path / "d_text_document.idx").write_bytes(b"not an index at all, no")
     (tmp_path / "d_text_document.bin").write_bytes(b"")
@@ -512,10 +600,13 @@ def test_an_idx_that_does_not_match_its_bin_is_named(tmp_path):
 def test_a_datasetdict_folder_points_at_its_splits(tmp_path):
     import datasets
 
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]}), "test": datasets.Dataset.from_dict({"text": ["b"]})}
-                         ).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": ["a"]}), "test": datasets.Dataset.from_dict({"text": ["b"]})}
+    ).save_to_disk(str(tmp_path / "dd"))
     plan = make_plan(tmp_path, {"name": "a", "format": "arrow", "url": "dd", "text_field": "text"})
-    with pytest.raises(SourceError, match=r"is a datasets DatasetDict folder; point url at one of its splits \(dd/train, dd/test\)"):
+    with pytest.raises(
+        SourceError, match=r"is a datasets DatasetDict folder; point url at one of its splits \(dd/train, dd/test\)"
+    ):
         _read_all(plan)
     plan = make_plan(tmp_path, {"name": "a", "format": "arrow", "url": "dd/train", "text_field": "text"})
     _read_all(plan)
@@ -535,6 +626,7 @@ def test_a_corrupt_unit_is_quarantined_and_recorded_or_fails_the_run(fc, cluster
     src = {"name": "web", "format": "jsonl", "url": str(bad), "text_field": "text"}
     plan = make_plan(tmp_path, src, loading={"unit_bytes": 1 << 30, "on_corrupt": "quarantine", "retries": 1})
     with Service.start(plan, cluster=cluster) as service:
+
         def consume(rank):
             with connect(service.address, rank, timeout=120) as s:
                 for _ in range(12):
@@ -586,10 +678,15 @@ def test_a_format_named_as_module_class_or_registered_by_entry_point(tmp_path, m
     from overlord_dask.plan import formats
 
     (tmp_path / "a.tsv").write_text("1\thello\n2\tworld\n")
-    with pytest.raises(PlanError, match=r"unknown format 'tsv': registered formats are \['arrow', 'jsonl', 'megatron', 'parquet', "
-                                        r"'webdataset', 'zarr'\], or name a reader class as 'module:Class'"):
+    with pytest.raises(
+        PlanError,
+        match=r"unknown format 'tsv': registered formats are \['arrow', 'jsonl', 'megatron', 'parquet', "
+        r"'webdataset', 'zarr'\], or name a reader class as 'module:Class'",
+    ):
         make_plan(tmp_path, {"name": "t", "format": "tsv", "url": "a.tsv", "text_field": "text"})
-    plan = make_plan(tmp_path, {"name": "t", "format": "tests.test_formats:keep_english", "url": "a.tsv", "text_field": "text"})
+    plan = make_plan(
+        tmp_path, {"name": "t", "format": "tests.test_formats:keep_english", "url": "a.tsv", "text_field": "text"}
+    )
     with pytest.raises(SourceError, match="is not a subclass of overlord_dask.sources.formats.Format"):
         discover_units(plan.sources[0], plan)
     dist = tmp_path / "site" / "my_formats-1.0.dist-info"  # an installed package that registers 'tsv'
@@ -610,9 +707,13 @@ def test_a_format_named_as_module_class_or_registered_by_entry_point(tmp_path, m
 def test_object_store_extras_are_declared_and_named_when_missing():
     import tomllib
 
-    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     assert any(d.startswith("s3fs") for d in extras["s3"]) and any(d.startswith("gcsfs") for d in extras["gcs"])
-    assert any(d.startswith("adlfs") for d in extras["azure"]) and any(d.startswith("huggingface_hub") for d in extras["hf"])
+    assert any(d.startswith("adlfs") for d in extras["azure"]) and any(
+        d.startswith("huggingface_hub") for d in extras["hf"]
+    )
     try:
         import gcsfs  # noqa: F401
     except ImportError:
@@ -641,7 +742,9 @@ def test_jsonl_on_s3(fc, s3_server):
         local = root / (urls[fmt].split("/")[0])
         fs.put(str(local), f"overlord/formats/{local.name}", recursive=True)
         url = f"s3://overlord/formats/{urls[fmt]}"
-        plan = make_plan(root, source_for(fmt, url, storage_options=opts), loading={"unit_bytes": 5000, "unit_tokens": 3000})
+        plan = make_plan(
+            root, source_for(fmt, url, storage_options=opts), loading={"unit_bytes": 5000, "unit_tokens": 3000}
+        )
         _, docs, _ = _units_in_order(plan)
         want = reference_docs(root, fmt, urls[fmt])
         assert len(docs) == len(want) and all(np.array_equal(np.asarray(a), b) for a, b in zip(docs, want)), fmt
@@ -658,7 +761,10 @@ def test_token_id_fields_of_jsonl_and_webdataset(tmp_path):
             for i, d in enumerate(docs):
                 w.write({"__key__": f"{i:04d}", ext: encode(d)})
     sources = [{"name": "j", "format": "jsonl", "url": "t.jsonl", "tokens_field": "ids"}]
-    sources += [{"name": "w", "format": "webdataset", "url": f"{ext}.tar", "tokens_field": ext} for ext in ("ids.json", "ids.npy")]
+    sources += [
+        {"name": "w", "format": "webdataset", "url": f"{ext}.tar", "tokens_field": ext}
+        for ext in ("ids.json", "ids.npy")
+    ]
     for src in sources:
         _, got, _ = _units_in_order(make_plan(tmp_path, src, loading={"unit_bytes": 500}))
         assert [np.asarray(g).tolist() for g in got] == docs, src["url"]

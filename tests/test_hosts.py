@@ -49,7 +49,9 @@ json.dump(got, open(out, "w"))
 
 def _group(args: list[str], netns: str | None = None, **kw) -> subprocess.Popen:
     args = ["ip", "netns", "exec", netns, *args] if netns else args
-    return subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **kw)
+    return subprocess.Popen(
+        args, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **kw
+    )
 
 
 def _sh(*cmd: str) -> None:
@@ -111,15 +113,36 @@ def _run_across_hosts(tmp_path, corpus, netns: dict | None):
     try:
         ns = netns or {}
         host = ["--host", NETS["svc"]] if netns else []
-        service = _group([sys.executable, "-m", "overlord_dask", "serve", str(plan_file), "--workers", "0", *host], ns.get("svc"))
+        service = _group(
+            [sys.executable, "-m", "overlord_dask", "serve", str(plan_file), "--workers", "0", *host], ns.get("svc")
+        )
         groups.append(service)
         address = json.loads(service.stdout.readline())["address"]
         assert not netns or address.startswith(f"tcp://{NETS['svc']}:")
-        hosts = [_group([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "1", "--nthreads", "1",
-                         "--name", f"host{h}", "--no-dashboard", *(["--host", NETS[f"host{h}"]] if netns else [])], ns.get(f"host{h}"))
-                 for h in "AB"]
+        hosts = [
+            _group(
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_worker",
+                    address,
+                    "--nworkers",
+                    "1",
+                    "--nthreads",
+                    "1",
+                    "--name",
+                    f"host{h}",
+                    "--no-dashboard",
+                    *(["--host", NETS[f"host{h}"]] if netns else []),
+                ],
+                ns.get(f"host{h}"),
+            )
+            for h in "AB"
+        ]
         groups += hosts
-        trainers = _group([sys.executable, "-c", TRAINERS, address, str(steps), str(tmp_path / "got.json")], ns.get("train"))
+        trainers = _group(
+            [sys.executable, "-c", TRAINERS, address, str(steps), str(tmp_path / "got.json")], ns.get("train")
+        )
         groups.append(trainers)
         if netns:  # this process is in none of the namespaces: watch through the trainers' one
             watch = _group([sys.executable, "-c", WATCH, address, str(steps)], ns["train"])
@@ -128,8 +151,13 @@ def _run_across_hosts(tmp_path, corpus, netns: dict | None):
             os.killpg(hosts[0].pid, signal.SIGKILL)
             assert trainers.wait(timeout=300) == 0
             result = json.loads(watch.stdout.readline())
-            ledger = {int(k): {"pieces": np.asarray(v["pieces"], np.int64).reshape(-1, 6), "sample_ids": np.asarray(v["ids"], np.int64)}
-                      for k, v in result["ledger"].items()}
+            ledger = {
+                int(k): {
+                    "pieces": np.asarray(v["pieces"], np.int64).reshape(-1, 6),
+                    "sample_ids": np.asarray(v["ids"], np.int64),
+                }
+                for k, v in result["ledger"].items()
+            }
             st = result["status"]
         else:
             ledger, st = _watch_and_kill(address, steps, hosts[0], trainers)
@@ -154,7 +182,8 @@ with Service.attach(address) as svc:
     print(json.dumps({"committed": svc.status()["committed"]}), flush=True)
     while svc.status()["committed"] < steps - 1 and not svc.status()["failure"]:
         time.sleep(0.2)
-    ledger = {s: {"pieces": e["pieces"].ravel().tolist(), "ids": e["sample_ids"].tolist()} for s, e in svc.ledger(0, steps).items()}
+    ledger = {s: {"pieces": e["pieces"].ravel().tolist(), "ids": e["sample_ids"].tolist()}
+              for s, e in svc.ledger(0, steps).items()}
     print(json.dumps({"ledger": ledger, "status": {k: svc.status()[k] for k in ("committed", "failure")}}), flush=True)
 """
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from overlord_dask import Service
 
@@ -22,7 +23,9 @@ def test_the_base_install_is_a_trainers_and_dask_is_a_range():
     assert not {"pyarrow", "zarr", "numba", "pydantic", "pillow"} & set(base), base
     dask = [d for d in project["dependencies"] if d.startswith(("dask", "distributed"))]
     assert dask and all(">=" in d and "<" in d and "==" not in d for d in dask), dask
-    assert {"pyarrow", "zarr", "numba", "pydantic"} <= {d.split(">")[0].lower() for d in project["optional-dependencies"]["service"]}
+    assert {"pyarrow", "zarr", "numba", "pydantic"} <= {
+        d.split(">")[0].lower() for d in project["optional-dependencies"]["service"]
+    }
 
 
 def test_a_trainer_process_runs_without_the_service_extra(cluster, small_plan):
@@ -33,7 +36,9 @@ def test_a_trainer_process_runs_without_the_service_extra(cluster, small_plan):
         class Block:
             def find_spec(self, name, path=None, target=None):
                 if name.split(".")[0] in {HEAVY!r}:
-                    raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: a trainer-only install)", name=name)
+                    raise ModuleNotFoundError(
+                        f"No module named {{name!r}} (blocked: a trainer-only install)", name=name
+                    )
         sys.meta_path.insert(0, Block())
         from overlord_dask import OverlordDataset
         ds = OverlordDataset(sys.argv[1], rank=0, dp=1)
@@ -43,7 +48,9 @@ def test_a_trainer_process_runs_without_the_service_extra(cluster, small_plan):
         print(steps, loaded)
     """)
     with Service.start(small_plan(topology={"dp": 1}), cluster=cluster) as service:
-        out = subprocess.run([sys.executable, "-c", script, service.address], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-c", script, service.address], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[0, 0, 1, 1] []"
 
@@ -68,11 +75,30 @@ def test_the_wheel_ships_what_notebooks_and_operators_read(tmp_path):
     demo plan are in the wheel, so that notebooks and ``example_plan`` work after ``pip install``."""
     import zipfile
 
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     (wheel,) = tmp_path.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"overlord_dask/pipelines/{p.name}" for p in (ROOT / "pipelines").glob("*.yaml")}
     assert shipped and shipped <= names
-    assert {"overlord_dask/observe/grafana-dashboard.json", "overlord_dask/service/demo_plan.yaml", "overlord_dask/observe/templates/overlord.html"} <= names
+    assert {
+        "overlord_dask/observe/grafana-dashboard.json",
+        "overlord_dask/service/demo_plan.yaml",
+        "overlord_dask/observe/templates/overlord.html",
+    } <= names

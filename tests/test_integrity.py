@@ -27,15 +27,20 @@ def _write(path):
 
 
 def _plan(tmp_path, **loading):
-    return plan_from_dict({"sources": [{"name": "s", "format": "parquet", "url": "t.parquet", "text_field": "text"}],
-                           "topology": {"dp": 1, "tokens_per_micro_batch": 2048},
-                           "loading": {"unit_rows": 100, "integrity": True, **loading},
-                           "checkpoint": {"url": str(tmp_path / "ck")}}, base_dir=tmp_path)
+    return plan_from_dict(
+        {
+            "sources": [{"name": "s", "format": "parquet", "url": "t.parquet", "text_field": "text"}],
+            "topology": {"dp": 1, "tokens_per_micro_batch": 2048},
+            "loading": {"unit_rows": 100, "integrity": True, **loading},
+            "checkpoint": {"url": str(tmp_path / "ck")},
+        },
+        base_dir=tmp_path,
+    )
 
 
 def _flip(tmp_path, plan, unit):
     """Flip one byte in the middle of ``unit``'s row group."""
-    (path, lo, hi), = get_format("parquet").regions(plan.sources[0], plan, unit)
+    ((path, lo, hi),) = get_format("parquet").regions(plan.sources[0], plan, unit)
     data = bytearray((tmp_path / "t.parquet").read_bytes())
     data[(lo + hi) // 2] ^= 0x01
     (tmp_path / "t.parquet").write_bytes(bytes(data))
@@ -52,8 +57,11 @@ def test_a_flipped_byte_in_a_data_page_is_caught(tmp_path):
     _flip(tmp_path, plan, units[3])
     silently = read_unit(plan.sources[0], plan, plain[3]).block  # without a digest: other text, no word
     assert not np.array_equal(silently.tokens, before.tokens)
-    with pytest.raises(SourceError, match=r"source 's' unit 3 \(.*t\.parquet, row group 1 rows 100:200\): the unit's bytes changed since "
-                                          r"the source was indexed"):
+    with pytest.raises(
+        SourceError,
+        match=r"source 's' unit 3 \(.*t\.parquet, row group 1 rows 100:200\): the unit's bytes changed since "
+        r"the source was indexed",
+    ):
         read_unit(plan.sources[0], plan, units[3])
     read_unit(plan.sources[0], plan, units[0])  # the other row groups are as they were
 

@@ -29,7 +29,10 @@ def _lint_imports(config: Path, cwd: Path, path_first: Path | None = None):
     env = dict(os.environ)
     if path_first is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(path_first), env.get("PYTHONPATH", "")])
-    code = f"import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(config_filename={str(config)!r}, no_cache=True))"
+    code = (
+        "import sys; from importlinter.cli import lint_imports; "
+        f"sys.exit(lint_imports(config_filename={str(config)!r}, no_cache=True))"
+    )
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -50,7 +53,7 @@ def test_a_broken_contract_is_caught(tmp_path):
     (pkg / "trainer" / "stream.py").write_text("from ..planner import state\n")
     config = tmp_path / "pyproject.toml"
     text = (ROOT / "pyproject.toml").read_text()
-    config.write_text(text[text.index("[tool.importlinter]"):text.index("[tool.pytest.ini_options]")])
+    config.write_text(text[text.index("[tool.importlinter]") : text.index("[tool.pytest.ini_options]")])
     res = _lint_imports(config, tmp_path, path_first=tmp_path)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-2000:]
     out = " ".join(res.stdout.split())
@@ -69,8 +72,9 @@ def test_module_shape(path):
             assert lines <= MAX_CLASS_LINES, f"{path}: class {node.name} has {lines} lines (at most {MAX_CLASS_LINES})"
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             owner = node.value
-            assert isinstance(owner, ast.Name) and owner.id in ("self", "cls"), \
+            assert isinstance(owner, ast.Name) and owner.id in ("self", "cls"), (
                 f"{path}:{node.lineno} reads a private attribute of another object: {ast.unparse(node)}"
+            )
 
 
 def test_route_names_are_written_once():

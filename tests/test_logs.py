@@ -14,23 +14,32 @@ def _passes(text: str, logger: str = "distributed.worker") -> bool:
     return logs.ShadowRaceFilter().filter(record)
 
 
-@pytest.mark.parametrize("text", [
-    "Key lost during replication: overlord-batch-demo-s16-r0-2",
-    "Could not find data: ['overlord-load-demo-web-e0-u3-n2'] on workers: []",
-    "Async instruction for <Task cancelled name=\"execute('overlord-load-demo-310e497e-web-e2-u8-n33-g3')\" coro=<Worker.execute() "
-    "done, defined at worker_state_machine.py:3606>> ended with CancelledError",
-    "Async instruction for <Task cancelled name=\"execute('overlord-batch-demo-s16-r0-2')\" coro=<...>> ended with CancelledError",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Key lost during replication: overlord-batch-demo-s16-r0-2",
+        "Could not find data: ['overlord-load-demo-web-e0-u3-n2'] on workers: []",
+        "Async instruction for <Task cancelled name=\"execute('overlord-load-demo-310e497e-web-e2-u8-n33-g3')\" "
+        "coro=<Worker.execute() "
+        "done, defined at worker_state_machine.py:3606>> ended with CancelledError",
+        "Async instruction for <Task cancelled name=\"execute('overlord-batch-demo-s16-r0-2')\" coro=<...>> ended with "
+        "CancelledError",
+    ],
+)
 def test_expected_races_and_stops_about_our_keys_are_dropped(text):
     assert not _passes(text)
 
 
-@pytest.mark.parametrize("text", [
-    "Key lost during replication: ('sum-abc', 0)",  # somebody else's key
-    "Async instruction for <Task cancelled name=\"execute('inc-123')\" coro=<...>> ended with CancelledError",
-    "Async instruction for <Task finished name=\"execute('overlord-load-x')\"> ended with ValueError",  # a real failure
-    "Worker tcp://127.0.0.1:1 (pid=1) exceeded 95% memory budget. Restarting...",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Key lost during replication: ('sum-abc', 0)",  # somebody else's key
+        "Async instruction for <Task cancelled name=\"execute('inc-123')\" coro=<...>> ended with CancelledError",
+        "Async instruction for <Task finished name=\"execute('overlord-load-x')\"> ended with "
+        "ValueError",  # a real failure
+        "Worker tcp://127.0.0.1:1 (pid=1) exceeded 95% memory budget. Restarting...",
+    ],
+)
 def test_everything_else_passes(text):
     assert _passes(text)
 
@@ -67,11 +76,22 @@ def test_events_as_logfmt_and_json_lines_that_parsers_read():
     assert len(lines) == 3
     first = _parse_logfmt(lines[0])
     assert first["level"] == "info" and first["logger"] == "overlord_dask.events" and first["ts"].endswith("Z")
-    assert {k: first[k] for k in ("event", "run", "step", "source", "unit", "rank")} == \
-        {"event": "quarantine", "run": "run-1", "step": "42", "source": "web", "unit": "3", "rank": "0"}
+    assert {k: first[k] for k in ("event", "run", "step", "source", "unit", "rank")} == {
+        "event": "quarantine",
+        "run": "run-1",
+        "step": "42",
+        "source": "web",
+        "unit": "3",
+        "rank": "0",
+    }
     assert first["reason"].replace("\\n", "\n") == 'bad "page" = 7\nin row 2'
     second, third = json.loads(lines[1]), json.loads(lines[2])
-    assert second["event"] == "stage" and second["step"] == 1200 and second["stage"] == "long context" and second["previous"] is None
+    assert (
+        second["event"] == "stage"
+        and second["step"] == 1200
+        and second["stage"] == "long context"
+        and second["previous"] is None
+    )
     assert third["msg"] == "plain record here" and third["level"] == "warning"
     with pytest.raises(ValueError, match="log format must be one of"):
         logs.setup("xml")
@@ -83,7 +103,9 @@ def test_a_library_user_s_setup_reaches_the_workers(cluster, small_plan):
     try:
         logs.setup("json")
         with Service.start(small_plan(), cluster=cluster) as service:
-            formats = service.client.run(lambda: [type(h.formatter).__name__ for h in logging.getLogger("overlord_dask").handlers])
+            formats = service.client.run(
+                lambda: [type(h.formatter).__name__ for h in logging.getLogger("overlord_dask").handlers]
+            )
             service.client.unregister_worker_plugin("overlord-log-setup")  # the shared cluster's workers log as before
     finally:
         logs.reset()

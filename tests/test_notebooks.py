@@ -24,7 +24,8 @@ def _kinds(cell) -> list[str]:
         if o["output_type"] == "stream":
             out.append(f"stream:{o['name']}")
         elif o["output_type"] in ("execute_result", "display_data"):
-            out.append(f"{o['output_type']}:{'image/png' if 'image/png' in o['data'] else 'text/html' if 'text/html' in o['data'] else 'text/plain'}")
+            kind = next((k for k in ("image/png", "text/html") if k in o["data"]), "text/plain")
+            out.append(f"{o['output_type']}:{kind}")
         else:
             out.append(o["output_type"])
     return [k for k in out if k != "stream:stderr"]  # warnings come and go with the machine
@@ -34,13 +35,23 @@ def _kinds(cell) -> list[str]:
 def test_notebook_runs_and_its_committed_outputs_are_fresh(path, tmp_path, corpus):
     committed = nbformat.read(path, as_version=4)
     code = [c for c in committed.cells if c.cell_type == "code"]
-    stale = [i for i, c in enumerate(code) if c.metadata.get("overlord", {}).get("source_hash") != source_hash(c.source)]
-    assert not stale, f"{path.name}: code cells {stale} changed since their outputs were made: run scripts/refresh_notebooks.py"
-    assert any(c.get("outputs") for c in code) and not any(o["output_type"] == "error" for c in code for o in c.get("outputs", []))
-    assert any("image/png" in o.get("data", {}) for c in code for o in c.get("outputs", [])), "the committed plots are missing"
+    stale = [
+        i for i, c in enumerate(code) if c.metadata.get("overlord", {}).get("source_hash") != source_hash(c.source)
+    ]
+    assert not stale, (
+        f"{path.name}: code cells {stale} changed since their outputs were made: run scripts/refresh_notebooks.py"
+    )
+    assert any(c.get("outputs") for c in code) and not any(
+        o["output_type"] == "error" for c in code for o in c.get("outputs", [])
+    )
+    assert any("image/png" in o.get("data", {}) for c in code for o in c.get("outputs", [])), (
+        "the committed plots are missing"
+    )
     nb = execute(path, str(tmp_path), str(tmp_path / "data"))
     fresh = [c for c in nb.cells if c.cell_type == "code"]
     errors = [o for c in fresh for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
-    assert [_kinds(c) for c in fresh] == [_kinds(c) for c in code], "a fresh run gives other outputs than the committed ones"
+    assert [_kinds(c) for c in fresh] == [_kinds(c) for c in code], (
+        "a fresh run gives other outputs than the committed ones"
+    )
     assert "matplotlib.use" not in "".join(c.source for c in code)  # the backend is Jupyter's

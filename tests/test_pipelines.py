@@ -11,12 +11,18 @@ import yaml
 import zarr
 
 from overlord_dask import Service, SourceError, connect
-from overlord_dask.worker.constructors import check_micro_batch, cp_slices
+from overlord_dask.observe.figures import (
+    delivered_identities,
+    delivered_record,
+    exactly_once,
+    planned_identities,
+    window_mix_errors,
+)
 from overlord_dask.plan import plan_from_dict
 from overlord_dask.planner.state import PlannerState
-from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities, window_mix_errors
 from overlord_dask.sources import discover_units, load_unit
 from overlord_dask.sources.tokenizers import image_token_id
+from overlord_dask.worker.constructors import check_micro_batch, cp_slices
 
 from .harness import run_ranks
 
@@ -34,6 +40,7 @@ def pipeline(name: str, corpus, **over):
 def run(plan, cluster, steps):
     got = {}
     with Service.start(plan, cluster=cluster) as service:
+
         def consume(rank):
             with connect(service.address, rank, timeout=120) as stream:
                 got[rank] = [stream.next_batch() for _ in range(steps)]
@@ -115,7 +122,10 @@ def test_multimodal_pipeline_delivers_images_with_their_placeholders(corpus, clu
                     # the patches, in order, are the stored images of this sample from the piece's start on
                     n_img = img_off[sid + 1] - img_off[sid]
                     starts = img_pos[img_off[sid] : img_off[sid + 1]] + np.arange(n_img) * P
-                    want = [images[img_off[sid] + i, max(0, start - s0) : max(0, min(P, start + (z - a) - s0))] for i, s0 in enumerate(starts)]
+                    want = [
+                        images[img_off[sid] + i, max(0, start - s0) : max(0, min(P, start + (z - a) - s0))]
+                        for i, s0 in enumerate(starts)
+                    ]
                     want = np.concatenate(want) if want else np.zeros((0,) + images.shape[2:], np.uint8)
                     np.testing.assert_array_equal(mb["image_patches"][sel], want)
                     seen += int(sel.sum())
@@ -129,16 +139,25 @@ def test_multimodal_cp_slices_keep_each_patch_with_its_placeholder(corpus):
     from overlord_dask.worker.constructors import block_key, pack_micro_batch
 
     lens = block.lengths()
-    mb = pack_micro_batch([[1, 0, 0, d, 0, int(lens[d])] for d in range(6)], {block_key(1, 0, 0): block}, 4096, 4096, multimodal=True)
-    from overlord_dask.worker.constructors import wire_micro_batch
+    mb = pack_micro_batch(
+        [[1, 0, 0, d, 0, int(lens[d])] for d in range(6)], {block_key(1, 0, 0): block}, 4096, 4096, multimodal=True
+    )
     from overlord_dask.wire import encode
+    from overlord_dask.worker.constructors import wire_micro_batch
 
-    wire = wire_micro_batch([[1, 0, 0, d, 0, int(lens[d])] for d in range(6)], {block_key(1, 0, 0): block}, 4096, 4096, multimodal=True)
+    wire = wire_micro_batch(
+        [[1, 0, 0, d, 0, int(lens[d])] for d in range(6)], {block_key(1, 0, 0): block}, 4096, 4096, multimodal=True
+    )
     ref = encode(mb)  # a constructor's stored form, image fields included
-    assert set(wire) == set(ref) and all(np.array_equal(wire[k], ref[k]) and getattr(wire[k], "dtype", None) == getattr(ref[k], "dtype", None) for k in ref)
+    assert set(wire) == set(ref) and all(
+        np.array_equal(wire[k], ref[k]) and getattr(wire[k], "dtype", None) == getattr(ref[k], "dtype", None)
+        for k in ref
+    )
     for sl in cp_slices(mb, 2, 8):
         assert np.all(sl["input_ids"][sl["image_positions"]] == image_token_id(src, plan))
-        assert len(sl["image_positions"]) == int((sl["input_ids"][: sl["num_tokens"]] == image_token_id(src, plan)).sum())
+        assert len(sl["image_positions"]) == int(
+            (sl["input_ids"][: sl["num_tokens"]] == image_token_id(src, plan)).sum()
+        )
     total = sum(len(sl["image_positions"]) for sl in cp_slices(mb, 2, 8))
     assert total == len(mb["image_positions"])
 
@@ -151,7 +170,9 @@ def test_encoder_cost_weighs_image_tokens(corpus):
     rows = np.array([[1, 0, 0, 0, 0, 100], [1, 0, 0, 1, 0, 100], [1, 0, 0, 0, 50, 100]])
     c = state.costs(rows, 0)
     assert c[0] - c[1] == pytest.approx(48 * plan.cost.encoder)  # same length, 48 image tokens more
-    assert c[2] - state.costs(np.array([[1, 0, 0, 1, 0, 50]]), 0)[0] == pytest.approx(24 * plan.cost.encoder)  # half the document
+    assert c[2] - state.costs(np.array([[1, 0, 0, 1, 0, 50]]), 0)[0] == pytest.approx(
+        24 * plan.cost.encoder
+    )  # half the document
 
 
 def test_multimodal_errors_name_the_culprit(corpus, tmp_path):
@@ -178,19 +199,23 @@ def test_parquet_photos_are_decoded_on_load_and_parts_concat_to_the_whole(corpus
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from overlord_dask.worker.loaders import load_block
     from overlord_dask.plan import plan_to_dict
     from overlord_dask.sources.blocks import SampleBlock
     from overlord_dask.sources.images import patchify
+    from overlord_dask.worker.loaders import load_block
 
     plan = pipeline("photos", corpus)
     src = plan.source("photos")
     unit = discover_units(src, plan)[0]
     block = load_unit(src, plan, unit)
     row = pq.ParquetFile(unit.path).read_row_group(unit.part).slice(unit.start, 1).to_pylist()[0]
-    want = np.asarray(Image.open(io.BytesIO(row["images"][0])).convert("RGB").resize((src.image_size,) * 2, Image.BICUBIC))
+    want = np.asarray(
+        Image.open(io.BytesIO(row["images"][0])).convert("RGB").resize((src.image_size,) * 2, Image.BICUBIC)
+    )
     P = (src.image_size // src.patch_size) ** 2
-    assert block.images.shape[1:] == (src.patch_size ** 2 * 3,) and block.image_patches[1] == P  # patches of every image back to back
+    assert (
+        block.images.shape[1:] == (src.patch_size**2 * 3,) and block.image_patches[1] == P
+    )  # patches of every image back to back
     assert np.array_equal(block.images[:P], patchify(want, src.patch_size))
     doc = block.doc(0)  # each image's placeholders sit at its position in the caption
     starts = block.image_starts[block.image_offsets[0] : block.image_offsets[1]]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from overlord_dask import PlanError, Plan, Source, Topology, load_plan, plan_from_dict
-from overlord_dask.service.demo import PLAN_FILE, demo_plan
+from overlord_dask import Plan, PlanError, Source, Topology, load_plan, plan_from_dict
 from overlord_dask.plan import plan_to_dict
+from overlord_dask.service.demo import PLAN_FILE, demo_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,17 +7,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overlord_dask.plan import plan_from_dict
-from overlord_dask.planner.policies.exact import assign_bins
-from overlord_dask.planner.cost import doc_costs
 from overlord_dask.observe.figures import step_imbalance
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.planner.cost import doc_costs
 from overlord_dask.planner.policies.base import Starved
-from overlord_dask.planner.policies.exact import next_carry, select_step
+from overlord_dask.planner.policies.exact import assign_bins, next_carry, select_step
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.planner.streams.stream import SourceStream
 
 
-def make_streams(lengths: list[list[np.ndarray]], piece_tokens: int, epochs: int = 3, seed: int = 0) -> list[SourceStream]:
+def make_streams(
+    lengths: list[list[np.ndarray]], piece_tokens: int, epochs: int = 3, seed: int = 0
+) -> list[SourceStream]:
     """Streams whose every unit (for ``epochs`` epochs) is already loaded."""
     out = []
     for i, units in enumerate(lengths):
@@ -69,8 +70,15 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
         assert sel.total_tokens == sum(p.length for b in sel.bins for p in b)
         err = np.abs(sel.source_tokens - w * sel.total_tokens)
         assert err.max() <= 2 * sel.longest_piece + 1e-9  # per-step mix bound
-        order = sorted((p for b in sel.bins for p in b),
-                       key=lambda p: (p.epoch, streams[p.source].ordering.position(p.epoch, p.unit), streams[p.source].ordering.shuffled_doc((p.epoch, p.unit), p.doc), p.start))
+        order = sorted(
+            (p for b in sel.bins for p in b),
+            key=lambda p: (
+                p.epoch,
+                streams[p.source].ordering.position(p.epoch, p.unit),
+                streams[p.source].ordering.shuffled_doc((p.epoch, p.unit), p.doc),
+                p.start,
+            ),
+        )
         for p in order:
             per_source[p.source].append(p)
     # each source's pieces tile its documents in (shuffled) order, exactly once, each piece <= piece size

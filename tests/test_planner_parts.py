@@ -23,7 +23,11 @@ def test_piece_rows_recut_flatten_and_bytes():
     assert P.source_tokens(rows, 3).tolist() == [10, 2, 0]
     a, b = rows[:1, : P.WIDTH], rows[1:, : P.WIDTH]
     pieces, slot = P.flatten([[a, P.empty()], [b, a]])  # [rank][micro_batch]
-    assert pieces.tolist() == [a[0].tolist(), b[0].tolist(), a[0].tolist()] and slot.tolist() == [[0, 0], [1, 0], [1, 1]]
+    assert pieces.tolist() == [a[0].tolist(), b[0].tolist(), a[0].tolist()] and slot.tolist() == [
+        [0, 0],
+        [1, 0],
+        [1, 1],
+    ]
     assert np.array_equal(P.from_bytes(P.to_bytes(pieces, "<i4"), dtype="<i4"), pieces)
     assert P.stream_lengths(pieces[:, 1:]).tolist() == P.lengths(pieces).tolist()
 
@@ -31,7 +35,9 @@ def test_piece_rows_recut_flatten_and_bytes():
 @pytest.mark.parametrize("high", [50, 1 << 60])  # one int64 key per row / too wide for one: lexsort
 def test_unique_rows_match_numpy_unique_over_rows(high):
     rng = np.random.default_rng(3)
-    rows = np.stack([rng.integers(0, 3, 500), rng.integers(-2, 2, 500), rng.integers(0, high, 500), rng.integers(0, 7, 500)], axis=1)
+    rows = np.stack(
+        [rng.integers(0, 3, 500), rng.integers(-2, 2, 500), rng.integers(0, high, 500), rng.integers(0, 7, 500)], axis=1
+    )
     rows = np.concatenate([rows, rows[::3]])  # duplicates
     want, want_counts = np.unique(rows, axis=0, return_counts=True)
     got, counts = P.unique_rows(rows, return_counts=True)
@@ -129,7 +135,10 @@ def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
 
     dp, steps, ledger = 8, [], {}
     for s in range(8):
-        ledger[s] = {"pieces": np.array([[0, 0, r, 0, 0, 10] for r in range(dp)], np.int64), "slot": np.array([[r, 0] for r in range(dp)], np.int64)}
+        ledger[s] = {
+            "pieces": np.array([[0, 0, r, 0, 0, 10] for r in range(dp)], np.int64),
+            "slot": np.array([[r, 0] for r in range(dp)], np.int64),
+        }
         steps.append({"step": s, "piece_tokens": 10})
     for tpmb in (1024, 16384, 65536):  # chunks of 64k, 1M and 4M tokens: one task each
         topo = Topology(dp=dp, micro_batches=1, tokens_per_micro_batch=tpmb)
@@ -141,7 +150,10 @@ def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
     huge = Topology(dp=dp, micro_batches=8, tokens_per_micro_batch=65536)  # 32M tokens: one task per rank
     tasks = chunk_tasks(steps, ledger, huge, run_id="r")
     assert [t["ranks"] for t in tasks] == [[r, r + 1] for r in range(dp)]
-    assert all((t["ranks"][1] - t["ranks"][0]) * 8 * huge.micro_batches * huge.tokens_per_micro_batch <= TASK_TOKENS for t in tasks)
+    assert all(
+        (t["ranks"][1] - t["ranks"][0]) * 8 * huge.micro_batches * huge.tokens_per_micro_batch <= TASK_TOKENS
+        for t in tasks
+    )
 
 
 def test_a_text_source_short_of_metadata_asks_for_a_batch_of_units_that_one_task_reads():

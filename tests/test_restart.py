@@ -87,7 +87,10 @@ def test_a_checkpoint_older_than_the_retention_is_refused_naming_the_oldest_step
     with Service.start(plan, cluster=cluster) as service:
         _, _, saved = _run(service.address, 3, 40, save_at=(2,))
         with connect(service.address, 0, timeout=60) as s:
-            with pytest.raises(ServiceError, match=r"cannot resume at step 2: the service can serve steps from \d+ on.*checkpoint.keep_steps"):
+            with pytest.raises(
+                ServiceError,
+                match=r"cannot resume at step 2: the service can serve steps from \d+ on.*checkpoint.keep_steps",
+            ):
                 s.load_state_dict(saved[(0, 2)])
         with connect(service.address, 0, timeout=60) as s:
             with pytest.raises(ValueError, match="next_step must be a step number >= 0, got -1"):

@@ -36,8 +36,14 @@ def _plan_file(tmp_path, corpus, checkpoint: str | None, commit: str = "ack") ->
 
 
 def _serve(plan: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask", "serve", str(plan), "--port", str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overlord_dask", "serve", str(plan), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     line = proc.stdout.readline()
     return proc, json.loads(line)["address"]
 
@@ -211,6 +217,7 @@ def test_commit_on_trainer_checkpoint_resumes_at_the_checkpoint(tmp_path, corpus
     proc, address = _serve(plan)
     saved = {}
     try:
+
         def trainer(r):
             with connect(address, r, timeout=120) as s:
                 for step in range(7):
@@ -263,7 +270,9 @@ def test_sigkill_after_a_live_update_resumes_with_it(tmp_path, corpus, cluster):
     at, k, m = 10, 13, 7
     original = load_plan(_plan_file(tmp_path, corpus, None))
     d = plan_to_dict(original)
-    d["sources"] = [s for s in d["sources"] if s["name"] != "books"] + [{**d["sources"][0], "name": "web_late", "weight": 0.3}]
+    d["sources"] = [s for s in d["sources"] if s["name"] != "books"] + [
+        {**d["sources"][0], "name": "web_late", "weight": 0.3}
+    ]
     new = plan_from_dict(d)
     with Service.start(original, cluster=cluster) as ref_service:
         assert ref_service.update_plan(new, at_step=at) == at

@@ -39,7 +39,9 @@ def _tls_env(tmp_path: Path, name: str) -> dict:
 
 
 def _trainer(address: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", TRAINER, address, "0"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", TRAINER, address, "0"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
 
 
 def test_tls_end_to_end_and_a_trainer_without_the_certificate_is_refused(tmp_path, corpus):
@@ -50,8 +52,15 @@ def test_tls_end_to_end_and_a_trainer_without_the_certificate_is_refused(tmp_pat
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump(plan))
     env = _tls_env(tmp_path, "service")
-    proc = subprocess.Popen([sys.executable, "-m", "overlord_dask", "serve", str(plan_file), "--workers", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overlord_dask", "serve", str(plan_file), "--workers", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         address = json.loads(proc.stdout.readline())["address"]
         assert address.startswith("tls://127.0.0.1:")  # encrypted, and on loopback unless --host says otherwise
@@ -64,8 +73,14 @@ def test_tls_end_to_end_and_a_trainer_without_the_certificate_is_refused(tmp_pat
         assert "TLS" in refused.stderr or "tls" in refused.stderr or "SSL" in refused.stderr, refused.stderr[-2000:]
         stranger = _trainer(address, _tls_env(tmp_path, "stranger"))  # a certificate from another CA
         assert stranger.returncode != 0 and "steps" not in stranger.stdout, stranger.stdout
-        stop = subprocess.run([sys.executable, "-m", "overlord_dask", "stop", address], capture_output=True, text=True, timeout=120,
-                              cwd=ROOT, env=env)
+        stop = subprocess.run(
+            [sys.executable, "-m", "overlord_dask", "stop", address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=env,
+        )
         assert stop.returncode == 0, stop.stderr[-2000:]
         assert proc.wait(timeout=60) == 0
     finally:

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from overlord_dask import RankError, Service, ServiceError, SourceError, connect
-from overlord_dask.worker.constructors import check_micro_batch
-from overlord_dask.plan import plan_from_dict
 from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.worker.constructors import check_micro_batch
 
 from .harness import run_ranks
 from .reference import read_source
@@ -54,7 +54,7 @@ def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, s
         for step, batch in enumerate(batches):
             assert batch["step"] == step and batch["rank"] == rank
             assert len(batch["micro_batches"]) == plan.topology.micro_batches
-            for m, mb in enumerate(batch["micro_batches"]):
+            for mb in batch["micro_batches"]:
                 check_micro_batch(mb, cap)
                 # tokens equal the files, read directly
                 for k in range(len(mb["sample_ids"])):
@@ -125,7 +125,12 @@ def test_payloads_go_worker_to_trainer_not_through_the_scheduler(cluster, small_
         service.wait_for_step(0)
         tcp_reads.update(total=0, largest=0)
         procs = [
-            subprocess.Popen([sys.executable, "-c", CONSUMER_SCRIPT, service.address, str(r), str(steps)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            subprocess.Popen(
+                [sys.executable, "-c", CONSUMER_SCRIPT, service.address, str(r), str(steps)],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
             for r in range(2)
         ]
         outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
@@ -141,7 +146,9 @@ def test_rank_that_does_not_exist(cluster, small_plan):
     with Service.start(small_plan(), cluster=cluster) as service:
         with pytest.raises(RankError, match=r"rank 3 does not exist: the service at .* has dp=3 ranks \(0..2\)"):
             connect(service.address, 3)
-        other_dp = connect(service.address, 0, dp=4)  # a job back with another dp: its checkpoint re-plans (load_state_dict)
+        other_dp = connect(
+            service.address, 0, dp=4
+        )  # a job back with another dp: its checkpoint re-plans (load_state_dict)
         with pytest.raises(RankError, match="consumer asked for dp=4, but the service at .* runs dp=3"):
             other_dp.next_batch()  # ... without one, its first batch says what is wrong
 
@@ -163,15 +170,22 @@ def test_no_service_at_address(cluster):
 
 def test_missing_file_fails_before_anything_starts(cluster, small_plan, corpus):
     plan = small_plan()
-    bad = plan.model_copy(update={"sources": [plan.sources[0].model_copy(update={"url": "web/missing-*.parquet"}), *plan.sources[1:]]})
+    bad = plan.model_copy(
+        update={"sources": [plan.sources[0].model_copy(update={"url": "web/missing-*.parquet"}), *plan.sources[1:]]}
+    )
     with pytest.raises(SourceError, match="source 'web': no files match"):
         Service.start(bad, cluster=cluster)
 
 
 def test_missing_column_fails_before_anything_starts(cluster, small_plan):
     plan = small_plan()
-    bad = plan.model_copy(update={"sources": [plan.sources[0].model_copy(update={"text_field": "body"}), *plan.sources[1:]]})
-    with pytest.raises(SourceError, match=r"source 'web': column 'body' not found in .*part-000.parquet; available columns: \['id', 'text'\]"):
+    bad = plan.model_copy(
+        update={"sources": [plan.sources[0].model_copy(update={"text_field": "body"}), *plan.sources[1:]]}
+    )
+    with pytest.raises(
+        SourceError,
+        match=r"source 'web': column 'body' not found in .*part-000.parquet; available columns: \['id', 'text'\]",
+    ):
         Service.start(bad, cluster=cluster)
 
 
@@ -180,7 +194,14 @@ def test_corrupt_shard_fails_the_run_with_the_file_named(cluster, tmp_path):
     bad = tmp_path / "b-bad.parquet"
     for path in (good, bad):
         texts = [f"{i:05d} " + "lorem ipsum " * 40 for i in range(400)]
-        pq.write_table(pa.table({"text": texts}), path, row_group_size=100, write_page_checksum=True, compression="none", use_dictionary=False)
+        pq.write_table(
+            pa.table({"text": texts}),
+            path,
+            row_group_size=100,
+            write_page_checksum=True,
+            compression="none",
+            use_dictionary=False,
+        )
     raw = bytearray(bad.read_bytes())
     raw[len(raw) // 2 : len(raw) // 2 + 256] = b"\xee" * 256
     bad.write_bytes(bytes(raw))
@@ -234,10 +255,13 @@ def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
     assert int(head["committed"]) >= 7 and head["failure"] == ""
     assert f'overlord_steps_committed_total{{run="{service.run_id}"}}' in metrics
     _check_grafana_dashboard(metrics)
-    assert 'overlord_source_weight{run="%s",source="books"}' % service.run_id in metrics
+    assert f'overlord_source_weight{{run="{service.run_id}",source="books"}}' in metrics
     assert "overlord_rank_lag_steps" in metrics and "overlord_imbalance" in metrics
     assert set(snap["rank_wait_share"]) == {"0", "1"} and all(0 <= v <= 1 for v in snap["rank_wait_share"].values())
-    assert 'overlord_rank_wait_share{rank="0",run=' in metrics or f'overlord_rank_wait_share{{run="{service.run_id}",rank="0"}}' in metrics
+    assert (
+        'overlord_rank_wait_share{rank="0",run=' in metrics
+        or f'overlord_rank_wait_share{{run="{service.run_id}",rank="0"}}' in metrics
+    )
 
 
 def _first_table(page: str) -> dict:
@@ -282,9 +306,13 @@ def _check_grafana_dashboard(metrics: str) -> None:
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     for name, kind in re.findall(r"^# TYPE (overlord_[a-z_]+) (\w+)$", metrics, re.M):
         served |= {name + s for s in suffixes.get(kind, ("",))}
-    queried = {name for p in dash["panels"] for t in p["targets"] for name in re.findall(r"overlord_[a-z_]+", t["expr"])}
+    queried = {
+        name for p in dash["panels"] for t in p["targets"] for name in re.findall(r"overlord_[a-z_]+", t["expr"])
+    }
     queried |= set(re.findall(r"overlord_[a-z_]+", json.dumps(dash["templating"])))
-    assert queried and queried <= served, f"the dashboard queries metrics the service does not serve: {sorted(queried - served)}"
+    assert queried and queried <= served, (
+        f"the dashboard queries metrics the service does not serve: {sorted(queried - served)}"
+    )
     count = re.search(r'^overlord_trainer_wait_seconds_count\{run="[^"]+"\} (\S+)$', metrics, re.M)
     assert count and float(count.group(1)) > 0
     steps = re.search(r'^overlord_step_seconds_count\{run="[^"]+"\} (\S+)$', metrics, re.M)
@@ -296,8 +324,20 @@ def test_window_figures_span_a_live_update_that_added_a_source():
     an update that added a source carry one entry fewer per source (once, the status crashed)."""
     from overlord_dask.observe.figures import window_figures
 
-    before = {"source_tokens": [300, 100], "weights": [0.75, 0.25], "tokens": 400, "imbalance": 1.0, "mb_imbalance": 1.1}
-    after = {"source_tokens": [200, 100, 100], "weights": [0.5, 0.25, 0.25], "tokens": 400, "imbalance": 1.2, "mb_imbalance": 1.3}
+    before = {
+        "source_tokens": [300, 100],
+        "weights": [0.75, 0.25],
+        "tokens": 400,
+        "imbalance": 1.0,
+        "mb_imbalance": 1.1,
+    }
+    after = {
+        "source_tokens": [200, 100, 100],
+        "weights": [0.5, 0.25, 0.25],
+        "tokens": 400,
+        "imbalance": 1.2,
+        "mb_imbalance": 1.3,
+    }
     w = window_figures([before, after], 3)
     assert w["delivered_share"].tolist() == [500 / 800, 200 / 800, 100 / 800] and w["mix_error"] == 0.0
     assert w["imbalance"] == pytest.approx(1.1) and w["mb_imbalance"] == pytest.approx(1.2)
@@ -318,8 +358,8 @@ def test_trainer_wait_and_step_time_histograms():
     t.acked((0, 0, 0), 10, 0.0104)  # 0.4 ms
     w = t.snapshot()["trainer_wait_seconds"]
     assert w["count"] == 5 and abs(w["sum"] - 0.4004) < 1e-9
-    assert dict((str(le), c) for le, c in w["buckets"])["0.0005"] == 1 and dict((str(le), c) for le, c in w["buckets"])["0.1"] == 5
+    assert {str(le): c for le, c in w["buckets"]}["0.0005"] == 1 and {str(le): c for le, c in w["buckets"]}["0.1"] == 5
     t.committed(4, now=100.0)
     t.committed(6, now=101.0)  # 2 steps in 1 s
     s = t.snapshot()["step_seconds"]
-    assert s["count"] == 2 and s["sum"] == 1.0 and dict((str(le), c) for le, c in s["buckets"])["0.5"] == 2
+    assert s["count"] == 2 and s["sum"] == 1.0 and {str(le): c for le, c in s["buckets"]}["0.5"] == 2

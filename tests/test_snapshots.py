@@ -8,8 +8,8 @@ import pytest
 
 from overlord_dask.plan import plan_from_dict
 from overlord_dask.planner.state import PlannerState
-from overlord_dask.snapshots import SnapshotError, SnapshotStore
 from overlord_dask.planner.streams.order import stable_seed
+from overlord_dask.snapshots import SnapshotError, SnapshotStore
 
 
 # ---- the store ---------------------------------------------------------------------------------
@@ -131,12 +131,18 @@ def test_a_version_2_snapshot_still_resumes_exactly(policy):
     state = first.get_state()
     assert state["version"] == 3
     window = state["window"]
-    assert ("carry" in window) == (policy == "none") and ("selected" in window) == (policy == "cost")  # the running policy's only
+    assert ("carry" in window) == (policy == "none") and ("selected" in window) == (
+        policy == "cost"
+    )  # the running policy's only
     n = len(window["cursors"])
     state["version"] = 2  # as the previous format wrote it: both policies' counters
     window.setdefault("pending", b""), window.setdefault("selected", [0] * n), window.setdefault("declared", [0.0] * n)
     window.setdefault("cls_selected", b"\0" * 16 * n), window.setdefault("cls_declared", [0.0] * 2 * n)
-    window.setdefault("cum_tokens", [0] * n), window.setdefault("cum_declared", [0.0] * n), window.setdefault("carry", [0.0] * n)
+    (
+        window.setdefault("cum_tokens", [0] * n),
+        window.setdefault("cum_declared", [0.0] * n),
+        window.setdefault("carry", [0.0] * n),
+    )
     again = _run(PlannerState(_plan(policy=policy), FIRST_IDS, state=state), 16)
     for s in range(9, 16):
         np.testing.assert_array_equal(again[s][0], reference[s][0])
@@ -169,7 +175,8 @@ def test_resume_with_another_dp_keeps_exactly_once():
     selected_tokens = int(after.policy.selected.sum())
     delivered_tokens = sum(int((p[:, 5] - p[:, 4]).sum()) for steps in (delivered, later) for p, _ in steps.values())
     waiting_tokens = int((after.pending[:, 5] - after.pending[:, 4]).sum()) + sum(
-        int((rows[:, 5] - rows[:, 4]).sum()) for rows, *_ in after.ready)
+        int((rows[:, 5] - rows[:, 4]).sum()) for rows, *_ in after.ready
+    )
     assert waiting >= 0 and delivered_tokens + waiting_tokens == selected_tokens
 
 
@@ -180,7 +187,9 @@ def test_snapshot_state_is_small_and_rejects_other_sources():
 
     blob = msgpack.packb(st_.get_state(), use_bin_type=True)
     assert len(blob) < 16_384
-    other = plan_from_dict({**_plan().model_dump(mode="json"), "sources": [{"name": "web", "format": "zarr", "url": "w", "weight": 1.0}]})
+    other = plan_from_dict(
+        {**_plan().model_dump(mode="json"), "sources": [{"name": "web", "format": "zarr", "url": "w", "weight": 1.0}]}
+    )
     with pytest.raises(ValueError, match=r"snapshot sources \['web', 'books'\] differ from the plan's \['web'\]"):
         PlannerState(other, {"web": FIRST_IDS["web"]}, state=st_.get_state())
 
@@ -190,7 +199,10 @@ def test_resume_after_a_live_update_equals_uninterrupted():
     continues with the update in force, and the stream equals an uninterrupted run's."""
     base = _plan(policy="cost")
     d = base.model_dump(mode="json")
-    d["sources"] = [{**d["sources"][1], "weight": 0.6}, {"name": "extra", "format": "zarr", "url": "x.zarr", "weight": 0.4}]  # web leaves
+    d["sources"] = [
+        {**d["sources"][1], "weight": 0.6},
+        {"name": "extra", "format": "zarr", "url": "x.zarr", "weight": 0.4},
+    ]  # web leaves
     new = plan_from_dict(d)
     ids = {**FIRST_IDS, "extra": FIRST_IDS["web"]}
 
@@ -221,7 +233,9 @@ def test_resume_after_a_live_update_equals_uninterrupted():
     for s in range(17, 30):
         np.testing.assert_array_equal(again[s][0], reference[s][0])
         np.testing.assert_array_equal(again[s][1], reference[s][1])
-    assert not any((reference[s][0][:, 0] == 0).any() for s in range(16, 30))  # web is out from the update on (and its last waiting pieces)
+    assert not any(
+        (reference[s][0][:, 0] == 0).any() for s in range(16, 30)
+    )  # web is out from the update on (and its last waiting pieces)
 
 
 def test_writer_bases_every_n_steps_and_window_deltas_restore_exactly(tmp_path):
@@ -252,7 +266,12 @@ def test_writer_bases_every_n_steps_and_window_deltas_restore_exactly(tmp_path):
     for s in range(19, 30):
         np.testing.assert_array_equal(again[s][0], reference[s][0])
     # seconds count too
-    writer2 = SnapshotWriter(SnapshotStore(str(tmp_path / "ck2")), base_every_steps=10**6, base_every_seconds=5, clock=lambda: next(ticks) * 3.0)
+    writer2 = SnapshotWriter(
+        SnapshotStore(str(tmp_path / "ck2")),
+        base_every_steps=10**6,
+        base_every_seconds=5,
+        clock=lambda: next(ticks) * 3.0,
+    )
     assert [writer2.write(first.get_state())[0] for _ in range(4)] == ["base", "delta", "base", "delta"]
 
 
@@ -263,7 +282,10 @@ def test_decisions_travel_in_deltas_and_come_back_whole(tmp_path):
 
     store = SnapshotStore(str(tmp_path / "ck"))
     w = SnapshotWriter(store, base_every_steps=1000)
-    d = [{"at": 5 * i, "kind": "weights", "values": {"a": 1.0}, "reason": f"r{i}", "after": 1, "state": None} for i in range(5)]
+    d = [
+        {"at": 5 * i, "kind": "weights", "values": {"a": 1.0}, "reason": f"r{i}", "after": 1, "state": None}
+        for i in range(5)
+    ]
     state = {"topology": {"dp": 2}, "updates": [], "committed": 0, "window_step": 0, "window": {}, "decisions": d[:1]}
     assert w.write(state)[0] == "base"
     assert w.write({**state, "committed": 3, "decisions": d[:3]})[0] == "delta"

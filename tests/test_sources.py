@@ -17,7 +17,14 @@ from overlord_dask.sources.tokenizers import EOS_ID, byte_detokenize, byte_token
 
 def _plan(tmp_path, **src):
     s = {"name": "s", "weight": 1.0, **src}
-    return plan_from_dict({"sources": [s], "topology": {"dp": 1, "tokens_per_micro_batch": 1024}, "loading": {"unit_rows": 3, "unit_tokens": 50}}, base_dir=tmp_path)
+    return plan_from_dict(
+        {
+            "sources": [s],
+            "topology": {"dp": 1, "tokens_per_micro_batch": 1024},
+            "loading": {"unit_rows": 3, "unit_tokens": 50},
+        },
+        base_dir=tmp_path,
+    )
 
 
 def _write_text(path, texts, row_group=4):
@@ -138,7 +145,9 @@ def test_zarr_missing_array_and_bad_offsets(tmp_path):
     g = zarr.open_group(str(tmp_path / "z.zarr"), mode="w")
     g.create_array("tokens", shape=(10,), dtype="int32")[:] = np.arange(10)
     plan = _plan(tmp_path, format="zarr", url="z.zarr")
-    with pytest.raises(SourceError, match=r"array 'offsets' not found in zarr group .*z.zarr.*available arrays: \['tokens'\]"):
+    with pytest.raises(
+        SourceError, match=r"array 'offsets' not found in zarr group .*z.zarr.*available arrays: \['tokens'\]"
+    ):
         discover_units(plan.sources[0], plan)
     g.create_array("offsets", shape=(3,), dtype="int64")[:] = [0, 4, 9]
     with pytest.raises(SourceError, match="offsets end at 9 but 'tokens' holds 10 tokens"):
@@ -148,7 +157,9 @@ def test_zarr_missing_array_and_bad_offsets(tmp_path):
 def test_unknown_tokenizer_and_transform(tmp_path):
     _write_text(tmp_path / "a.parquet", ["x"])
     plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", tokenizer="sentencepiece")
-    with pytest.raises(SourceError, match="source 's': tokenizer file not found: .*sentencepiece.* \\(a tokenizer is `byte`"):
+    with pytest.raises(
+        SourceError, match="source 's': tokenizer file not found: .*sentencepiece.* \\(a tokenizer is `byte`"
+    ):
         discover_units(plan.sources[0], plan)
     plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", transform="no_such_module:fn")
     with pytest.raises(SourceError, match="cannot import 'no_such_module:fn': module 'no_such_module'"):
@@ -167,7 +178,9 @@ def drop_short(block):
 
 def test_custom_tokenizer_and_transform(tmp_path):
     _write_text(tmp_path / "a.parquet", ["ab", "abcdef", "a"])
-    plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", transform="tests.test_sources:drop_short")
+    plan = _plan(
+        tmp_path, format="parquet", url="a.parquet", text_field="text", transform="tests.test_sources:drop_short"
+    )
     blocks = [load_unit(plan.sources[0], plan, u) for u in discover_units(plan.sources[0], plan)]
     assert [len(b.doc(i)) for b in blocks for i in range(len(b))] == [3, 7, 0]
 
@@ -179,7 +192,10 @@ def test_hf_bpe_tokenizer_file(tmp_path):
 
     from overlord_dask.service.demo import train_bpe
 
-    texts = [f"the {w} sat on the mat number {i}" for i, w in enumerate(["cat", "dog", "ému", "日本"] * 20)] + [None, ""]
+    texts = [f"the {w} sat on the mat number {i}" for i, w in enumerate(["cat", "dog", "ému", "日本"] * 20)] + [
+        None,
+        "",
+    ]
     train_bpe([t for t in texts if t], tmp_path / "tok", vocab_size=300)
     _write_text(tmp_path / "a.parquet", texts)
     plan = _plan(tmp_path, format="parquet", url="a.parquet", text_field="text", tokenizer="tok")
@@ -210,14 +226,18 @@ def test_parquet_source_on_s3_indexes_in_parallel_like_a_local_one(tmp_path, s3_
     from overlord_dask.service.indexing import index_sources
 
     for f in range(5):
-        _write_text(tmp_path / f"part-{f}.parquet", [f"file {f} doc {i} " * (i % 4 + 1) for i in range(7 + f)], row_group=3)
+        _write_text(
+            tmp_path / f"part-{f}.parquet", [f"file {f} doc {i} " * (i % 4 + 1) for i in range(7 + f)], row_group=3
+        )
     opts = storage_options(s3_server)
     create_bucket(s3_server, "corpus-idx")
     fs = s3fs.S3FileSystem(**opts)
     for f in range(5):
         fs.put(str(tmp_path / f"part-{f}.parquet"), f"corpus-idx/web/part-{f}.parquet")
     local = _plan(tmp_path, format="parquet", url="part-*.parquet", text_field="text")
-    remote = _plan(tmp_path, format="parquet", url="s3://corpus-idx/web/*.parquet", text_field="text", storage_options=opts)
+    remote = _plan(
+        tmp_path, format="parquet", url="s3://corpus-idx/web/*.parquet", text_field="text", storage_options=opts
+    )
     lu = index_sources(local)["s"]
     ru = index_sources(remote)["s"]
     key = lambda u: (u.path.rsplit("/", 1)[1], u.part, u.start, u.stop, u.first_id)  # noqa: E731
@@ -258,10 +278,10 @@ def test_blocks_keep_ids_in_the_narrowest_dtype_and_packing_widens_them():
     bytes to every worker that builds from it), int32 otherwise; an image placeholder id past
     uint16 inserted into narrowed text is kept whole; packed micro-batches carry int32 ids."""
 
-    from overlord_dask.worker.constructors import pack_micro_batch
     from overlord_dask.protocol import block_key
     from overlord_dask.sources.blocks import SampleBlock
     from overlord_dask.sources.images import with_image_tokens
+    from overlord_dask.worker.constructors import pack_micro_batch
 
     small = SampleBlock("s", np.array([5, 65535, 7], np.int64), np.array([0, 2, 3]), np.array([0, 1]))
     wide = SampleBlock("w", np.array([70000, 3], np.int64), np.array([0, 2]), np.array([0]))
@@ -269,8 +289,17 @@ def test_blocks_keep_ids_in_the_narrowest_dtype_and_packing_widens_them():
     assert small.doc(0).tolist() == [5, 65535] and wide.doc(0).tolist() == [70000, 3]
     with pytest.raises(ValueError, match="source 's'"):
         SampleBlock("s", np.array([-1, 4]), np.array([0, 2]), np.array([0]))
-    mm = with_image_tokens("mm", 100_000, "unit", small.tokens, small.offsets, small.sample_ids, [np.zeros((2, 3), np.uint8)],
-                           np.array([0, 1, 1]), np.array([1]))
+    mm = with_image_tokens(
+        "mm",
+        100_000,
+        "unit",
+        small.tokens,
+        small.offsets,
+        small.sample_ids,
+        [np.zeros((2, 3), np.uint8)],
+        np.array([0, 1, 1]),
+        np.array([1]),
+    )
     assert mm.tokens.dtype == np.int32 and mm.doc(0).tolist() == [5, 100_000, 100_000, 65535]
     blocks = {block_key(0, 0, 0): small, block_key(1, 0, 0): wide}
     pieces = np.array([[0, 0, 0, 0, 0, 2], [1, 0, 0, 0, 0, 2], [0, 0, 0, 1, 0, 1]])

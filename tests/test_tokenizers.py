@@ -46,9 +46,15 @@ def llama3(tmp_path_factory):
 def _docs(tmp_path, texts=TEXTS, **src) -> list[list[int]]:
     pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), tmp_path / "t.parquet", row_group_size=2)
     tok = src.pop("plan_tokenizer", None)
-    plan = plan_from_dict({"sources": [{"name": "s", "format": "parquet", "url": "t.parquet", "text_field": "text", **src}],
-                           **({"tokenizer": tok} if tok is not None else {}),
-                           "topology": {"dp": 1, "tokens_per_micro_batch": 1024}, "loading": {"unit_rows": 2}}, base_dir=tmp_path)
+    plan = plan_from_dict(
+        {
+            "sources": [{"name": "s", "format": "parquet", "url": "t.parquet", "text_field": "text", **src}],
+            **({"tokenizer": tok} if tok is not None else {}),
+            "topology": {"dp": 1, "tokens_per_micro_batch": 1024},
+            "loading": {"unit_rows": 2},
+        },
+        base_dir=tmp_path,
+    )
     blocks = [load_unit(plan.sources[0], plan, u) for u in discover_units(plan.sources[0], plan)]
     return [b.doc(i).tolist() for b in blocks for i in range(len(b))]
 
@@ -62,13 +68,19 @@ def test_a_llama3_style_folder_gives_bos_and_eos_from_its_config(tmp_path, llama
     bos, eos = ref.token_to_id("<|begin_of_text|>"), ref.token_to_id("<|end_of_text|>")
     want = [[bos] + ref.encode(t or "", add_special_tokens=False).ids + [eos] for t in TEXTS]
     assert _docs(tmp_path, tokenizer=str(llama3)) == want
-    assert _docs(tmp_path, plan_tokenizer=str(llama3 / "tokenizer.json")) == want  # the file: its folder's config is read
+    assert (
+        _docs(tmp_path, plan_tokenizer=str(llama3 / "tokenizer.json")) == want
+    )  # the file: its folder's config is read
     assert _docs(tmp_path, plan_tokenizer=f"hf:{llama3}/tokenizer.json") == want
     # the boundary policy per source, and the plan's overrides of the config
     assert _docs(tmp_path, tokenizer=str(llama3), add_bos=False) == [d[1:] for d in want]
     eot = ref.token_to_id("<|eot_id|>")
-    assert _docs(tmp_path, tokenizer={"path": str(llama3), "eos_token": "<|eot_id|>"}, add_bos=False) == [d[1:-1] + [eot] for d in want]
-    assert _docs(tmp_path, tokenizer={"path": str(llama3), "add_bos": False, "add_eos": False}) == [d[1:-1] for d in want]
+    assert _docs(tmp_path, tokenizer={"path": str(llama3), "eos_token": "<|eot_id|>"}, add_bos=False) == [
+        d[1:-1] + [eot] for d in want
+    ]
+    assert _docs(tmp_path, tokenizer={"path": str(llama3), "add_bos": False, "add_eos": False}) == [
+        d[1:-1] for d in want
+    ]
     # transformers.AutoTokenizer on the same folder: the same ids, the same boundaries
     assert _docs(tmp_path, tokenizer={"path": str(llama3), "backend": "transformers"}) == want
     loaded = load_tokenizer(str(llama3))
@@ -79,11 +91,16 @@ def test_a_tokenizer_without_an_end_of_document_token_is_an_error_naming_the_fix
     folder = tmp_path / "noeos"
     folder.mkdir()
     (folder / "tokenizer.json").write_text((llama3 / "tokenizer.json").read_text())
-    with pytest.raises(SourceError, match=r"source 's': cannot determine the end-of-document token of tokenizer '.*noeos'.*"
-                                          r"set tokenizer.eos_token or tokenizer.eos_id in the plan, or add_eos: false on the source"):
+    with pytest.raises(
+        SourceError,
+        match=r"source 's': cannot determine the end-of-document token of tokenizer '.*noeos'.*"
+        r"set tokenizer.eos_token or tokenizer.eos_id in the plan, or add_eos: false on the source",
+    ):
         _docs(tmp_path, tokenizer=str(folder))
     assert _docs(tmp_path, tokenizer={"path": str(folder), "eos_token": "<|end_of_text|>"})[0][-1] == 1
-    with pytest.raises(SourceError, match=r"tokenizer '.*noeos' has no token '</eos>' \(tokenizer.eos_token in the plan\)"):
+    with pytest.raises(
+        SourceError, match=r"tokenizer '.*noeos' has no token '</eos>' \(tokenizer.eos_token in the plan\)"
+    ):
         _docs(tmp_path, tokenizer={"path": str(folder), "eos_token": "</eos>"})
 
 
@@ -103,15 +120,19 @@ def test_tiktoken_ranks_file_with_its_special_tokens(tmp_path):
 
     enc = tiktoken.Encoding("t", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
     assert got == [enc.encode(t or "") + [301] for t in TEXTS]
-    with pytest.raises(SourceError, match="cannot determine the end-of-document token of tokenizer 'tiktoken:tok.tiktoken'"):
+    with pytest.raises(
+        SourceError, match="cannot determine the end-of-document token of tokenizer 'tiktoken:tok.tiktoken'"
+    ):
         _docs(tmp_path, tokenizer={k: v for k, v in spec.items() if k != "eos_token"})
 
 
 def test_callable_tokenizers_take_arguments_from_the_plan(tmp_path):
-    assert _docs(tmp_path, tokenizer={"path": "tests.test_tokenizers:shifted_bytes", "kwargs": {"shift": 10}, "eos_id": 2}) == \
-        [[b + 10 for b in (t or "").encode()] + [2] for t in TEXTS]
-    assert _docs(tmp_path, tokenizer={"path": "tests.test_tokenizers:Upper", "kwargs": {"offset": 5}}) == \
-        [[ord(c) % 100 + 5 for c in (t or "").upper()] + [1] for t in TEXTS]  # the class says its EOS
+    assert _docs(
+        tmp_path, tokenizer={"path": "tests.test_tokenizers:shifted_bytes", "kwargs": {"shift": 10}, "eos_id": 2}
+    ) == [[b + 10 for b in (t or "").encode()] + [2] for t in TEXTS]
+    assert _docs(tmp_path, tokenizer={"path": "tests.test_tokenizers:Upper", "kwargs": {"offset": 5}}) == [
+        [ord(c) % 100 + 5 for c in (t or "").upper()] + [1] for t in TEXTS
+    ]  # the class says its EOS
     with pytest.raises(PlanError, match="cannot import 'tests.test_tokenizers:nope'"):
         _docs(tmp_path, tokenizer="tests.test_tokenizers:nope")
 
@@ -120,10 +141,17 @@ def test_the_plan_tokenizer_pads_the_micro_batches(cluster, tmp_path, llama3):
     """Padding is the plan tokenizer's pad id (its EOS, when it declares no pad), on the wire too."""
     from overlord_dask import Service, connect
 
-    pq.write_table(pa.table({"text": [f"the cat sat on mat {i} " * (1 + i % 7) for i in range(300)]}), tmp_path / "t.parquet")
-    plan = plan_from_dict({"sources": [{"name": "s", "format": "parquet", "url": "t.parquet", "text_field": "text"}],
-                           "tokenizer": {"path": str(llama3), "pad_id": 7},
-                           "topology": {"dp": 1, "tokens_per_micro_batch": 512}}, base_dir=tmp_path)
+    pq.write_table(
+        pa.table({"text": [f"the cat sat on mat {i} " * (1 + i % 7) for i in range(300)]}), tmp_path / "t.parquet"
+    )
+    plan = plan_from_dict(
+        {
+            "sources": [{"name": "s", "format": "parquet", "url": "t.parquet", "text_field": "text"}],
+            "tokenizer": {"path": str(llama3), "pad_id": 7},
+            "topology": {"dp": 1, "tokens_per_micro_batch": 512},
+        },
+        base_dir=tmp_path,
+    )
     with Service.start(plan, cluster=cluster) as service, connect(service.address, 0, 1, timeout=60) as s:
         mb = s.next_batch()["micro_batches"][0]
         n = int(mb["num_tokens"])
@@ -135,10 +163,27 @@ def test_the_plan_tokenizer_pads_the_micro_batches(cluster, tmp_path, llama3):
 def test_tokenizer_shorthands_resolve_to_their_backends():
     from overlord_dask.plan.text import Tokenizer
 
-    kinds = {p: Tokenizer.model_validate(p).kind for p in ["byte", "./llama3", "hf:tok.json", "tiktoken:cl100k_base", "os.path:join",
-                                                          "s3://bucket/tok", "C:/tok"]}
-    assert kinds == {"byte": "byte", "./llama3": "auto", "hf:tok.json": "tokenizers", "tiktoken:cl100k_base": "tiktoken",
-                     "os.path:join": "callable", "s3://bucket/tok": "auto", "C:/tok": "auto"}
+    kinds = {
+        p: Tokenizer.model_validate(p).kind
+        for p in [
+            "byte",
+            "./llama3",
+            "hf:tok.json",
+            "tiktoken:cl100k_base",
+            "os.path:join",
+            "s3://bucket/tok",
+            "C:/tok",
+        ]
+    }
+    assert kinds == {
+        "byte": "byte",
+        "./llama3": "auto",
+        "hf:tok.json": "tokenizers",
+        "tiktoken:cl100k_base": "tiktoken",
+        "os.path:join": "callable",
+        "s3://bucket/tok": "auto",
+        "C:/tok": "auto",
+    }
     assert json.loads(Tokenizer.model_validate("byte").model_dump_json())["path"] == "byte"
 
 
@@ -152,16 +197,21 @@ def test_plan_local_code_reaches_the_workers_without_an_install(cluster, tmp_pat
     code, data = tmp_path / "plan", tmp_path / "data"
     (code / "localprep_pkg").mkdir(parents=True)
     data.mkdir()
-    (code / "localtok_mod.py").write_text("def encode(texts, shift):\n    return [[b + shift for b in t.encode()] for t in texts]\n")
+    (code / "localtok_mod.py").write_text(
+        "def encode(texts, shift):\n    return [[b + shift for b in t.encode()] for t in texts]\n"
+    )
     (code / "localprep_pkg" / "__init__.py").write_text("")
-    (code / "localprep_pkg" / "steps.py").write_text("def upper(rec):\n    return {**rec, 'text': rec['text'].upper()}\n")
+    (code / "localprep_pkg" / "steps.py").write_text(
+        "def upper(rec):\n    return {**rec, 'text': rec['text'].upper()}\n"
+    )
     pq.write_table(pa.table({"text": [f"doc {i} " * (1 + i % 5) for i in range(200)]}), data / "t.parquet")
     (code / "plan.yaml").write_text(
         "sources:\n"
         f"  - {{name: s, format: parquet, url: {data / 't.parquet'}, text_field: text,\n"
         "     tokenizer: {path: 'localtok_mod:encode', kwargs: {shift: 4}, eos_id: 2},\n"
         "     prepare: [{record: 'localprep_pkg.steps:upper'}]}\n"
-        "topology: {dp: 1, tokens_per_micro_batch: 256}\n")
+        "topology: {dp: 1, tokens_per_micro_batch: 256}\n"
+    )
     plan = load_plan(code / "plan.yaml")
     with Service.start(plan, cluster=cluster) as service:
         import shutil
@@ -185,4 +235,6 @@ def truncate(block, keep: int):
 
 def test_a_transform_takes_arguments_from_the_plan(tmp_path):
     docs = _docs(tmp_path, transform="tests.test_tokenizers:truncate", transform_kwargs={"keep": 3})
-    assert docs == [([b + 3 for b in (t or "").encode()] + [2])[:3] for t in TEXTS]  # the byte tokenizer's documents, cut to 3
+    assert docs == [
+        ([b + 3 for b in (t or "").encode()] + [2])[:3] for t in TEXTS
+    ]  # the byte tokenizer's documents, cut to 3

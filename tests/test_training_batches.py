@@ -30,6 +30,7 @@ def test_replicas_get_identical_batches_and_both_label_conventions_count_the_ste
     dp, steps = plan.topology.dp, 12
     got = {}
     with Service.start(plan, cluster=cluster) as service:
+
         def consume(key):
             rank, replica = key
             opts = {"loss_mask": True} if replica == 0 else {"labels": "hf", "batch_dim": True}
@@ -49,13 +50,19 @@ def test_replicas_get_identical_batches_and_both_label_conventions_count_the_ste
             assert len(a) == len(b) == plan.topology.micro_batches
             for ma, mb in zip(a, b):
                 ids, shifted, hf = ma["input_ids"], ma["labels"], mb["labels"][0]
-                assert mb["input_ids"].shape == (1, len(ids)) and np.array_equal(mb["input_ids"][0], ids)  # the same batch
+                assert mb["input_ids"].shape == (1, len(ids)) and np.array_equal(
+                    mb["input_ids"][0], ids
+                )  # the same batch
                 np.testing.assert_array_equal(ma["loss_mask"], (shifted != -100).astype(np.float32))
                 pieces = _pieces(ma)
                 assert ma["max_seqlen"] == mb["max_seqlen"] == max(e - s for s, e in pieces)
                 for s, e in pieces:
-                    assert hf[s] == -100 and np.array_equal(hf[s + 1:e], ids[s + 1:e])  # HF shifts: never across documents
-                    assert np.array_equal(shifted[s:e - 1], ids[s + 1:e])  # shifted: the next token, inside the piece
+                    assert hf[s] == -100 and np.array_equal(
+                        hf[s + 1 : e], ids[s + 1 : e]
+                    )  # HF shifts: never across documents
+                    assert np.array_equal(
+                        shifted[s : e - 1], ids[s + 1 : e]
+                    )  # shifted: the next token, inside the piece
                     cut += shifted[e - 1] != -100  # a split document's piece keeps its next token
                 n = int(ma["num_tokens"])
                 assert (hf[n:] == -100).all() and (shifted[n:] == -100).all()

@@ -66,8 +66,9 @@ class PoolPolicy:
         self.config = config
         self.down_votes: dict[str, int] = {}
 
-    def decide(self, signals: dict, current: dict[str, int], arrived: dict[str, int],
-               memory: dict[str, float] | None = None) -> dict[str, Decision]:
+    def decide(
+        self, signals: dict, current: dict[str, int], arrived: dict[str, int], memory: dict[str, float] | None = None
+    ) -> dict[str, Decision]:
         """``memory``: bytes a worker of each pool may use (its memory limit), where known."""
         cfg = self.config
         # the peak of the recent rate: while loading holds trainers back, the rate now is what
@@ -80,8 +81,11 @@ class PoolPolicy:
             srcs = {s: signals["sources"][s] for s in spec.sources if s in signals["sources"]}
             active = any(v["weight_ahead"] > 0 or v["loads_pending"] for v in srcs.values())
             unknown = [s for s, v in srcs.items() if v["weight_ahead"] > 0 and v["seconds_per_token"] is None]
-            demand = sum(rate * step_tokens * v["weight_ahead"] * v["seconds_per_token"]
-                         for v in srcs.values() if v["seconds_per_token"] is not None)
+            demand = sum(
+                rate * step_tokens * v["weight_ahead"] * v["seconds_per_token"]
+                for v in srcs.values()
+                if v["seconds_per_token"] is not None
+            )
             target = math.ceil(cfg.headroom * demand / spec.cores - 1e-9)
             why = f"demand {demand:.2f} cores at {rate:.1f} steps/s"
             if unknown:
@@ -91,7 +95,9 @@ class PoolPolicy:
             if limit and held > target * MEMORY_SHARE * limit:
                 target = math.ceil(held / (MEMORY_SHARE * limit))
                 why = f"blocks in flight ({held / 2**20:.0f} MiB) need {target} workers of {limit / 2**30:.1f} GiB"
-            if starving in srcs and signals["steps_per_s"] > 0 and arrived.get(name, 0) >= cur:  # (not the start's first loads)
+            if (
+                starving in srcs and signals["steps_per_s"] > 0 and arrived.get(name, 0) >= cur
+            ):  # (not the start's first loads)
                 if target <= cur:
                     target, why = cur + 1, f"planner waits on {starving!r} with {signals['steps_ready']} steps ready"
             if not active:
@@ -122,9 +128,11 @@ class PoolPolicy:
         if budget is None:
             return
         while sum(d.target for d in out.values()) > budget:
+
             def slack(d: Decision) -> tuple:
                 need = 0 if d.demand_cores is None else self.config.headroom * d.demand_cores / self.pools[d.pool].cores
                 return (d.target - need, d.target)
+
             shrinkable = [d for d in out.values() if d.target > self.pools[d.pool].clamp(0) and d.target > 0]
             if not shrinkable:
                 break
@@ -216,13 +224,27 @@ class PoolAdaptive(Adaptive):
     def _record(self, pool: str, delta: int) -> None:
         d = self.decisions.get(pool)
         step = (self.last_signals or {}).get("committed")
-        entry = {"time": time.time(), "step": step, "pool": pool, "delta": delta,
-                 "from": d.workers if d else None, "to": d.target if d else None, "reason": d.reason if d else ""}
-        if self.history and self.history[-1]["pool"] == pool and self.history[-1]["step"] == step and self.history[-1]["to"] == entry["to"]:
+        entry = {
+            "time": time.time(),
+            "step": step,
+            "pool": pool,
+            "delta": delta,
+            "from": d.workers if d else None,
+            "to": d.target if d else None,
+            "reason": d.reason if d else "",
+        }
+        if (
+            self.history
+            and self.history[-1]["pool"] == pool
+            and self.history[-1]["step"] == step
+            and self.history[-1]["to"] == entry["to"]
+        ):
             self.history[-1]["delta"] += delta  # one decision that retired several workers
             return
         self.history.append(entry)
-        logger.info("pool %s: %s -> %s workers at step %s (%s)", pool, entry["from"], entry["to"], step, entry["reason"])
+        logger.info(
+            "pool %s: %s -> %s workers at step %s (%s)", pool, entry["from"], entry["to"], step, entry["reason"]
+        )
 
     async def adapt(self) -> None:
         self._in_flight += 1
@@ -237,8 +259,13 @@ class PoolAdaptive(Adaptive):
     async def _adapt(self) -> None:
         await super().adapt()
         try:  # what was decided, with the reasons, for Service.pools() on any client
-            await self._planner().pools(lead_s=self.config.lead_s, report={
-                "decisions": {p: d.as_dict() for p, d in self.decisions.items()}, "history": list(self.history)[-200:],
-                "arrived": self._arrived()})
+            await self._planner().pools(
+                lead_s=self.config.lead_s,
+                report={
+                    "decisions": {p: d.as_dict() for p, d in self.decisions.items()},
+                    "history": list(self.history)[-200:],
+                    "arrived": self._arrived(),
+                },
+            )
         except Exception:  # the scheduler is going away; the next round (if any) reports again
             logger.debug("could not report pool decisions", exc_info=True)

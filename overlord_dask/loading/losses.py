@@ -33,10 +33,23 @@ class DataLosses:
             return False
         self.quarantine_count += 1
         if len(self.quarantined) < MAX_QUARANTINED:
-            self.quarantined[(source, unit)] = {"source": source, "unit": unit, "reason": reason, "step": step, "time": time.time()}
+            self.quarantined[(source, unit)] = {
+                "source": source,
+                "unit": unit,
+                "reason": reason,
+                "step": step,
+                "time": time.time(),
+            }
         return True
 
     def status(self) -> dict:
         """``{"records": {source: {"read", "dropped"}}, "quarantined": [...], "quarantined_units": n}``."""
-        per = {s: {"read": sum(r.values()), "dropped": sum(self.dropped.get(s, {}).values())} for s, r in sorted(self.records.items())}
-        return {"records": per, "quarantined": list(self.quarantined.values()), "quarantined_units": self.quarantine_count}
+        per = {
+            s: {"read": sum(r.values()), "dropped": sum(self.dropped.get(s, {}).values())}
+            for s, r in sorted(self.records.items())
+        }
+        return {
+            "records": per,
+            "quarantined": list(self.quarantined.values()),
+            "quarantined_units": self.quarantine_count,
+        }

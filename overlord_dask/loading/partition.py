@@ -39,7 +39,8 @@ class LoadTask:
 
 def partition(wanted: list, n_docs, seconds_per_doc: dict, target: float | None) -> list[LoadTask]:
     """Cut ``wanted`` ([source, epoch, unit] in request order) into load tasks. ``n_docs(source,
-    unit)`` gives a unit's documents (None: not known before it is loaded); ``seconds_per_doc`` the measured cost per source."""
+    unit)`` gives a unit's documents (None: not known before it is loaded); ``seconds_per_doc`` the measured cost per
+    source."""
     out: list[LoadTask] = []
     open_group: dict[str, tuple[LoadTask, float]] = {}  # source -> the group being filled, its estimate
     for source, epoch, unit in wanted:
@@ -83,7 +84,15 @@ class UnitParts:
     def __init__(self) -> None:
         self._units: OrderedDict = OrderedDict()
 
-    def add(self, key: tuple, part, lens: np.ndarray, vision: np.ndarray | None, dropped: int = 0, masked: np.ndarray | None = None):
+    def add(
+        self,
+        key: tuple,
+        part,
+        lens: np.ndarray,
+        vision: np.ndarray | None,
+        dropped: int = 0,
+        masked: np.ndarray | None = None,
+    ):
         """The unit's lengths, image tokens, dropped records and masked runs once ``part``
         completes it, else None."""
         lo, hi, n = part

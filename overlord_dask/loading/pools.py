@@ -77,7 +77,7 @@ def pool_of(worker_name) -> str | None:
     name = str(worker_name)
     if not name.startswith(PREFIX):
         return None
-    return name[len(PREFIX):].rsplit("-", 1)[0]
+    return name[len(PREFIX) :].rsplit("-", 1)[0]
 
 
 def pool_sizes(cluster) -> dict[str, list[str]]:
@@ -142,8 +142,10 @@ def apply(cluster, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while set(cluster.workers) != set(cluster.worker_spec):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the cluster did not reach its worker spec within {timeout:.0f}s: "
-                               f"started {sorted(cluster.workers)}, wanted {sorted(cluster.worker_spec)}")
+            raise TimeoutError(
+                f"the cluster did not reach its worker spec within {timeout:.0f}s: "
+                f"started {sorted(cluster.workers)}, wanted {sorted(cluster.worker_spec)}"
+            )
         time.sleep(0.05)
 
 

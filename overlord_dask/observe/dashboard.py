@@ -35,25 +35,51 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
     records = lost.get("records", {})
     sources = []
     for i, s in enumerate(state.streams):
-        sources.append({
-            "source": s.name, "pool": state.timeline.source(s.name).pool_name,
-            "weight": float(state.weights_at(max(committed + 1, 0))[i]),
-            "delivered_share": float(d_share[i]) if i < len(d_share) else 0.0,
-            "declared_share": float(w_share[i]) if i < len(w_share) else 0.0,
-            "epoch": int(s.epoch), "loads_pending": len(s.loads.requested), "units_loaded": len(s.lengths),
-            "seconds_per_token": signals.seconds_per_token(s.name),
-            "records_read": records.get(s.name, {}).get("read", 0), "records_dropped": records.get(s.name, {}).get("dropped", 0),
-            "units_quarantined": sum(q["source"] == s.name for q in lost.get("quarantined", [])),
-        })
+        sources.append(
+            {
+                "source": s.name,
+                "pool": state.timeline.source(s.name).pool_name,
+                "weight": float(state.weights_at(max(committed + 1, 0))[i]),
+                "delivered_share": float(d_share[i]) if i < len(d_share) else 0.0,
+                "declared_share": float(w_share[i]) if i < len(w_share) else 0.0,
+                "epoch": int(s.epoch),
+                "loads_pending": len(s.loads.requested),
+                "units_loaded": len(s.lengths),
+                "seconds_per_token": signals.seconds_per_token(s.name),
+                "records_read": records.get(s.name, {}).get("read", 0),
+                "records_dropped": records.get(s.name, {}).get("dropped", 0),
+                "units_quarantined": sum(q["source"] == s.name for q in lost.get("quarantined", [])),
+            }
+        )
     return {
-        "run_id": run_id, "name": state.final_plan.name, "dp": state.topology.dp, "planned": state.next_step, "committed": committed,
-        "durable": state.progress.durable_step, "starved_on": state.starved_on, "failure": state.failure,
+        "run_id": run_id,
+        "name": state.final_plan.name,
+        "dp": state.topology.dp,
+        "planned": state.next_step,
+        "committed": committed,
+        "durable": state.progress.durable_step,
+        "starved_on": state.starved_on,
+        "failure": state.failure,
         "rank_lag": rank_lag(acked),
-        "mix_error": window["mix_error"], "imbalance": window["imbalance"], "mb_imbalance": window["mb_imbalance"],
-        "series": {"step": steps, "imbalance": [m["imbalance"] for m in series], "mb_imbalance": [m["mb_imbalance"] for m in series],
-                   "share": {name: [float(per_source(m["source_tokens"], len(names))[i]) / max(m["tokens"], 1) for m in series]
-                             for i, name in enumerate(names)},
-                   "weight": {name: [float(per_source(m["weights"], len(names))[i]) for m in series] for i, name in enumerate(names)}},
-        "sources": sources, "pools": (scaling or {}).get("decisions", {}), "arrived": (scaling or {}).get("arrived", {}),
-        "last_snapshot": snapshots[-1] if snapshots else None, "loop": loop, **extra,
+        "mix_error": window["mix_error"],
+        "imbalance": window["imbalance"],
+        "mb_imbalance": window["mb_imbalance"],
+        "series": {
+            "step": steps,
+            "imbalance": [m["imbalance"] for m in series],
+            "mb_imbalance": [m["mb_imbalance"] for m in series],
+            "share": {
+                name: [float(per_source(m["source_tokens"], len(names))[i]) / max(m["tokens"], 1) for m in series]
+                for i, name in enumerate(names)
+            },
+            "weight": {
+                name: [float(per_source(m["weights"], len(names))[i]) for m in series] for i, name in enumerate(names)
+            },
+        },
+        "sources": sources,
+        "pools": (scaling or {}).get("decisions", {}),
+        "arrived": (scaling or {}).get("arrived", {}),
+        "last_snapshot": snapshots[-1] if snapshots else None,
+        "loop": loop,
+        **extra,
     }

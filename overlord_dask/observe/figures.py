@@ -13,7 +13,6 @@ import numpy as np
 
 from .. import pieces as P
 
-
 MIX_WINDOW = 20  # steps the dashboard's and the status's mix error is measured over
 
 
@@ -81,10 +80,17 @@ def window_figures(metrics: list[dict], n_sources: int) -> dict:
     """Over the planned-step ``metrics`` of a window: delivered and declared token share per
     source, the :func:`mix_error` between them, and the mean step and micro-batch imbalance
     (None each for an empty window)."""
-    delivered = np.sum([per_source(m["source_tokens"], n_sources) for m in metrics], axis=0) if metrics else np.zeros(n_sources)
-    declared = np.sum([per_source(m["weights"], n_sources) * m["tokens"] for m in metrics], axis=0) if metrics else np.zeros(n_sources)
+    delivered = (
+        np.sum([per_source(m["source_tokens"], n_sources) for m in metrics], axis=0) if metrics else np.zeros(n_sources)
+    )
+    declared = (
+        np.sum([per_source(m["weights"], n_sources) * m["tokens"] for m in metrics], axis=0)
+        if metrics
+        else np.zeros(n_sources)
+    )
     return {
-        "delivered_share": delivered / max(float(np.sum(delivered)), 1.0), "declared_share": declared / max(float(np.sum(declared)), 1.0),
+        "delivered_share": delivered / max(float(np.sum(delivered)), 1.0),
+        "declared_share": declared / max(float(np.sum(declared)), 1.0),
         "mix_error": mix_error(delivered, declared) if metrics else None,
         "imbalance": float(np.mean([m["imbalance"] for m in metrics])) if metrics else None,
         "mb_imbalance": float(np.mean([m["mb_imbalance"] for m in metrics])) if metrics else None,

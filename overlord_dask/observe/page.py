@@ -58,8 +58,14 @@ def _chart(xs: list, lines: list[tuple[str, list, str, bool]], ylabel: str) -> s
     FigureCanvasSVG(fig)
     ax = fig.add_subplot()
     for label, ys, colour, dashed in lines:
-        ax.plot(xs, [float("nan") if y is None else y for y in ys], color=colour, linestyle="--" if dashed else "-", linewidth=1.2,
-                label=None if dashed else label)
+        ax.plot(
+            xs,
+            [float("nan") if y is None else y for y in ys],
+            color=colour,
+            linestyle="--" if dashed else "-",
+            linewidth=1.2,
+            label=None if dashed else label,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=7, loc="upper left")
@@ -67,7 +73,7 @@ def _chart(xs: list, lines: list[tuple[str, list, str, bool]], ylabel: str) -> s
     buf = io.StringIO()
     fig.savefig(buf, format="svg")
     text = buf.getvalue()
-    return text[text.index("<svg"):]  # inline: no XML prolog
+    return text[text.index("<svg") :]  # inline: no XML prolog
 
 
 def render(snap: dict) -> str:
@@ -76,30 +82,85 @@ def render(snap: dict) -> str:
     names = list(s["share"])
     mix = [(f"{n} delivered", s["share"][n], COLORS[i % len(COLORS)], False) for i, n in enumerate(names)]
     mix += [(f"{n} weight", s["weight"][n], COLORS[i % len(COLORS)], True) for i, n in enumerate(names)]
-    imb = [("step (DDP)", s["imbalance"], COLORS[0], False), ("micro-batch (FSDP)", s["mb_imbalance"], COLORS[1], False)]
-    head = {k: snap[k] for k in ("run_id", "name", "dp", "planned", "committed", "durable", "starved_on", "mix_error", "imbalance",
-                                 "mb_imbalance", "failure")}
+    imb = [
+        ("step (DDP)", s["imbalance"], COLORS[0], False),
+        ("micro-batch (FSDP)", s["mb_imbalance"], COLORS[1], False),
+    ]
+    head = {
+        k: snap[k]
+        for k in (
+            "run_id",
+            "name",
+            "dp",
+            "planned",
+            "committed",
+            "durable",
+            "starved_on",
+            "mix_error",
+            "imbalance",
+            "mb_imbalance",
+            "failure",
+        )
+    }
     waits = snap.get("rank_wait_share", {})
-    ranks = [{"rank": r, "steps behind the most advanced rank": v, "wait share": waits.get(str(r))} for r, v in enumerate(snap["rank_lag"])]
-    pools = [{"pool": p, "workers": snap["arrived"].get(p), **{k: d.get(k) for k in ("target", "demand_cores", "reason")}}
-             for p, d in snap["pools"].items()]
-    quarantined = [{k: q[k] for k in ("source", "unit", "step", "reason")} for q in snap.get("losses", {}).get("quarantined", [])]
-    control = {"last snapshot": snap["last_snapshot"], "loop block max ms": snap["loop"].get("block_max_ms"), **snap.get("counters", {})}
-    plots = {"mix": _chart(s["step"], mix, "share of the step"), "balance": _chart(s["step"], imb, "max / mean rank cost")}
+    ranks = [
+        {"rank": r, "steps behind the most advanced rank": v, "wait share": waits.get(str(r))}
+        for r, v in enumerate(snap["rank_lag"])
+    ]
+    pools = [
+        {"pool": p, "workers": snap["arrived"].get(p), **{k: d.get(k) for k in ("target", "demand_cores", "reason")}}
+        for p, d in snap["pools"].items()
+    ]
+    quarantined = [
+        {k: q[k] for k in ("source", "unit", "step", "reason")} for q in snap.get("losses", {}).get("quarantined", [])
+    ]
+    control = {
+        "last snapshot": snap["last_snapshot"],
+        "loop block max ms": snap["loop"].get("block_max_ms"),
+        **snap.get("counters", {}),
+    }
+    plots = {
+        "mix": _chart(s["step"], mix, "share of the step"),
+        "balance": _chart(s["step"], imb, "max / mean rank cost"),
+    }
     fit, decisions = feedback_tables(snap.get("feedback") or {})
-    return _template().render(snap=snap, head=head, ranks=ranks, pools=pools, quarantined=quarantined, control=control, plots=plots,
-                              fit=fit, decisions=decisions)
+    return _template().render(
+        snap=snap,
+        head=head,
+        ranks=ranks,
+        pools=pools,
+        quarantined=quarantined,
+        control=control,
+        plots=plots,
+        fit=fit,
+        decisions=decisions,
+    )
 
 
 def feedback_tables(fb: dict) -> tuple[list[dict], list[dict]]:
     """The learned cost model (declared at its best scale vs fitted, seconds per unit of each
     term) and the planner's decisions, newest first, with their reasons."""
     cf = fb.get("cost_fit") or {}
-    fit = [{"term": t, "declared (best scale)": cf["declared"][t], "fitted": cf["fitted"][t]} for t in cf.get("fitted", {})]
+    fit = [
+        {"term": t, "declared (best scale)": cf["declared"][t], "fitted": cf["fitted"][t]} for t in cf.get("fitted", {})
+    ]
     if cf:
-        fit.append({"term": "median error", "declared (best scale)": cf.get("error_declared"), "fitted": cf.get("error_fitted")})
-    decisions = [{"from step": d["at"], "kind": d["kind"], "values": {k: round(v, 4) for k, v in d["values"].items()}, "reason": d["reason"]}
-                 for d in reversed(fb.get("decisions", []))]
+        fit.append(
+            {
+                "term": "median error",
+                "declared (best scale)": cf.get("error_declared"),
+                "fitted": cf.get("error_fitted"),
+            }
+        )
+    decisions = [
+        {
+            "from step": d["at"],
+            "kind": d["kind"],
+            "values": {k: round(v, 4) for k, v in d["values"].items()},
+            "reason": d["reason"],
+        }
+        for d in reversed(fb.get("decisions", []))
+    ]
     return fit, decisions
 
 

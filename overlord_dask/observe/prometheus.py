@@ -53,26 +53,37 @@ class _Collector:
         # monotonic figures are counters (rate() works on them; a rewound run shows as a counter reset)
         yield family(CounterMetricFamily, "steps_planned", "Steps planned (handed out or about to be)", snap["planned"])
         yield family(CounterMetricFamily, "steps_committed", "Steps every rank consumed", max(snap["committed"] + 1, 0))
-        yield family(CounterMetricFamily, "steps_durable", "Steps a snapshot can resume from", max(snap["durable"] + 1, 0))
-        yield family(CounterMetricFamily, "acks", "Acknowledgements received from trainers", snap.get("counters", {}).get("acks", 0))
+        yield family(
+            CounterMetricFamily, "steps_durable", "Steps a snapshot can resume from", max(snap["durable"] + 1, 0)
+        )
+        yield family(
+            CounterMetricFamily,
+            "acks",
+            "Acknowledgements received from trainers",
+            snap.get("counters", {}).get("acks", 0),
+        )
         for name, key in (("imbalance", "imbalance"), ("mb_imbalance", "mb_imbalance"), ("mix_error", "mix_error")):
             yield family(GaugeMetricFamily, name, f"{key} over the last {MIX_WINDOW} committed steps", snap[key])
         yield from _timings(snap, run, HistogramMetricFamily)
         yield from _feedback(snap.get("feedback") or {}, run, GaugeMetricFamily, CounterMetricFamily)
         yield from _ranks(snap, run, GaugeMetricFamily)
-        per_source = {"source_weight": ("weight", "Weight in force now (declared, or set by the mixing controller)"),
-                      "source_delivered_share": ("delivered_share", f"Delivered token share over the last {MIX_WINDOW} steps"),
-                      "source_loads_pending": ("loads_pending", "Load tasks asked for and not reported yet (backlog)"),
-                      "source_seconds_per_token": ("seconds_per_token", "Measured CPU seconds of loading per token")}
+        per_source = {
+            "source_weight": ("weight", "Weight in force now (declared, or set by the mixing controller)"),
+            "source_delivered_share": ("delivered_share", f"Delivered token share over the last {MIX_WINDOW} steps"),
+            "source_loads_pending": ("loads_pending", "Load tasks asked for and not reported yet (backlog)"),
+            "source_seconds_per_token": ("seconds_per_token", "Measured CPU seconds of loading per token"),
+        }
         for metric, (key, doc) in per_source.items():
             g = GaugeMetricFamily(f"overlord_{metric}", doc, labels=["run", "source"])
             for s in snap["sources"]:
                 if s[key] is not None:
                     g.add_metric(run + [s["source"]], float(s[key]))
             yield g
-        for metric, (key, doc) in {"source_records_read": ("records_read", "Records read by load tasks"),
-                                   "source_records_dropped": ("records_dropped", "Records prepare steps or on_bad_record dropped"),
-                                   "source_units_quarantined": ("units_quarantined", "Load units quarantined as corrupt")}.items():
+        for metric, (key, doc) in {
+            "source_records_read": ("records_read", "Records read by load tasks"),
+            "source_records_dropped": ("records_dropped", "Records prepare steps or on_bad_record dropped"),
+            "source_units_quarantined": ("units_quarantined", "Load units quarantined as corrupt"),
+        }.items():
             c = CounterMetricFamily(f"overlord_{metric}", doc, labels=["run", "source"])
             for s in snap["sources"]:
                 c.add_metric(run + [s["source"]], float(s[key]))
@@ -81,9 +92,19 @@ class _Collector:
         for p, n in snap["arrived"].items():
             pools.add_metric(run + [p], n)
         yield pools
-        yield family(GaugeMetricFamily, "loop_block_max_ms", "Longest event-loop block of the scheduler", snap["loop"].get("block_max_ms"))
+        yield family(
+            GaugeMetricFamily,
+            "loop_block_max_ms",
+            "Longest event-loop block of the scheduler",
+            snap["loop"].get("block_max_ms"),
+        )
         last = snap["last_snapshot"]
-        yield family(GaugeMetricFamily, "snapshot_committed", "Committed step of the last snapshot written", last["committed"] if last else None)
+        yield family(
+            GaugeMetricFamily,
+            "snapshot_committed",
+            "Committed step of the last snapshot written",
+            last["committed"] if last else None,
+        )
 
 
 def _feedback(fb: dict, run: list, gauge, counter):
@@ -91,8 +112,11 @@ def _feedback(fb: dict, run: list, gauge, counter):
     c = counter("overlord_feedback_reports", "Step reports (times, metrics) received from trainers", labels=["run"])
     c.add_metric(run, float(fb.get("received", 0)))
     yield c
-    g = gauge("overlord_measured_imbalance", "Measured step-time imbalance (max / mean over ranks), median of the last 100 reported steps",
-              labels=["run"])
+    g = gauge(
+        "overlord_measured_imbalance",
+        "Measured step-time imbalance (max / mean over ranks), median of the last 100 reported steps",
+        labels=["run"],
+    )
     if fb.get("measured_imbalance_p50") is not None:
         g.add_metric(run, float(fb["measured_imbalance_p50"]))
     yield g
@@ -101,9 +125,16 @@ def _feedback(fb: dict, run: list, gauge, counter):
         d.add_metric(run + [kind], float(fb.get("decision_counts", {}).get(kind, 0)))
     yield d
     cf = fb.get("cost_fit") or {}
-    coef = gauge("overlord_cost_coefficient", "Cost model coefficients in seconds per unit (declared at its best scale, fitted)",
-                 labels=["run", "model", "term"])
-    err = gauge("overlord_cost_error", "Median relative error of the cost model's step-time predictions", labels=["run", "model"])
+    coef = gauge(
+        "overlord_cost_coefficient",
+        "Cost model coefficients in seconds per unit (declared at its best scale, fitted)",
+        labels=["run", "model", "term"],
+    )
+    err = gauge(
+        "overlord_cost_error",
+        "Median relative error of the cost model's step-time predictions",
+        labels=["run", "model"],
+    )
     for model in ("declared", "fitted"):
         for term, v in (cf.get(model) or {}).items():
             coef.add_metric(run + [model, term], float(v))
@@ -115,8 +146,10 @@ def _feedback(fb: dict, run: list, gauge, counter):
 
 
 def _timings(snap: dict, run: list, kind):
-    for name, doc in (("trainer_wait_seconds", "A trainer's wait for data per step (averaged over each acknowledgement interval)"),
-                      ("step_seconds", "Wall time per committed step (every rank done)")):
+    for name, doc in (
+        ("trainer_wait_seconds", "A trainer's wait for data per step (averaged over each acknowledgement interval)"),
+        ("step_seconds", "Wall time per committed step (every rank done)"),
+    ):
         h = snap.get("timings", {}).get(name)
         if h is None:
             continue
@@ -129,8 +162,10 @@ def _ranks(snap: dict, run: list, kind):
     """Per-rank lag and wait share of the :data:`TOP_RANKS` worst ranks, and summaries of all."""
     lag = list(enumerate(snap["rank_lag"]))
     waits = list(snap.get("rank_wait_share", {}).items())
-    for name, values, doc in (("rank_lag_steps", lag, "Steps a rank is behind the most advanced one"),
-                              ("rank_wait_share", waits, "Share of a rank's time spent waiting for data (its own count)")):
+    for name, values, doc in (
+        ("rank_lag_steps", lag, "Steps a rank is behind the most advanced one"),
+        ("rank_wait_share", waits, "Share of a rank's time spent waiting for data (its own count)"),
+    ):
         g = kind(f"overlord_{name}", f"{doc}; the {TOP_RANKS} worst ranks", labels=["run", "rank"])
         for r, v in sorted(values, key=lambda rv: -rv[1])[:TOP_RANKS]:
             g.add_metric(run + [str(r)], float(v))

@@ -1,7 +1,8 @@
 """Tables and plots for notebooks: what was and will be delivered, as Arrow tables and matplotlib plots.
 
 Everything here reads the planner's metadata (metrics, ledger, plan versions), which ``Service``
-fetches through its routes (``service/views.py``); no batch is fetched. Tables are ``pyarrow.Table`` (``.to_pandas()`` when pandas is
+fetches through its routes (``service/views.py``); no batch is fetched. Tables are ``pyarrow.Table`` (``.to_pandas()``
+when pandas is
 installed); plots need matplotlib (the ``notebook`` extra). In a notebook::
 
     service = Service.attach("tcp://scheduler:8786")     # or the Service you started
@@ -21,18 +22,25 @@ import html
 import numpy as np
 import pyarrow as pa
 
+from .. import pieces as P
 from ..plan.display import html_table as _table
 from ..plan.timeline import PlanTimeline
-from .. import pieces as P
 
 
 def decisions_table(decisions: list) -> pa.Table:
     """One row per decision (``plan/timeline.py``): from step, kind, values (JSON) and reason."""
     import json
 
-    return pa.table({"step": pa.array([d.at for d in decisions], pa.int64()), "kind": pa.array([d.kind for d in decisions], pa.string()),
-                     "values": pa.array([json.dumps({k: round(v, 6) for k, v in d.values.items()}) for d in decisions], pa.string()),
-                     "reason": pa.array([d.reason for d in decisions], pa.string())})
+    return pa.table(
+        {
+            "step": pa.array([d.at for d in decisions], pa.int64()),
+            "kind": pa.array([d.kind for d in decisions], pa.string()),
+            "values": pa.array(
+                [json.dumps({k: round(v, 6) for k, v in d.values.items()}) for d in decisions], pa.string()
+            ),
+            "reason": pa.array([d.reason for d in decisions], pa.string()),
+        }
+    )
 
 
 def mix_table(metrics: list[dict], sources: list[str], committed: int | None = None) -> pa.Table:
@@ -52,8 +60,21 @@ def mix_table(metrics: list[dict], sources: list[str], committed: int | None = N
             rows["version"].append(int(m.get("version", 0)))
             rows["stage"].append(m.get("stage"))
             rows["committed"].append(committed is None or m["step"] < committed)
-    return pa.table(rows, schema=pa.schema([("step", pa.int64()), ("source", pa.string()), ("tokens", pa.int64()), ("share", pa.float64()),
-                                            ("declared", pa.float64()), ("version", pa.int32()), ("stage", pa.string()), ("committed", pa.bool_())]))
+    return pa.table(
+        rows,
+        schema=pa.schema(
+            [
+                ("step", pa.int64()),
+                ("source", pa.string()),
+                ("tokens", pa.int64()),
+                ("share", pa.float64()),
+                ("declared", pa.float64()),
+                ("version", pa.int32()),
+                ("stage", pa.string()),
+                ("committed", pa.bool_()),
+            ]
+        ),
+    )
 
 
 def schedule_table(timeline: PlanTimeline, start: int, stop: int) -> pa.Table:
@@ -91,15 +112,25 @@ def pools_table(pools: list[dict]) -> pa.Table:
     for p in pools:
         for src in p["sources"]:
             for k in cols:
-                rows[k].append(src if k == "source" else p["seconds_per_token"].get(src) if k == "seconds_per_token" else p.get(k))
-    return pa.table({k: pa.array(v, type=pa.float64() if k in ("demand_cores", "seconds_per_token") else None) for k, v in rows.items()})
+                rows[k].append(
+                    src if k == "source" else p["seconds_per_token"].get(src) if k == "seconds_per_token" else p.get(k)
+                )
+    return pa.table(
+        {
+            k: pa.array(v, type=pa.float64() if k in ("demand_cores", "seconds_per_token") else None)
+            for k, v in rows.items()
+        }
+    )
 
 
 def scaling_table(history: list[dict]) -> pa.Table:
     """The autoscaler's changes: step, pool, workers from → to, and why."""
     cols = ("step", "pool", "from", "to", "reason")
-    return pa.table({k: [h.get(k) for h in history] for k in cols} if history else {k: pa.array([], pa.string() if k in ("pool", "reason") else pa.int64())
-                                                                                    for k in cols})
+    return pa.table(
+        {k: [h.get(k) for h in history] for k in cols}
+        if history
+        else {k: pa.array([], pa.string() if k in ("pool", "reason") else pa.int64()) for k in cols}
+    )
 
 
 def pool_workers_table(metrics: list[dict]) -> pa.Table:
@@ -110,8 +141,13 @@ def pool_workers_table(metrics: list[dict]) -> pa.Table:
             rows["step"].append(m["step"])
             rows["pool"].append(pool)
             rows["workers"].append(int(n))
-    return pa.table({"step": pa.array(rows["step"], pa.int64()), "pool": pa.array(rows["pool"], pa.string()),
-                     "workers": pa.array(rows["workers"], pa.int64())})
+    return pa.table(
+        {
+            "step": pa.array(rows["step"], pa.int64()),
+            "pool": pa.array(rows["pool"], pa.string()),
+            "workers": pa.array(rows["workers"], pa.int64()),
+        }
+    )
 
 
 DEFAULT_EDGES = np.array([0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 40])
@@ -183,9 +219,17 @@ def service_html(status: dict, timeline: PlanTimeline, metrics: list[dict]) -> s
     for m in recent:
         toks[: len(m["source_tokens"])] += m["source_tokens"]
     share = toks / max(toks.sum(), 1)
-    head = (f"<b>overlord service</b>: committed {status['committed']}, planned {status['next_step']}, "
-            f"plan version {status['plan_version']}" + (f", <b>failed</b>: {html.escape(status['failure'])}" if status.get("failure") else ""))
-    versions = _table(["version", "from step", "sources"], [[i, at, ", ".join(s.name for s in p.sources)] for i, (at, p) in enumerate(timeline.versions)])
-    mix = _table(["source", "declared now", "delivered (last 20 steps)"],
-                 [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in zip(timeline.source_names, w, share)])
+    head = (
+        f"<b>overlord service</b>: committed {status['committed']}, planned {status['next_step']}, "
+        f"plan version {status['plan_version']}"
+        + (f", <b>failed</b>: {html.escape(status['failure'])}" if status.get("failure") else "")
+    )
+    versions = _table(
+        ["version", "from step", "sources"],
+        [[i, at, ", ".join(s.name for s in p.sources)] for i, (at, p) in enumerate(timeline.versions)],
+    )
+    mix = _table(
+        ["source", "declared now", "delivered (last 20 steps)"],
+        [[n, f"{a:.3f}", f"{b:.3f}"] for n, a, b in zip(timeline.source_names, w, share)],
+    )
     return head + versions + mix

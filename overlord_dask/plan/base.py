@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict
 

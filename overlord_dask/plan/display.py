@@ -29,17 +29,43 @@ def html_table(header: list[str], rows: list[list]) -> str:
 
 def plan_html(plan: Plan) -> str:
     t = plan.topology
-    parts = [f"<b>plan {html.escape(plan.name)}</b> (seed {plan.seed}): dp {t.dp} × {t.micro_batches} micro-batches × "
-             f"{t.tokens_per_micro_batch:,} tokens" + (f", cp {t.cp}" if t.cp > 1 else "") + f", balance {plan.balance.policy}"]
-    parts.append(html_table(["source", "format", "url", "weight", "active"],
-                        [[s.name, s.format, s.url, _weight_text(s.weight), f"{s.start_step}…{s.stop_step if s.stop_step is not None else ''}"]
-                         for s in plan.sources]))
+    parts = [
+        f"<b>plan {html.escape(plan.name)}</b> (seed {plan.seed}): dp {t.dp} × {t.micro_batches} micro-batches × "
+        f"{t.tokens_per_micro_batch:,} tokens"
+        + (f", cp {t.cp}" if t.cp > 1 else "")
+        + f", balance {plan.balance.policy}"
+    ]
+    parts.append(
+        html_table(
+            ["source", "format", "url", "weight", "active"],
+            [
+                [
+                    s.name,
+                    s.format,
+                    s.url,
+                    _weight_text(s.weight),
+                    f"{s.start_step}…{s.stop_step if s.stop_step is not None else ''}",
+                ]
+                for s in plan.sources
+            ],
+        )
+    )
     if plan.stages:
-        parts.append(html_table(["stage", "from step", "weights", "ramp", "max piece", "long docs"],
-                            [[st.name, st.start_step, ", ".join(f"{k} {v:g}" for k, v in (st.weights or {}).items()) or "(sources' own)",
-                              st.ramp_steps or "", st.max_doc_tokens or "", st.long_policy +
-                              (f", {st.long_share:.0%} over {st.long_tokens:,}" if st.long_share is not None else "")]
-                             for st in plan.stages]))
+        parts.append(
+            html_table(
+                ["stage", "from step", "weights", "ramp", "max piece", "long docs"],
+                [
+                    [
+                        st.name,
+                        st.start_step,
+                        ", ".join(f"{k} {v:g}" for k, v in (st.weights or {}).items()) or "(sources' own)",
+                        st.ramp_steps or "",
+                        st.max_doc_tokens or "",
+                        st.long_policy
+                        + (f", {st.long_share:.0%} over {st.long_tokens:,}" if st.long_share is not None else ""),
+                    ]
+                    for st in plan.stages
+                ],
+            )
+        )
     return "".join(parts)
-
-

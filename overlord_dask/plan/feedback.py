@@ -53,7 +53,8 @@ class Mixing(Strict):
     interval: int = Field(default=50, ge=1, le=1_000_000)
     """Steps between decisions (counted in reported steps)."""
     lag: int = Field(default=4, ge=0, le=100_000)
-    """A decision applies at least this many steps after the newest reported step (and never to a step already planned)."""
+    """A decision applies at least this many steps after the newest reported step (and never to a step already
+    planned)."""
     warmup: int = Field(default=0, ge=0)
     """Reported steps before the first decision (the declared mix runs until then)."""
     bounds: dict[str, tuple[float, float]] = Field(default_factory=dict)
@@ -74,9 +75,11 @@ class Mixing(Strict):
         return b
 
     @model_validator(mode="after")
-    def _known(self) -> "Mixing":
+    def _known(self) -> Mixing:
         if self.controller is not None and self.controller not in CONTROLLERS and ":" not in self.controller:
-            raise ValueError(f"unknown mixing controller {self.controller!r}: use one of {sorted(CONTROLLERS)} or 'module:Class'")
+            raise ValueError(
+                f"unknown mixing controller {self.controller!r}: use one of {sorted(CONTROLLERS)} or 'module:Class'"
+            )
         return self
 
 

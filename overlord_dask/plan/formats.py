@@ -51,7 +51,10 @@ def spec(name: str) -> str:
 
 
 def unknown(name: str) -> str:
-    return f"unknown format {name!r}: registered formats are {sorted(registered())}, or name a reader class as 'module:Class'"
+    return (
+        f"unknown format {name!r}: registered formats are {sorted(registered())}, "
+        "or name a reader class as 'module:Class'"
+    )
 
 
 def check(name: str) -> str:

@@ -28,6 +28,7 @@ def format_validation_error(err: ValidationError, where: str, data: Any = None) 
     """One line per problem: `where: sources[1](web).format: Input should be 'parquet' or 'zarr' (got 'csv')`."""
     lines = []
     errors = err.errors()
+
     # `weight: -1` fails both branches of `float | Schedule`; report only the branch the user meant
     def branch(e) -> str | None:
         last = e["loc"][-1] if e["loc"] else None
@@ -40,7 +41,11 @@ def format_validation_error(err: ValidationError, where: str, data: Any = None) 
     for e in errors:
         b = branch(e)
         if b is not None:
-            if b != ("Schedule" if isinstance(e.get("input"), dict) or b == "Schedule" and e["type"] == "value_error" else "float"):
+            if b != (
+                "Schedule"
+                if isinstance(e.get("input"), dict) or b == "Schedule" and e["type"] == "value_error"
+                else "float"
+            ):
                 continue
             e = {**e, "loc": e["loc"][:-1]}
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
@@ -67,12 +72,16 @@ def format_validation_error(err: ValidationError, where: str, data: Any = None) 
 def plan_from_dict(data: Any, *, where: str = "<dict>", base_dir: str | os.PathLike | None = None) -> Plan:
     """Validate a plain dict (as parsed from YAML/JSON) into a :class:`Plan`."""
     if not isinstance(data, dict):
-        raise PlanError(f"{where}: a plan must be a mapping with keys like 'sources' and 'topology', got {type(data).__name__}")
+        raise PlanError(
+            f"{where}: a plan must be a mapping with keys like 'sources' and 'topology', got {type(data).__name__}"
+        )
     if base_dir is not None and "base_dir" not in data:
         data = {**data, "base_dir": str(base_dir)}
     folder = data.get("base_dir")
     if isinstance(folder, str) and os.path.isdir(folder) and folder not in sys.path:
-        sys.path.append(folder)  # plan-local code (`module:callable` next to the plan) imports; installed modules still win
+        sys.path.append(
+            folder
+        )  # plan-local code (`module:callable` next to the plan) imports; installed modules still win
     try:
         return Plan.model_validate(data)
     except ValidationError as err:

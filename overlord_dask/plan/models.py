@@ -26,9 +26,9 @@ from pydantic import Field, field_validator, model_validator
 
 from . import formats
 from .base import Strict, import_callable
-from .schedule import Context, Schedule, Stage, weight_at
 from .evaluation import Evaluation
 from .feedback import LearnCost, Mixing
+from .schedule import Context, Schedule, Stage, weight_at
 from .text import Tokenizer
 
 
@@ -49,7 +49,7 @@ class Prepare(Strict):
     """Keyword arguments the callable is called with (after the record or table)."""
 
     @model_validator(mode="after")
-    def _one(self) -> "Prepare":
+    def _one(self) -> Prepare:
         if (self.record is None) == (self.batch is None):
             raise ValueError("a prepare step names exactly one of record or batch (a module:callable)")
         import_callable(self.record or self.batch)
@@ -79,7 +79,7 @@ class Pool(Strict):
     """Memory limit per worker (``"4GB"``; ``auto``: the machine's share)."""
 
     @model_validator(mode="after")
-    def _bounds(self) -> "Pool":
+    def _bounds(self) -> Pool:
         if self.max_workers is not None and self.max_workers < self.min_workers:
             raise ValueError(f"pool max_workers={self.max_workers} is below min_workers={self.min_workers}")
         return self
@@ -215,17 +215,24 @@ class Source(Strict):
         return w
 
     @model_validator(mode="after")
-    def _fields_fit_format(self) -> "Source":
+    def _fields_fit_format(self) -> Source:
         if self.stop_step is not None and self.stop_step <= self.start_step:
-            raise ValueError(f"source {self.name!r}: stop_step={self.stop_step} must be after start_step={self.start_step}")
+            raise ValueError(
+                f"source {self.name!r}: stop_step={self.stop_step} must be after start_step={self.start_step}"
+            )
         if self.format in formats.RECORDS:
             if sum(f is not None for f in (self.text_field, self.tokens_field, self.messages_field)) != 1:
                 raise ValueError(
-                    f"{self.format} source {self.name!r} needs exactly one of text_field, tokens_field or messages_field "
-                    f"(got text_field={self.text_field!r}, tokens_field={self.tokens_field!r}, messages_field={self.messages_field!r})"
+                    f"{self.format} source {self.name!r} needs exactly one of text_field, tokens_field or "
+                    "messages_field "
+                    f"(got text_field={self.text_field!r}, tokens_field={self.tokens_field!r}, "
+                    f"messages_field={self.messages_field!r})"
                 )
             if self.images_field is not None and self.image_size % self.patch_size:
-                raise ValueError(f"source {self.name!r}: image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
+                raise ValueError(
+                    f"source {self.name!r}: image_size={self.image_size} must be a multiple of "
+                    f"patch_size={self.patch_size}"
+                )
             if (self.labels_field or self.loss_mask_field) and not self.tokens_field:
                 raise ValueError(f"source {self.name!r}: labels_field and loss_mask_field go with tokens_field")
             if self.labels_field and self.loss_mask_field:
@@ -239,7 +246,9 @@ class Source(Strict):
             if self.text_field is not None:
                 raise ValueError(f"{self.format} source {self.name!r} stores token ids; text_field is not allowed")
             if self.prepare:
-                raise ValueError(f"{self.format} source {self.name!r} stores token ids, not records: prepare is not allowed")
+                raise ValueError(
+                    f"{self.format} source {self.name!r} stores token ids, not records: prepare is not allowed"
+                )
         return self
 
     @property
@@ -255,15 +264,35 @@ class Source(Strict):
     @property
     def data_key(self) -> tuple:
         """What fixes the source's documents and their order; a plan update may not change it."""
-        return (self.format, self.url, self.text_field, self.tokens_field, self.offsets_field,
-                None if self.tokenizer is None else self.tokenizer.model_dump_json(), self.transform,
-                tuple(sorted((k, repr(v)) for k, v in self.transform_kwargs.items())),
-                tuple((p.record, p.batch, tuple(sorted(p.kwargs.items()))) for p in self.prepare),
-                self.images_field, self.image_offsets_field, self.image_positions_field, self.image_token_id,
-                self.image_size, self.patch_size, self.add_bos, self.add_eos, self.messages_field, tuple(self.train_roles),
-                self.labels_field, self.loss_mask_field, self.image_placeholders, self.image_tiles,
-                tuple(self.image_mean or ()), tuple(self.image_std or ()), self.image_processor,
-                tuple(self.holdout) if isinstance(self.holdout, list) else self.holdout)
+        return (
+            self.format,
+            self.url,
+            self.text_field,
+            self.tokens_field,
+            self.offsets_field,
+            None if self.tokenizer is None else self.tokenizer.model_dump_json(),
+            self.transform,
+            tuple(sorted((k, repr(v)) for k, v in self.transform_kwargs.items())),
+            tuple((p.record, p.batch, tuple(sorted(p.kwargs.items()))) for p in self.prepare),
+            self.images_field,
+            self.image_offsets_field,
+            self.image_positions_field,
+            self.image_token_id,
+            self.image_size,
+            self.patch_size,
+            self.add_bos,
+            self.add_eos,
+            self.messages_field,
+            tuple(self.train_roles),
+            self.labels_field,
+            self.loss_mask_field,
+            self.image_placeholders,
+            self.image_tiles,
+            tuple(self.image_mean or ()),
+            tuple(self.image_std or ()),
+            self.image_processor,
+            tuple(self.holdout) if isinstance(self.holdout, list) else self.holdout,
+        )
 
     @property
     def masks_loss(self) -> bool:
@@ -304,7 +333,7 @@ class Topology(Strict):
     tokens_per_micro_batch // 8); shorter ones stay whole on the least-loaded CP rank."""
 
     @model_validator(mode="after")
-    def _doc_fits(self) -> "Topology":
+    def _doc_fits(self) -> Topology:
         if self.max_doc_tokens is not None and self.max_doc_tokens > self.tokens_per_micro_batch:
             raise ValueError(
                 f"max_doc_tokens={self.max_doc_tokens} exceeds tokens_per_micro_batch="
@@ -363,7 +392,7 @@ class CostModel(Strict):
         return spec
 
     @model_validator(mode="after")
-    def _learnable(self) -> "CostModel":
+    def _learnable(self) -> CostModel:
         if self.learn is not None and self.function:
             raise ValueError("cost.learn fits the formula's coefficients; it cannot be combined with cost.function")
         return self
@@ -512,7 +541,8 @@ class Plan(Strict):
     name: str = Field(default="overlord", pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
     """The run's name (run ids, logs, snapshot checks)."""
     seed: int = Field(default=0, ge=0, lt=2**63)
-    """Seeds every source's order (with the source's name, the epoch and the unit): the same plan and seed give the same stream."""
+    """Seeds every source's order (with the source's name, the epoch and the unit): the same plan and seed give the
+    same stream."""
     sources: list[Source] = Field(min_length=1)
     """The data sources and their weights."""
     tokenizer: Tokenizer = Field(default_factory=Tokenizer)
@@ -553,7 +583,7 @@ class Plan(Strict):
         return sources
 
     @model_validator(mode="after")
-    def _consistent_pools(self) -> "Plan":
+    def _consistent_pools(self) -> Plan:
         declared: dict[str, tuple] = {}
         for s in self.sources:
             if s.pool is None:
@@ -561,11 +591,13 @@ class Plan(Strict):
             spec = s.pool.model_dump(exclude={"name"})
             other = declared.setdefault(s.pool_name, (s.name, spec))
             if other[1] != spec:
-                raise ValueError(f"sources {other[0]!r} and {s.name!r} share pool {s.pool_name!r} but declare it differently")
+                raise ValueError(
+                    f"sources {other[0]!r} and {s.name!r} share pool {s.pool_name!r} but declare it differently"
+                )
         return self
 
     @model_validator(mode="after")
-    def _valid_curriculum(self) -> "Plan":
+    def _valid_curriculum(self) -> Plan:
         names = {s.name for s in self.sources}
         starts = [st.start_step for st in self.stages]
         if any(b <= a for a, b in zip(starts, starts[1:])):
@@ -576,19 +608,28 @@ class Plan(Strict):
             for what, mix in (("weights", st.weights), ("long_sources", st.long_sources)):
                 unknown = sorted(set(mix or {}) - names)
                 if unknown:
-                    raise ValueError(f"stage {st.name!r} {what} name unknown sources {unknown}; sources: {sorted(names)}")
+                    raise ValueError(
+                        f"stage {st.name!r} {what} name unknown sources {unknown}; sources: {sorted(names)}"
+                    )
             if st.long_share is not None and self.balance.policy != "cost":
-                raise ValueError(f"stage {st.name!r}: long_share needs balance.policy 'cost' (the exact per-step policy reads each source in one order)")
+                raise ValueError(
+                    f"stage {st.name!r}: long_share needs balance.policy 'cost' (the exact per-step policy reads each "
+                    "source in one order)"
+                )
             if st.max_doc_tokens is not None and st.max_doc_tokens > self.topology.tokens_per_micro_batch:
-                raise ValueError(f"stage {st.name!r}: max_doc_tokens={st.max_doc_tokens} exceeds tokens_per_micro_batch="
-                                 f"{self.topology.tokens_per_micro_batch}: a piece must fit into one micro-batch")
+                raise ValueError(
+                    f"stage {st.name!r}: max_doc_tokens={st.max_doc_tokens} exceeds tokens_per_micro_batch="
+                    f"{self.topology.tokens_per_micro_batch}: a piece must fit into one micro-batch"
+                )
         unknown = sorted(set(self.mixing.bounds) - names)
         if unknown:
             raise ValueError(f"mixing bounds name unknown sources {unknown}; sources: {sorted(names)}")
         thresholds = {st.long_tokens for st in self.stages if st.long_tokens is not None}
         if len(thresholds) > 1:
-            raise ValueError(f"long_tokens must be the same in every stage of a run (got {sorted(thresholds)}): documents are "
-                             "classified once, so that long and short ones each keep an exact position")
+            raise ValueError(
+                f"long_tokens must be the same in every stage of a run (got {sorted(thresholds)}): documents are "
+                "classified once, so that long and short ones each keep an exact position"
+            )
         self.check_weights()
         return self
 
@@ -606,12 +647,18 @@ class Plan(Strict):
                 if not (math.isfinite(v) and v >= 0):
                     raise ValueError(f"source {name!r} has weight {v} at step {step}; weights must be finite and >= 0")
             if sum(w.values()) <= 0:
-                raise ValueError(f"no source is active at step {step} (every weight is 0 there{self._stage_hint(step)})")
+                raise ValueError(
+                    f"no source is active at step {step} (every weight is 0 there{self._stage_hint(step)})"
+                )
 
     def _stage_hint(self, step: int) -> str:
         st = self.stage_at(step)
         hint = f", in stage {st.name!r}" if st is not None else ""
-        gone = [f"{s.name!r} stops at {s.stop_step}" for s in self.sources if s.stop_step is not None and s.stop_step <= step]
+        gone = [
+            f"{s.name!r} stops at {s.stop_step}"
+            for s in self.sources
+            if s.stop_step is not None and s.stop_step <= step
+        ]
         later = [f"{s.name!r} starts at {s.start_step}" for s in self.sources if s.start_step > step]
         return hint + "".join(f"; {x}" for x in gone + later)
 
@@ -687,8 +734,14 @@ class Plan(Strict):
         default = self.topology.piece_tokens
         if st is None:
             return Context(stage=None, piece_tokens=default)
-        return Context(stage=st.name, piece_tokens=st.max_doc_tokens or default, long_policy=st.long_policy,
-                       long_tokens=st.long_tokens, long_share=st.long_share, long_sources=st.long_sources)
+        return Context(
+            stage=st.name,
+            piece_tokens=st.max_doc_tokens or default,
+            long_policy=st.long_policy,
+            long_tokens=st.long_tokens,
+            long_share=st.long_share,
+            long_sources=st.long_sources,
+        )
 
     def _repr_html_(self) -> str:
         from .display import plan_html

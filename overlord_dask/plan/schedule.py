@@ -53,7 +53,7 @@ class Schedule(Strict):
     wherever the planner runs (the scheduler)."""
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "Schedule":
+    def _one_kind(self) -> Schedule:
         kinds = [k for k in ("stages", "ramp", "function") if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ValueError(f"a weight schedule needs exactly one of stages, ramp or function (got {kinds or 'none'})")
@@ -158,21 +158,30 @@ class Stage(Strict):
     """Where the long tokens come from, by source (normalised); default: the stage's weights."""
 
     @model_validator(mode="after")
-    def _check(self) -> "Stage":
+    def _check(self) -> Stage:
         for what, mix in (("weight", self.weights), ("long_sources weight", self.long_sources)):
             for name, w in (mix or {}).items():
                 if not (math.isfinite(w) and w >= 0):
                     raise ValueError(f"stage {self.name!r}: {what} of {name!r} must be a finite number >= 0 (got {w})")
         if (self.long_share is None) != (self.long_tokens is None):
-            raise ValueError(f"stage {self.name!r}: long_share and long_tokens go together "
-                             f"(got long_share={self.long_share}, long_tokens={self.long_tokens})")
+            raise ValueError(
+                f"stage {self.name!r}: long_share and long_tokens go together "
+                f"(got long_share={self.long_share}, long_tokens={self.long_tokens})"
+            )
         if self.long_sources is not None and self.long_share is None:
             raise ValueError(f"stage {self.name!r}: long_sources needs long_share and long_tokens")
         if self.long_sources is not None and not sum(self.long_sources.values()) > 0:
             raise ValueError(f"stage {self.name!r}: long_sources needs a positive weight")
-        if self.long_tokens is not None and self.max_doc_tokens is not None and self.long_policy == "drop" and self.long_tokens >= self.max_doc_tokens:
-            raise ValueError(f"stage {self.name!r}: with long_policy 'drop' no document over max_doc_tokens={self.max_doc_tokens} "
-                             f"is kept, so none is over long_tokens={self.long_tokens}")
+        if (
+            self.long_tokens is not None
+            and self.max_doc_tokens is not None
+            and self.long_policy == "drop"
+            and self.long_tokens >= self.max_doc_tokens
+        ):
+            raise ValueError(
+                f"stage {self.name!r}: with long_policy 'drop' no document over max_doc_tokens={self.max_doc_tokens} "
+                f"is kept, so none is over long_tokens={self.long_tokens}"
+            )
         return self
 
 

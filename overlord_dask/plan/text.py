@@ -29,7 +29,6 @@ from pydantic import Field, model_validator
 from .base import Strict, import_callable, is_callable_ref
 
 
-
 class Tokenizer(Strict):
     """A tokenizer and its special tokens. Every ``*_token`` names a token string of the
     tokenizer's vocabulary, every ``*_id`` gives the id itself; either overrides what the
@@ -78,7 +77,7 @@ class Tokenizer(Strict):
         return value
 
     @model_validator(mode="after")
-    def _resolvable(self) -> "Tokenizer":
+    def _resolvable(self) -> Tokenizer:
         if self.kind == "callable":
             import_callable(self.path)  # a typo fails on the user's machine, not on a worker
         elif self.kwargs and self.kind in ("byte", "tokenizers"):
@@ -106,7 +105,7 @@ class Tokenizer(Strict):
         """The path without its ``hf:``/``tiktoken:`` prefix."""
         for prefix in ("hf:", "tiktoken:"):
             if self.path.startswith(prefix):
-                return self.path[len(prefix):]
+                return self.path[len(prefix) :]
         return self.path
 
     @property

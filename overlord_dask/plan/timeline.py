@@ -49,8 +49,10 @@ def check_update(current: Plan, new: Plan, at_step: int) -> None:
         if field in MUTABLE:
             continue
         if getattr(current, field) != getattr(new, field):
-            raise PlanError(f"plan update at step {at_step}: {field!r} differs from the running plan; an update may "
-                            f"change only {', '.join(MUTABLE)} (start a new run to change {field!r})")
+            raise PlanError(
+                f"plan update at step {at_step}: {field!r} differs from the running plan; an update may "
+                f"change only {', '.join(MUTABLE)} (start a new run to change {field!r})"
+            )
 
 
 KINDS = ("weights", "cost")  # what a decision sets: the mix (shares by source name), the cost model's coefficients
@@ -67,11 +69,17 @@ class Decision(NamedTuple):
     state: dict | None = None  # the deciding controller's state after it (a resumed run continues from it)
 
     def to_dict(self) -> dict:
-        return {"at": self.at, "kind": self.kind, "values": dict(self.values), "reason": self.reason, "after": self.after,
-                "state": self.state}
+        return {
+            "at": self.at,
+            "kind": self.kind,
+            "values": dict(self.values),
+            "reason": self.reason,
+            "after": self.after,
+            "state": self.state,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Decision":
+    def from_dict(cls, d: dict) -> Decision:
         return cls(int(d["at"]), str(d["kind"]), dict(d["values"]), str(d["reason"]), int(d["after"]), d.get("state"))
 
 
@@ -97,8 +105,10 @@ class PlanTimeline:
             old = self._sources.get(s.name)
             key = _data_key(s, plan.base_dir)
             if old is not None and self._keys[s.name] != key:
-                raise PlanError(f"plan update: source {s.name!r} changes its data ({old.url!r} -> {s.url!r}, or its fields); "
-                                "positions refer to its files, so give changed data a new source name")
+                raise PlanError(
+                    f"plan update: source {s.name!r} changes its data ({old.url!r} -> {s.url!r}, or its fields); "
+                    "positions refer to its files, so give changed data a new source name"
+                )
             if old is None:
                 self.source_names.append(s.name)
                 new.append(s.name)
@@ -115,8 +125,10 @@ class PlanTimeline:
         mine = {st.long_tokens for st in plan.stages if st.long_tokens is not None}
         ours = {st.long_tokens for _, p in self.versions for st in p.stages if st.long_tokens is not None}
         if mine and ours and mine != ours:
-            raise PlanError(f"plan update at step {at_step}: long_tokens {sorted(mine)} differs from the run's {sorted(ours)}; "
-                            "documents are classified once per run")
+            raise PlanError(
+                f"plan update at step {at_step}: long_tokens {sorted(mine)} differs from the run's {sorted(ours)}; "
+                "documents are classified once per run"
+            )
         try:
             plan.check_weights(start=at_step)
         except ValueError as err:
@@ -137,7 +149,9 @@ class PlanTimeline:
             if unknown:
                 raise PlanError(f"mixing decision at step {at_step} names unknown sources {unknown}")
             if not all(np.isfinite(v) and v >= 0 for v in values.values()) or sum(values.values()) <= 0:
-                raise PlanError(f"mixing decision at step {at_step}: shares must be finite, >= 0 and not all 0 (got {values})")
+                raise PlanError(
+                    f"mixing decision at step {at_step}: shares must be finite, >= 0 and not all 0 (got {values})"
+                )
         prior = self._by_kind[kind]
         if prior and at_step < prior[-1].at:
             raise PlanError(f"{kind} decision at step {at_step}: the last one already applies from step {prior[-1].at}")

@@ -19,9 +19,9 @@ def doc_costs(lengths: np.ndarray, model: CostModel) -> np.ndarray:
 
         out = np.asarray(import_callable(model.function)(np.asarray(lengths, dtype=np.int64)), dtype=np.float64)
         if out.shape != np.shape(lengths):
-            raise ValueError(f"cost function {model.function!r} returned shape {out.shape} for {np.shape(lengths)} lengths")
+            raise ValueError(
+                f"cost function {model.function!r} returned shape {out.shape} for {np.shape(lengths)} lengths"
+            )
         return out
     L = np.asarray(lengths, dtype=np.float64)
     return model.attention * L * L + model.linear_coef * L + model.constant * (L > 0)
-
-

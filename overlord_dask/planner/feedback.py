@@ -34,11 +34,13 @@ HISTORY = 1024  # measured imbalances and per-rank compute times kept for the vi
 
 
 class FeedbackLoop:
-    def __init__(self, state: "PlannerState"):
+    def __init__(self, state: PlannerState):
         plan = state.final_plan
         self.learner = CostLearner(plan.cost.learn, plan.cost) if plan.cost.learn is not None else None
         self.mixing = plan.mixing
-        self.controller: Controller | None = make_controller(plan.mixing, state.source_names) if plan.mixing.controller else None
+        self.controller: Controller | None = (
+            make_controller(plan.mixing, state.source_names) if plan.mixing.controller else None
+        )
         last = state.timeline.in_force("weights", 1 << 62) if self.controller is not None else None
         if last is not None and last.state:  # a resumed run: the controller goes on from its last decision
             self.controller.load_state_dict(last.state)
@@ -46,13 +48,15 @@ class FeedbackLoop:
         self.newest = -1  # newest step any rank reported
         self.decided_at = -1  # newest reported step when the controller last decided
         self._features: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._times: OrderedDict[int, np.ndarray] = OrderedDict()  # step -> [dp, micro-batches] seconds (nan: not reported yet)
+        self._times: OrderedDict[int, np.ndarray] = (
+            OrderedDict()
+        )  # step -> [dp, micro-batches] seconds (nan: not reported yet)
         self.imbalance: deque = deque(maxlen=HISTORY)  # (step, measured max/mean over ranks)
         self.rank_seconds: dict[int, float] = {}  # each rank's latest step compute time
         self.metrics: deque = deque(maxlen=HISTORY)  # (step, rank, extra metrics) as reported
 
     # ---- reports ------------------------------------------------------------------------------
-    def take(self, st: "PlannerState", reports: list) -> None:
+    def take(self, st: PlannerState, reports: list) -> None:
         """``reports``: ``(rank, cp_rank, item)`` with item ``{"s": step, "t": seconds, "mb":
         [seconds per micro-batch] | None}`` or ``{"s": step, "loss": {source: [sum, tokens]},
         "extra": {...}}``. Step times are handled per step in arrays (at thousands of ranks,
@@ -73,14 +77,16 @@ class FeedbackLoop:
         if times:
             self._times_of(st, times)
 
-    def _times_of(self, st: "PlannerState", times: list) -> None:
+    def _times_of(self, st: PlannerState, times: list) -> None:
         topo = st.topology
         dp, m = topo.dp, topo.micro_batches
         rank = np.array([t[0] for t in times], np.int64)
         cp = np.array([t[1] for t in times], np.int64)
         step = np.array([t[2] for t in times], np.int64)
         per_mb = np.array([bool(t[3].get("mb")) and len(t[3]["mb"]) == m for t in times])
-        secs = np.array([t[3]["mb"] if ok else [float(t[3]["t"]) / m] * m for t, ok in zip(times, per_mb)], np.float64).reshape(-1, m)
+        secs = np.array(
+            [t[3]["mb"] if ok else [float(t[3]["t"]) / m] * m for t, ok in zip(times, per_mb)], np.float64
+        ).reshape(-1, m)
         ok = (rank >= 0) & (rank < dp) & np.isfinite(secs).all(axis=1)
         rank, cp, step, per_mb, secs = rank[ok], cp[ok], step[ok], per_mb[ok], secs[ok]
         first = cp == 0
@@ -98,7 +104,7 @@ class FeedbackLoop:
                     else:
                         self.learner.observe(f[~whole].reshape(-1, f.shape[-1]), t[~whole].reshape(-1), s)
 
-    def _step_features(self, st: "PlannerState", step: int) -> np.ndarray | None:
+    def _step_features(self, st: PlannerState, step: int) -> np.ndarray | None:
         """``[dp, micro_batches, terms]`` of a handed-out step (None if the ledger no longer has it)."""
         feats = self._features.get(step)
         if feats is None:
@@ -106,7 +112,11 @@ class FeedbackLoop:
             if entry is None:
                 return None
             pieces = entry["pieces"]
-            vision = st.streams.piece_vision(pieces) if st.timeline.cost_at(step).encoder > 0 or self.learner.declared.encoder > 0 else None
+            vision = (
+                st.streams.piece_vision(pieces)
+                if st.timeline.cost_at(step).encoder > 0 or self.learner.declared.encoder > 0
+                else None
+            )
             feats = step_features(pieces, entry["slot"], vision, st.topology.dp, st.topology.micro_batches)
             self._features[step] = feats
             while len(self._features) > 64:
@@ -131,7 +141,7 @@ class FeedbackLoop:
             self._times.popitem(last=False)
 
     # ---- decisions ----------------------------------------------------------------------------
-    def decide(self, st: "PlannerState") -> list:
+    def decide(self, st: PlannerState) -> list:
         """Fit and propose; record what changes as timeline decisions (returned)."""
         out = []
         if self.learner is not None and self.learner.refit(self.newest):
@@ -139,8 +149,10 @@ class FeedbackLoop:
             values = self.learner.proposal(st.timeline.cost_at(frontier))
             if values is not None:
                 s = self.learner.status()
-                why = (f"fit settled over {s['observations']} observations: median error {s['error_fitted']:.1%} "
-                       f"(declared model at its best scale: {s['error_declared']:.1%})")
+                why = (
+                    f"fit settled over {s['observations']} observations: median error {s['error_fitted']:.1%} "
+                    f"(declared model at its best scale: {s['error_declared']:.1%})"
+                )
                 out.append(st.timeline.decide("cost", frontier + self.learner.config.lag, values, why))
         if self.controller is not None and self._mixing_due():
             self.decided_at = self.newest
@@ -152,11 +164,19 @@ class FeedbackLoop:
                 target = np.array([float(shares.get(n, 0.0)) for n in st.source_names])
                 lo, hi = self._bounds(st.source_names)
                 new = project(target / max(target.sum(), 1e-300), current, lo, hi, self.mixing.max_change)
-                out.append(st.timeline.decide("weights", at, dict(zip(st.source_names, map(float, new))), why, self.controller.state_dict()))
+                out.append(
+                    st.timeline.decide(
+                        "weights", at, dict(zip(st.source_names, map(float, new))), why, self.controller.state_dict()
+                    )
+                )
         return out
 
     def _mixing_due(self) -> bool:
-        return self.newest >= self.mixing.warmup and self.newest - self.decided_at >= self.mixing.interval and self.newest >= 0
+        return (
+            self.newest >= self.mixing.warmup
+            and self.newest - self.decided_at >= self.mixing.interval
+            and self.newest >= 0
+        )
 
     def _bounds(self, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
         b = self.mixing.bounds
@@ -165,13 +185,16 @@ class FeedbackLoop:
         return lo, hi
 
     # ---- views --------------------------------------------------------------------------------
-    def status(self, st: "PlannerState") -> dict:
+    def status(self, st: PlannerState) -> dict:
         imb = [x for _, x in self.imbalance]
-        out = {"reports": self.reports, "newest_reported": self.newest,
-               "measured_imbalance_p50": float(np.median(imb[-100:])) if imb else None,
-               "rank_compute_s": {str(r): round(s, 6) for r, s in sorted(self.rank_seconds.items())},
-               "decisions": [d.to_dict() | {"state": None} for d in st.timeline.decisions[-50:]],
-               "decision_counts": {k: sum(d.kind == k for d in st.timeline.decisions) for k in ("cost", "weights")}}
+        out = {
+            "reports": self.reports,
+            "newest_reported": self.newest,
+            "measured_imbalance_p50": float(np.median(imb[-100:])) if imb else None,
+            "rank_compute_s": {str(r): round(s, 6) for r, s in sorted(self.rank_seconds.items())},
+            "decisions": [d.to_dict() | {"state": None} for d in st.timeline.decisions[-50:]],
+            "decision_counts": {k: sum(d.kind == k for d in st.timeline.decisions) for k in ("cost", "weights")},
+        }
         if self.learner is not None:
             out["cost_fit"] = self.learner.status()
             in_force = st.timeline.in_force("cost", st.frontier)

@@ -103,7 +103,9 @@ class CostLearner:
 
     def __init__(self, config: LearnCost, declared: CostModel):
         self.config, self.declared = config, declared
-        self._X = np.zeros((config.window, len(TERMS)))  # a ring of the newest observations (their order does not matter)
+        self._X = np.zeros(
+            (config.window, len(TERMS))
+        )  # a ring of the newest observations (their order does not matter)
         self._y = np.zeros(config.window)
         self._n = self._pos = 0
         self.fitted: np.ndarray | None = None  # seconds per unit of each term
@@ -113,12 +115,14 @@ class CostLearner:
         self._last_step: int | None = None
         self.settled_at: int | None = None  # the reported step at which the fit first settled
         self.error_fitted = self.error_declared = float("nan")
-        self.declared_scaled: np.ndarray | None = None  # the declared model at its best scale over the last fit's window
+        self.declared_scaled: np.ndarray | None = (
+            None  # the declared model at its best scale over the last fit's window
+        )
 
     def observe(self, rows: np.ndarray, seconds: np.ndarray, step: int) -> None:
         """One rank's report of ``step``: its rows (micro-batches, or its step) and their seconds."""
         ok = np.isfinite(seconds) & (seconds > 0)
-        rows, seconds = rows[ok][-len(self._y):], seconds[ok][-len(self._y):]
+        rows, seconds = rows[ok][-len(self._y) :], seconds[ok][-len(self._y) :]
         at = (self._pos + np.arange(len(seconds))) % len(self._y)
         self._X[at], self._y[at] = rows, seconds
         self._pos = (self._pos + len(seconds)) % len(self._y)
@@ -180,15 +184,23 @@ class CostLearner:
 
     def status(self) -> dict:
         """Declared (at their best scale, in seconds) vs fitted coefficients and their errors."""
-        out = {"observations": self._n, "fits": self.fits, "settled": self.settled, "settled_at": self.settled_at,
-               "error_fitted": self.error_fitted, "error_declared": self.error_declared}
+        out = {
+            "observations": self._n,
+            "fits": self.fits,
+            "settled": self.settled,
+            "settled_at": self.settled_at,
+            "error_fitted": self.error_fitted,
+            "error_declared": self.error_declared,
+        }
         if self.fitted is not None:
             out["fitted"] = dict(zip(TERMS, map(float, self.fitted)))
             out["declared"] = dict(zip(TERMS, map(float, self.declared_scaled)))
         return out
 
 
-def step_features(pieces: np.ndarray, slot: np.ndarray, vision: np.ndarray | None, dp: int, micro_batches: int) -> np.ndarray:
+def step_features(
+    pieces: np.ndarray, slot: np.ndarray, vision: np.ndarray | None, dp: int, micro_batches: int
+) -> np.ndarray:
     """A planned step's regression rows, ``[dp, micro_batches, 5]``."""
     g = slot[:, 0].astype(np.int64) * micro_batches + slot[:, 1]
     return features(P.lengths(pieces), vision, g, dp * micro_batches).reshape(dp, micro_batches, len(TERMS))

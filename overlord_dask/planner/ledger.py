@@ -39,9 +39,12 @@ class Ledger(Mapping):
     def __len__(self) -> int:
         return len(self.entries)
 
-    def record(self, step: int, pieces: np.ndarray, slot: np.ndarray, drops: np.ndarray, metrics: dict, committed: int) -> dict:
+    def record(
+        self, step: int, pieces: np.ndarray, slot: np.ndarray, drops: np.ndarray, metrics: dict, committed: int
+    ) -> dict:
         """Enter step ``step`` (its piece rows, ordered by rank and micro-batch, with their int32
-        ``[rank, micro_batch]``) with its ``metrics``; forget what the history no longer holds (never an uncommitted step)."""
+        ``[rank, micro_batch]``) with its ``metrics``; forget what the history no longer holds (never an uncommitted
+        step)."""
         entry = self.entries[step] = {"pieces": pieces, "slot": slot, "dropped": drops}
         self.metrics[step] = metrics
         while len(self.metrics) > self.history_steps:
@@ -50,15 +53,25 @@ class Ledger(Mapping):
             self.entries.popitem(last=False)
         return entry
 
-    def keep_before(self, step: int, other: "Ledger") -> None:
+    def keep_before(self, step: int, other: Ledger) -> None:
         """Take ``other``'s entries and metrics of the steps before ``step`` (a rewound planner
         keeps the history of what was handed out before the step it goes back to)."""
         self.entries = OrderedDict([(k, v) for k, v in other.entries.items() if k < step] + list(self.entries.items()))
         self.metrics = OrderedDict([(k, v) for k, v in other.metrics.items() if k < step] + list(self.metrics.items()))
 
 
-def step_metrics(step: int, pieces: np.ndarray, drops: np.ndarray, mb_costs: np.ndarray, piece_costs: np.ndarray, *,
-                 n_sources: int, step_tokens: int, dp: int, context: dict) -> dict:
+def step_metrics(
+    step: int,
+    pieces: np.ndarray,
+    drops: np.ndarray,
+    mb_costs: np.ndarray,
+    piece_costs: np.ndarray,
+    *,
+    n_sources: int,
+    step_tokens: int,
+    dp: int,
+    context: dict,
+) -> dict:
     """A planned step's figures: tokens and fill, cost imbalance across ranks and micro-batches,
     tokens per source, the cost lower bound, drops; ``context`` (pending, weights, version,
     stage, piece size) is passed through in order."""

@@ -37,7 +37,8 @@ class Controller:
             raise PlanError(f"mixing controller {type(self).__name__} takes no options (got {sorted(options)})")
 
     def observe(self, step: int, losses: dict[str, tuple[float, float]], extra: dict) -> None:
-        """One rank's report of ``step``: per source ``(sum of token losses, tokens)``, and the other metrics it reported."""
+        """One rank's report of ``step``: per source ``(sum of token losses, tokens)``, and the other metrics it
+        reported."""
 
     def propose(self, step: int, current: dict[str, float]) -> tuple[dict[str, float], str] | None:
         """Shares for the coming steps and why, given the shares in force (``current``); None keeps them."""
@@ -65,8 +66,14 @@ class ODM(Controller):
     Rewards are scaled by their largest magnitude each round, so ``eta`` (the softmax's inverse
     temperature) is unitless."""
 
-    def __init__(self, sources: list[str], eta: float = 2.0, smoothing: float = 0.5, exploration: float | None = None,
-                 reward: str = "progress"):
+    def __init__(
+        self,
+        sources: list[str],
+        eta: float = 2.0,
+        smoothing: float = 0.5,
+        exploration: float | None = None,
+        reward: str = "progress",
+    ):
         super().__init__(sources)
         if reward not in ("progress", "loss"):
             raise PlanError(f"odm: reward must be 'progress' or 'loss', got {reward!r}")
@@ -93,7 +100,9 @@ class ODM(Controller):
             return None
         mean = np.where(seen, self.loss / np.maximum(self.tokens, 1), np.nan)
         prev = self.level.copy()
-        self.level = np.where(np.isnan(prev), mean, np.where(seen, self.smoothing * prev + (1 - self.smoothing) * mean, prev))
+        self.level = np.where(
+            np.isnan(prev), mean, np.where(seen, self.smoothing * prev + (1 - self.smoothing) * mean, prev)
+        )
         if self.reward == "loss":
             r = np.where(seen, mean, 0.0)
         else:  # the fall of the smoothed loss per token of the source (a source not drawn earns nothing)
@@ -106,14 +115,22 @@ class ODM(Controller):
         top = np.abs(r).max()
         self.rewards = self.smoothing * self.rewards + (1 - self.smoothing) * (r / top if top > 0 else r)
         k = len(self.sources)
-        eps = self.exploration if self.exploration is not None else min(1 / k, math.sqrt(math.log(k) / (k * self.rounds)))
+        eps = (
+            self.exploration if self.exploration is not None else min(1 / k, math.sqrt(math.log(k) / (k * self.rounds)))
+        )
         p = np.exp(self.eta * (self.rewards - self.rewards.max()))
         p = (1 - k * eps) * p / p.sum() + eps
-        why = ", ".join(f"{n}: {'loss' if self.reward == 'loss' else 'progress'} {x:+.3g}" for n, x in zip(self.sources, r))
+        why = ", ".join(
+            f"{n}: {'loss' if self.reward == 'loss' else 'progress'} {x:+.3g}" for n, x in zip(self.sources, r)
+        )
         return dict(zip(self.sources, map(float, p))), f"odm round {self.rounds} (eps {eps:.3f}; {why})"
 
     def state_dict(self):
-        return {"rewards": self.rewards.tolist(), "level": [None if np.isnan(x) else float(x) for x in self.level], "rounds": self.rounds}
+        return {
+            "rewards": self.rewards.tolist(),
+            "level": [None if np.isnan(x) else float(x) for x in self.level],
+            "rounds": self.rounds,
+        }
 
     def load_state_dict(self, state):
         self.rewards = np.asarray(state["rewards"], np.float64)
@@ -145,7 +162,9 @@ def project(target: np.ndarray, prev: np.ndarray, lo: np.ndarray, hi: np.ndarray
     if a.sum() > 1 or b.sum() < 1 or (a > b).any():
         a, b = lo, hi
     if a.sum() > 1 or b.sum() < 1:
-        raise PlanError(f"mixing bounds cannot hold: minimum shares sum to {lo.sum():.3g}, maximum shares to {hi.sum():.3g}")
+        raise PlanError(
+            f"mixing bounds cannot hold: minimum shares sum to {lo.sum():.3g}, maximum shares to {hi.sum():.3g}"
+        )
     left, right = -1.0 - target.max(), 1.0 - target.min() + 1.0
     for _ in range(100):
         mid = (left + right) / 2

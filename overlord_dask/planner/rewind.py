@@ -35,8 +35,14 @@ def rebuild_at(st: PlannerState, step: int, source: tuple[int, dict, dict], dp: 
     plan = with_dp(st.final_plan, dp or st.final_plan.topology.dp)
     state = snapshot.state_at(st, step, window_step, window, topology)
     first_ids = {s.name: s.first_ids for s in st.streams}
-    new = PlannerState(plan, first_ids, history_steps=st.ledger.history_steps, state=state, updates=st.timeline.updates,
-                       decisions=st.timeline.decisions)
+    new = PlannerState(
+        plan,
+        first_ids,
+        history_steps=st.ledger.history_steps,
+        state=state,
+        updates=st.timeline.updates,
+        decisions=st.timeline.decisions,
+    )
     new.ledger.keep_before(step, st.ledger)
     new.windows.keep_before(window_step, st.windows)
     new.pool_workers = dict(st.pool_workers)

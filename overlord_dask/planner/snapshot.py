@@ -30,7 +30,9 @@ def decode_updates(state: dict | None) -> list[tuple[int, Plan]]:
     """The live plan updates recorded in a snapshot, as ``(at_step, Plan)``."""
     if not state:
         return []
-    return [(int(at), plan_from_dict(d, where=f"<snapshot plan update at step {at}>")) for at, d in state.get("updates", [])]
+    return [
+        (int(at), plan_from_dict(d, where=f"<snapshot plan update at step {at}>")) for at, d in state.get("updates", [])
+    ]
 
 
 def decode_decisions(state: dict | None) -> list[Decision]:
@@ -40,11 +42,17 @@ def decode_decisions(state: dict | None) -> list[Decision]:
 
 def topology_dict(t) -> dict:
     """A topology as a snapshot holds it."""
-    return {"dp": t.dp, "micro_batches": t.micro_batches, "tokens_per_micro_batch": t.tokens_per_micro_batch,
-            "max_doc_tokens": t.max_doc_tokens, "cp": t.cp, "cp_min_tokens": t.cp_min_tokens}
+    return {
+        "dp": t.dp,
+        "micro_batches": t.micro_batches,
+        "tokens_per_micro_batch": t.tokens_per_micro_batch,
+        "max_doc_tokens": t.max_doc_tokens,
+        "cp": t.cp,
+        "cp_min_tokens": t.cp_min_tokens,
+    }
 
 
-def capture(st: "PlannerState") -> dict:
+def capture(st: PlannerState) -> dict:
     """A msgpack-friendly snapshot: the parts' state at the start of the window holding the
     durable step (or the state now, if nothing was planned since), that window's first step,
     the durable step (a restore re-plans from the window and hands out steps from there), and the
@@ -56,7 +64,7 @@ def capture(st: "PlannerState") -> dict:
     return state_at(st, durable, *start)
 
 
-def state_at(st: "PlannerState", committed: int, window_step: int, window: dict, topology: dict) -> dict:
+def state_at(st: PlannerState, committed: int, window_step: int, window: dict, topology: dict) -> dict:
     """A snapshot of ``st``'s run that resumes at ``committed`` from the window at ``window_step``."""
     return {
         "version": STATE_VERSION,
@@ -72,13 +80,15 @@ def state_at(st: "PlannerState", committed: int, window_step: int, window: dict,
     }
 
 
-def restore(st: "PlannerState", state: dict) -> None:
+def restore(st: PlannerState, state: dict) -> None:
     """Put ``st`` (new, built on the snapshot's topology) where ``state`` was taken."""
     if state.get("version") not in (2, STATE_VERSION):
         raise ValueError(f"snapshot version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
     if list(state["sources"]) != st.source_names:
-        raise ValueError(f"snapshot sources {list(state['sources'])} differ from the plan's {st.source_names}; "
-                         "to add or remove sources, resume with the snapshot's plan and apply a plan update")
+        raise ValueError(
+            f"snapshot sources {list(state['sources'])} differ from the plan's {st.source_names}; "
+            "to add or remove sources, resume with the snapshot's plan and apply a plan update"
+        )
     st.streams.set_state(state["window"])
     st.policy.set_state(state["window"], len(st.streams))
     st.reload = st.streams.passed_units(st.policy.pending)  # their blocks are gone with the process that held them
@@ -87,7 +97,7 @@ def restore(st: "PlannerState", state: dict) -> None:
     st.progress.restart_at(st.replay_until)
 
 
-def switch_topology(st: "PlannerState") -> None:
+def switch_topology(st: PlannerState) -> None:
     """After replaying the delivered steps on the snapshot's topology, continue on the plan's:
     the pieces planned but not delivered go back to the front of the queue, in order."""
     undelivered = [rows for rows, *_ in st.ready]

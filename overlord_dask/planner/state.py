@@ -38,11 +38,22 @@ from .snapshot import decode_decisions, decode_updates
 from .streams import StreamSet
 from .windows import WindowStarts
 
+
 class PlannerState:
-    def __init__(self, plan: Plan, unit_first_ids: dict[str, list[int]], *, history_steps: int = 100_000, state: dict | None = None,
-                 updates: list[tuple[int, Plan]] = (), decisions: list | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        unit_first_ids: dict[str, list[int]],
+        *,
+        history_steps: int = 100_000,
+        state: dict | None = None,
+        updates: list[tuple[int, Plan]] = (),
+        decisions: list | None = None,
+    ):
         self.final_plan = plan
-        self.timeline = PlanTimeline(plan, list(updates) or decode_updates(state), decode_decisions(state) if decisions is None else decisions)
+        self.timeline = PlanTimeline(
+            plan, list(updates) or decode_updates(state), decode_decisions(state) if decisions is None else decisions
+        )
         if state is not None:  # replay on the topology the snapshot was planned with, switch at `committed`
             plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
         first = self.timeline.initial
@@ -60,7 +71,9 @@ class PlannerState:
         self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs, drops or None)
         self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
         self.windows = WindowStarts(lambda: {**self.streams.get_state(), **self.policy.get_state()})
-        self.pool_workers: dict[str, int] = {}  # workers per loader pool, as the autoscaler last reported (metrics only)
+        self.pool_workers: dict[
+            str, int
+        ] = {}  # workers per loader pool, as the autoscaler last reported (metrics only)
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
         self.reload: list[list] = []  # units to load again only for their blocks (snapshot.restore)
         if state is not None:
@@ -117,8 +130,10 @@ class PlannerState:
         frontier = self.frontier
         at_step = frontier if at_step is None else int(at_step)
         if at_step < frontier:
-            raise PlanError(f"plan update at step {at_step}: steps up to {frontier - 1} are already planned; "
-                            f"the earliest step an update can apply from is {frontier} (or pass at_step=None)")
+            raise PlanError(
+                f"plan update at step {at_step}: steps up to {frontier - 1} are already planned; "
+                f"the earliest step an update can apply from is {frontier} (or pass at_step=None)"
+            )
         missing = [s.name for s in plan.sources if s.name not in self.source_names and s.name not in unit_first_ids]
         if missing:
             raise PlanError(f"plan update at step {at_step}: new sources {missing} were not indexed")
@@ -132,8 +147,13 @@ class PlannerState:
         """Units whose metadata (or, after a restore, blocks) the planner needs next: [source,
         epoch, unit] each."""
         reload, self.reload = self.reload, []
-        return reload + self.streams.wanted(self._weights_ahead(), self.topology.step_tokens, self._window_steps(), self.plan.loading.units_ahead,
-                                   self.starved_on)
+        return reload + self.streams.wanted(
+            self._weights_ahead(),
+            self.topology.step_tokens,
+            self._window_steps(),
+            self.plan.loading.units_ahead,
+            self.starved_on,
+        )
 
     def _window_steps(self) -> int:
         return self.policy.window_steps(self.balance)
@@ -144,8 +164,15 @@ class PlannerState:
         t0 = self.planned_until
         return self.timeline.max_mix_over(t0, t0 + 2 * self._window_steps() + 1)
 
-    def add_lengths(self, source: str, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None,
-                    masked: np.ndarray | None = None) -> bool:
+    def add_lengths(
+        self,
+        source: str,
+        epoch: int,
+        unit: int,
+        lengths: np.ndarray,
+        vision: np.ndarray | None = None,
+        masked: np.ndarray | None = None,
+    ) -> bool:
         """A loaded unit's document lengths (image tokens per document, masked runs); False if not needed
         (a duplicate, or a unit planning has passed). Checks, once a whole pass of the source has
         arrived, that it is not far smaller than what a window takes from it."""
@@ -155,8 +182,13 @@ class PlannerState:
         if added or (s.index, epoch, unit) in self.streams.held:  # (a passed unit loaded again for its block)
             self.streams.keep_lengths((s.index, epoch, unit), lengths, masked)
         if before is None and s.loads.tokens_per_pass() is not None:
-            self.streams.check_pass(s, float(self._weights_ahead()[s.index]), self.step_budget, self._window_steps(),
-                                    self.topology.tokens_per_micro_batch)
+            self.streams.check_pass(
+                s,
+                float(self._weights_ahead()[s.index]),
+                self.step_budget,
+                self._window_steps(),
+                self.topology.tokens_per_micro_batch,
+            )
         return added
 
     def costs(self, rows: np.ndarray, step: int) -> np.ndarray:
@@ -192,8 +224,15 @@ class PlannerState:
             if step < self.replay_until:
                 continue  # delivered before the restore: only the planner state had to catch up
             entry = self._record(step, rows, slot, mb_costs, drops)
-            steps.append({"step": step, "pieces": P.to_bytes(entry["pieces"]), "slot": P.to_bytes(entry["slot"], "<i4"),
-                          "piece_tokens": self.metrics[step]["piece_tokens"], "loss_tokens": self.metrics[step]["loss_tokens"]})
+            steps.append(
+                {
+                    "step": step,
+                    "pieces": P.to_bytes(entry["pieces"]),
+                    "slot": P.to_bytes(entry["slot"], "<i4"),
+                    "piece_tokens": self.metrics[step]["piece_tokens"],
+                    "loss_tokens": self.metrics[step]["loss_tokens"],
+                }
+            )
         if steps:
             self.plan_seconds.append(time.perf_counter() - t0)
             del self.plan_seconds[:-10_000]
@@ -219,11 +258,21 @@ class PlannerState:
         self.windows.begin(start, snapshot.topology_dict(self.topology))
         ctx = self.timeline.context_at(start)
         self.streams.apply_context(ctx)
-        self.policy.pending = P.recut(self.policy.pending, ctx.piece_tokens)  # waiting pieces take this stage's piece size
-        window = Window(start=start, steps=self.timeline.window_len(start, self._window_steps()), streams=self.streams.streams, topology=self.topology,
-                        balance=self.balance, step_budget=self.step_budget, heavy_tokens=self.heavy_tokens,
-                        weights_at=self.weights_at, class_weights_at=self.timeline.class_weights_at,
-                        costs=lambda rows: self.costs(rows, start))
+        self.policy.pending = P.recut(
+            self.policy.pending, ctx.piece_tokens
+        )  # waiting pieces take this stage's piece size
+        window = Window(
+            start=start,
+            steps=self.timeline.window_len(start, self._window_steps()),
+            streams=self.streams.streams,
+            topology=self.topology,
+            balance=self.balance,
+            step_budget=self.step_budget,
+            heavy_tokens=self.heavy_tokens,
+            weights_at=self.weights_at,
+            class_weights_at=self.timeline.class_weights_at,
+            costs=lambda rows: self.costs(rows, start),
+        )
         try:
             planned = self.policy.plan(window)
         except Starved as e:
@@ -261,13 +310,28 @@ class PlannerState:
             self.starved_on = None  # planning is ahead: no source holds it back
         return n
 
-    def _record(self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops: np.ndarray | None) -> dict:
+    def _record(
+        self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops: np.ndarray | None
+    ) -> dict:
         drops = drops if drops is not None else np.zeros((0, 5), np.int64)  # a window's drops go with its first step
         ctx = self.timeline.context_at(step)
-        metrics = step_metrics(step, pieces, drops, mb_costs, self.costs(pieces, step), n_sources=len(self.streams),
-                               step_tokens=self.topology.step_tokens, dp=self.topology.dp,
-                               context={"pending": int(len(self.pending)), "weights": tuple(float(x) for x in self.weights_at(step)),
-                                        "version": self.timeline.version_at(step), "stage": ctx.stage, "piece_tokens": ctx.piece_tokens})
+        metrics = step_metrics(
+            step,
+            pieces,
+            drops,
+            mb_costs,
+            self.costs(pieces, step),
+            n_sources=len(self.streams),
+            step_tokens=self.topology.step_tokens,
+            dp=self.topology.dp,
+            context={
+                "pending": int(len(self.pending)),
+                "weights": tuple(float(x) for x in self.weights_at(step)),
+                "version": self.timeline.version_at(step),
+                "stage": ctx.stage,
+                "piece_tokens": ctx.piece_tokens,
+            },
+        )
         metrics["loss_tokens"] = self.streams.loss_tokens(pieces)
         if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
             metrics["pool_workers"] = dict(self.pool_workers)
@@ -285,6 +349,14 @@ class PlannerState:
         return self.progress.ack(rank, step, cp_rank, durable, planned=self.next_step)
 
     def status(self) -> dict:
-        return {"next_step": self.next_step, "committed": self.committed, "durable": self.progress.durable_step, "acked": list(self.progress.acked),
-                "failure": self.failure, "starved_on": self.starved_on, "plan_version": self.plan_version, "frontier": self.frontier,
-                **self.streams.status()}
+        return {
+            "next_step": self.next_step,
+            "committed": self.committed,
+            "durable": self.progress.durable_step,
+            "acked": list(self.progress.acked),
+            "failure": self.failure,
+            "starved_on": self.starved_on,
+            "plan_version": self.plan_version,
+            "frontier": self.frontier,
+            **self.streams.status(),
+        }

@@ -12,7 +12,7 @@ its step (``rewind.py``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 
 class WindowStarts:
@@ -49,7 +49,7 @@ class WindowStarts:
         """The first step of the oldest window kept."""
         return next(iter(self.starts), None)
 
-    def keep_before(self, step: int, other: "WindowStarts") -> None:
+    def keep_before(self, step: int, other: WindowStarts) -> None:
         """Take ``other``'s starts before ``step`` (a rewound planner keeps the older history)."""
         older = [(k, v) for k, v in other.starts.items() if k < step]
         self.starts = OrderedDict(older + [(k, v) for k, v in self.starts.items() if k >= step])

@@ -17,7 +17,7 @@ batch the consumer still needs (``backlog``), so nothing queued before it subscr
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from distributed.comm import CommClosedError
 
@@ -40,8 +40,17 @@ class RankChannels:
     """``backlog(consumer)``: the descriptors a newly subscribed consumer needs (every built batch
     from its first step on); ``on_leave(consumer)``: a subscribed consumer's process went away."""
 
-    def __init__(self, queues, owner: str, run_id: str, dp: int, cp: int, *, backlog: Callable[[Consumer], list[dict]],
-                 on_leave: Callable[[Consumer], None] = lambda c: None):
+    def __init__(
+        self,
+        queues,
+        owner: str,
+        run_id: str,
+        dp: int,
+        cp: int,
+        *,
+        backlog: Callable[[Consumer], list[dict]],
+        on_leave: Callable[[Consumer], None] = lambda c: None,
+    ):
         self.queues, self.owner, self.run_id = queues, owner, run_id  # the scheduler's queue extension
         self.backlog, self.on_leave = backlog, on_leave
         self.names: dict[tuple[int, int], str] = {}
@@ -89,8 +98,14 @@ class RankChannels:
     def _send_items(self, consumer: Consumer, channel_id: str, items: list[dict]) -> None:
         rank, cp_rank, replica = consumer
         bs = self.streams.get(channel_id)
-        msg = {"op": "descriptors", "rank": rank, "cp_rank": cp_rank, "replica": replica,
-               "generation": self.generation.get(consumer, 0), "items": items}
+        msg = {
+            "op": "descriptors",
+            "rank": rank,
+            "cp_rank": cp_rank,
+            "replica": replica,
+            "generation": self.generation.get(consumer, 0),
+            "items": items,
+        }
         if bs is None or not send(bs, msg):
             self._drop(consumer, channel_id)  # the process went away; its successor gets them again
 
@@ -157,7 +172,9 @@ class RankChannels:
             on.discard(consumer)
         return True
 
-    def subscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, replica: int = 0, **_) -> None:
+    def subscribe(
+        self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, replica: int = 0, **_
+    ) -> None:
         """Push the consumer's descriptors to this channel from now on (its newest attachment
         only), starting with every built batch it still needs."""
         consumer = (rank, cp_rank, replica)
@@ -167,8 +184,12 @@ class RankChannels:
         self._add(consumer, channel_id)
         self._send_items(consumer, channel_id, self.backlog(consumer))
 
-    def unsubscribe(self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, replica: int = 0, **_) -> None:
-        if self.generation.get((rank, cp_rank, replica), 0) == generation and self._drop((rank, cp_rank, replica), channel_id):
+    def unsubscribe(
+        self, channel_id: str, rank: int, cp_rank: int = 0, generation: int = 0, replica: int = 0, **_
+    ) -> None:
+        if self.generation.get((rank, cp_rank, replica), 0) == generation and self._drop(
+            (rank, cp_rank, replica), channel_id
+        ):
             self.on_leave((rank, cp_rank, replica))
 
     def reattach(self, consumer: Consumer) -> int:
@@ -181,9 +202,21 @@ class RankChannels:
         self._drop(consumer, old_id)
         old = self.streams.get(old_id)
         if old is not None:
-            who = f"rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "") + (f" replica {replica}" if replica else "")
-            send(old, {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica, "generation": gen - 1,
-                       "message": f"another consumer attached as {who}; this one no longer receives batches (one consumer per rank and replica)"})
+            who = (
+                f"rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "") + (f" replica {replica}" if replica else "")
+            )
+            send(
+                old,
+                {
+                    "op": "error",
+                    "rank": rank,
+                    "cp_rank": cp_rank,
+                    "replica": replica,
+                    "generation": gen - 1,
+                    "message": f"another consumer attached as {who}; this one no longer receives batches (one consumer "
+                    "per rank and replica)",
+                },
+            )
         return gen
 
     def end_all(self, message: str, dp: int | None = None, cp: int | None = None) -> None:
@@ -194,8 +227,17 @@ class RankChannels:
             for replica, channel_id in subs.items():
                 bs = self.streams.get(channel_id)
                 if bs is not None:
-                    send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica,
-                              "generation": self.generation.get((rank, cp_rank, replica), 0), "message": message})
+                    send(
+                        bs,
+                        {
+                            "op": "error",
+                            "rank": rank,
+                            "cp_rank": cp_rank,
+                            "replica": replica,
+                            "generation": self.generation.get((rank, cp_rank, replica), 0),
+                            "message": message,
+                        },
+                    )
         self.subs.clear()
         self.on_channel.clear()
         for consumer in self.generation:

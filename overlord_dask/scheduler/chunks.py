@@ -25,9 +25,9 @@ import math
 
 import numpy as np
 
+from .. import pieces as P
 from ..plan.models import Topology
 from ..protocol import batch_key
-from .. import pieces as P
 
 TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
 CHUNK_TOKENS = 1 << 20  # a default chunk holds at least this many tokens (within half the prefetch bound)
@@ -60,10 +60,24 @@ def chunk_tasks(steps: list[dict], ledger, topology: Topology, run_id: str, rewi
         for sp, entry in planned:
             pieces, slot = entry["pieces"], entry["slot"]
             mine = (slot[:, 0] >= lo) & (slot[:, 0] < hi)
-            parts.append({"step": sp["step"], "pieces": P.to_bytes(pieces[mine], "<i4"), "slot": P.to_bytes(slot[mine], "<i4"),
-                          "piece_tokens": sp["piece_tokens"], "loss_tokens": sp.get("loss_tokens")})
+            parts.append(
+                {
+                    "step": sp["step"],
+                    "pieces": P.to_bytes(pieces[mine], "<i4"),
+                    "slot": P.to_bytes(slot[mine], "<i4"),
+                    "piece_tokens": sp["piece_tokens"],
+                    "loss_tokens": sp.get("loss_tokens"),
+                }
+            )
             units.append(P.units(pieces[mine]))
         used = P.unique_rows(np.concatenate(units)) if units else np.zeros((0, 3), np.int64)
-        tasks.append({"key": batch_key(run_id, steps[0]["step"], lo, hi, rewinds), "steps": parts, "ranks": [lo, hi],
-                      "micro_batches": mb, "units": used.tolist()})
+        tasks.append(
+            {
+                "key": batch_key(run_id, steps[0]["step"], lo, hi, rewinds),
+                "steps": parts,
+                "ranks": [lo, hi],
+                "micro_batches": mb,
+                "units": used.tolist(),
+            }
+        )
     return tasks

@@ -22,7 +22,10 @@ def holders(ts) -> list[str]:
 
 def held_bytes(tasks: list, name: str, shadow_name: str) -> dict:
     """Bytes of ``tasks`` (in memory) on their first holders, and what their other copies add."""
-    return {name: sum(ts.nbytes for ts in tasks), shadow_name: sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in tasks)}
+    return {
+        name: sum(ts.nbytes for ts in tasks),
+        shadow_name: sum(ts.nbytes * max(0, len(ts.who_has) - 1) for ts in tasks),
+    }
 
 
 class HeldBatches:
@@ -68,6 +71,7 @@ class HeldBatches:
         """Copy a built batch or a loaded block to ``shadows`` more workers, in the background
         (a batch's descriptors go out at once; a trainer that finds the first holder gone asks
         ``where`` and gets a shadow; a constructor reads a lost worker's block from its shadow)."""
+
         async def copy():
             try:
                 await self.scheduler.replicate(keys=[key], n=1 + self.shadows, delete=False)

@@ -15,8 +15,8 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 from .. import logs
 from ..planner.feedback import FeedbackLoop
@@ -65,8 +65,16 @@ class PlannerThread:
     ``on_decisions(decisions)`` learns the planner's own decisions (``planner/feedback.py``:
     from the trainers' reports, which ``feedback_in`` queues)."""
 
-    def __init__(self, run_id: str, chunk_steps: int, *, on_tasks: Callable, observe: Callable[[], dict],
-                 on_failure: Callable[[str], None], on_decisions: Callable[[list], None] = lambda d: None):
+    def __init__(
+        self,
+        run_id: str,
+        chunk_steps: int,
+        *,
+        on_tasks: Callable,
+        observe: Callable[[], dict],
+        on_failure: Callable[[str], None],
+        on_decisions: Callable[[list], None] = lambda d: None,
+    ):
         self.run_id, self.chunk_steps = run_id, chunk_steps
         self.on_tasks, self.observe, self.on_failure, self.on_decisions = on_tasks, observe, on_failure, on_decisions
         self.feedback_in = FeedbackInbox()
@@ -218,7 +226,11 @@ class PlannerThread:
 
     def feedback_status(self) -> dict:
         """(planner thread) What the trainers reported and what the planner made of it."""
-        return {**self.feedback.status(self.state), "received": self.feedback_in.received, "dropped": self.feedback_in.dropped}
+        return {
+            **self.feedback.status(self.state),
+            "received": self.feedback_in.received,
+            "dropped": self.feedback_in.dropped,
+        }
 
     def _log_stages(self, steps: list[dict]) -> None:
         for sp in steps:

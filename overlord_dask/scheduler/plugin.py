@@ -27,15 +27,15 @@ import sys
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import logs
-from ..loading.partition import UnitParts
 from ..loading.losses import DataLosses
+from ..loading.partition import UnitParts
 from ..loading.signals import LoadSignals
 from ..observe import dashboard, prometheus
 from ..planner.rewind import memory_source as rewind_memory_source
 from ..planner.rewind import rebuild_at
 from ..protocol import Route, load_prefix
-from .channels import RankChannels
 from . import heap
+from .channels import RankChannels
 from .chunks import chunk_steps
 from .held import HeldBatches
 from .planner_thread import PlannerThread
@@ -53,10 +53,22 @@ class PlannerPlugin(SchedulerPlugin):
     name = "overlord-planner"
     idempotent = True
 
-    def __init__(self, plan, unit_first_ids: dict[str, list[int]], run_id: str, *,
-                 checkpoint_url: str | None = None, storage_options: dict | None = None, keep_bases: int = 2,
-                 base_every_steps: int = 1000, base_every_seconds: float = 600.0, keep_steps: int = 0, keep_hours: float | None = None,
-                 restore: dict | None = None, restore_seq: int = -1):
+    def __init__(
+        self,
+        plan,
+        unit_first_ids: dict[str, list[int]],
+        run_id: str,
+        *,
+        checkpoint_url: str | None = None,
+        storage_options: dict | None = None,
+        keep_bases: int = 2,
+        base_every_steps: int = 1000,
+        base_every_seconds: float = 600.0,
+        keep_steps: int = 0,
+        keep_hours: float | None = None,
+        restore: dict | None = None,
+        restore_seq: int = -1,
+    ):
         self.plan = plan  # a plan.Plan: handed over once, pickled with the plugin
         self.unit_first_ids = unit_first_ids
         self.run_id = run_id
@@ -78,19 +90,39 @@ class PlannerPlugin(SchedulerPlugin):
         self.losses = DataLosses()  # records dropped by prepare steps, units quarantined
         self.held = HeldBatches(scheduler, plan.loading.shadows, plan.loading.shadow_blocks, load_prefix(self.run_id))
         self.routes = Routes(self)
-        self.thread = PlannerThread(self.run_id, self.chunk_steps, on_tasks=self.held.add, observe=self._observe, on_failure=self.fail,
-                                    on_decisions=self._decided)
+        self.thread = PlannerThread(
+            self.run_id,
+            self.chunk_steps,
+            on_tasks=self.held.add,
+            observe=self._observe,
+            on_failure=self.fail,
+            on_decisions=self._decided,
+        )
         planning = await self.thread.start(plan, self.unit_first_ids, self.restore_state)
-        self.channels = RankChannels(scheduler.extensions["queues"], self.name, self.run_id, plan.topology.dp, plan.topology.cp,
-                                     backlog=self.routes.backlog, on_leave=self.routes.leave)
+        self.channels = RankChannels(
+            scheduler.extensions["queues"],
+            self.name,
+            self.run_id,
+            plan.topology.dp,
+            plan.topology.cp,
+            backlog=self.routes.backlog,
+            on_leave=self.routes.leave,
+        )
         self._rewinding = asyncio.Lock()
         self.watch = LoopWatch(on_tick=self.thread.idle_tick)
         self._background = [planning, asyncio.create_task(self.watch.run())]
         self.snapshots_loop = None
         if self.checkpoint_url:
-            self.snapshots_loop = SnapshotLoop(self.checkpoint_url, self.storage_options, lambda: self.thread.run(self.thread.state.get_state),
-                                               self.run_id, **self.keep, base_every_steps=self.base_every[0],
-                                               base_every_seconds=self.base_every[1], seq=self.seq)
+            self.snapshots_loop = SnapshotLoop(
+                self.checkpoint_url,
+                self.storage_options,
+                lambda: self.thread.run(self.thread.state.get_state),
+                self.run_id,
+                **self.keep,
+                base_every_steps=self.base_every[0],
+                base_every_seconds=self.base_every[1],
+                seq=self.seq,
+            )
             self._background.append(asyncio.create_task(self.snapshots_loop.run()))
             self.thread.hold_decisions = True
         scheduler.handlers.update(self.routes.table())
@@ -139,11 +171,21 @@ class PlannerPlugin(SchedulerPlugin):
 
     def _observe(self) -> dict:
         """(planner thread) The dashboard's view of the run."""
-        return dashboard.snapshot(self.thread.state, self.signals, run_id=self.run_id, scaling=self.routes.scaling,
-                                  snapshots=self.routes.snapshots(), loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)},
-                                  extra={"counters": self.routes.counters(), "rank_wait_share": self.routes.wait_shares(),
-                                         "timings": self.routes.timings.snapshot(),
-                                         "losses": self.losses.status(), "feedback": self.thread.feedback_status()})
+        return dashboard.snapshot(
+            self.thread.state,
+            self.signals,
+            run_id=self.run_id,
+            scaling=self.routes.scaling,
+            snapshots=self.routes.snapshots(),
+            loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)},
+            extra={
+                "counters": self.routes.counters(),
+                "rank_wait_share": self.routes.wait_shares(),
+                "timings": self.routes.timings.snapshot(),
+                "losses": self.losses.status(),
+                "feedback": self.thread.feedback_status(),
+            },
+        )
 
     def _decided(self, decisions: list) -> None:
         """(event loop) The planner decided from the trainers' reports: log it; with snapshots,
@@ -202,7 +244,7 @@ class PlannerPlugin(SchedulerPlugin):
             return
         state.failure = message
         logger.error("overlord run %s failed: %s", self.run_id, message)
-        for (r, j) in self.channels.names:
+        for r, j in self.channels.names:
             self.channels.put(r, j, {"error": message})
         self.thread.work_ready.set()
 
@@ -236,7 +278,10 @@ class PlannerPlugin(SchedulerPlugin):
             self.held.tasks.clear()
             self.routes.replicas.clear()
             self.routes.first_step.clear()
-            message = f"the run was rewound to step {step} (a training job restarted from its checkpoint); this consumer's stream ended"
+            message = (
+                f"the run was rewound to step {step} (a training job restarted from its checkpoint); "
+                "this consumer's stream ended"
+            )
             self.channels.end_all(message, *((dp, topo.cp) if dp != topo.dp else ()))
             self.thread.restart_work(release)
             logs.event("rewind", self.run_id, step, dp=dp, previous_dp=topo.dp, window=source[0])
@@ -250,9 +295,13 @@ class PlannerPlugin(SchedulerPlugin):
             stored = await asyncio.to_thread(self.snapshots_loop.store.oldest_window_step)
             oldest += [stored] if stored is not None else []
         keep = st.plan.checkpoint
-        where = "checkpoint.keep_steps" + (" or checkpoint.keep_hours (bases in the snapshot location)" if self.snapshots_loop is not None else "")
-        return (f"cannot resume at step {step}: the service can serve steps from {min(oldest)} on, not earlier "
-                f"(it keeps {keep.keep_steps} steps back); raise {where} to keep more")
+        where = "checkpoint.keep_steps" + (
+            " or checkpoint.keep_hours (bases in the snapshot location)" if self.snapshots_loop is not None else ""
+        )
+        return (
+            f"cannot resume at step {step}: the service can serve steps from {min(oldest)} on, not earlier "
+            f"(it keeps {keep.keep_steps} steps back); raise {where} to keep more"
+        )
 
 
 def _dispatch_lengths(scheduler, **msg) -> None:

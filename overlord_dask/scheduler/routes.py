@@ -72,7 +72,9 @@ class Routes:
         self.p = plugin
         self.acks = 0
         self.replicas = ReplicaAcks()
-        self.rank_wait: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, cp rank) -> (seconds waiting, seconds since it attached)
+        self.rank_wait: dict[
+            tuple[int, int], tuple[float, float]
+        ] = {}  # (rank, cp rank) -> (seconds waiting, seconds since it attached)
         self.timings = Timings()  # trainer wait and step time histograms (the metrics)
         self.scaling: dict | None = None  # the autoscaler's last decisions and history, as it reported them
         self.stop_requested = False
@@ -81,11 +83,24 @@ class Routes:
     def table(self) -> dict:
         """Request/response routes (``scheduler.handlers``)."""
         return {
-            Route.INFO: self.info, Route.ATTACH: self.attach, Route.REWIND: self.rewind, Route.CHANNEL: self.channel, Route.ACK: self.ack,
-            Route.WHERE: self.where, Route.WORK: self.work, Route.UPDATE: self.update, Route.POOLS: self.pools,
-            Route.REQUEST_STOP: self.request_stop, Route.FAIL: self.fail, Route.STATUS: self.status,
-            Route.METRICS: self.metrics, Route.LEDGER: self.ledger, Route.PLANS: self.plans,
-            Route.SNAPSHOTS: self.snapshots, Route.LOOP: self.loop, Route.EVAL: self.evaluation,
+            Route.INFO: self.info,
+            Route.ATTACH: self.attach,
+            Route.REWIND: self.rewind,
+            Route.CHANNEL: self.channel,
+            Route.ACK: self.ack,
+            Route.WHERE: self.where,
+            Route.WORK: self.work,
+            Route.UPDATE: self.update,
+            Route.POOLS: self.pools,
+            Route.REQUEST_STOP: self.request_stop,
+            Route.FAIL: self.fail,
+            Route.STATUS: self.status,
+            Route.METRICS: self.metrics,
+            Route.LEDGER: self.ledger,
+            Route.PLANS: self.plans,
+            Route.SNAPSHOTS: self.snapshots,
+            Route.LOOP: self.loop,
+            Route.EVAL: self.evaluation,
         }
 
     @property
@@ -96,10 +111,19 @@ class Routes:
     def info(self) -> dict:
         plan = self.state.final_plan
         t = plan.topology
-        return {"run_id": self.p.run_id, "name": plan.name, "dp": t.dp, "cp": t.cp, "micro_batches": t.micro_batches,
-                "tokens_per_micro_batch": t.tokens_per_micro_batch, "prefetch_steps": plan.loading.prefetch_steps,
-                "chunk_steps": self.p.chunk_steps, "sources": list(self.state.source_names), "plan_version": self.state.plan_version,
-                "commit": self.state.progress.commit_mode}
+        return {
+            "run_id": self.p.run_id,
+            "name": plan.name,
+            "dp": t.dp,
+            "cp": t.cp,
+            "micro_batches": t.micro_batches,
+            "tokens_per_micro_batch": t.tokens_per_micro_batch,
+            "prefetch_steps": plan.loading.prefetch_steps,
+            "chunk_steps": self.p.chunk_steps,
+            "sources": list(self.state.source_names),
+            "plan_version": self.state.plan_version,
+            "commit": self.state.progress.commit_mode,
+        }
 
     def attach(self, rank: int, cp_rank: int = 0, replica: int = 0) -> dict:
         """A consumer joins as (rank, cp rank, replica): it starts after its last acknowledged
@@ -123,8 +147,11 @@ class Routes:
         step on (and the run's failure, if it failed)."""
         rank, cp_rank, _ = consumer
         first = self.first_step.get(consumer, 0)
-        out = [self.p.channels.descriptor(key, t) for key, t in self.p.held.tasks.items()
-               if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first]
+        out = [
+            self.p.channels.descriptor(key, t)
+            for key, t in self.p.held.tasks.items()
+            if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first
+        ]
         if self.state.failure:
             out.append({"error": self.state.failure})
         return out
@@ -140,25 +167,65 @@ class Routes:
     async def channel(self, comm, channel_id: str, run_id: str, **_) -> None:
         """A consumer process's stream (one per process and run, shared by its ranks)."""
         if run_id != self.p.run_id:
-            await comm.write([{"op": "error", "rank": None, "message": f"this scheduler runs overlord run {self.p.run_id}, not {run_id}"}])
+            await comm.write(
+                [
+                    {
+                        "op": "error",
+                        "rank": None,
+                        "message": f"this scheduler runs overlord run {self.p.run_id}, not {run_id}",
+                    }
+                ]
+            )
             return
         await self.p.channels.serve(comm, channel_id, self._channel_ack, self.p.thread.feedback_in.put)
 
-    def _channel_ack(self, bs, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
-                     since_s: float | None = None, replica: int = 0, generation: int | None = None, **_) -> None:
+    def _channel_ack(
+        self,
+        bs,
+        rank: int,
+        step: int,
+        cp_rank: int = 0,
+        durable: bool = False,
+        wait_s: float | None = None,
+        since_s: float | None = None,
+        replica: int = 0,
+        generation: int | None = None,
+        **_,
+    ) -> None:
         resp = self.ack(rank, step, cp_rank, durable, wait_s, since_s, replica, generation)
         if resp["error"]:
-            send(bs, {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica, "generation": generation,
-                      "message": resp["error"]})
+            send(
+                bs,
+                {
+                    "op": "error",
+                    "rank": rank,
+                    "cp_rank": cp_rank,
+                    "replica": replica,
+                    "generation": generation,
+                    "message": resp["error"],
+                },
+            )
 
-    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, wait_s: float | None = None,
-            since_s: float | None = None, replica: int = 0, generation: int | None = None) -> dict:
+    def ack(
+        self,
+        rank: int,
+        step: int,
+        cp_rank: int = 0,
+        durable: bool = False,
+        wait_s: float | None = None,
+        since_s: float | None = None,
+        replica: int = 0,
+        generation: int | None = None,
+    ) -> dict:
         st = self.state
         self.acks += 1
         consumer = (rank, cp_rank, replica)
         if generation is not None and not self.p.channels.current(consumer, generation):
-            return {"committed": st.committed, "error": f"rank {rank}: this consumer's attachment (generation {generation}) was "
-                                                         "replaced or the run was rewound; its acknowledgement is ignored"}
+            return {
+                "committed": st.committed,
+                "error": f"rank {rank}: this consumer's attachment (generation {generation}) was "
+                "replaced or the run was rewound; its acknowledgement is ignored",
+            }
         if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
             self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
         before, before_durable = st.committed, st.progress.durable_step
@@ -190,7 +257,9 @@ class Routes:
         if not any(self.state.timeline.source(n).holdout is not None for n in self.state.source_names):
             return {"error": "the plan holds out no evaluation data (set a source's holdout)", "workers": []}
         key, deadline = eval_key(self.p.run_id), time.monotonic() + timeout
-        while ((ts := self.p.scheduler.tasks.get(key)) is None or ts.state not in ("memory", "erred")) and time.monotonic() < deadline:
+        while (
+            (ts := self.p.scheduler.tasks.get(key)) is None or ts.state not in ("memory", "erred")
+        ) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # submitted with the run's first tasks; built once its units are loaded
         if ts is None:
             return {"error": f"the evaluation batches were not submitted within {timeout:g}s", "workers": []}
@@ -203,8 +272,11 @@ class Routes:
     async def work(self, timeout: float = 1.0) -> dict:
         out = await self.p.thread.next_work(timeout)
         signals = self.p.signals
-        out.update(failure=self.state.failure, plan_version=self.state.plan_version,
-                   load_costs={s: signals.seconds_per_doc(s) for s in signals.cost})  # for auto-partitioning
+        out.update(
+            failure=self.state.failure,
+            plan_version=self.state.plan_version,
+            load_costs={s: signals.seconds_per_doc(s) for s in signals.cost},
+        )  # for auto-partitioning
         return out
 
     async def update(self, plan: dict, at_step: int | None = None, unit_first_ids: dict | None = None) -> dict:
@@ -226,7 +298,9 @@ class Routes:
         with ``report``, the autoscaler's latest decisions (kept for ``Service.pools()``)."""
         if report is not None:
             self.scaling = report
-            self.state.pool_workers = dict(report.get("arrived") or {})  # the planner records it with each step it plans
+            self.state.pool_workers = dict(
+                report.get("arrived") or {}
+            )  # the planner records it with each step it plans
             return {}
         return {**await self.p.thread.run(pool_signals, self.state, self.p.signals, lead_s), "scaling": self.scaling}
 
@@ -243,15 +317,29 @@ class Routes:
     # ---- views -----------------------------------------------------------------------------------------
     async def status(self) -> dict:
         thread = self.p.thread
-        st = await thread.run(lambda: {**self.state.status(), "feedback": thread.feedback_status()})  # one hop to the planner thread
+        st = await thread.run(
+            lambda: {**self.state.status(), "feedback": thread.feedback_status()}
+        )  # one hop to the planner thread
         snaps = self.p.snapshots_loop
-        return {**st, **self.p.losses.status(), "loop": self.loop(), "chunk_steps": self.p.chunk_steps, **self.p.held.figures(), **self.p.held.block_figures(),
-                "channels": len(self.p.channels.streams), "subscribed": sum(len(s) for s in self.p.channels.subs.values()),
-                "snapshot_error": snaps.error if snaps is not None else None,
-                "stop_requested": self.stop_requested, "rank_wait_share": self.wait_shares(), **self.counters()}
+        return {
+            **st,
+            **self.p.losses.status(),
+            "loop": self.loop(),
+            "chunk_steps": self.p.chunk_steps,
+            **self.p.held.figures(),
+            **self.p.held.block_figures(),
+            "channels": len(self.p.channels.streams),
+            "subscribed": sum(len(s) for s in self.p.channels.subs.values()),
+            "snapshot_error": snaps.error if snaps is not None else None,
+            "stop_requested": self.stop_requested,
+            "rank_wait_share": self.wait_shares(),
+            **self.counters(),
+        }
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
-        return await self.p.thread.run(lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)])
+        return await self.p.thread.run(
+            lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)]
+        )
 
     async def ledger(self, start: int = 0, stop: int | None = None) -> list[dict]:
         def entries() -> list[dict]:
@@ -259,14 +347,22 @@ class Routes:
             for s, entry in st.ledger.items():
                 if s >= start and (stop is None or s < stop):
                     p = entry["pieces"]
-                    out.append({"step": s, "pieces": P.to_bytes(p), "slot": entry["slot"].tobytes(),
-                                "sample_ids": st.streams.sample_ids(p).tobytes(), "dropped": st.streams.dropped_ids(entry["dropped"]).tobytes()})
+                    out.append(
+                        {
+                            "step": s,
+                            "pieces": P.to_bytes(p),
+                            "slot": entry["slot"].tobytes(),
+                            "sample_ids": st.streams.sample_ids(p).tobytes(),
+                            "dropped": st.streams.dropped_ids(entry["dropped"]).tobytes(),
+                        }
+                    )
             return out
 
         return await self.p.thread.run(entries)
 
     async def plans(self, decisions: bool = False) -> list | dict:
         """The plan versions ``[[at_step, plan], ...]``; with ``decisions``, ``{"versions", "decisions"}``."""
+
         def view():
             tl = self.state.timeline
             versions = [[at, plan_to_dict(p)] for at, p in tl.versions]
@@ -291,9 +387,22 @@ class Routes:
         return {f"{r}" + (f".{c}" if c else ""): round(w / s, 4) for (r, c), (w, s) in sorted(shares.items()) if s > 0}
 
     # ---- the workers' stream ----------------------------------------------------------------------------
-    def lengths(self, run_id: str, source: str, epoch: int, unit: int, lengths: bytes, vision: bytes | None = None,
-                seconds: float = 0.0, nbytes: int = 0, part: list | None = None, dropped: int = 0,
-                quarantined: str | None = None, masked: bytes | None = None, **_) -> None:
+    def lengths(
+        self,
+        run_id: str,
+        source: str,
+        epoch: int,
+        unit: int,
+        lengths: bytes,
+        vision: bytes | None = None,
+        seconds: float = 0.0,
+        nbytes: int = 0,
+        part: list | None = None,
+        dropped: int = 0,
+        quarantined: str | None = None,
+        masked: bytes | None = None,
+        **_,
+    ) -> None:
         """A load task's unit metadata (one-way, from the worker's stream); repeats are ignored."""
         if run_id != self.p.run_id:
             return

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from .. import logs
 
@@ -20,15 +20,33 @@ logger = logging.getLogger(__name__)
 
 
 class SnapshotLoop:
-    def __init__(self, url: str, storage_options: dict, capture: Callable[[], Awaitable[dict]], run_id: str, *,
-                 keep_bases: int, base_every_steps: int, base_every_seconds: float, seq: int, keep_steps: int = 0,
-                 keep_hours: float | None = None):
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict,
+        capture: Callable[[], Awaitable[dict]],
+        run_id: str,
+        *,
+        keep_bases: int,
+        base_every_steps: int,
+        base_every_seconds: float,
+        seq: int,
+        keep_steps: int = 0,
+        keep_hours: float | None = None,
+    ):
         from ..snapshots import SnapshotStore, SnapshotWriter
 
         self.url, self.capture, self.run_id = url, capture, run_id
         self.store = SnapshotStore(url, storage_options)
-        self.writer = SnapshotWriter(self.store, keep_bases=keep_bases, base_every_steps=base_every_steps,
-                                     base_every_seconds=base_every_seconds, seq=seq, keep_steps=keep_steps, keep_hours=keep_hours)
+        self.writer = SnapshotWriter(
+            self.store,
+            keep_bases=keep_bases,
+            base_every_steps=base_every_steps,
+            base_every_seconds=base_every_seconds,
+            seq=seq,
+            keep_steps=keep_steps,
+            keep_hours=keep_hours,
+        )
         self.error: str | None = None  # the last write failed (status shows it until one succeeds)
         self.stats: list[dict] = []
         self._written = -1  # the committed step of the last snapshot written
@@ -60,7 +78,9 @@ class SnapshotLoop:
             t0 = time.perf_counter()
             kind, n = await asyncio.to_thread(self.writer.write, st)
             self._written = st["committed"]
-            self.stats.append({"kind": kind, "bytes": n, "seconds": time.perf_counter() - t0, "committed": st["committed"]})
+            self.stats.append(
+                {"kind": kind, "bytes": n, "seconds": time.perf_counter() - t0, "committed": st["committed"]}
+            )
             del self.stats[:-1000]
             if kind == "base":
                 logs.event("snapshot_base", self.run_id, st["committed"], bytes=n)

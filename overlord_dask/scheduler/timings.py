@@ -35,14 +35,20 @@ class Histogram:
 
     def as_dict(self) -> dict:
         cum = np.cumsum(self.counts).tolist()
-        return {"buckets": [[b, c] for b, c in zip(list(self.bounds) + ["+Inf"], cum)], "sum": self.total, "count": cum[-1]}
+        return {
+            "buckets": [[b, c] for b, c in zip(list(self.bounds) + ["+Inf"], cum)],
+            "sum": self.total,
+            "count": cum[-1],
+        }
 
 
 class Timings:
     def __init__(self) -> None:
         self.wait = Histogram(WAIT_BUCKETS)
         self.step = Histogram(STEP_BUCKETS)
-        self._rank: dict[tuple, tuple[float, int]] = {}  # consumer -> (its wait total, its acknowledged step) at its last ack
+        self._rank: dict[
+            tuple, tuple[float, int]
+        ] = {}  # consumer -> (its wait total, its acknowledged step) at its last ack
         self._commit: tuple[int, float] | None = None
 
     def acked(self, consumer: tuple, step: int, wait_s: float | None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -36,8 +36,11 @@ class LoopWatch:
     def figures(self, reset: bool = False) -> dict:
         """The longest lag and the 99th percentile, in ms, over the samples kept (then forgotten, with ``reset``)."""
         lags = np.asarray(self.lags) * 1e3
-        out = {"block_max_ms": round(self.block_max * 1e3, 3), "samples": len(lags),
-               "block_p99_ms": round(float(np.percentile(lags, 99)), 3) if len(lags) else 0.0}
+        out = {
+            "block_max_ms": round(self.block_max * 1e3, 3),
+            "samples": len(lags),
+            "block_p99_ms": round(float(np.percentile(lags, 99)), 3) if len(lags) else 0.0,
+        }
         if reset:
             self.lags.clear()
             self.block_max = 0.0

@@ -1,12 +1,12 @@
 """The ``overlord`` command.
 
-    overlord demo [--dp 4 --steps 100 --data demo-data]   service + trainer processes, JSON summary
-    overlord serve PLAN.yaml [--workers 2 --dp N --scheduler-file F --host H --port P]
-                                                            run a service, print its address
-    overlord status ADDRESS|FILE [--json]                   progress, lag, balance, mix, pools, snapshots
-    overlord update ADDRESS|FILE PLAN.yaml [--at-step N]    change the plan of a running service
-    overlord stop ADDRESS|FILE                              stop it cleanly (last snapshot, workers retired)
-    overlord validate PLAN.yaml [PLAN.yaml ...]             check plans and index their sources
+overlord demo [--dp 4 --steps 100 --data demo-data]   service + trainer processes, JSON summary
+overlord serve PLAN.yaml [--workers 2 --dp N --scheduler-file F --host H --port P]
+                                                        run a service, print its address
+overlord status ADDRESS|FILE [--json]                   progress, lag, balance, mix, pools, snapshots
+overlord update ADDRESS|FILE PLAN.yaml [--at-step N]    change the plan of a running service
+overlord stop ADDRESS|FILE                              stop it cleanly (last snapshot, workers retired)
+overlord validate PLAN.yaml [PLAN.yaml ...]             check plans and index their sources
 """
 
 from __future__ import annotations
@@ -24,19 +24,24 @@ import numpy as np
 
 from ..errors import OverlordError, PlanError, ServiceError
 
-
 SERVICE_MODULES = {"pyarrow", "zarr", "pydantic", "yaml", "numba", "PIL", "prometheus_client", "tqdm", "fsspec"}
 """What the 'service' extra brings (pyproject.toml): a trainer-only install lacks them."""
 
-_IDENTITY_FIELDS = ("source_ids", "epochs", "sample_ids", "piece_starts", "cu_seqlens")  # report.delivered_record's inputs
+_IDENTITY_FIELDS = (
+    "source_ids",
+    "epochs",
+    "sample_ids",
+    "piece_starts",
+    "cu_seqlens",
+)  # report.delivered_record's inputs
 
 
 def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> None:
     """One trainer rank of the demo: consume ``steps`` steps as a training loop would."""
-    from ..trainer.dataset import OverlordDataset
-    from ..observe.figures import delivered_record
-
     import torch
+
+    from ..observe.figures import delivered_record
+    from ..trainer.dataset import OverlordDataset
 
     ds = OverlordDataset(address, rank=rank, dp=dp)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
@@ -55,7 +60,9 @@ def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> Non
         tokens += n
         digest.update(mb["input_ids"].numpy()[:n].astype("<i4").tobytes())
         in_step += n
-        current.append({k: mb[k].numpy() for k in _IDENTITY_FIELDS})  # what exactly-once accounting reads, after the run
+        current.append(
+            {k: mb[k].numpy() for k in _IDENTITY_FIELDS}
+        )  # what exactly-once accounting reads, after the run
         if mb["last_in_step"]:
             kept.append((mb["step"], current))
             step_end.append(time.time())
@@ -72,19 +79,37 @@ def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> Non
         records.append(rec)
     merged = {k: np.concatenate([r[k] for r in records]) for k in records[0]} if records else {}
     # the first wait includes attaching and the service's warm-up: report it apart
-    np.savez(out, wait_s=np.array(ds.stream.wait_s[1:]), first_wait_s=ds.stream.wait_s[0], tokens=tokens,
-             t_start=t_start, t_first=t_first, t_end=t_end, step_end=np.array(step_end), step_tokens=np.array(step_tokens),
-             digest=digest.hexdigest(), **merged)
+    np.savez(
+        out,
+        wait_s=np.array(ds.stream.wait_s[1:]),
+        first_wait_s=ds.stream.wait_s[0],
+        tokens=tokens,
+        t_start=t_start,
+        t_first=t_first,
+        t_end=t_end,
+        step_end=np.array(step_end),
+        step_tokens=np.array(step_tokens),
+        digest=digest.hexdigest(),
+        **merged,
+    )
     ds.close()
 
 
-def run_demo(*, steps: int = 100, dp: int = 4, workers: int = 2, data: str = "demo-data", scale: float = 1.0,
-             plan_path: str | None = None, quiet: bool = False) -> dict:
+def run_demo(
+    *,
+    steps: int = 100,
+    dp: int = 4,
+    workers: int = 2,
+    data: str = "demo-data",
+    scale: float = 1.0,
+    plan_path: str | None = None,
+    quiet: bool = False,
+) -> dict:
     """Run the service and ``dp`` trainer processes for ``steps`` steps; return the run summary."""
     from tqdm import tqdm
 
-    from .demo import demo_plan, generate_demo_corpus
     from ..observe.figures import delivered_identities, exactly_once, mix_error, percentile, planned_identities
+    from .demo import demo_plan, generate_demo_corpus
     from .service import Service
 
     corpus = generate_demo_corpus(data, scale=scale)
@@ -94,10 +119,15 @@ def run_demo(*, steps: int = 100, dp: int = 4, workers: int = 2, data: str = "de
     with Service.start(plan, n_workers=workers) as service, tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"rank{r}.npz") for r in range(dp)]
         t0 = time.perf_counter()
-        procs = [ctx.Process(target=_demo_trainer, args=(service.address, r, dp, steps, outs[r]), daemon=True) for r in range(dp)]
+        procs = [
+            ctx.Process(target=_demo_trainer, args=(service.address, r, dp, steps, outs[r]), daemon=True)
+            for r in range(dp)
+        ]
         for p in procs:
             p.start()
-        with tqdm(total=steps, desc=f"steps (dp={dp})", unit="step", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:
+        with tqdm(
+            total=steps, desc=f"steps (dp={dp})", unit="step", disable=quiet or not sys.stderr.isatty(), file=sys.stderr
+        ) as bar:
             done = 0
             while done < steps:
                 st = service.status()
@@ -128,7 +158,9 @@ def run_demo(*, steps: int = 100, dp: int = 4, workers: int = 2, data: str = "de
     # before the trainers attach, and those hand over at the trainers' pace, not the service's
     # (counted from the first batch, they would overstate the rate)
     s0 = steady_from(steps, plan.loading.prefetch_steps)
-    stream_s = max(float(r["t_end"]) for r in ranks) - min(float(r["step_end"][s0 - 1] if s0 else r["t_first"]) for r in ranks)
+    stream_s = max(float(r["t_end"]) for r in ranks) - min(
+        float(r["step_end"][s0 - 1] if s0 else r["t_first"]) for r in ranks
+    )
     steady_tokens = int(sum(int(r["step_tokens"][s0:].sum()) for r in ranks))
     return {
         "steps": steps,
@@ -168,10 +200,9 @@ def _load(path: str):
 
 
 def cmd_serve(args) -> int:
+    from .. import logs
     from ..protocol import write_scheduler_file
     from .service import Service
-
-    from .. import logs
 
     logs.setup(args.log_format, args.log_level)
     plan = _load(args.plan)
@@ -181,8 +212,18 @@ def cmd_serve(args) -> int:
         if args.scheduler_file:
             write_scheduler_file(args.scheduler_file, service.address, service.run_id, plan.topology.dp)
         link = service.client.dashboard_link or ""
-        print(json.dumps({"run_id": service.run_id, "address": service.address, "dp": plan.topology.dp,
-                          "scheduler_file": args.scheduler_file, "dashboard": link.rsplit("/", 1)[0] + "/overlord" if link else None}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "run_id": service.run_id,
+                    "address": service.address,
+                    "dp": plan.topology.dp,
+                    "scheduler_file": args.scheduler_file,
+                    "dashboard": link.rsplit("/", 1)[0] + "/overlord" if link else None,
+                }
+            ),
+            flush=True,
+        )
         try:
             while True:
                 st = service.status()
@@ -263,8 +304,8 @@ def cmd_plan_report(args) -> int:
     print(f"plan {report['plan']}: {steps} steps of {report['step_tokens']:,} tokens")
     print(f"{'source':<16}{'tokens':>16}{'share':>8}{'tokens/pass':>16}{'epochs':>9}")
     for s in report["sources"]:
-        est = "" if s["pass_exact"] else "~"
-        print(f"{s['source']:<16}{s['tokens']:>16,}{s['share']:>8.3f}{est + format(s['tokens_per_pass'], ','):>16}{s['epochs']:>9.3f}")
+        per_pass = ("" if s["pass_exact"] else "~") + format(s["tokens_per_pass"], ",")
+        print(f"{s['source']:<16}{s['tokens']:>16,}{s['share']:>8.3f}{per_pass:>16}{s['epochs']:>9.3f}")
     for st in report["stages"]:
         print(f"stage {st['name']!r} from step {st['start_step']}")
     if args.plot:
@@ -303,7 +344,9 @@ def cmd_update(args) -> int:
     service = _attach(args.where)
     try:
         dp = service.plan.topology.dp  # served with --dp: the running world size stays
-        at = service.update_plan(_with_dp(_load(args.plan), dp, f"{args.plan} (dp {dp} of the running service)"), at_step=args.at_step)
+        at = service.update_plan(
+            _with_dp(_load(args.plan), dp, f"{args.plan} (dp {dp} of the running service)"), at_step=args.at_step
+        )
     finally:
         service.close()
     print(json.dumps({"updated": True, "at_step": at}), flush=True)
@@ -349,9 +392,18 @@ def cmd_validate(args) -> int:
         warnings = _layout_warnings(plan)
         for w in warnings:
             print(f"overlord: warning: {w}", file=sys.stderr, flush=True)
-        print(json.dumps({"plan": path, "name": plan.name, "ok": True,
-                          "sources": {k: _counts(v) for k, v in units.items()},
-                          "warnings": warnings}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "plan": path,
+                    "name": plan.name,
+                    "ok": True,
+                    "sources": {k: _counts(v) for k, v in units.items()},
+                    "warnings": warnings,
+                }
+            ),
+            flush=True,
+        )
     return 2 if failed else 0
 
 
@@ -394,10 +446,18 @@ def main(argv: list[str] | None = None) -> int:
         except OverlordError as err:
             print(f"overlord: error: {err}", file=sys.stderr)
             return 2
-    ap = argparse.ArgumentParser(prog="overlord", description="overlord-dask: a Dask data-loading service for LLM training")
+    ap = argparse.ArgumentParser(
+        prog="overlord", description="overlord-dask: a Dask data-loading service for LLM training"
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("slurm", help="run the service as a Slurm job with Slurm worker jobs (see `overlord slurm --help`)", add_help=False)
-    d = sub.add_parser("demo", help="run the service on an embedded LocalCluster with generated data and dp trainer processes")
+    sub.add_parser(
+        "slurm",
+        help="run the service as a Slurm job with Slurm worker jobs (see `overlord slurm --help`)",
+        add_help=False,
+    )
+    d = sub.add_parser(
+        "demo", help="run the service on an embedded LocalCluster with generated data and dp trainer processes"
+    )
     d.add_argument("--dp", type=_positive, default=4, help="trainer ranks (separate processes)")
     d.add_argument("--steps", type=_positive, default=100)
     d.add_argument("--workers", type=_positive, default=2, help="Dask worker processes")
@@ -407,23 +467,45 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     s = sub.add_parser("serve", help="run a service for a plan and print its address")
     s.add_argument("plan")
-    s.add_argument("--workers", type=_non_negative, default=2, help="embedded worker processes (0: workers join from other hosts)")
-    s.add_argument("--port", type=int, default=0, help="scheduler port (fixed, so that trainers reconnect to a restarted service)")
+    s.add_argument(
+        "--workers", type=_non_negative, default=2, help="embedded worker processes (0: workers join from other hosts)"
+    )
+    s.add_argument(
+        "--port", type=int, default=0, help="scheduler port (fixed, so that trainers reconnect to a restarted service)"
+    )
     s.add_argument("--host", default=None, help="interface the scheduler listens on (default: loopback only)")
     s.add_argument("--dp", type=_positive, default=None, help="data-parallel ranks (overrides the plan's topology.dp)")
-    s.add_argument("--scheduler-file", default=None, help="write the address here (trainers and tools can be given the file)")
-    s.add_argument("--log-format", choices=["logfmt", "json"], default="logfmt", help="the service's event log on stderr (and its workers')")
+    s.add_argument(
+        "--scheduler-file", default=None, help="write the address here (trainers and tools can be given the file)"
+    )
+    s.add_argument(
+        "--log-format",
+        choices=["logfmt", "json"],
+        default="logfmt",
+        help="the service's event log on stderr (and its workers')",
+    )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     st = sub.add_parser("status", help="a running service's progress, lag, balance, mix, pools and snapshots")
     st.add_argument("where", help="scheduler address or scheduler file")
     st.add_argument("--json", action="store_true")
-    st.add_argument("--watch", type=float, nargs="?", const=5.0, default=None, metavar="SECONDS",
-                    help="print it again every SECONDS (default 5) until interrupted or the service is gone")
+    st.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=5.0,
+        default=None,
+        metavar="SECONDS",
+        help="print it again every SECONDS (default 5) until interrupted or the service is gone",
+    )
     pr = sub.add_parser("plan-report", help="tokens and epochs per source up to a step, stage boundaries (no cluster)")
     pr.add_argument("plan")
     pr.add_argument("--steps", type=_positive, default=None, help="up to this step (default: the plan's steps)")
-    pr.add_argument("--sample-units", type=_positive, default=2, help="units read per source to measure its tokens per pass")
-    pr.add_argument("--plot", default=None, help="write a plot of cumulative tokens per source to this file (png, svg, pdf)")
+    pr.add_argument(
+        "--sample-units", type=_positive, default=2, help="units read per source to measure its tokens per pass"
+    )
+    pr.add_argument(
+        "--plot", default=None, help="write a plot of cumulative tokens per source to this file (png, svg, pdf)"
+    )
     pr.add_argument("--json", action="store_true")
     pv = sub.add_parser("preview", help="a source's first documents decoded, as trainers receive them (no cluster)")
     pv.add_argument("plan")
@@ -434,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("update", help="change a running service's plan from a step on")
     u.add_argument("where", help="scheduler address or scheduler file")
     u.add_argument("plan")
-    u.add_argument("--at-step", type=int, default=None, help="first step of the new plan (default: the first not planned yet)")
+    u.add_argument(
+        "--at-step", type=int, default=None, help="first step of the new plan (default: the first not planned yet)"
+    )
     sp = sub.add_parser("stop", help="stop a running service cleanly (last snapshot written, workers retired)")
     sp.add_argument("where", help="scheduler address or scheduler file")
     sp.add_argument("--timeout", type=float, default=60.0)
@@ -443,20 +527,38 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "demo":
-            summary = run_demo(steps=args.steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale,
-                               plan_path=args.plan, quiet=args.quiet)
+            summary = run_demo(
+                steps=args.steps,
+                dp=args.dp,
+                workers=args.workers,
+                data=args.data,
+                scale=args.scale,
+                plan_path=args.plan,
+                quiet=args.quiet,
+            )
             print(json.dumps(summary), flush=True)
             return 0
-        commands = {"serve": cmd_serve, "status": cmd_status, "update": cmd_update, "stop": cmd_stop, "validate": cmd_validate,
-                    "plan-report": cmd_plan_report, "preview": cmd_preview, "schema": cmd_schema}
+        commands = {
+            "serve": cmd_serve,
+            "status": cmd_status,
+            "update": cmd_update,
+            "stop": cmd_stop,
+            "validate": cmd_validate,
+            "plan-report": cmd_plan_report,
+            "preview": cmd_preview,
+            "schema": cmd_schema,
+        }
         return commands[args.cmd](args)
     except OverlordError as err:
         print(f"overlord: error: {err}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:
         if err.name and err.name.split(".")[0] in SERVICE_MODULES:  # a trainer-only install
-            print(f"overlord: error: the service needs the 'service' extra: pip install 'overlord-dask[service]' "
-                  f"(missing: {err.name})", file=sys.stderr)
+            print(
+                f"overlord: error: the service needs the 'service' extra: pip install 'overlord-dask[service]' "
+                f"(missing: {err.name})",
+                file=sys.stderr,
+            )
             return 2
         raise
 

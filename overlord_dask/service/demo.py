@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from ..plan.models import Plan
 from ..plan.loading import load_plan, plan_from_dict
+from ..plan.models import Plan
 from ..sources.tokenizers import BYTE_OFFSET, EOS_ID
 
 CORPUS_VERSION = 5  # 4: books' tokens in 256k-token chunks; 5: captions' in 64k-token chunks
@@ -53,9 +53,13 @@ def _write_web(root: Path, rng, n_docs: int, files: int = 4, row_group: int = 10
         lens = _lengths(rng, "web", len(idx))
         data = _text_bytes(rng, int(lens.sum()))
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        texts = pa.LargeStringArray.from_buffers(len(lens), pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes()))
+        texts = pa.LargeStringArray.from_buffers(
+            len(lens), pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes())
+        )
         table = pa.table({"id": pa.array(idx, pa.int64()), "text": texts})
-        pq.write_table(table, root / "web" / f"part-{f:03d}.parquet", row_group_size=row_group, write_page_checksum=True)
+        pq.write_table(
+            table, root / "web" / f"part-{f:03d}.parquet", row_group_size=row_group, write_page_checksum=True
+        )
 
 
 def _write_chat(root: Path, rng, n_docs: int, files: int = 2, row_group: int = 2000) -> None:
@@ -68,7 +72,9 @@ def _write_chat(root: Path, rng, n_docs: int, files: int = 2, row_group: int = 2
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(toks))
         table = pa.table({"id": pa.array(idx, pa.int64()), "input_ids": lists})
-        pq.write_table(table, root / "chat" / f"part-{f:03d}.parquet", row_group_size=row_group, write_page_checksum=True)
+        pq.write_table(
+            table, root / "chat" / f"part-{f:03d}.parquet", row_group_size=row_group, write_page_checksum=True
+        )
 
 
 def _write_books(root: Path, rng, n_docs: int) -> None:
@@ -96,7 +102,9 @@ def _write_captions(root: Path, rng, n_docs: int, patches: int = 16, patch_dim: 
     positions = np.concatenate([np.sort(positions[a:b]) for a, b in zip(img_off[:-1], img_off[1:])])
     images = rng.integers(0, 256, size=(int(img_off[-1]), patches, patch_dim), dtype=np.uint8)
     g = zarr.open_group(str(root / "captions.zarr"), mode="w")
-    g.create_array("tokens", shape=toks.shape, chunks=(1 << 16,), dtype="int32")[:] = toks  # the multimodal plan's units
+    g.create_array("tokens", shape=toks.shape, chunks=(1 << 16,), dtype="int32")[:] = (
+        toks  # the multimodal plan's units
+    )
     g.create_array("offsets", shape=offsets.shape, chunks=(1 << 16,), dtype="int64")[:] = offsets
     g.create_array("images", shape=images.shape, chunks=(4096, patches, patch_dim), dtype="uint8")[:] = images
     g.create_array("image_offsets", shape=img_off.shape, chunks=(1 << 16,), dtype="int64")[:] = img_off
@@ -133,9 +141,17 @@ def _write_photos(root: Path, rng, n_docs: int, files: int = 2, row_group: int =
         n_img = rng.integers(1, 3, n)
         photos = [[_photo(rng, size) for _ in range(k)] for k in n_img]
         positions = [sorted(rng.integers(0, int(L), k).tolist()) for L, k in zip(lens, n_img)]
-        table = pa.table({"id": pa.array(idx, pa.int64()), "caption": texts,
-                          "images": pa.array(photos, pa.list_(pa.binary())), "image_positions": pa.array(positions, pa.list_(pa.int32()))})
-        pq.write_table(table, root / "photos" / f"part-{f:03d}.parquet", row_group_size=row_group, write_page_checksum=True)
+        table = pa.table(
+            {
+                "id": pa.array(idx, pa.int64()),
+                "caption": texts,
+                "images": pa.array(photos, pa.list_(pa.binary())),
+                "image_positions": pa.array(positions, pa.list_(pa.int32())),
+            }
+        )
+        pq.write_table(
+            table, root / "photos" / f"part-{f:03d}.parquet", row_group_size=row_group, write_page_checksum=True
+        )
 
 
 def generate_demo_corpus(root: str | os.PathLike, *, scale: float = 1.0, seed: int = 0) -> Path:
@@ -156,15 +172,29 @@ def generate_demo_corpus(root: str | os.PathLike, *, scale: float = 1.0, seed: i
     return root
 
 
-def generate_text_sources(root: str | os.PathLike, sources: int, *, files: int = 2, docs_per_file: int = 2_000,
-                          row_group: int = 1_000, seed: int = 0) -> list[str]:
+def generate_text_sources(
+    root: str | os.PathLike,
+    sources: int,
+    *,
+    files: int = 2,
+    docs_per_file: int = 2_000,
+    row_group: int = 1_000,
+    seed: int = 0,
+) -> list[str]:
     """``sources`` web-like text parquet sources ``src-000``, ``src-001``, ... under ``root``, each
     ``files`` files of ``docs_per_file`` documents: the many-source corpora of the memory and
     indexing benchmarks. Idempotent like :func:`generate_demo_corpus`; returns the source names."""
     root = Path(root)
     names = [f"src-{i:03d}" for i in range(sources)]
     marker = root / "SOURCES.json"
-    meta = {"version": CORPUS_VERSION, "sources": sources, "files": files, "docs_per_file": docs_per_file, "row_group": row_group, "seed": seed}
+    meta = {
+        "version": CORPUS_VERSION,
+        "sources": sources,
+        "files": files,
+        "docs_per_file": docs_per_file,
+        "row_group": row_group,
+        "seed": seed,
+    }
     if marker.exists() and json.loads(marker.read_text()) == meta:
         return names
     for i, name in enumerate(names):
@@ -175,9 +205,13 @@ def generate_text_sources(root: str | os.PathLike, sources: int, *, files: int =
             lens = _lengths(rng, "web", docs_per_file)
             data = _text_bytes(rng, int(lens.sum()))
             offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-            texts = pa.LargeStringArray.from_buffers(len(lens), pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes()))
+            texts = pa.LargeStringArray.from_buffers(
+                len(lens), pa.py_buffer(offsets.tobytes()), pa.py_buffer(data.tobytes())
+            )
             ids = pa.array(np.arange(f * docs_per_file, (f + 1) * docs_per_file), pa.int64())
-            pq.write_table(pa.table({"id": ids, "text": texts}), sub / f"part-{f:03d}.parquet", row_group_size=row_group)
+            pq.write_table(
+                pa.table({"id": ids, "text": texts}), sub / f"part-{f:03d}.parquet", row_group_size=row_group
+            )
     marker.write_text(json.dumps(meta))
     return names
 
@@ -192,7 +226,10 @@ def text_sources_plan(names: list[str], weights: list[float] | None = None, **se
     data = yaml.safe_load(PLAN_FILE.read_text())
     weights = weights or [1.0] * len(names)
     data["name"] = f"text-{len(names)}"
-    data["sources"] = [{"name": n, "format": "parquet", "url": f"{n}/*.parquet", "text_field": "text", "weight": w} for n, w in zip(names, weights)]
+    data["sources"] = [
+        {"name": n, "format": "parquet", "url": f"{n}/*.parquet", "text_field": "text", "weight": w}
+        for n, w in zip(names, weights)
+    ]
     return _with_sections(data, sections)
 
 
@@ -207,14 +244,27 @@ def train_bpe(texts, path: str | os.PathLike, vocab_size: int = 8_192) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-                                                            "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "add_bos_token": False,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     return path
 
 
@@ -249,14 +299,17 @@ def example_plan(name: str, data_dir: str | os.PathLike, **overrides) -> Plan:
 
     res = resources.files("overlord_dask").joinpath("pipelines", f"{name}.yaml")
     if not res.is_file():
-        names = sorted(p.name.removesuffix(".yaml") for p in resources.files("overlord_dask").joinpath("pipelines").iterdir()
-                       if p.name.endswith(".yaml"))
+        names = sorted(
+            p.name.removesuffix(".yaml")
+            for p in resources.files("overlord_dask").joinpath("pipelines").iterdir()
+            if p.name.endswith(".yaml")
+        )
         raise ValueError(f"no example plan {name!r}; the examples: {names}")
     data = yaml.safe_load(res.read_text())
     root = str(Path(data_dir).resolve())
     for s in data.get("sources", []):
         if s.get("url", "").startswith("../demo-data"):
-            s["url"] = root + s["url"][len("../demo-data"):]
+            s["url"] = root + s["url"][len("../demo-data") :]
     return plan_from_dict(_with_sections(data, overrides), where=f"pipelines/{name}.yaml", base_dir=root)
 
 
@@ -268,4 +321,13 @@ def _with_sections(data: dict, sections: dict) -> dict:
     return data
 
 
-__all__ = ["demo_plan", "demo_texts", "example_plan", "generate_demo_corpus", "generate_text_sources", "load_plan", "text_sources_plan", "train_bpe"]
+__all__ = [
+    "demo_plan",
+    "demo_texts",
+    "example_plan",
+    "generate_demo_corpus",
+    "generate_text_sources",
+    "load_plan",
+    "text_sources_plan",
+    "train_bpe",
+]

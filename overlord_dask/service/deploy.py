@@ -39,8 +39,10 @@ peer that just died retries the refused connection this long, not Dask's 30 s.""
 
 QUIET_DEFAULTS = {
     "distributed.worker.profile.enabled": False,  # no 100 Hz stack sampling of every worker
-    "distributed.admin.tick.interval": "100ms",  # Dask's loop-health tick (the service measures its own: scheduler/watchdog.py)
-    "distributed.admin.system-monitor.interval": "2s",  # the dashboard's per-process time series (psutil reads of /proc)
+    # Dask's loop-health tick (the service measures its own: scheduler/watchdog.py)
+    "distributed.admin.tick.interval": "100ms",
+    # the dashboard's per-process time series (psutil reads of /proc)
+    "distributed.admin.system-monitor.interval": "2s",
     "distributed.admin.system-monitor.disk": False,  # host-wide disk I/O counters: nothing in the service reads them
     "distributed.worker.memory.monitor-interval": "500ms",  # spill / pause / terminate checks, in each worker and nanny
 }
@@ -61,8 +63,11 @@ def quiet_defaults() -> dict:
     if not dask.config.get("overlord.quiet-dask", True):
         return {}
     dask_defaults = dask.config.merge(*dask.config.defaults)
-    return {key: ours for key, ours in QUIET_DEFAULTS.items()
-            if dask.config.get(key, None) == dask.config.get(key, None, config=dask_defaults)}
+    return {
+        key: ours
+        for key, ours in QUIET_DEFAULTS.items()
+        if dask.config.get(key, None) == dask.config.get(key, None, config=dask_defaults)
+    }
 
 
 PAGE_ROUTES = "overlord_dask.observe.http"  # /overlord and /overlord.json on the dashboard server
@@ -72,8 +77,11 @@ def service_config() -> dict:
     """Config for the service's own process (scheduler, nannies): ``SERVICE_CONFIG``, the quiet
     defaults, and the Overlord page among the scheduler's HTTP routes."""
     routes = list(dask.config.get("distributed.scheduler.http.routes", []))
-    return {**quiet_defaults(), **SERVICE_CONFIG,
-            "distributed.scheduler.http.routes": routes + ([PAGE_ROUTES] if PAGE_ROUTES not in routes else [])}
+    return {
+        **quiet_defaults(),
+        **SERVICE_CONFIG,
+        "distributed.scheduler.http.routes": routes + ([PAGE_ROUTES] if PAGE_ROUTES not in routes else []),
+    }
 
 
 def worker_config() -> dict:
@@ -86,11 +94,19 @@ def worker_config() -> dict:
 def tls_configured() -> bool:
     """Whether Dask's config (``distributed.comm.tls.*``, e.g. from ``DASK_DISTRIBUTED__COMM__TLS__*``
     environment variables) holds certificates: then every connection of the service is TLS."""
-    return bool(dask.config.get("distributed.comm.tls.ca-file", None) or dask.config.get("distributed.comm.require-encryption", None))
+    return bool(
+        dask.config.get("distributed.comm.tls.ca-file", None)
+        or dask.config.get("distributed.comm.require-encryption", None)
+    )
 
 
-def local_cluster(n_workers: int = 2, threads_per_worker: int = 1, memory_limit: str | int = "auto", worker_nice: int | None = None,
-                  **kwargs) -> LocalCluster:
+def local_cluster(
+    n_workers: int = 2,
+    threads_per_worker: int = 1,
+    memory_limit: str | int = "auto",
+    worker_nice: int | None = None,
+    **kwargs,
+) -> LocalCluster:
     """A LocalCluster of worker processes with the service's settings; TLS for every connection
     when Dask's config holds certificates (the scheduler listens on loopback unless ``host`` is
     given). Its workers, new ones included, run at ``worker_nice`` (default ``overlord.worker-nice``,

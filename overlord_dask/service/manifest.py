@@ -37,15 +37,17 @@ def with_digests(timeline: PlanTimeline, units: dict[str, list[LoadUnit]]) -> di
         kept = _read(store, name) if store is not None else None
         if kept is not None:
             if kept["units"] != [_key(u) for u in us]:
-                raise SourceError(f"source {name!r}: its files index to other load units than when the run's integrity manifest "
-                                  "was written (a file added, removed or rewritten): the run cannot resume on them")
+                raise SourceError(
+                    f"source {name!r}: its files index to other load units than when the run's integrity manifest "
+                    "was written (a file added, removed or rewritten): the run cannot resume on them"
+                )
             out[name] = [replace(u, digest=d) for u, d in zip(us, kept["digests"])]
             continue
         fs, _ = source_fs(src, plan.base_dir)
         per_unit = [regions(src, plan, u) for u in us]
         distinct = list(dict.fromkeys(per_unit))  # units of one row group or file share its digest
         with ThreadPoolExecutor(max_workers=4) as pool:  # remote stores: requests overlap
-            digests = dict(zip(distinct, pool.map(lambda r: region_digest(fs, r), distinct)))
+            digests = dict(zip(distinct, pool.map(lambda r, fs=fs: region_digest(fs, r), distinct)))
         out[name] = [replace(u, digest=digests[r]) for u, r in zip(us, per_unit)]
         if store is not None:
             _write(store, name, {"units": [_key(u) for u in us], "digests": [u.digest for u in out[name]]})

@@ -49,5 +49,11 @@ def replay(plan: Plan, timeline: PlanTimeline | None = None, steps: int = 100) -
             for r in range(st.topology.dp):
                 for c in range(st.topology.cp):
                     st.ack(r, p["step"], c)
-    return {s: {"pieces": st.ledger[s]["pieces"], "slot": st.ledger[s]["slot"], "sample_ids": st.streams.sample_ids(st.ledger[s]["pieces"])}
-            for s in range(steps)}
+    return {
+        s: {
+            "pieces": st.ledger[s]["pieces"],
+            "slot": st.ledger[s]["slot"],
+            "sample_ids": st.streams.sample_ids(st.ledger[s]["pieces"]),
+        }
+        for s in range(steps)
+    }

@@ -40,8 +40,13 @@ def source_passes(plan: Plan, sample_units: int = 2) -> dict[str, dict]:
         else:  # units whose documents are counted only when read (jsonl byte ranges, webdataset shards)
             total_docs = int(round(docs / len(picks) * len(units)))
             total_tokens = int(round(tokens / len(picks) * len(units)))
-        out[name] = {"units": len(units), "documents": total_docs, "tokens_per_pass": total_tokens, "exact": exact,
-                     "units_read": len(picks)}
+        out[name] = {
+            "units": len(units),
+            "documents": total_docs,
+            "tokens_per_pass": total_tokens,
+            "exact": exact,
+            "units_read": len(picks),
+        }
     return out
 
 
@@ -63,13 +68,30 @@ def plan_report(plan: Plan, steps: int, sample_units: int = 2) -> dict:
     for i, name in enumerate(names):
         p = passes[name]
         total = float(cum[-1, i])
-        sources.append({"source": name, "tokens": int(round(total)), "share": round(total / max(float(cum[-1].sum()), 1.0), 4),
-                        "tokens_per_pass": p["tokens_per_pass"], "epochs": round(total / max(p["tokens_per_pass"], 1), 3),
-                        "documents_per_pass": p["documents"], "pass_exact": p["exact"]})
+        sources.append(
+            {
+                "source": name,
+                "tokens": int(round(total)),
+                "share": round(total / max(float(cum[-1].sum()), 1.0), 4),
+                "tokens_per_pass": p["tokens_per_pass"],
+                "epochs": round(total / max(p["tokens_per_pass"], 1), 3),
+                "documents_per_pass": p["documents"],
+                "pass_exact": p["exact"],
+            }
+        )
     stages = [{"name": st.name, "start_step": st.start_step} for st in plan.stages]
-    return {"plan": plan.name, "steps": steps, "step_tokens": int(budget), "sources": sources, "stages": stages,
-            "change_points": [c for c in plan.change_points() if c <= steps],
-            "curve": {"step": xs.tolist(), "tokens": {name: cum[:, i].round().astype(np.int64).tolist() for i, name in enumerate(names)}}}
+    return {
+        "plan": plan.name,
+        "steps": steps,
+        "step_tokens": int(budget),
+        "sources": sources,
+        "stages": stages,
+        "change_points": [c for c in plan.change_points() if c <= steps],
+        "curve": {
+            "step": xs.tolist(),
+            "tokens": {name: cum[:, i].round().astype(np.int64).tolist() for i, name in enumerate(names)},
+        },
+    }
 
 
 def plot_report(report: dict, path: str) -> None:
@@ -103,7 +125,11 @@ def preview(plan: Plan, source: str, n: int = 5) -> list[dict]:
     src = plan.source(source)
     units = index_sources(plan, [src])[source]
     out = []
-    tok = load_tokenizer(plan.tokenizer_of(src), plan.base_dir) if (src.text_field or src.messages_field) else load_tokenizer(plan.tokenizer, plan.base_dir)
+    tok = (
+        load_tokenizer(plan.tokenizer_of(src), plan.base_dir)
+        if (src.text_field or src.messages_field)
+        else load_tokenizer(plan.tokenizer, plan.base_dir)
+    )
     for unit in units:
         block = read_unit(src, plan, unit).block
         for d in range(len(block)):

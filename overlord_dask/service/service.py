@@ -40,11 +40,11 @@ from ..plan.timeline import Decision, PlanTimeline
 from ..planner.snapshot import decode_updates
 from ..protocol import resolve_address
 from ..scheduler.plugin import PlannerPlugin
-from . import holdout
-from .manifest import with_digests
 from ..sources.units import LoadUnit
 from ..worker.batch_server import BatchServer
+from . import holdout
 from .indexing import index_sources, index_timeline
+from .manifest import with_digests
 from .submitter import Submitter
 from .views import ServiceViews
 
@@ -53,17 +53,24 @@ def _check_main_guard() -> None:
     """Worker processes start by importing the main script again (Dask spawns them): a script
     that starts a service at module level, outside ``if __name__ == "__main__":``, would start
     one in every worker too, and Dask then only says "Nanny failed to start". Say what to do."""
-    import __main__
     import ast
     import inspect
 
     import dask
 
+    import __main__
+
     path = getattr(__main__, "__file__", None)
     if dask.config.get("distributed.worker.multiprocessing-method", "spawn") == "fork" or not path:
         return  # forked workers, or an interactive session / notebook: nothing is imported again
-    line = next((f.lineno for f in inspect.stack(context=0)
-                 if f.function == "<module>" and f.frame.f_globals.get("__name__") == "__main__"), None)
+    line = next(
+        (
+            f.lineno
+            for f in inspect.stack(context=0)
+            if f.function == "<module>" and f.frame.f_globals.get("__name__") == "__main__"
+        ),
+        None,
+    )
     try:
         tree = ast.parse(open(path, encoding="utf-8").read())
     except (OSError, SyntaxError, ValueError):
@@ -72,9 +79,11 @@ def _check_main_guard() -> None:
         if line is not None and stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno):
             if _is_main_guard(stmt):
                 return
-            raise ServiceError(f"{path}:{line} starts a service at module level: Dask starts its worker processes by importing "
-                               "this script again, so put the code that starts the service under `if __name__ == \"__main__\":` "
-                               "(as in the README's examples)")
+            raise ServiceError(
+                f"{path}:{line} starts a service at module level: Dask starts its worker processes by importing "
+                'this script again, so put the code that starts the service under `if __name__ == "__main__":` '
+                "(as in the README's examples)"
+            )
 
 
 def _is_main_guard(stmt) -> bool:
@@ -83,8 +92,9 @@ def _is_main_guard(stmt) -> bool:
     if not isinstance(stmt, ast.If) or not isinstance(stmt.test, ast.Compare):
         return False
     names = [stmt.test.left, *stmt.test.comparators]
-    return any(isinstance(n, ast.Name) and n.id == "__name__" for n in names) and \
-        any(isinstance(n, ast.Constant) and n.value == "__main__" for n in names)
+    return any(isinstance(n, ast.Name) and n.id == "__name__" for n in names) and any(
+        isinstance(n, ast.Constant) and n.value == "__main__" for n in names
+    )
 
 
 def _start_pools(plan: Plan, cluster):
@@ -95,9 +105,12 @@ def _start_pools(plan: Plan, cluster):
         return None
     if cluster is None or not hasattr(cluster, "worker_spec"):
         if plan.loading.autoscale.enabled:
-            raise ServiceError("loading.autoscale needs a cluster object that can add workers (Service.start(plan, cluster=...), "
-                               "a LocalCluster or SLURMCluster); with only a scheduler address, start each pool's workers "
-                               f"yourself: dask worker ADDRESS --resources {pool_resource('<pool>')}=<threads> (pools: {sorted(pools)})")
+            raise ServiceError(
+                "loading.autoscale needs a cluster object that can add workers (Service.start(plan, cluster=...), "
+                "a LocalCluster or SLURMCluster); with only a scheduler address, start each pool's workers "
+                f"yourself: dask worker ADDRESS --resources {pool_resource('<pool>')}=<threads> (pools: "
+                f"{sorted(pools)})"
+            )
         return None  # fixed pools on someone else's workers: they carry the resources themselves
     set_sizes(cluster, pools, {name: spec.clamp(0) for name, spec in pools.items()})
     return cluster
@@ -124,8 +137,15 @@ def _snapshots(plan: Plan) -> tuple[tuple | None, dict]:
     store = SnapshotStore(url, ck.storage_options)
     store.check_writable()
     loaded = store.load() if ck.resume else None
-    snap = {"checkpoint_url": url, "storage_options": ck.storage_options, "keep_bases": ck.keep_bases, "keep_steps": ck.keep_steps,
-            "keep_hours": ck.keep_hours, "base_every_steps": ck.base_every_steps, "base_every_seconds": ck.base_every_seconds}
+    snap = {
+        "checkpoint_url": url,
+        "storage_options": ck.storage_options,
+        "keep_bases": ck.keep_bases,
+        "keep_steps": ck.keep_steps,
+        "keep_hours": ck.keep_hours,
+        "base_every_steps": ck.base_every_steps,
+        "base_every_seconds": ck.base_every_seconds,
+    }
     if loaded is not None:
         snap["restore"], snap["restore_seq"] = loaded
     return loaded, snap
@@ -140,18 +160,33 @@ def _check_code(plan: Plan, timeline: PlanTimeline, state: dict) -> None:
         return
     step = state.get("committed")
     if plan.checkpoint.on_code_change == "refuse":
-        raise PlanError(f"the code of {', '.join(diff)} changed since the snapshot of step {step}: resuming would yield other documents "
-                        "from there on than the run delivered before. Restore the function, start a new run (a new checkpoint url), "
-                        "or set checkpoint.on_code_change: accept")
+        raise PlanError(
+            f"the code of {', '.join(diff)} changed since the snapshot of step {step}: resuming would yield other "
+            "documents "
+            "from there on than the run delivered before. Restore the function, start a new run (a new checkpoint "
+            "url), "
+            "or set checkpoint.on_code_change: accept"
+        )
     logs.event("code_changed", plan.name, step, functions=";".join(diff))
-    logging.getLogger(__name__).warning("resuming at step %s with changed code: %s (checkpoint.on_code_change: accept)", step, ", ".join(diff))
+    logging.getLogger(__name__).warning(
+        "resuming at step %s with changed code: %s (checkpoint.on_code_change: accept)", step, ", ".join(diff)
+    )
 
 
 class Service(ServiceViews):
     """A running overlord service: start, attach, update, inspect (``views.ServiceViews``), stop."""
 
-    def __init__(self, plan: Plan, client: Client, submitter: Submitter | None, run_id: str, units: dict[str, list[LoadUnit]],
-                 cluster=None, pooled=None, adaptive=None):
+    def __init__(
+        self,
+        plan: Plan,
+        client: Client,
+        submitter: Submitter | None,
+        run_id: str,
+        units: dict[str, list[LoadUnit]],
+        cluster=None,
+        pooled=None,
+        adaptive=None,
+    ):
         self.plan = plan
         self.client = client
         self.planner = BlockingPlannerClient(client)
@@ -176,7 +211,7 @@ class Service(ServiceViews):
         run_id: str | None = None,
         scheduler_port: int = 0,
         host: str | None = None,
-    ) -> "Service":
+    ) -> Service:
         """Start a run on ``cluster`` (any Dask cluster object), on a running scheduler at
         ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes (its
         scheduler on ``host`` (default: loopback only) and ``scheduler_port``: fixed, a restarted
@@ -195,7 +230,9 @@ class Service(ServiceViews):
             from .deploy import local_cluster  # the embedded default deployment
 
             extra = {"host": host} if host else {}
-            cluster = owned = local_cluster(n_workers=n_workers, threads_per_worker=threads_per_worker, scheduler_port=scheduler_port, **extra)
+            cluster = owned = local_cluster(
+                n_workers=n_workers, threads_per_worker=threads_per_worker, scheduler_port=scheduler_port, **extra
+            )
         client = Client(cluster if address is None else address, set_as_default=False)
         run_id = run_id or f"{plan.name}-{uuid.uuid4().hex[:8]}"
         first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
@@ -214,7 +251,9 @@ class Service(ServiceViews):
 
                 adaptive = PoolAdaptive(pooled, plan_pools(plan), plan.loading.autoscale, run_id)
             submitter = Submitter(client, timeline, run_id, units)
-            submitter.submit_eval(holdout.held_out(plan.seed, timeline.source, indexed))  # the evaluation batches, built once
+            submitter.submit_eval(
+                holdout.held_out(plan.seed, timeline.source, indexed)
+            )  # the evaluation batches, built once
             submitter.start()
         except BaseException:
             if adaptive is not None:
@@ -231,7 +270,7 @@ class Service(ServiceViews):
         return cls(plan, client, submitter, run_id, units, cluster=owned, pooled=pooled, adaptive=adaptive)
 
     @classmethod
-    def attach(cls, address: str, timeout: float = 30.0) -> "Service":
+    def attach(cls, address: str, timeout: float = 30.0) -> Service:
         """A handle on a service running elsewhere (another process or machine), by address or
         scheduler file: inspect it, update its plan, ask it to stop; ``close()`` only disconnects.
         Waits up to ``timeout`` seconds for the scheduler to answer."""
@@ -242,8 +281,10 @@ class Service(ServiceViews):
         try:
             client = Client(address, set_as_default=False, timeout=timeout)
         except (OSError, TimeoutError) as err:
-            raise ServiceError(f"no overlord service at {address}: nothing answered within {timeout:g}s (is the service running? a "
-                               f"scheduler file names the address of the last start) [{type(err).__name__}]") from None
+            raise ServiceError(
+                f"no overlord service at {address}: nothing answered within {timeout:g}s (is the service running? a "
+                f"scheduler file names the address of the last start) [{type(err).__name__}]"
+            ) from None
         planner = BlockingPlannerClient(client)
         try:
             info = planner.info()
@@ -270,16 +311,18 @@ class Service(ServiceViews):
             self.client.run_on_scheduler(_detach_planner)
         except Exception:  # the scheduler may already be gone
             pass
-        if self.pooled is not None and self.cluster is None:  # a cluster we were lent: give back the pool workers we added
+        if (
+            self.pooled is not None and self.cluster is None
+        ):  # a cluster we were lent: give back the pool workers we added
             try:
-                set_sizes(self.pooled, {}, {name: 0 for name in pool_sizes(self.pooled)})
+                set_sizes(self.pooled, {}, dict.fromkeys(pool_sizes(self.pooled), 0))
             except Exception:  # the cluster is closing itself
                 pass
         self.client.close()
         if self.cluster is not None:
             self.cluster.close()
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Service:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -308,7 +351,10 @@ class Service(ServiceViews):
         skipped. With snapshots, the update is durable when this returns."""
         known = set(self.timeline().source_names)
         new = [s for s in plan.sources if s.name not in known]
-        first_ids = {name: [u.first_id for u in us] for name, us in holdout.training(plan.seed, plan.source, index_sources(plan, new)).items()}
+        first_ids = {
+            name: [u.first_id for u in us]
+            for name, us in holdout.training(plan.seed, plan.source, index_sources(plan, new)).items()
+        }
         resp = self.planner.update(plan_to_dict(plan), at_step, first_ids)
         if resp["error"]:
             raise PlanError(resp["error"])
@@ -358,8 +404,12 @@ def upload_plan_code(client, plan) -> None:
     for path in local_code(plan_to_dict(plan), plan.base_dir):
         if os.path.isdir(path):  # a package: as a zip of its folder, importable from the workers' sys.path
             staging = tempfile.mkdtemp(prefix="overlord-code-")
-            path = shutil.make_archive(os.path.join(staging, os.path.basename(path)), "zip", os.path.dirname(path), os.path.basename(path))
-        client.upload_file(path, load=True)  # a zip goes onto sys.path only when loaded; a module is imported once, here
+            path = shutil.make_archive(
+                os.path.join(staging, os.path.basename(path)), "zip", os.path.dirname(path), os.path.basename(path)
+            )
+        client.upload_file(
+            path, load=True
+        )  # a zip goes onto sys.path only when loaded; a module is imported once, here
 
 
 class LogSetup(WorkerPlugin):

@@ -35,20 +35,32 @@ def main(argv: list[str] | None = None) -> int:
     from .deploy import _seconds, slurm_cluster
     from .service import Service
 
-    ap = argparse.ArgumentParser(prog="overlord slurm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="overlord slurm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("plan")
     ap.add_argument("--jobs", type=int, default=2, help="shared worker jobs")
     ap.add_argument("--cores", type=int, default=8)
     ap.add_argument("--memory", default="32GB")
     ap.add_argument("--queue", default=None)
     ap.add_argument("--account", default=None)
-    ap.add_argument("--walltime", default="04:00:00", help="of each worker job; workers leave (and are replaced) before it")
-    ap.add_argument("--lifetime", default=None, help="a worker's lifetime (default: the walltime less a tenth, at least 5 minutes)")
+    ap.add_argument(
+        "--walltime", default="04:00:00", help="of each worker job; workers leave (and are replaced) before it"
+    )
+    ap.add_argument(
+        "--lifetime", default=None, help="a worker's lifetime (default: the walltime less a tenth, at least 5 minutes)"
+    )
     ap.add_argument("--host", default=None, help="interface/address the scheduler listens on (default: dask's choice)")
-    ap.add_argument("--scheduler-file", default=None, help="write the service's address here (trainers take the file as address)")
-    ap.add_argument("--service-walltime", default=None, help="this job's own walltime ([days-]hh:mm:ss), for --resubmit")
+    ap.add_argument(
+        "--scheduler-file", default=None, help="write the service's address here (trainers take the file as address)"
+    )
+    ap.add_argument(
+        "--service-walltime", default=None, help="this job's own walltime ([days-]hh:mm:ss), for --resubmit"
+    )
     ap.add_argument("--resubmit-before", default="10m", help="stop and resubmit this long before --service-walltime")
-    ap.add_argument("--resubmit", default=None, help="command that queues the next service job (e.g. \"sbatch service.sh\")")
+    ap.add_argument(
+        "--resubmit", default=None, help='command that queues the next service job (e.g. "sbatch service.sh")'
+    )
     ap.add_argument("--log-format", choices=["logfmt", "json"], default="logfmt")
     ap.add_argument("--print-job-script", action="store_true", help="print a worker job's sbatch script and exit")
     args = ap.parse_args(argv)
@@ -60,13 +72,22 @@ def main(argv: list[str] | None = None) -> int:
         if not args.service_walltime:
             raise PlanError("--resubmit needs --service-walltime (this job's own walltime)")
         if not plan.checkpoint.url:
-            raise PlanError(f"{args.plan}: resubmitting the service needs checkpoint.url, where the next job resumes from")
+            raise PlanError(
+                f"{args.plan}: resubmitting the service needs checkpoint.url, where the next job resumes from"
+            )
         from dask.utils import parse_timedelta
 
         deadline = t0 + _seconds(args.service_walltime) - parse_timedelta(args.resubmit_before)
     extra = {"scheduler_options": {"host": args.host}} if args.host else {}
-    cluster = slurm_cluster(cores=args.cores, memory=args.memory, queue=args.queue, account=args.account, walltime=args.walltime,
-                            lifetime=args.lifetime, **extra)
+    cluster = slurm_cluster(
+        cores=args.cores,
+        memory=args.memory,
+        queue=args.queue,
+        account=args.account,
+        walltime=args.walltime,
+        lifetime=args.lifetime,
+        **extra,
+    )
     if args.print_job_script:
         print(cluster.job_script())
         cluster.close()

@@ -31,8 +31,8 @@ from ..plan.loading import plan_from_dict, plan_to_dict
 from ..plan.timeline import PlanTimeline
 from ..protocol import block_key, eval_key, load_key
 from ..sources import discover_units
-from ..sources.units import LoadUnit
 from ..sources.tokenizers import load_tokenizer
+from ..sources.units import LoadUnit
 from ..worker.constructors import build_chunk
 from ..worker.evaluation import build_eval
 from ..worker.loaders import load_block, load_group
@@ -96,7 +96,9 @@ class Submitter(threading.Thread):
                 if src.name not in self.units:  # a source a live update added: its training units
                     self.units[src.name] = holdout.split(p.seed, src, discover_units(src, p))[0]
         self.plan_version = len(timeline.versions) - 1
-        self.multimodal = any(timeline.source(n).images_field for n in timeline.source_names)  # batches carry image fields
+        self.multimodal = any(
+            timeline.source(n).images_field for n in timeline.source_names
+        )  # batches carry image fields
         self.pad_id = load_tokenizer(self.plan.tokenizer, self.plan.base_dir).pad_id  # micro-batches are padded with it
         self.loss_masks = any(timeline.source(n).masks_loss for n in timeline.source_names)  # batches carry loss masks
 
@@ -136,20 +138,41 @@ class Submitter(threading.Thread):
             self.loads += 1
             epoch, unit = task.units[0]
             key = f"{load_key(self.run_id, source, epoch, unit)}-n{self.loads}"
-            opts = dict(retries=self.plan.loading.retries, pure=False, resources=self.resources[source])
+            opts = {"retries": self.plan.loading.retries, "pure": False, "resources": self.resources[source]}
             u = self.units[source][unit]
             if task.parts:
-                futs = [self.client.submit(load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch, part, key=f"{key}-p{part[0]}", **opts)
-                        for part in task.parts]
+                futs = [
+                    self.client.submit(
+                        load_block,
+                        plan_dict,
+                        cache_key,
+                        u.to_dict(),
+                        self.run_id,
+                        epoch,
+                        part,
+                        key=f"{key}-p{part[0]}",
+                        **opts,
+                    )
+                    for part in task.parts
+                ]
                 self.blocks[block_key(self.src_index[source], epoch, unit)] = ("parts", futs)
             elif len(task.units) > 1:
-                fut = self.client.submit(load_group, plan_dict, cache_key, [self.units[source][un].to_dict() for _, un in task.units],
-                                         self.run_id, [e for e, _ in task.units], key=f"{key}-g{len(task.units)}", **opts)
+                fut = self.client.submit(
+                    load_group,
+                    plan_dict,
+                    cache_key,
+                    [self.units[source][un].to_dict() for _, un in task.units],
+                    self.run_id,
+                    [e for e, _ in task.units],
+                    key=f"{key}-g{len(task.units)}",
+                    **opts,
+                )
                 for i, (e, un) in enumerate(task.units):
                     self.blocks[block_key(self.src_index[source], e, un)] = ("group", i, fut)
             else:
                 self.blocks[block_key(self.src_index[source], epoch, unit)] = self.client.submit(
-                    load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch, key=key, **opts)
+                    load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch, key=key, **opts
+                )
 
     def submit_eval(self, held: dict[str, list[LoadUnit]]) -> None:
         """Load the held-out units and build the evaluation batches from them (one task, kept
@@ -160,23 +183,53 @@ class Submitter(threading.Thread):
         names = sorted(held, key=self.src_index.get)  # the plan's source order
         weights = ev.weights or plan.weights_at(0)
         total = sum(weights.get(n, 0.0) for n in names) or 1.0
-        budgets = {self.src_index[n]: None if ev.tokens is None else int(ev.tokens * weights.get(n, 0.0) / total) for n in names}
+        budgets = {
+            self.src_index[n]: None if ev.tokens is None else int(ev.tokens * weights.get(n, 0.0) / total)
+            for n in names
+        }
         blocks = []
         for n in names:
             cache_key, plan_dict = self.source_plan[n]
             for u in held[n]:
-                fut = self.client.submit(load_block, plan_dict, cache_key, u.to_dict(), key=f"overlord-evalload-{self.run_id}-{n}-{u.index}", pure=False)
+                fut = self.client.submit(
+                    load_block,
+                    plan_dict,
+                    cache_key,
+                    u.to_dict(),
+                    key=f"overlord-evalload-{self.run_id}-{n}-{u.index}",
+                    pure=False,
+                )
                 blocks.append((self.src_index[n], fut))
         self.eval_future = self.client.submit(
-            build_eval, blocks, budgets, plan.topology.dp, ev.micro_batches, ev.tokens_per_micro_batch or plan.topology.tokens_per_micro_batch,
-            self.pad_id, self.multimodal, key=eval_key(self.run_id), pure=False)
+            build_eval,
+            blocks,
+            budgets,
+            plan.topology.dp,
+            ev.micro_batches,
+            ev.tokens_per_micro_batch or plan.topology.tokens_per_micro_batch,
+            self.pad_id,
+            self.multimodal,
+            key=eval_key(self.run_id),
+            pure=False,
+        )
 
     def _submit_builds(self, tasks: list) -> None:
         topo = self.plan.topology
         for t in tasks:
             blocks = {block_key(*u): self.blocks[block_key(*u)] for u in t["units"]}
             self.batches[t["key"]] = self.client.submit(
-                build_chunk, t["steps"], t["ranks"][0], t["ranks"][1], t["micro_batches"], blocks,
-                topo.tokens_per_micro_batch, topo.cp, topo.cp_split_tokens, self.multimodal, self.pad_id, self.loss_masks,
-                key=t["key"], pure=False,
+                build_chunk,
+                t["steps"],
+                t["ranks"][0],
+                t["ranks"][1],
+                t["micro_batches"],
+                blocks,
+                topo.tokens_per_micro_batch,
+                topo.cp,
+                topo.cp_split_tokens,
+                self.multimodal,
+                self.pad_id,
+                self.loss_masks,
+                key=t["key"],
+                pure=False,
             )

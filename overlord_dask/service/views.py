@@ -11,8 +11,19 @@ import numpy as np
 from .. import pieces as P
 from ..loading.pools import pool_resource, uses_pools
 from ..observe.figures import rank_lag, window_figures
-from ..observe.tables import (DEFAULT_EDGES, decisions_table, imbalance_table, length_table, mix_table, plot_mix, pool_workers_table, pools_table,
-                              scaling_table, schedule_table, service_html)
+from ..observe.tables import (
+    DEFAULT_EDGES,
+    decisions_table,
+    imbalance_table,
+    length_table,
+    mix_table,
+    plot_mix,
+    pool_workers_table,
+    pools_table,
+    scaling_table,
+    schedule_table,
+    service_html,
+)
 
 
 class ServiceViews:
@@ -23,23 +34,39 @@ class ServiceViews:
 
     def summary(self, window: int = 20) -> dict:
         """What an operator looks at (``overlord status``): steps planned and committed, each
-        rank's lag behind the most advanced one and share of its time spent waiting for data, imbalance and mix error over the last ``window``
+        rank's lag behind the most advanced one and share of its time spent waiting for data, imbalance and mix error
+        over the last ``window``
         committed steps, the source planning waits on, pools, the last snapshot, the event loop."""
         st, info = self.status(), self.planner.info()
         acked = st["acked"]
         recent = self.metrics(max(0, st["committed"] - window + 1), st["committed"] + 1)
-        figures = window_figures(recent, len(info["sources"]))  # (steps from before a live update that added sources too)
+        figures = window_figures(
+            recent, len(info["sources"])
+        )  # (steps from before a live update that added sources too)
         snaps = self.snapshots()
         return {
-            "run_id": info["run_id"], "name": info["name"], "dp": info["dp"], "sources": info["sources"],
-            "planned": st["next_step"], "committed": st["committed"], "durable": st["durable"],
+            "run_id": info["run_id"],
+            "name": info["name"],
+            "dp": info["dp"],
+            "sources": info["sources"],
+            "planned": st["next_step"],
+            "committed": st["committed"],
+            "durable": st["durable"],
             "rank_lag": dict(enumerate(rank_lag(acked))),
             "rank_wait_share": st.get("rank_wait_share", {}),
-            **{k: None if figures[k] is None else round(figures[k], 4) for k in ("imbalance", "mb_imbalance", "mix_error")},
+            **{
+                k: None if figures[k] is None else round(figures[k], 4)
+                for k in ("imbalance", "mb_imbalance", "mix_error")
+            },
             "starved_on": st["starved_on"],
-            "pools": {p["pool"]: {"workers": p["workers"], "target": p["target"]} for p in self.pools()} if uses_pools(self.plan) else {},
-            "last_snapshot": snaps[-1] if snaps else None, "snapshot_error": st["snapshot_error"],
-            "loop_block_max_ms": st["loop"]["block_max_ms"], "failure": st["failure"], "stop_requested": st["stop_requested"],
+            "pools": {p["pool"]: {"workers": p["workers"], "target": p["target"]} for p in self.pools()}
+            if uses_pools(self.plan)
+            else {},
+            "last_snapshot": snaps[-1] if snaps else None,
+            "snapshot_error": st["snapshot_error"],
+            "loop_block_max_ms": st["loop"]["block_max_ms"],
+            "failure": st["failure"],
+            "stop_requested": st["stop_requested"],
         }
 
     def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
@@ -69,19 +96,33 @@ class ServiceViews:
         decisions, arrived = scaling.get("decisions", {}), scaling.get("arrived", {})
         workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
         prefix = pool_resource("")
-        have = Counter(res[len(prefix):] for w in workers for res in w.get("resources", {}) if res.startswith(prefix))
+        have = Counter(res[len(prefix) :] for w in workers for res in w.get("resources", {}) if res.startswith(prefix))
         rows: dict[str, dict] = {}
         for name, src in sig["sources"].items():
-            row = rows.setdefault(src["pool"], {"pool": src["pool"], "sources": [], "workers": have.get(src["pool"], 0),
-                                                "seconds_per_token": {}, "loads_pending": 0, "weight_ahead": 0.0})
+            row = rows.setdefault(
+                src["pool"],
+                {
+                    "pool": src["pool"],
+                    "sources": [],
+                    "workers": have.get(src["pool"], 0),
+                    "seconds_per_token": {},
+                    "loads_pending": 0,
+                    "weight_ahead": 0.0,
+                },
+            )
             row["sources"].append(name)
             row["seconds_per_token"][name] = src["seconds_per_token"]
             row["loads_pending"] += src["loads_pending"]
             row["weight_ahead"] += src["weight_ahead"]
         for name, row in rows.items():
             d = decisions.get(name, {})
-            row.update(requested=d.get("workers"), target=d.get("target"), demand_cores=d.get("demand_cores"),
-                       reason=d.get("reason"), arrived=arrived.get(name))
+            row.update(
+                requested=d.get("workers"),
+                target=d.get("target"),
+                demand_cores=d.get("demand_cores"),
+                reason=d.get("reason"),
+                arrived=arrived.get(name),
+            )
         return list(rows.values())
 
     def scaling_history(self) -> list[dict]:
@@ -96,7 +137,6 @@ class ServiceViews:
     def snapshots(self) -> list[dict]:
         """Snapshots written by this service: kind (base/delta), bytes, seconds, committed step."""
         return self.planner.snapshots()
-
 
     def mix_table(self, start: int = 0, stop: int | None = None):
         """Tokens, share and declared share per (planned step, source), with plan version, stage
@@ -133,7 +173,9 @@ class ServiceViews:
 
     def length_table(self, start: int = 0, stop: int | None = None, edges=None):
         """Histogram of delivered piece lengths per source over the planned steps."""
-        return length_table(self.ledger(start, stop), self.timeline().source_names, DEFAULT_EDGES if edges is None else edges)
+        return length_table(
+            self.ledger(start, stop), self.timeline().source_names, DEFAULT_EDGES if edges is None else edges
+        )
 
     def plot_mix(self, start: int = 0, stop: int | None = None, window: int = 20, ax=None, ahead: int = 0):
         """Declared vs delivered mix over a sliding window of steps (matplotlib axes); ``ahead``

@@ -37,7 +37,9 @@ def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
         raise
     except Exception as err:  # an unreachable store, bad credentials, a damaged footer: one line naming the source
         lines = str(err).strip().splitlines()
-        raise SourceError(f"source {source.name!r}: cannot read {source.url!r}: {type(err).__name__}: {lines[0] if lines else ''}") from None
+        raise SourceError(
+            f"source {source.name!r}: cannot read {source.url!r}: {type(err).__name__}: {lines[0] if lines else ''}"
+        ) from None
     if not units:
         raise SourceError(f"source {source.name!r} is empty: its files hold no documents")
     return units
@@ -77,19 +79,28 @@ def read_unit(source: Source, plan: Plan, unit: LoadUnit) -> Loaded:
     out = fmt.read(source, plan, unit)
     loaded = Loaded(*to_block(source, plan, unit, out)) if fmt.records else Loaded(out)
     if not isinstance(loaded.block, SampleBlock):
-        raise SourceError(f"format {source.format!r} read {unit.describe()} as {type(out).__name__}, expected a SampleBlock")
+        raise SourceError(
+            f"format {source.format!r} read {unit.describe()} as {type(out).__name__}, expected a SampleBlock"
+        )
     if unit.n_docs is not None and len(loaded.block) != unit.n_docs:
-        raise SourceError(f"{unit.describe()}: read {len(loaded.block)} documents, the index found {unit.n_docs} "
-                          "(the file changed since the source was indexed?)")
+        raise SourceError(
+            f"{unit.describe()}: read {len(loaded.block)} documents, the index found {unit.n_docs} "
+            "(the file changed since the source was indexed?)"
+        )
     if source.transform:
         block = import_callable(source.transform)(loaded.block, **source.transform_kwargs)
         if not isinstance(block, SampleBlock):
-            raise SourceError(f"source {source.name!r}: transform {source.transform!r} returned {type(block).__name__}, expected SampleBlock")
+            raise SourceError(
+                f"source {source.name!r}: transform {source.transform!r} returned {type(block).__name__}, expected "
+                "SampleBlock"
+            )
         try:
             block.validate()  # a transform may have changed the block's arrays after it checked itself
         except ValueError as err:
-            raise SourceError(f"source {source.name!r}: transform {source.transform} returned a bad block: "
-                              f"{str(err).removeprefix(f'source {source.name!r}: ')}") from None
+            raise SourceError(
+                f"source {source.name!r}: transform {source.transform} returned a bad block: "
+                f"{str(err).removeprefix(f'source {source.name!r}: ')}"
+            ) from None
         loaded.block = block
     return loaded
 
@@ -104,4 +115,14 @@ def layout_warnings(source: Source, plan: Plan) -> list[str]:
     return get_format(source.format).warnings(source, plan)
 
 
-__all__ = ["UNKNOWN_BASE", "Format", "LoadUnit", "Loaded", "SampleBlock", "discover_units", "layout_warnings", "load_unit", "read_unit"]
+__all__ = [
+    "UNKNOWN_BASE",
+    "Format",
+    "LoadUnit",
+    "Loaded",
+    "SampleBlock",
+    "discover_units",
+    "layout_warnings",
+    "load_unit",
+    "read_unit",
+]

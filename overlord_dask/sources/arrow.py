@@ -50,17 +50,23 @@ class ArrowFormat(Format):
             if fs.exists(f"{path}/dataset_dict.json"):
                 splits = json.loads(fs.cat(f"{path}/dataset_dict.json")).get("splits", [])
                 base = source.url.rstrip("/")
-                raise SourceError(f"source {source.name!r}: {source.url!r} is a datasets DatasetDict folder; point url at one of its "
-                                  f"splits ({', '.join(f'{base}/{s}' for s in splits)})")
+                raise SourceError(
+                    f"source {source.name!r}: {source.url!r} is a datasets DatasetDict folder; point url at one of its "
+                    f"splits ({', '.join(f'{base}/{s}' for s in splits)})"
+                )
             if fs.exists(f"{path}/state.json"):
                 try:
                     names = [d["filename"] for d in json.loads(fs.cat(f"{path}/state.json"))["_data_files"]]
                 except (ValueError, KeyError, TypeError) as err:
-                    raise SourceError(f"source {source.name!r}: unreadable datasets state.json in {path!r}: {err}") from None
+                    raise SourceError(
+                        f"source {source.name!r}: unreadable datasets state.json in {path!r}: {err}"
+                    ) from None
                 files = [f"{path}/{n}" for n in names]
                 missing = [f for f in files if not fs.exists(f)]
                 if missing:
-                    raise SourceError(f"source {source.name!r}: {missing[0]} is listed in {path}/state.json but does not exist")
+                    raise SourceError(
+                        f"source {source.name!r}: {missing[0]} is listed in {path}/state.json but does not exist"
+                    )
                 return fs, files
         return list_files(source, plan.base_dir, self.suffixes)
 
@@ -79,7 +85,9 @@ class ArrowFormat(Format):
                 check_schema(source, path, reader.schema)
             rows = _rows(reader)
             for start in range(0, rows, step):
-                units.append(LoadUnit(source.name, len(units), path, -1, start, min(rows, start + step), first_id + start))
+                units.append(
+                    LoadUnit(source.name, len(units), path, -1, start, min(rows, start + step), first_id + start)
+                )
             first_id += rows
         return units
 

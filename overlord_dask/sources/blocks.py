@@ -36,7 +36,9 @@ def check_tokens(source: str, tokens, narrow: bool = False) -> np.ndarray:
             raise ValueError(f"source {source!r}: token ids must be integers, got {t.dtype}")
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi > np.iinfo(TOKEN_DTYPE).max:
-            raise ValueError(f"source {source!r}: token ids must lie in [0, {np.iinfo(TOKEN_DTYPE).max}], got min {lo}, max {hi}")
+            raise ValueError(
+                f"source {source!r}: token ids must lie in [0, {np.iinfo(TOKEN_DTYPE).max}], got min {lo}, max {hi}"
+            )
         if hi > np.iinfo(NARROW_TOKEN_DTYPE).max:
             dtype = TOKEN_DTYPE
     return np.ascontiguousarray(t, dtype=dtype)
@@ -50,10 +52,16 @@ class SampleBlock:
     sample_ids: np.ndarray  # int64 [n_docs]
     # multimodal: image patch tensors and where each image's placeholder tokens start in its document
     images: np.ndarray | None = None  # [n_patches, patch_dim]: every image's patches back to back
-    image_offsets: np.ndarray | None = None  # int64 [n_docs + 1]: document i owns images image_offsets[i]:image_offsets[i+1]
+    image_offsets: np.ndarray | None = (
+        None  # int64 [n_docs + 1]: document i owns images image_offsets[i]:image_offsets[i+1]
+    )
     image_starts: np.ndarray | None = None  # int64 [n_images]: first placeholder token of the image inside its document
-    image_patches: np.ndarray | None = None  # int64 [n_images + 1]: image j is patches image_patches[j]:image_patches[j+1]
-    loss_mask: np.ndarray | None = None  # uint8 [total_tokens]: 0 where the loss ignores the token as a target; None: all trained
+    image_patches: np.ndarray | None = (
+        None  # int64 [n_images + 1]: image j is patches image_patches[j]:image_patches[j+1]
+    )
+    loss_mask: np.ndarray | None = (
+        None  # uint8 [total_tokens]: 0 where the loss ignores the token as a target; None: all trained
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,20 +87,30 @@ class SampleBlock:
             self.image_starts = np.ascontiguousarray(self.image_starts, dtype=np.int64)
             self.image_patches = np.ascontiguousarray(self.image_patches, dtype=np.int64)
             n_img = len(self.image_starts)
-            if (self.images.ndim != 2 or self.image_offsets.shape != (n + 1,) or self.image_offsets[-1] != n_img
-                    or self.image_patches.shape != (n_img + 1,) or self.image_patches[-1] != len(self.images)):
-                raise ValueError(f"source {self.source!r}: inconsistent images (images shape={self.images.shape}, image_offsets shape="
-                                 f"{self.image_offsets.shape}, image_starts={n_img}, image_patches shape={self.image_patches.shape})")
+            if (
+                self.images.ndim != 2
+                or self.image_offsets.shape != (n + 1,)
+                or self.image_offsets[-1] != n_img
+                or self.image_patches.shape != (n_img + 1,)
+                or self.image_patches[-1] != len(self.images)
+            ):
+                raise ValueError(
+                    f"source {self.source!r}: inconsistent images (images shape={self.images.shape}, image_offsets "
+                    "shape="
+                    f"{self.image_offsets.shape}, image_starts={n_img}, image_patches shape={self.image_patches.shape})"
+                )
         if self.loss_mask is not None:
             self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
             if self.loss_mask.shape != self.tokens.shape:
-                raise ValueError(f"source {self.source!r}: loss mask of shape {self.loss_mask.shape} for {len(self.tokens)} tokens")
+                raise ValueError(
+                    f"source {self.source!r}: loss mask of shape {self.loss_mask.shape} for {len(self.tokens)} tokens"
+                )
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
     @classmethod
-    def concat(cls, parts: list["SampleBlock"]) -> "SampleBlock":
+    def concat(cls, parts: list[SampleBlock]) -> SampleBlock:
         """One block of consecutive parts of a unit (a unit loaded in parts), in order."""
         if len(parts) == 1:
             return parts[0]
@@ -103,18 +121,36 @@ class SampleBlock:
             ishift = np.cumsum([0] + [len(p.image_starts) for p in parts[:-1]])
             pshift = np.cumsum([0] + [len(p.images) for p in parts[:-1]])
             images = np.concatenate([p.images for p in parts])
-            image_offsets = np.concatenate([parts[0].image_offsets[:1]] + [p.image_offsets[1:] + s for p, s in zip(parts, ishift)])
+            image_offsets = np.concatenate(
+                [parts[0].image_offsets[:1]] + [p.image_offsets[1:] + s for p, s in zip(parts, ishift)]
+            )
             image_starts = np.concatenate([p.image_starts for p in parts])
-            image_patches = np.concatenate([parts[0].image_patches[:1]] + [p.image_patches[1:] + s for p, s in zip(parts, pshift)])
+            image_patches = np.concatenate(
+                [parts[0].image_patches[:1]] + [p.image_patches[1:] + s for p, s in zip(parts, pshift)]
+            )
         if any(p.loss_mask is not None for p in parts):
-            mask = np.concatenate([p.loss_mask if p.loss_mask is not None else np.ones(len(p.tokens), np.uint8) for p in parts])
-        return cls(parts[0].source, np.concatenate([p.tokens for p in parts]), offsets, np.concatenate([p.sample_ids for p in parts]),
-                   images, image_offsets, image_starts, image_patches, mask)
+            mask = np.concatenate(
+                [p.loss_mask if p.loss_mask is not None else np.ones(len(p.tokens), np.uint8) for p in parts]
+            )
+        return cls(
+            parts[0].source,
+            np.concatenate([p.tokens for p in parts]),
+            offsets,
+            np.concatenate([p.sample_ids for p in parts]),
+            images,
+            image_offsets,
+            image_starts,
+            image_patches,
+            mask,
+        )
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.images is None else (self.images.nbytes + self.image_offsets.nbytes + self.image_starts.nbytes
-                                               + self.image_patches.nbytes)
+        extra = (
+            0
+            if self.images is None
+            else (self.images.nbytes + self.image_offsets.nbytes + self.image_starts.nbytes + self.image_patches.nbytes)
+        )
         extra += 0 if self.loss_mask is None else self.loss_mask.nbytes
         return self.tokens.nbytes + self.offsets.nbytes + self.sample_ids.nbytes + extra
 

@@ -91,7 +91,9 @@ def _tracking(blocks: list, spans: list):
         stack.pop()
 
 
-def render(template, messages: list[dict], specials: dict, add_generation_prompt: bool = False, spans: list | None = None) -> str:
+def render(
+    template, messages: list[dict], specials: dict, add_generation_prompt: bool = False, spans: list | None = None
+) -> str:
     """The template's text for ``messages`` (``spans`` collects its generation blocks)."""
     import jinja2
 
@@ -105,7 +107,9 @@ def render(template, messages: list[dict], specials: dict, add_generation_prompt
     return "".join(blocks)
 
 
-def trained_spans(template_source: str, messages: list[dict], train_roles: list[str], specials: dict) -> tuple[str, list[tuple[int, int]]]:
+def trained_spans(
+    template_source: str, messages: list[dict], train_roles: list[str], specials: dict
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans the loss sees."""
     template = compile_template(template_source)
     if train_roles == ["assistant"] and GENERATION_TAG.search(template_source):
@@ -121,8 +125,10 @@ def trained_spans(template_source: str, messages: list[dict], train_roles: list[
         before = render(template, messages[:k], specials, add_generation_prompt=assistant) if k or assistant else ""
         upto = render(template, messages[: k + 1], specials)
         if not (text.startswith(upto) and upto.startswith(before)):
-            raise ChatError(f"the chat template does not render message {k} as a prefix of the conversation, so its turn "
-                            "cannot be told apart: add {% generation %} blocks around assistant answers")
+            raise ChatError(
+                f"the chat template does not render message {k} as a prefix of the conversation, so its turn "
+                "cannot be told apart: add {% generation %} blocks around assistant answers"
+            )
         start = len(before)
         content = m.get("content")
         if not assistant and isinstance(content, str) and content.strip():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import SourceError
 
@@ -161,7 +161,7 @@ def _frame_header(head: bytes, path: str, pos: int) -> tuple[int, int | None, bo
         raise SourceError(f"truncated zstd file {path}: the frame header at offset {pos} is cut short")
     content = None
     if fcs_len:
-        content = int.from_bytes(head[n: n + fcs_len], "little") + (256 if fcs_len == 2 else 0)
+        content = int.from_bytes(head[n : n + fcs_len], "little") + (256 if fcs_len == 2 else 0)
     return n + fcs_len, content, bool(checksum)
 
 
@@ -177,7 +177,10 @@ def _seek_table(f, size: int) -> list[tuple[int, int, int]] | None:
     length = n * entry + 9
     f.seek(size - length - 8)
     head = f.read(8)
-    if struct.unpack_from("<I", head)[0] & SKIPPABLE_MASK != SKIPPABLE_MAGIC or struct.unpack_from("<I", head, 4)[0] != length:
+    if (
+        struct.unpack_from("<I", head)[0] & SKIPPABLE_MASK != SKIPPABLE_MAGIC
+        or struct.unpack_from("<I", head, 4)[0] != length
+    ):
         return None
     raw = f.read(n * entry)
     frames, pos = [], 0

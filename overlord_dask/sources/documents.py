@@ -24,14 +24,20 @@ class Bad(dict):
     """Row -> why that record cannot become a document."""
 
 
-def chat_documents(source, loaded: Loaded, base_dir, column: pa.Array, bad: Bad) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def chat_documents(
+    source, loaded: Loaded, base_dir, column: pa.Array, bad: Bad
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every conversation of ``column`` rendered, tokenized and masked; a bad one is empty."""
     template = loaded.template(base_dir, source.name)
     specials = loaded.specials()
     rendered = []
     for row, messages in enumerate(column.to_pylist()):
         try:
-            rendered.append(trained_spans(template, check_messages(messages, source.roles, source.train_roles), source.train_roles, specials))
+            rendered.append(
+                trained_spans(
+                    template, check_messages(messages, source.roles, source.train_roles), source.train_roles, specials
+                )
+            )
         except ChatError as err:
             bad[row] = str(err)
             rendered.append(("", []))
@@ -57,7 +63,10 @@ def token_documents(source, table: pa.Table, list_parts) -> tuple[np.ndarray, np
     m_off, m_val = list_parts(table.column(field).combine_chunks())
     if not np.array_equal(m_off, offsets):
         row = int(np.flatnonzero(np.diff(m_off) != np.diff(offsets))[0])
-        raise ValueError(f"row {row}: {field!r} has {m_off[row + 1] - m_off[row]} entries for {offsets[row + 1] - offsets[row]} tokens")
+        raise ValueError(
+            f"row {row}: {field!r} has {m_off[row + 1] - m_off[row]} entries for {offsets[row + 1] - offsets[row]} "
+            "tokens"
+        )
     vals = m_val.to_numpy(zero_copy_only=False) if len(m_val) else np.zeros(0, np.int64)
     if source.labels_field:
         ignored = vals == -100
@@ -65,8 +74,11 @@ def token_documents(source, table: pa.Table, list_parts) -> tuple[np.ndarray, np
         if wrong.any():
             i = int(np.flatnonzero(wrong)[0])
             row = int(np.searchsorted(offsets, i, side="right") - 1)
-            raise ValueError(f"row {row}: label {int(vals[i])} at token {i - offsets[row]} is neither -100 nor the token ({int(tokens[i])}); "
-                             "labels_field holds unshifted labels (the trainer shifts them)")
+            raise ValueError(
+                f"row {row}: label {int(vals[i])} at token {i - offsets[row]} is neither -100 nor the token "
+                f"({int(tokens[i])}); "
+                "labels_field holds unshifted labels (the trainer shifts them)"
+            )
         return tokens, offsets, (~ignored).astype(np.uint8)
     return tokens, offsets, (vals != 0).astype(np.uint8)
 
@@ -78,11 +90,15 @@ def placeholder_pattern(loaded: Loaded, source: str) -> np.ndarray:
         return np.array([tid], dtype=np.int64)
     if isinstance(loaded.tok, ByteTokenizer):
         return np.asarray(loaded.tok.encode([loaded.spec.image_token])[0], dtype=np.int64)
-    raise TokenizerError(f"tokenizer {loaded.name!r} has no token {loaded.spec.image_token!r}, so image placeholders "
-                         "cannot be found after tokenization: add it to the tokenizer or name one it has as tokenizer.image_token")
+    raise TokenizerError(
+        f"tokenizer {loaded.name!r} has no token {loaded.spec.image_token!r}, so image placeholders "
+        "cannot be found after tokenization: add it to the tokenizer or name one it has as tokenizer.image_token"
+    )
 
 
-def take_placeholders(tokens, offsets, mask, pattern: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+def take_placeholders(
+    tokens, offsets, mask, pattern: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
     """Remove every placeholder from the documents: (tokens, offsets, mask, placeholders per
     document, each one's position in its document without them)."""
     k = len(pattern)

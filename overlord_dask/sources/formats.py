@@ -77,7 +77,7 @@ class Format(ABC):
         return None if source.prepare else fields(source)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_format(name: str) -> Format:
     """The reader of format ``name`` (a registered name, or ``module:Class``)."""
     try:

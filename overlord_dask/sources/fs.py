@@ -33,11 +33,11 @@ def expand_braces(pattern: str) -> list[str]:
     elif "," in body:
         items = body.split(",")
     else:  # a literal {…}: leave it, expand what follows
-        head, tail = pattern[: m.end()], pattern[m.end():]
+        head, tail = pattern[: m.end()], pattern[m.end() :]
         return [head + t for t in expand_braces(tail)]
     out: list[str] = []
     for item in items:
-        out += expand_braces(pattern[: m.start()] + item + pattern[m.end():])
+        out += expand_braces(pattern[: m.start()] + item + pattern[m.end() :])
     return out
 
 
@@ -61,14 +61,24 @@ def source_fs(source: Source, base_dir: str | None) -> tuple[fsspec.AbstractFile
     except ImportError as err:
         from fsspec.utils import get_protocol
 
-        extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure", "hf": "hf"}.get(get_protocol(url))
+        extra = {
+            "s3": "s3",
+            "gs": "gcs",
+            "gcs": "gcs",
+            "az": "azure",
+            "abfs": "azure",
+            "abfss": "azure",
+            "hf": "hf",
+        }.get(get_protocol(url))
         hint = f" (install overlord-dask[{extra}])" if extra else ""
         raise SourceError(f"source {source.name!r}: cannot open filesystem for {url!r}: {err}{hint}") from None
     except ValueError as err:
         raise SourceError(f"source {source.name!r}: cannot open filesystem for {url!r}: {err}") from None
 
 
-def list_files(source: Source, base_dir: str | None, suffixes: tuple[str, ...] = (".parquet",)) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+def list_files(
+    source: Source, base_dir: str | None, suffixes: tuple[str, ...] = (".parquet",)
+) -> tuple[fsspec.AbstractFileSystem, list[str]]:
     """A source's files in a stable order: a folder's files ending in ``suffixes`` (sorted), a
     glob's matches (sorted), a brace pattern's expansions (in their order), or one file. Errors
     name the source and URL."""
@@ -82,7 +92,9 @@ def list_files(source: Source, base_dir: str | None, suffixes: tuple[str, ...] =
                 raise SourceError(f"source {source.name!r}: no files match {url!r}")
             files += found
         elif not fs.exists(one):
-            raise SourceError(f"source {source.name!r}: file not found: {one!r}" + (f" (from {url!r})" if one != path else ""))
+            raise SourceError(
+                f"source {source.name!r}: file not found: {one!r}" + (f" (from {url!r})" if one != path else "")
+            )
         elif fs.isdir(one):
             found = sorted(p for p in fs.find(one) if p.endswith(suffixes))
             if not found:

@@ -34,7 +34,9 @@ from .blocks import SampleBlock
 def patchify(image: np.ndarray, patch: int) -> np.ndarray:
     """``[H, W, C]`` → ``[(H/patch)·(W/patch), patch·patch·C]``, patches in row-major order."""
     h, w, c = image.shape
-    return image.reshape(h // patch, patch, w // patch, patch, c).transpose(0, 2, 1, 3, 4).reshape(-1, patch * patch * c)
+    return (
+        image.reshape(h // patch, patch, w // patch, patch, c).transpose(0, 2, 1, 3, 4).reshape(-1, patch * patch * c)
+    )
 
 
 def best_grid(width: int, height: int, max_tiles: int, size: int) -> tuple[int, int]:
@@ -80,8 +82,11 @@ class ImageProcessor:
                 cols, rows = best_grid(img.width, img.height, self.tiles, self.size)
                 if (cols, rows) != (1, 1):
                     grid = self._fit(img, cols * self.size, rows * self.size)
-                    tiles += [grid[r * self.size : (r + 1) * self.size, c * self.size : (c + 1) * self.size]
-                              for r in range(rows) for c in range(cols)]
+                    tiles += [
+                        grid[r * self.size : (r + 1) * self.size, c * self.size : (c + 1) * self.size]
+                        for r in range(rows)
+                        for c in range(cols)
+                    ]
         return np.concatenate([self._patches(t) for t in tiles])
 
     @staticmethod
@@ -122,8 +127,14 @@ def _processor(size, patch, tiles, mean, std, folder) -> ImageProcessor:
 def processor_of(source, base_dir: str | None) -> ImageProcessor:
     """The source's image processor, built once per worker process."""
     folder = resolve_url(source.image_processor, base_dir) if source.image_processor else None
-    return _processor(source.image_size, source.patch_size, source.image_tiles, tuple(source.image_mean or ()) or None,
-                      tuple(source.image_std or ()) or None, folder)
+    return _processor(
+        source.image_size,
+        source.patch_size,
+        source.image_tiles,
+        tuple(source.image_mean or ()) or None,
+        tuple(source.image_std or ()) or None,
+        folder,
+    )
 
 
 def decode_images(encoded: list, processor: ImageProcessor, where) -> tuple[list[np.ndarray], dict[int, str]]:
@@ -141,8 +152,18 @@ def decode_images(encoded: list, processor: ImageProcessor, where) -> tuple[list
     return out, errors
 
 
-def with_image_tokens(source: str, image_id: int, where: str, tokens, offsets, ids, patches: list[np.ndarray], img_off, positions,
-                      mask: np.ndarray | None = None) -> SampleBlock:
+def with_image_tokens(
+    source: str,
+    image_id: int,
+    where: str,
+    tokens,
+    offsets,
+    ids,
+    patches: list[np.ndarray],
+    img_off,
+    positions,
+    mask: np.ndarray | None = None,
+) -> SampleBlock:
     """Insert one placeholder token (``image_id``) per patch of each image at its text position
     in its document; ``img_off`` gives each document's images like ``offsets`` its tokens. Image
     tokens are never loss targets."""
@@ -152,8 +173,10 @@ def with_image_tokens(source: str, image_id: int, where: str, tokens, offsets, i
     text_len = np.diff(offsets)
     if len(positions) and (np.any(positions < 0) or np.any(positions > text_len[doc_of])):
         bad = int(np.flatnonzero((positions < 0) | (positions > text_len[doc_of]))[0])
-        raise SourceError(f"{where}: image {bad} of the unit is at text position {positions[bad]}, outside its document "
-                          f"(sample id {ids[doc_of[bad]]}, {text_len[doc_of[bad]]} text tokens)")
+        raise SourceError(
+            f"{where}: image {bad} of the unit is at text position {positions[bad]}, outside its document "
+            f"(sample id {ids[doc_of[bad]]}, {text_len[doc_of[bad]]} text tokens)"
+        )
     if len(positions) > 1:
         same_doc = doc_of[1:] == doc_of[:-1]
         if np.any(same_doc & (np.diff(positions) < 0)):
@@ -169,5 +192,14 @@ def with_image_tokens(source: str, image_id: int, where: str, tokens, offsets, i
     new_offsets = offsets + np.concatenate([[0], np.cumsum(per_doc)])
     dims = next((p.shape[1:] for p in patches), (0,))
     images = np.concatenate(patches) if patches else np.zeros((0, *dims), np.uint8)
-    return SampleBlock(source, tokens, new_offsets, ids, images=images, image_offsets=img_off, image_starts=starts,
-                       image_patches=patch_off, loss_mask=mask)
+    return SampleBlock(
+        source,
+        tokens,
+        new_offsets,
+        ids,
+        images=images,
+        image_offsets=img_off,
+        image_starts=starts,
+        image_patches=patch_off,
+        loss_mask=mask,
+    )

@@ -27,7 +27,7 @@ CHUNK = 1 << 22
 def _hash_region(fs, path: str, start: int, stop: int | None, h) -> None:
     if fs.isdir(path):  # a zarr group: every file in it, in name order
         for f in sorted(fs.find(path)):
-            h.update(f[len(path):].encode())
+            h.update(f[len(path) :].encode())
             _hash_region(fs, f, 0, None, h)
         return
     with fs.open(path, "rb") as f:
@@ -73,5 +73,7 @@ def check(source, plan, unit: LoadUnit) -> None:
     except FileNotFoundError:
         raise SourceError(f"{unit.describe()}: the file is gone since the source was indexed") from None
     if now != unit.digest:
-        raise SourceError(f"{unit.describe()}: the unit's bytes changed since the source was indexed (digest {unit.digest}, "
-                          f"now {now}): the file was rewritten or is damaged")
+        raise SourceError(
+            f"{unit.describe()}: the unit's bytes changed since the source was indexed (digest {unit.digest}, "
+            f"now {now}): the file was rewritten or is damaged"
+        )

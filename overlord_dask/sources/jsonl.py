@@ -32,8 +32,8 @@ import io
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -71,8 +71,10 @@ class JsonlFormat(Format):
         for path, _, stop, _ in cuts:
             docs[path] = max(docs.get(path, 0), stop)
         base = dict(zip(docs, np.cumsum([0] + list(docs.values())[:-1]).tolist()))
-        return [LoadUnit(source.name, i, path, -1, start, stop, base[path] + start if counted else i * UNKNOWN_BASE, span)
-                for i, (path, start, stop, span) in enumerate(cuts)]
+        return [
+            LoadUnit(source.name, i, path, -1, start, stop, base[path] + start if counted else i * UNKNOWN_BASE, span)
+            for i, (path, start, stop, span) in enumerate(cuts)
+        ]
 
     # ---- loading ------------------------------------------------------------------------------------------
     def read(self, source: Source, plan: Plan, unit: LoadUnit) -> pa.Table:
@@ -89,7 +91,7 @@ class JsonlFormat(Format):
         keep = [i for i, line in enumerate(lines) if line.strip()]
         if unit.stop >= 0:  # a counted unit (or part of one): documents start..stop of the file
             lo = unit.start - unit.span[2]
-            keep = keep[lo: lo + unit.n_docs]
+            keep = keep[lo : lo + unit.n_docs]
         records = b"\n".join(lines[i] for i in keep)
         return _parse(source, unit, records, lambda row: _line_number(fs, kind, unit, keep[row]))
 
@@ -113,7 +115,7 @@ def _frame_units(path: str, frames: list, step: int) -> list[tuple[str, int, int
     a frame does not say its size): span ``(first frame's offset, end offset, previous frame's
     offset or -1)``."""
     out, run, size = [], [], 0
-    for k, (off, csize, dsize) in enumerate(frames):
+    for k, (_off, csize, dsize) in enumerate(frames):
         run.append(k)
         size += dsize if dsize is not None else 4 * csize
         if size >= step or k == len(frames) - 1:
@@ -130,7 +132,9 @@ def _line_index(fs, path: str, kind: str, size: int, step: int) -> list[tuple[in
     (documents: non-blank lines). Cached by URL, size, modification time and ``step``."""
     info = fs.info(path)
     stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("created")
-    key = hashlib.sha256(json.dumps([INDEX_VERSION, fs.unstrip_protocol(path), size, str(stamp), step]).encode()).hexdigest()[:32]
+    key = hashlib.sha256(
+        json.dumps([INDEX_VERSION, fs.unstrip_protocol(path), size, str(stamp), step]).encode()
+    ).hexdigest()[:32]
     cached = cache_dir() / "jsonl-index" / f"{key}.json"
     try:
         return [tuple(u) for u in json.loads(cached.read_text())]
@@ -195,7 +199,7 @@ def _unit_bytes(f, kind: str | None, unit: LoadUnit) -> bytes:
         data += _rest_of_line(decompressed(f, kind, unit.path, c_b), data)
     if not starts_line:  # the first line began before the unit: its owner reads it
         cut = data.find(b"\n")
-        data = b"" if cut < 0 else data[cut + 1:]
+        data = b"" if cut < 0 else data[cut + 1 :]
     return data
 
 
@@ -236,24 +240,41 @@ def _parse(source: Source, unit: LoadUnit, records: bytes, line_of) -> pa.Table:
     if not records:
         return _empty(source)
     if source.prepare or source.messages_field or source.labels_field or source.loss_mask_field:
-        opts = pj.ParseOptions(newlines_in_values=False)  # every key, types inferred (messages may carry more than role and content)
+        opts = pj.ParseOptions(
+            newlines_in_values=False
+        )  # every key, types inferred (messages may carry more than role and content)
     else:
-        field = pa.field(source.text_field, pa.string()) if source.text_field else pa.field(source.tokens_field, pa.list_(pa.int64()))
+        field = (
+            pa.field(source.text_field, pa.string())
+            if source.text_field
+            else pa.field(source.tokens_field, pa.list_(pa.int64()))
+        )
         opts = pj.ParseOptions(explicit_schema=pa.schema([field]), unexpected_field_behavior="ignore")
     try:
-        return pj.read_json(io.BytesIO(records), read_options=pj.ReadOptions(block_size=max(len(records) + 1, 1 << 20), use_threads=False),
-                            parse_options=opts)
+        return pj.read_json(
+            io.BytesIO(records),
+            read_options=pj.ReadOptions(block_size=max(len(records) + 1, 1 << 20), use_threads=False),
+            parse_options=opts,
+        )
     except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
         row = _bad_row(records, str(err))
         where = f"line {line_of(row)}" if row is not None else "a record"
-        raise SourceError(f"source {source.name!r}: malformed JSON in {unit.path}, {where}: {_reason(records, row, err)}") from None
+        raise SourceError(
+            f"source {source.name!r}: malformed JSON in {unit.path}, {where}: {_reason(records, row, err)}"
+        ) from None
 
 
 def _empty(source: Source) -> pa.Table:
     if source.text_field:
         return pa.table({source.text_field: pa.array([], pa.string())})
     if source.messages_field:
-        return pa.table({source.messages_field: pa.array([], pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))})
+        return pa.table(
+            {
+                source.messages_field: pa.array(
+                    [], pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+                )
+            }
+        )
     return pa.table({source.tokens_field: pa.array([], pa.list_(pa.int64()))})
 
 

@@ -59,7 +59,9 @@ class Index:
         if stop <= start:
             return np.zeros(0, dtype)
         if self.local:
-            return np.array(np.memmap(self.path, dtype=dtype, mode="r", offset=offset + start * itemsize, shape=(stop - start,)))
+            return np.array(
+                np.memmap(self.path, dtype=dtype, mode="r", offset=offset + start * itemsize, shape=(stop - start,))
+            )
         with self.fs.open(self.path, "rb") as f:
             f.seek(offset + start * itemsize)
             return np.frombuffer(f.read((stop - start) * itemsize), dtype=dtype).copy()
@@ -112,7 +114,9 @@ class MegatronFormat(Format):
             cuts = np.unique(np.concatenate([[0], np.searchsorted(offsets, targets, side="left"), [n_docs]]))
             for a, b in zip(cuts[:-1], cuts[1:]):
                 if b > a:
-                    units.append(LoadUnit(source.name, len(units), prefix + ".bin", -1, int(a), int(b), first_id + int(a)))
+                    units.append(
+                        LoadUnit(source.name, len(units), prefix + ".bin", -1, int(a), int(b), first_id + int(a))
+                    )
             first_id += n_docs
         return units
 
@@ -121,7 +125,10 @@ class MegatronFormat(Format):
         prefix = unit.path[:-4]
         idx = Index(fs, prefix + ".idx", is_local(source, plan.base_dir))
         if unit.stop > idx.n_docs:
-            raise SourceError(f"{unit.describe()}: the index now holds {idx.n_docs} documents (it changed since the source was indexed)")
+            raise SourceError(
+                f"{unit.describe()}: the index now holds {idx.n_docs} documents (it changed since the source was "
+                "indexed)"
+            )
         starts = idx.doc_idx(unit.start, unit.stop + 1)
         s0, s1 = int(starts[0]), int(starts[-1])
         sizes = idx.sizes(s0, s1)
@@ -144,7 +151,9 @@ def _bin_range(fs, path: str, dtype: np.dtype, byte_offset: int, count: int, loc
         f.seek(byte_offset)
         data = f.read(count * dtype.itemsize)
     if len(data) != count * dtype.itemsize:
-        raise SourceError(f"{path}: ends inside the token range the index gives ({byte_offset} + {count * dtype.itemsize} bytes)")
+        raise SourceError(
+            f"{path}: ends inside the token range the index gives ({byte_offset} + {count * dtype.itemsize} bytes)"
+        )
     return np.frombuffer(data, dtype=dtype)
 
 
@@ -156,16 +165,22 @@ def _check(fs, prefix: str, idx: Index, source: Source) -> np.ndarray:
     docs = idx.doc_idx(0, idx.n_doc_idx)
     where = f"source {source.name!r}: {prefix}.idx does not match {prefix}.bin"
     if len(docs) < 1 or docs[0] != 0 or docs[-1] != idx.n_seqs or np.any(np.diff(docs) < 0):
-        raise SourceError(f"source {source.name!r}: {prefix}.idx: its document starts must run from 0 to its {idx.n_seqs} sequences")
+        raise SourceError(
+            f"source {source.name!r}: {prefix}.idx: its document starts must run from 0 to its {idx.n_seqs} sequences"
+        )
     if np.any(sizes < 0):
         raise SourceError(f"{where}: negative sequence sizes")
     expect = np.concatenate([[0], np.cumsum(sizes[:-1] * idx.dtype.itemsize)]) if idx.n_seqs else np.zeros(0, np.int64)
     if not np.array_equal(pointers, expect):
         bad = int(np.flatnonzero(pointers != expect)[0])
-        raise SourceError(f"{where}: sequence {bad} starts at byte {pointers[bad]}, its predecessors end at {expect[bad]}")
+        raise SourceError(
+            f"{where}: sequence {bad} starts at byte {pointers[bad]}, its predecessors end at {expect[bad]}"
+        )
     bin_size = fs.size(prefix + ".bin")
     total = int(sizes.sum()) * idx.dtype.itemsize
     if bin_size != total:
-        raise SourceError(f"{where}: the index describes {total:,} bytes of {idx.dtype} tokens, the .bin holds {bin_size:,}")
+        raise SourceError(
+            f"{where}: the index describes {total:,} bytes of {idx.dtype} tokens, the .bin holds {bin_size:,}"
+        )
     seq_off = np.concatenate([[0], np.cumsum(sizes)])
     return seq_off[docs]

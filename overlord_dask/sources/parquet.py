@@ -74,7 +74,11 @@ class ParquetFormat(Format):
         lo, hi = None, 0
         for c in range(rg.num_columns):
             col = rg.column(c)
-            start = col.dictionary_page_offset if col.has_dictionary_page and col.dictionary_page_offset else col.data_page_offset
+            start = (
+                col.dictionary_page_offset
+                if col.has_dictionary_page and col.dictionary_page_offset
+                else col.data_page_offset
+            )
             lo = start if lo is None else min(lo, start)
             hi = max(hi, start + col.total_compressed_size)
         return [(unit.path, int(lo or 0), int(hi))]

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import SourceError
+from ..logs import event
 from ..plan.base import import_callable
 from ..plan.models import Plan, Source
-from ..logs import event
 from .blocks import SampleBlock, check_tokens
 from .documents import Bad, chat_documents, emptied, placeholder_pattern, take_placeholders, token_documents
 from .images import decode_images, processor_of, with_image_tokens
@@ -45,20 +45,30 @@ def check_schema(source: Source, where: str, schema: pa.Schema) -> None:
     column of the wrong type."""
     for col in fields(source):
         if col not in schema.names:
-            raise SourceError(f"source {source.name!r}: column {col!r} not found in {where}; available columns: {schema.names}")
+            raise SourceError(
+                f"source {source.name!r}: column {col!r} not found in {where}; available columns: {schema.names}"
+            )
     if source.images_field:
         typ = schema.field(source.images_field).type
         if not _is_list(typ, lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)):
-            raise SourceError(f"source {source.name!r}: images_field {source.images_field!r} in {where} has type {typ}, expected list<binary> of encoded images")
+            raise SourceError(
+                f"source {source.name!r}: images_field {source.images_field!r} in {where} has type {typ}, expected "
+                "list<binary> of encoded images"
+            )
         if not source.image_placeholders:
             typ = schema.field(source.image_positions_field).type
             if not _is_list(typ, pa.types.is_integer):
-                raise SourceError(f"source {source.name!r}: image_positions_field {source.image_positions_field!r} in {where} has type {typ}, expected list<int>")
+                raise SourceError(
+                    f"source {source.name!r}: image_positions_field {source.image_positions_field!r} in {where} has "
+                    f"type {typ}, expected list<int>"
+                )
     if source.messages_field:
         typ = schema.field(source.messages_field).type
         if not (_is_list(typ, pa.types.is_struct) or pa.types.is_null(typ)):
-            raise SourceError(f"source {source.name!r}: messages_field {source.messages_field!r} in {where} has type {typ}, "
-                              "expected a list of {role, content} messages")
+            raise SourceError(
+                f"source {source.name!r}: messages_field {source.messages_field!r} in {where} has type {typ}, "
+                "expected a list of {role, content} messages"
+            )
         return
     ints = lambda t: pa.types.is_integer(t) or pa.types.is_null(t) or pa.types.is_boolean(t)  # noqa: E731
     for name in [f for f in (source.labels_field, source.loss_mask_field) if f]:
@@ -71,7 +81,9 @@ def check_schema(source: Source, where: str, schema: pa.Schema) -> None:
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
             raise SourceError(f"source {source.name!r}: text_field {name!r} in {where} has type {typ}, expected string")
     elif not (_is_list(typ, lambda t: pa.types.is_integer(t) or pa.types.is_null(t)) or pa.types.is_null(typ)):
-        raise SourceError(f"source {source.name!r}: tokens_field {name!r} in {where} has type {typ}, expected list<int32|int64>")
+        raise SourceError(
+            f"source {source.name!r}: tokens_field {name!r} in {where} has type {typ}, expected list<int32|int64>"
+        )
 
 
 def to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tuple[SampleBlock, int]:
@@ -95,8 +107,11 @@ def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tu
     if source.images_field:
         img_off, encoded = _list_parts(table.column(source.images_field).combine_chunks())
         doc_of = np.repeat(np.arange(len(kept)), np.diff(img_off))
-        patches, errors = decode_images(encoded.to_pylist(), processor_of(source, plan.base_dir),
-                                        lambda i: f"image {int(i - img_off[doc_of[i]])} of the record")
+        patches, errors = decode_images(
+            encoded.to_pylist(),
+            processor_of(source, plan.base_dir),
+            lambda i: f"image {int(i - img_off[doc_of[i]])} of the record",
+        )
         for i, msg in errors.items():
             bad.setdefault(int(doc_of[i]), msg)
     mask = None
@@ -117,18 +132,26 @@ def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tu
     positions = None
     if source.images_field:
         if source.image_placeholders:
-            tokens, offsets, mask, per_doc, positions = take_placeholders(tokens, offsets, mask, placeholder_pattern(loaded, source.name))
+            tokens, offsets, mask, per_doc, positions = take_placeholders(
+                tokens, offsets, mask, placeholder_pattern(loaded, source.name)
+            )
             pos_doc = np.repeat(np.arange(len(kept)), per_doc)
             for row in np.flatnonzero(per_doc != np.diff(img_off)).tolist():
-                bad.setdefault(row, f"the record has {int(np.diff(img_off)[row])} images but {int(per_doc[row])} "
-                                    f"{loaded.spec.image_token!r} placeholders")
+                bad.setdefault(
+                    row,
+                    f"the record has {int(np.diff(img_off)[row])} images but {int(per_doc[row])} "
+                    f"{loaded.spec.image_token!r} placeholders",
+                )
         else:
             pos_off, pos = _list_parts(table.column(source.image_positions_field).combine_chunks())
             positions = pos.to_numpy(zero_copy_only=False).astype(np.int64)
             pos_doc = np.repeat(np.arange(len(kept)), np.diff(pos_off))
             for row in np.flatnonzero(np.diff(img_off) != np.diff(pos_off)).tolist():
-                raise SourceError(f"{unit.describe()}: row {unit.start + kept[row]} (sample id {ids[kept[row]]}) has {img_off[row + 1] - img_off[row]} "
-                                  f"images but {pos_off[row + 1] - pos_off[row]} image positions")
+                raise SourceError(
+                    f"{unit.describe()}: row {unit.start + kept[row]} (sample id {ids[kept[row]]}) has "
+                    f"{img_off[row + 1] - img_off[row]} "
+                    f"images but {pos_off[row + 1] - pos_off[row]} image positions"
+                )
     if text:
         bos, eos = loaded.document_boundaries(source.add_bos, source.add_eos, bool(source.messages_field), source.name)
         tokens, offsets, mask, positions = add_boundaries(tokens, offsets, bos, eos, mask, positions)
@@ -142,8 +165,18 @@ def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tu
     good = np.isin(np.arange(len(kept)), list(bad), invert=True)  # a bad record's images go with it
     keep_img = np.repeat(good, np.diff(img_off))
     img_off = _in_place(np.concatenate([[0], np.cumsum(np.diff(img_off) * good)]).astype(np.int64), kept, n)
-    return with_image_tokens(source.name, image_token_id(source, plan), unit.describe(), tokens, offsets, ids,
-                             [p for p, k in zip(patches, keep_img) if k], img_off, positions[good[pos_doc]], mask), dropped
+    return with_image_tokens(
+        source.name,
+        image_token_id(source, plan),
+        unit.describe(),
+        tokens,
+        offsets,
+        ids,
+        [p for p, k in zip(patches, keep_img) if k],
+        img_off,
+        positions[good[pos_doc]],
+        mask,
+    ), dropped
 
 
 def _bad_records(source: Source, plan: Plan, unit: LoadUnit, bad: Bad, kept, ids) -> None:
@@ -173,7 +206,9 @@ def prepare(source: Source, table: pa.Table, unit: LoadUnit) -> tuple[pa.Table, 
         cur = _record_step(source, unit, cur, fn, step) if step.record else _batch_step(source, unit, cur, fn, step)
     rows = cur.column(ROW).to_numpy()
     if len(rows) > 1 and np.any(np.diff(rows) <= 0):
-        raise SourceError(f"source {source.name!r}: prepare steps must keep the records in their order, once each ({unit.describe()})")
+        raise SourceError(
+            f"source {source.name!r}: prepare steps must keep the records in their order, once each ({unit.describe()})"
+        )
     return cur.drop_columns([ROW]), rows
 
 
@@ -182,10 +217,14 @@ def _call(source: Source, step, fn, arg, what: str, columns: list[str]):
     try:
         return fn(arg, **step.kwargs)
     except KeyError as err:
-        raise SourceError(f"source {source.name!r}: prepare {step.function} asks for column {err} that {what} does not have "
-                          f"(columns: {columns})") from None
+        raise SourceError(
+            f"source {source.name!r}: prepare {step.function} asks for column {err} that {what} does not have "
+            f"(columns: {columns})"
+        ) from None
     except Exception as err:
-        raise SourceError(f"source {source.name!r}: prepare {step.function} failed on {what}: {type(err).__name__}: {err}") from None
+        raise SourceError(
+            f"source {source.name!r}: prepare {step.function} failed on {what}: {type(err).__name__}: {err}"
+        ) from None
 
 
 def _record_step(source: Source, unit: LoadUnit, table: pa.Table, fn, step) -> pa.Table:
@@ -197,7 +236,10 @@ def _record_step(source: Source, unit: LoadUnit, table: pa.Table, fn, step) -> p
         if res is None:
             continue
         if not isinstance(res, dict):
-            raise SourceError(f"source {source.name!r}: prepare {step.record} returned {type(res).__name__} for {what}: expected a dict or None")
+            raise SourceError(
+                f"source {source.name!r}: prepare {step.record} returned {type(res).__name__} for {what}: expected a "
+                "dict or None"
+            )
         out.append({**res, ROW: row})
     if not out:
         return table.schema.empty_table()
@@ -207,8 +249,10 @@ def _record_step(source: Source, unit: LoadUnit, table: pa.Table, fn, step) -> p
 def _batch_step(source: Source, unit: LoadUnit, table: pa.Table, fn, step) -> pa.Table:
     res = _call(source, step, fn, table, unit.describe(), [c for c in table.column_names if c != ROW])
     if not isinstance(res, pa.Table) or ROW not in res.column_names:
-        raise SourceError(f"source {source.name!r}: prepare {step.batch} must return a pyarrow.Table that keeps the {ROW!r} "
-                          f"column it was given (got {type(res).__name__})")
+        raise SourceError(
+            f"source {source.name!r}: prepare {step.batch} must return a pyarrow.Table that keeps the {ROW!r} "
+            f"column it was given (got {type(res).__name__})"
+        )
     return res
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -37,7 +37,10 @@ from ..vocab import BOS_ID, EOS_ID, PAD_ID
 
 BYTE_OFFSET = 3
 BYTE_IMAGE_ID = 259
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 """The split pattern of a local tiktoken ranks file when the plan gives none (Llama 3's)."""
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 SPECIALS = ("bos", "eos", "pad")
@@ -96,7 +99,10 @@ def flatten(name: str, docs, n: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"tokenizer {name} returned {len(docs)} documents for {n} texts")
     for i, d in enumerate(docs):
         if d.ndim != 1:
-            raise ValueError(f"tokenizer {name} returned a {d.ndim}-D array of shape {d.shape} for document {i}; expected a 1-D sequence of token ids")
+            raise ValueError(
+                f"tokenizer {name} returned a {d.ndim}-D array of shape {d.shape} for document {i}; expected a 1-D "
+                "sequence of token ids"
+            )
         if d.size and not np.issubdtype(d.dtype, np.integer):
             raise ValueError(f"tokenizer {name} returned {d.dtype} values for document {i}; token ids must be integers")
     offsets = np.zeros(n + 1, dtype=np.int64)
@@ -125,7 +131,11 @@ class ByteTokenizer(TextTokenizer):
             return np.zeros(0, np.int32), np.zeros(1, np.int64)
         _, off_buf, data_buf = texts.buffers()
         offs = np.frombuffer(off_buf, dtype=off_dtype)[texts.offset : texts.offset + n + 1].astype(np.int64)
-        data = np.frombuffer(data_buf, dtype=np.uint8)[offs[0] : offs[-1]] if data_buf is not None else np.zeros(0, np.uint8)
+        data = (
+            np.frombuffer(data_buf, dtype=np.uint8)[offs[0] : offs[-1]]
+            if data_buf is not None
+            else np.zeros(0, np.uint8)
+        )
         if texts.null_count:  # a null slot may still span bytes in the data buffer: make it empty
             valid = ~np.asarray(texts.is_null())
             keep = np.repeat(valid, np.diff(offs))
@@ -173,8 +183,14 @@ def byte_detokenize(tokens: np.ndarray) -> str:
     return t.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-def add_boundaries(tokens: np.ndarray, offsets: np.ndarray, bos: int | None, eos: int | None, mask: np.ndarray | None = None,
-                   positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+def add_boundaries(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    bos: int | None,
+    eos: int | None,
+    mask: np.ndarray | None = None,
+    positions: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Documents with ``bos`` before and ``eos`` after each one (None: not that one): (tokens,
     offsets, loss mask, image positions). A BOS is never a loss target, an EOS is (the model
     learns to end a document); image positions shift past the BOS."""
@@ -234,7 +250,9 @@ class HFTokenizer(TextTokenizer):
         try:
             from tokenizers import Tokenizer as RustTokenizer
         except ImportError:
-            raise TokenizerError("tokenizer files need the 'tokenizers' package (pip install 'overlord-dask[hf]')") from None
+            raise TokenizerError(
+                "tokenizer files need the 'tokenizers' package (pip install 'overlord-dask[hf]')"
+            ) from None
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(url)
@@ -245,8 +263,11 @@ class HFTokenizer(TextTokenizer):
             with fs.open(file, "r", encoding="utf-8") as f:
                 self.tok = RustTokenizer.from_str(f.read())
         except FileNotFoundError:
-            raise TokenizerError(f"tokenizer file not found: {fs.unstrip_protocol(file)!r} (a tokenizer is `byte`, a tokenizer folder or "
-                                 "file, `tiktoken:NAME` or `module:callable`)") from None
+            raise TokenizerError(
+                f"tokenizer file not found: {fs.unstrip_protocol(file)!r} (a tokenizer is `byte`, a tokenizer folder "
+                "or "
+                "file, `tiktoken:NAME` or `module:callable`)"
+            ) from None
         except Exception as err:  # a file that is not a tokenizer: say which
             first = str(err).splitlines()[0] if str(err) else ""
             raise TokenizerError(f"cannot load tokenizer file {url!r}: {type(err).__name__}: {first}") from None
@@ -261,7 +282,7 @@ class HFTokenizer(TextTokenizer):
         plain = self.tok.encode("a", add_special_tokens=False).ids
         full = self.tok.encode("a", add_special_tokens=True).ids
         k = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
-        prefix, suffix = (full[:k], full[k + len(plain):]) if k is not None else ([], [])
+        prefix, suffix = (full[:k], full[k + len(plain) :]) if k is not None else ([], [])
         self.adds_bos = bool(prefix)
         for name, ids in (("bos", prefix), ("eos", suffix)):
             token = _token_string(self.config.get(f"{name}_token"))
@@ -279,13 +300,20 @@ class HFTokenizer(TextTokenizer):
         return self.encode_offsets_batch([text])[0]
 
     def encode_offsets_batch(self, texts: list[str]) -> list:
-        return [(e.ids, np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        return [
+            (e.ids, np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2))
+            for e in self.tok.encode_batch(texts, add_special_tokens=False)
+        ]
 
     def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
     def special_strings(self) -> dict[str, str]:
-        return {k: v for k, v in ((k, _token_string(v)) for k, v in self.config.items() if k.endswith("_token")) if v is not None}
+        return {
+            k: v
+            for k, v in ((k, _token_string(v)) for k, v in self.config.items() if k.endswith("_token"))
+            if v is not None
+        }
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -298,14 +326,18 @@ class TransformersTokenizer(TextTokenizer):
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise TokenizerError(f"tokenizer {url!r} needs the 'transformers' package (backend: transformers)") from None
+            raise TokenizerError(
+                f"tokenizer {url!r} needs the 'transformers' package (backend: transformers)"
+            ) from None
         self.name = url
         try:
             self.tok = AutoTokenizer.from_pretrained(_local_folder(url), local_files_only=True, **kwargs)
         except TokenizerError:
             raise
         except Exception as err:
-            raise TokenizerError(f"cannot load tokenizer folder {url!r} with transformers.AutoTokenizer: {type(err).__name__}: {err}") from None
+            raise TokenizerError(
+                f"cannot load tokenizer folder {url!r} with transformers.AutoTokenizer: {type(err).__name__}: {err}"
+            ) from None
         self.bos_id, self.eos_id, self.pad_id = self.tok.bos_token_id, self.tok.eos_token_id, self.tok.pad_token_id
         self.chat_template = getattr(self.tok, "chat_template", None)
         full = self.tok("a", add_special_tokens=True)["input_ids"]
@@ -323,7 +355,10 @@ class TransformersTokenizer(TextTokenizer):
         if not getattr(self.tok, "is_fast", False):  # a slow (Python) tokenizer reports no offsets
             return None
         out = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True)
-        return [(ids, np.asarray(om, dtype=np.int64).reshape(-1, 2)) for ids, om in zip(out["input_ids"], out["offset_mapping"])]
+        return [
+            (ids, np.asarray(om, dtype=np.int64).reshape(-1, 2))
+            for ids, om in zip(out["input_ids"], out["offset_mapping"])
+        ]
 
     def token_id(self, token: str) -> int | None:
         tid = self.tok.convert_tokens_to_ids(token)
@@ -345,8 +380,11 @@ def _local_folder(url: str) -> str:
         return path
     import hashlib
 
-    cache = os.path.join(os.environ.get("OVERLORD_CACHE_DIR", os.path.expanduser("~/.cache/overlord-dask")), "tokenizers",
-                         hashlib.sha1(url.encode()).hexdigest()[:16])
+    cache = os.path.join(
+        os.environ.get("OVERLORD_CACHE_DIR", os.path.expanduser("~/.cache/overlord-dask")),
+        "tokenizers",
+        hashlib.sha1(url.encode()).hexdigest()[:16],
+    )
     if not os.path.isdir(cache):
         fs.get(path.rstrip("/") + "/", cache + ".part/", recursive=True)
         os.replace(cache + ".part", cache)
@@ -367,13 +405,19 @@ class TiktokenTokenizer(TextTokenizer):
                 from tiktoken.load import load_tiktoken_bpe
 
                 ranks = load_tiktoken_bpe(resolve_url(location, base_dir))
-                self.enc = tiktoken.Encoding(os.path.basename(location), pat_str=kwargs.get("pattern", LLAMA3_PATTERN),
-                                             mergeable_ranks=ranks, special_tokens=specials)
+                self.enc = tiktoken.Encoding(
+                    os.path.basename(location),
+                    pat_str=kwargs.get("pattern", LLAMA3_PATTERN),
+                    mergeable_ranks=ranks,
+                    special_tokens=specials,
+                )
             else:
                 self.enc = tiktoken.get_encoding(location)
         except Exception as err:
             raise TokenizerError(f"cannot load tokenizer {self.name!r}: {type(err).__name__}: {err}") from None
-        self.eos_id = self.enc.eot_token if "<|endoftext|>" in self.enc.special_tokens_set else None  # the encoding's own end of text
+        self.eos_id = (
+            self.enc.eot_token if "<|endoftext|>" in self.enc.special_tokens_set else None
+        )  # the encoding's own end of text
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         return self.enc.encode_batch(texts, allowed_special="all")
@@ -441,17 +485,29 @@ class Loaded:
     def name(self) -> str:
         return self.spec.path
 
-    def document_boundaries(self, add_bos: bool | None, add_eos: bool | None, chat: bool, source: str) -> tuple[int | None, int | None]:
+    def document_boundaries(
+        self, add_bos: bool | None, add_eos: bool | None, chat: bool, source: str
+    ) -> tuple[int | None, int | None]:
         """The (BOS, EOS) a source's documents get (None: none), or an error naming what fixes it."""
-        bos = add_bos if add_bos is not None else self.spec.add_bos if self.spec.add_bos is not None else (self.tok.adds_bos and not chat)
+        bos = (
+            add_bos
+            if add_bos is not None
+            else self.spec.add_bos
+            if self.spec.add_bos is not None
+            else (self.tok.adds_bos and not chat)
+        )
         eos = add_eos if add_eos is not None else self.spec.add_eos if self.spec.add_eos is not None else not chat
         if bos and self.bos_id is None:
-            raise TokenizerError(f"tokenizer {self.name!r} declares no BOS token (no bos_token in its config): "
-                                 f"set tokenizer.bos_token or tokenizer.bos_id in the plan, or add_bos: false on the source")
+            raise TokenizerError(
+                f"tokenizer {self.name!r} declares no BOS token (no bos_token in its config): "
+                f"set tokenizer.bos_token or tokenizer.bos_id in the plan, or add_bos: false on the source"
+            )
         if eos and self.eos_id is None:
-            raise TokenizerError(f"cannot determine the end-of-document token of tokenizer {self.name!r} "
-                                 f"(no eos_token in its tokenizer_config.json or special_tokens_map.json, and it adds none itself): "
-                                 f"set tokenizer.eos_token or tokenizer.eos_id in the plan, or add_eos: false on the source")
+            raise TokenizerError(
+                f"cannot determine the end-of-document token of tokenizer {self.name!r} "
+                f"(no eos_token in its tokenizer_config.json or special_tokens_map.json, and it adds none itself): "
+                f"set tokenizer.eos_token or tokenizer.eos_id in the plan, or add_eos: false on the source"
+            )
         return (self.bos_id if bos else None), (self.eos_id if eos else None)
 
     def decode(self, ids: list[int]) -> str:
@@ -487,8 +543,10 @@ class Loaded:
     def template(self, base_dir: str | None, source: str) -> str:
         t = self.chat_template
         if t is None:
-            raise TokenizerError(f"tokenizer {self.name!r} has no chat template (none in its tokenizer_config.json, "
-                                 f"chat_template.jinja or chat_template.json): set tokenizer.chat_template in the plan")
+            raise TokenizerError(
+                f"tokenizer {self.name!r} has no chat template (none in its tokenizer_config.json, "
+                f"chat_template.jinja or chat_template.json): set tokenizer.chat_template in the plan"
+            )
         return t
 
 
@@ -525,7 +583,9 @@ def _load(spec_json: str, base_dir: str | None) -> Loaded:
         if given is not None:
             tid = tok.token_id(given)
             if tid is None:
-                raise TokenizerError(f"tokenizer {spec.path!r} has no token {given!r} (tokenizer.{name}_token in the plan)")
+                raise TokenizerError(
+                    f"tokenizer {spec.path!r} has no token {given!r} (tokenizer.{name}_token in the plan)"
+                )
             return tid
         return getattr(tok, f"{name}_id")
 
@@ -538,8 +598,15 @@ def _load(spec_json: str, base_dir: str | None) -> Loaded:
 
         with fsspec.open(resolve_url(template, base_dir), "r", encoding="utf-8") as f:
             template = f.read()
-    return Loaded(tok, spec, bos, eos, pad if pad is not None else eos if eos is not None else PAD_ID, image,
-                  template if template is not None else tok.chat_template)
+    return Loaded(
+        tok,
+        spec,
+        bos,
+        eos,
+        pad if pad is not None else eos if eos is not None else PAD_ID,
+        image,
+        template if template is not None else tok.chat_template,
+    )
 
 
 def load_tokenizer(spec, base_dir: str | None = None) -> Loaded:
@@ -568,6 +635,8 @@ def image_token_id(source, plan) -> int:
         return source.image_token_id
     loaded = load_tokenizer(plan.tokenizer_of(source), plan.base_dir)
     if loaded.image_id is None:
-        raise TokenizerError(f"tokenizer {loaded.name!r} has no token {loaded.spec.image_token!r} for images: "
-                             f"add it to the tokenizer, name one it has as tokenizer.image_token, or set image_token_id on the source")
+        raise TokenizerError(
+            f"tokenizer {loaded.name!r} has no token {loaded.spec.image_token!r} for images: "
+            f"add it to the tokenizer, name one it has as tokenizer.image_token, or set image_token_id on the source"
+        )
     return loaded.image_id

@@ -54,6 +54,6 @@ class LoadUnit:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LoadUnit":
+    def from_dict(cls, d: dict) -> LoadUnit:
         span = d.get("span")
         return cls(**{**d, "span": None if span is None else tuple(int(x) for x in span)})

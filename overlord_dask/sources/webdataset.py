@@ -39,7 +39,7 @@ def split_name(name: str) -> tuple[str, str]:
     dot = name.find(".", slash + 1)
     if dot < 0:
         return name, ""
-    return name[:dot], name[dot + 1:].lower()
+    return name[:dot], name[dot + 1 :].lower()
 
 
 def samples(f, where: str):
@@ -87,7 +87,9 @@ class WebDatasetFormat(Format):
             with fs.open(unit.path, "rb") as f:
                 for key, members in samples(f, unit.describe()):
                     if field not in members and not source.prepare:
-                        raise SourceError(f"{unit.describe()}: sample {key!r} has no {field!r} member (members: {sorted(members)})")
+                        raise SourceError(
+                            f"{unit.describe()}: sample {key!r} has no {field!r} member (members: {sorted(members)})"
+                        )
                     rows.append(_record(source, unit, key, members, image_exts))
         except FileNotFoundError:
             raise SourceError(f"{unit.describe()}: shard not found") from None
@@ -123,7 +125,9 @@ def _messages(data: bytes, where: str) -> list:
     if isinstance(value, dict):
         value = value.get("messages")
     if not isinstance(value, list):
-        raise SourceError(f"{where}: expected a JSON list of messages (or an object with 'messages'), got {type(value).__name__}")
+        raise SourceError(
+            f"{where}: expected a JSON list of messages (or an object with 'messages'), got {type(value).__name__}"
+        )
     return value
 
 
@@ -136,7 +140,9 @@ def _ids(data: bytes, ext: str, where: str) -> list[int]:
     except (ValueError, OSError) as err:
         raise SourceError(f"{where}: cannot read token ids: {err}") from None
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise SourceError(f"{where}: token ids must be a flat list of integers (got shape {arr.shape}, dtype {arr.dtype})")
+        raise SourceError(
+            f"{where}: token ids must be a flat list of integers (got shape {arr.shape}, dtype {arr.dtype})"
+        )
     return arr.astype(np.int64).tolist()
 
 
@@ -161,10 +167,18 @@ def _table(source: Source, rows: list[dict]) -> pa.Table:
     for k in list(cols) + [k for k in types if k not in cols]:
         values = [r.get(k) for r in rows]
         if k == source.messages_field:
-            out[k] = pa.array(values) if any(v is not None for v in values) else pa.array(values, pa.list_(pa.struct([("role", pa.string())])))
+            out[k] = (
+                pa.array(values)
+                if any(v is not None for v in values)
+                else pa.array(values, pa.list_(pa.struct([("role", pa.string())])))
+            )
             continue
         typ = types.get(k)
         if typ is None:
             typ = pa.string() if all(v is None or isinstance(v, str) for v in values) else pa.binary()
         out[k] = pa.array(values, type=typ)
-    return pa.table(out) if out else pa.table({field: pa.array([], types[field] or pa.list_(pa.struct([("role", pa.string())])))})
+    return (
+        pa.table(out)
+        if out
+        else pa.table({field: pa.array([], types[field] or pa.list_(pa.struct([("role", pa.string())])))})
+    )

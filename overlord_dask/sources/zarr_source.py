@@ -51,7 +51,7 @@ def _open_group(source: Source, plan: Plan):
     return group, path
 
 
-_GROUPS: "OrderedDict[tuple[int, str], tuple]" = OrderedDict()  # (id(plan), source) -> (plan, group, path)
+_GROUPS: OrderedDict[tuple[int, str], tuple] = OrderedDict()  # (id(plan), source) -> (plan, group, path)
 _GROUPS_MAX = 32
 _GROUPS_LOCK = threading.Lock()
 
@@ -99,7 +99,8 @@ def _discover(source: Source, plan: Plan) -> list[LoadUnit]:
         raise SourceError(f"source {source.name!r}: {source.offsets_field!r} must start at 0 and never decrease")
     if offsets[-1] != tokens.shape[0]:
         raise SourceError(
-            f"source {source.name!r}: offsets end at {offsets[-1]} but {source.token_array!r} holds {tokens.shape[0]} tokens"
+            f"source {source.name!r}: offsets end at {offsets[-1]} but {source.token_array!r} holds {tokens.shape[0]} "
+            "tokens"
         )
     n_docs = len(offsets) - 1
     if source.images_field:
@@ -123,22 +124,36 @@ def layout_warnings(source: Source, plan: Plan) -> list[str]:
     chunk = min(int(tokens.chunks[0]), int(tokens.shape[0]))  # a chunk past the array's end holds only what is there
     if chunk <= unit:
         return []
-    return [f"source {source.name!r}: {source.token_array!r} is stored in chunks of {chunk:,} tokens, more than "
-            f"loading.unit_tokens ({unit:,}): each load decompresses up to {-(-chunk // unit)}x the tokens it keeps; "
-            "rechunk the array to at most unit_tokens, or raise unit_tokens"]
+    return [
+        f"source {source.name!r}: {source.token_array!r} is stored in chunks of {chunk:,} tokens, more than "
+        f"loading.unit_tokens ({unit:,}): each load decompresses up to {-(-chunk // unit)}x the tokens it keeps; "
+        "rechunk the array to at most unit_tokens, or raise unit_tokens"
+    ]
 
 
 def _check_images(source: Source, group, n_docs: int) -> None:
-    images, img_off, img_pos = (group[source.images_field], group[source.image_offsets_field], group[source.image_positions_field])
+    images, img_off, img_pos = (
+        group[source.images_field],
+        group[source.image_offsets_field],
+        group[source.image_positions_field],
+    )
     where = f"source {source.name!r}"
     if images.ndim != 3:
-        raise SourceError(f"{where}: {source.images_field!r} must be [n_images, patches, patch_dim] (got shape {images.shape})")
+        raise SourceError(
+            f"{where}: {source.images_field!r} must be [n_images, patches, patch_dim] (got shape {images.shape})"
+        )
     off = np.asarray(img_off[:], dtype=np.int64)
     if off.shape != (n_docs + 1,) or off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] != images.shape[0]:
-        raise SourceError(f"{where}: {source.image_offsets_field!r} must have n_docs + 1 = {n_docs + 1} entries, start at 0, never "
-                          f"decrease and end at the number of images {images.shape[0]} (got shape {off.shape}, last {off[-1] if len(off) else None})")
+        raise SourceError(
+            f"{where}: {source.image_offsets_field!r} must have n_docs + 1 = {n_docs + 1} entries, start at 0, never "
+            f"decrease and end at the number of images {images.shape[0]} (got shape {off.shape}, last "
+            f"{off[-1] if len(off) else None})"
+        )
     if img_pos.shape != (images.shape[0],):
-        raise SourceError(f"{where}: {source.image_positions_field!r} needs one entry per image ({images.shape[0]}), got shape {img_pos.shape}")
+        raise SourceError(
+            f"{where}: {source.image_positions_field!r} needs one entry per image ({images.shape[0]}), got shape "
+            f"{img_pos.shape}"
+        )
 
 
 def _load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
@@ -149,7 +164,9 @@ def _load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
         if source.images_field:
             img_off = np.asarray(group[source.image_offsets_field][unit.start : unit.stop + 1], dtype=np.int64)
             images = np.asarray(group[source.images_field][int(img_off[0]) : int(img_off[-1])])
-            positions = np.asarray(group[source.image_positions_field][int(img_off[0]) : int(img_off[-1])], dtype=np.int64)
+            positions = np.asarray(
+                group[source.image_positions_field][int(img_off[0]) : int(img_off[-1])], dtype=np.int64
+            )
     except Exception as err:
         raise SourceError(f"corrupt data in {unit.describe()}: {err}") from None
     if len(offsets) != unit.n_docs + 1:
@@ -159,5 +176,14 @@ def _load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
     tokens = check_tokens(source.name, tokens)  # before the image placeholders are inserted
     if not source.images_field:
         return SampleBlock(source.name, tokens, offsets, ids)
-    return with_image_tokens(source.name, image_token_id(source, plan), unit.describe(), tokens, offsets, ids, list(images),
-                             img_off - img_off[0], positions)
+    return with_image_tokens(
+        source.name,
+        image_token_id(source, plan),
+        unit.describe(),
+        tokens,
+        offsets,
+        ids,
+        list(images),
+        img_off - img_off[0],
+        positions,
+    )

@@ -39,8 +39,10 @@ def check_options(labels: str, cp: int) -> None:
     if labels not in LABELS:
         raise ValueError(f"labels must be one of {LABELS}, got {labels!r}")
     if labels == "hf" and cp > 1:
-        raise ValueError("labels='hf' (unshifted, the model shifts) does not fit context parallelism, where a rank holds "
-                         "slices of each sequence: use labels='shifted'")
+        raise ValueError(
+            "labels='hf' (unshifted, the model shifts) does not fit context parallelism, where a rank holds "
+            "slices of each sequence: use labels='shifted'"
+        )
 
 
 def shape(batch: dict, *, labels: str = "shifted", loss_mask: bool | None = None, batch_dim: bool = False) -> dict:
@@ -49,7 +51,10 @@ def shape(batch: dict, *, labels: str = "shifted", loss_mask: bool | None = None
         loss_mask = bool(batch.get("loss_masks"))
     counts = batch.get("loss_tokens")
     step_tokens = None if counts is None else int(counts[LABELS.index(labels)])
-    return {**batch, "micro_batches": [_micro_batch(mb, labels, loss_mask, batch_dim, step_tokens) for mb in batch["micro_batches"]]}
+    return {
+        **batch,
+        "micro_batches": [_micro_batch(mb, labels, loss_mask, batch_dim, step_tokens) for mb in batch["micro_batches"]],
+    }
 
 
 def _micro_batch(mb: dict, labels: str, loss_mask: bool, batch_dim: bool, step_tokens: int | None) -> dict:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from ..batched import BatchedWriter
 from ..client import PlannerClient, channel_open
@@ -30,10 +31,10 @@ class ProcessIO:
     """One asyncio loop thread and one Dask connection pool per process, shared by its streams."""
 
     _lock = threading.Lock()
-    _instance: "ProcessIO | None" = None
+    _instance: ProcessIO | None = None
 
     @classmethod
-    def get(cls) -> "ProcessIO":
+    def get(cls) -> ProcessIO:
         with cls._lock:
             if cls._instance is None or cls._instance.pid != os.getpid():  # a forked child gets its own
                 cls._instance = cls()
@@ -43,7 +44,9 @@ class ProcessIO:
         self.pid = os.getpid()
         self.channels: dict[tuple[str, str, str], Channel] = {}  # (address, run id, group) -> channel
         self.lost_workers: dict[str, asyncio.Event] = {}  # address -> set once the scheduler says it is gone
-        self.inflight: dict[tuple, asyncio.Future] = {}  # fetches in flight, shared by identical requests (fetch.fetch_shared)
+        self.inflight: dict[
+            tuple, asyncio.Future
+        ] = {}  # fetches in flight, shared by identical requests (fetch.fetch_shared)
         self.fetches_shared = 0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="overlord-consumer-io", daemon=True)
@@ -56,11 +59,13 @@ class ProcessIO:
         from distributed.security import Security
 
         # TLS when Dask's config holds certificates (as the service's own processes do)
-        pool = ConnectionPool(limit=4096, connection_args=Security().get_connection_args("client"), timeout=CONNECT_TIMEOUT_S)
+        pool = ConnectionPool(
+            limit=4096, connection_args=Security().get_connection_args("client"), timeout=CONNECT_TIMEOUT_S
+        )
         await pool.start()
         return pool
 
-    def channel(self, address: str, run_id: str, wait: bool = True, group: str = "") -> "Channel":
+    def channel(self, address: str, run_id: str, wait: bool = True, group: str = "") -> Channel:
         """This process's channel to run ``run_id`` at ``address`` (opened on first use; from
         the IO loop pass ``wait=False`` and await ``opened()``). ``group``: streams that share
         a channel; every stream of the process by default (one connection per process)."""
@@ -94,7 +99,9 @@ class ProcessIO:
             raise ServiceError(f"no overlord service at {address}: the scheduler runs no overlord planner")
         return info
 
-    async def call_worker(self, address: str, request: Callable[[object], Awaitable], abort: asyncio.Event | None = None):
+    async def call_worker(
+        self, address: str, request: Callable[[object], Awaitable], abort: asyncio.Event | None = None
+    ):
         """``request(rpc)`` to a worker, given up the moment the worker is reported gone (or
         ``abort`` is set: the whole service went away): a refused connection is otherwise retried
         for Dask's whole connect timeout (30 s) while the batch waits on a shadow, is rebuilt
@@ -134,7 +141,9 @@ class Channel:
 
         self.io, self.address, self.run_id = io, address, run_id
         self.id = f"overlord-channel-{uuid.uuid4().hex}"
-        self.streams: dict[tuple[int, int, int], dict[int, "RankIO"]] = {}  # (rank, cp rank, replica) -> generation -> stream
+        self.streams: dict[
+            tuple[int, int, int], dict[int, RankIO]
+        ] = {}  # (rank, cp rank, replica) -> generation -> stream
         self.closed = False
         self._opened = io.spawn(self._open())
 

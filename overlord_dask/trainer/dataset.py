@@ -34,16 +34,46 @@ class OverlordDataset(IterableDataset):
     the evaluation stream (the plan's held-out units): finite, the same at every pass.
     """
 
-    def __init__(self, address: str, rank: int | None = None, dp: int | None = None, *, device_mesh=None,
-                 dp_dims: tuple[str, ...] | None = None, cp_dim: str = "cp", cp_rank: int | None = None, replica: int | None = None,
-                 labels: str = "shifted", loss_mask: bool | None = None, batch_dim: bool = False, timeout: float = 600.0,
-                 prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30, pin_memory: bool = False,
-                 reconnect_timeout: float = 120.0, split: str = "train"):
+    def __init__(
+        self,
+        address: str,
+        rank: int | None = None,
+        dp: int | None = None,
+        *,
+        device_mesh=None,
+        dp_dims: tuple[str, ...] | None = None,
+        cp_dim: str = "cp",
+        cp_rank: int | None = None,
+        replica: int | None = None,
+        labels: str = "shifted",
+        loss_mask: bool | None = None,
+        batch_dim: bool = False,
+        timeout: float = 600.0,
+        prefetch_steps: int | None = None,
+        prefetch_bytes: int = 1 << 30,
+        pin_memory: bool = False,
+        reconnect_timeout: float = 120.0,
+        split: str = "train",
+    ):
         super().__init__()
         p = place(rank, dp, cp_rank=cp_rank, replica=replica, device_mesh=device_mesh, dp_dims=dp_dims, cp_dim=cp_dim)
-        self.address, self.rank, self.dp, self.cp_rank, self.replica, self.timeout = address, p.rank, p.dp, p.cp_rank, p.replica, timeout
-        self.options = {"prefetch_steps": prefetch_steps, "prefetch_bytes": prefetch_bytes, "pin_memory": pin_memory,
-                        "reconnect_timeout": reconnect_timeout, "labels": labels, "loss_mask": loss_mask, "batch_dim": batch_dim}
+        self.address, self.rank, self.dp, self.cp_rank, self.replica, self.timeout = (
+            address,
+            p.rank,
+            p.dp,
+            p.cp_rank,
+            p.replica,
+            timeout,
+        )
+        self.options = {
+            "prefetch_steps": prefetch_steps,
+            "prefetch_bytes": prefetch_bytes,
+            "pin_memory": pin_memory,
+            "reconnect_timeout": reconnect_timeout,
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "batch_dim": batch_dim,
+        }
         self._stream: RankStream | None = None
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -61,15 +91,31 @@ class OverlordDataset(IterableDataset):
         if self.split == "eval":  # not the training stream: the rank's training consumer stays attached
             from .evaluation import EvalStream
 
-            return iter(EvalStream(self.address, self.rank, self.dp, timeout=self.timeout, as_torch=True,
-                                   **{k: self.options[k] for k in ("labels", "loss_mask", "batch_dim")}))
+            return iter(
+                EvalStream(
+                    self.address,
+                    self.rank,
+                    self.dp,
+                    timeout=self.timeout,
+                    as_torch=True,
+                    **{k: self.options[k] for k in ("labels", "loss_mask", "batch_dim")},
+                )
+            )
         return iter(self.stream)
 
     @property
     def stream(self) -> RankStream:
         if self._stream is None:
-            self._stream = RankStream(self.address, self.rank, self.dp, cp_rank=self.cp_rank, replica=self.replica, timeout=self.timeout,
-                                      as_torch=True, **self.options)
+            self._stream = RankStream(
+                self.address,
+                self.rank,
+                self.dp,
+                cp_rank=self.cp_rank,
+                replica=self.replica,
+                timeout=self.timeout,
+                as_torch=True,
+                **self.options,
+            )
         return self._stream
 
     def state_dict(self) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import RankError, ServiceError
 from ..protocol import resolve_address
@@ -29,8 +29,18 @@ class EvalStream:
     evaluation stream of the same rank live side by side. ``labels``, ``loss_mask`` and
     ``batch_dim`` as for :class:`~overlord_dask.trainer.stream.RankStream`."""
 
-    def __init__(self, address: str, rank: int, dp: int | None = None, *, timeout: float = 600.0, as_torch: bool = False,
-                 labels: str = "shifted", loss_mask: bool | None = None, batch_dim: bool = False):
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        dp: int | None = None,
+        *,
+        timeout: float = 600.0,
+        as_torch: bool = False,
+        labels: str = "shifted",
+        loss_mask: bool | None = None,
+        batch_dim: bool = False,
+    ):
         self.io = ProcessIO.get()
         self.address = resolve_address(address)
         self.rank, self.timeout, self.as_torch = int(rank), timeout, as_torch
@@ -50,7 +60,8 @@ class EvalStream:
 
 
 def eval_steps(stream) -> Iterator[dict]:
-    """Rank ``stream.rank``'s evaluation steps (``stream``: an :class:`EvalStream` or a ``RankStream``): ``{"step", "rank", "micro_batches", "eval_steps"}``."""
+    """Rank ``stream.rank``'s evaluation steps (``stream``: an :class:`EvalStream` or a ``RankStream``): ``{"step",
+    "rank", "micro_batches", "eval_steps"}``."""
     io, rank, timeout = stream.io, stream.rank, stream.timeout
     planner = io.planner(stream.address)
     step, total, deadline, desc = 0, None, time.monotonic() + timeout, None
@@ -61,8 +72,20 @@ def eval_steps(stream) -> Iterator[dict]:
                 raise ServiceError(f"rank {rank}: {desc['error']}")
         want = [step] if total is None else list(range(step, min(total, step + FETCH_STEPS)))
         try:
-            got = io.run(fetch_batches(io, planner, desc, want, rank=rank, cp_rank=None, timeout=min(timeout, 30.0),
-                                       abort=asyncio.Event(), address=stream.address), timeout=min(timeout, 30.0) + 10)
+            got = io.run(
+                fetch_batches(
+                    io,
+                    planner,
+                    desc,
+                    want,
+                    rank=rank,
+                    cp_rank=None,
+                    timeout=min(timeout, 30.0),
+                    abort=asyncio.Event(),
+                    address=stream.address,
+                ),
+                timeout=min(timeout, 30.0) + 10,
+            )
         except ServiceError:  # its worker left: the batches are rebuilt, ask where they are now
             if time.monotonic() > deadline:
                 raise
@@ -84,4 +107,11 @@ def eval_micro_batches(stream) -> Iterator[dict]:
     for batch in eval_steps(stream):
         n = len(batch["micro_batches"])
         for m, mb in enumerate(batch["micro_batches"]):
-            yield {**mb, "step": batch["step"], "rank": stream.rank, "micro_batch": m, "last_in_step": m == n - 1, "eval": True}
+            yield {
+                **mb,
+                "step": batch["step"],
+                "rank": stream.rank,
+                "micro_batch": m,
+                "last_in_step": m == n - 1,
+                "eval": True,
+            }

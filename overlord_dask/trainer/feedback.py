@@ -122,8 +122,13 @@ class Reporting:
         bad = [k for k, v in extra.items() if not isinstance(v, (int, float)) or not math.isfinite(v)]
         if bad:
             raise ValueError(f"report: metrics {bad} must be finite numbers")
-        self._reports.append({"s": int(step), "loss": {k: [a, b] for k, (a, b) in losses.items()},
-                              "extra": {k: float(v) for k, v in extra.items()}})
+        self._reports.append(
+            {
+                "s": int(step),
+                "loss": {k: [a, b] for k, (a, b) in losses.items()},
+                "extra": {k: float(v) for k, v in extra.items()},
+            }
+        )
 
     def loss_by_source(self, batch: dict, token_losses) -> dict:
         """:func:`loss_by_source` keyed by this run's source names."""
@@ -143,6 +148,8 @@ class Reporting:
         if rio.replica != 0:
             return
         try:
-            rio.channel.send({"op": "feedback", "rank": rio.rank, "cp_rank": rio.cp_rank or 0, "replica": 0, "items": items})
+            rio.channel.send(
+                {"op": "feedback", "rank": rio.rank, "cp_rank": rio.cp_rank or 0, "replica": 0, "items": items}
+            )
         except Exception:  # the channel is down (the stream reconnects): they go with a later acknowledgement
             self._reports.extendleft(reversed(items))

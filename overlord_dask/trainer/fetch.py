@@ -17,7 +17,8 @@ from distributed.comm import CommClosedError
 from ..client import PlannerClient, fetch
 from ..errors import ServiceError
 
-HEDGE_S = 2.0  # a worker that has not answered a fetch in this long may be hung: try the batch's other holders (doubles per retry)
+# a worker that has not answered a fetch in this long may be hung: try the batch's other holders (doubles per retry)
+HEDGE_S = 2.0
 
 
 async def fetch_shared(io, address: str, request: tuple, call, abort: asyncio.Event | None = None):
@@ -34,8 +35,18 @@ async def fetch_shared(io, address: str, request: tuple, call, abort: asyncio.Ev
     return await asyncio.shield(shared)  # one waiter giving up (a hedge) leaves the others theirs
 
 
-async def fetch_batches(io, planner: PlannerClient, desc: dict, steps: list[int], *, rank: int, cp_rank: int | None,
-                        timeout: float, abort: asyncio.Event, address: str) -> list[dict]:
+async def fetch_batches(
+    io,
+    planner: PlannerClient,
+    desc: dict,
+    steps: list[int],
+    *,
+    rank: int,
+    cp_rank: int | None,
+    timeout: float,
+    abort: asyncio.Event,
+    address: str,
+) -> list[dict]:
     """Rank ``rank``'s batches of ``steps`` (wire form) from the task ``desc`` names. ``io`` is the
     process's ``connection.ProcessIO``; ``abort`` is set when the service itself went away.
     Raises ``CommClosedError`` when the service restarted (reconnect first), ``ServiceError``
@@ -47,8 +58,16 @@ async def fetch_batches(io, planner: PlannerClient, desc: dict, steps: list[int]
     while True:
         for addr in addresses:
             try:
-                resp = await asyncio.wait_for(fetch_shared(io, addr, (desc["key"], rank, cp_rank, tuple(steps)),
-                                                           lambda rpc: fetch(rpc, desc["key"], rank, steps, cp_rank), abort), hedge)
+                resp = await asyncio.wait_for(
+                    fetch_shared(
+                        io,
+                        addr,
+                        (desc["key"], rank, cp_rank, tuple(steps)),
+                        lambda rpc: fetch(rpc, desc["key"], rank, steps, cp_rank),
+                        abort,
+                    ),
+                    hedge,
+                )
             except asyncio.TimeoutError:
                 slow.add(addr)  # a hung worker is only removed after the worker TTL: use a shadow meanwhile
                 hedge *= 2
@@ -58,7 +77,9 @@ async def fetch_batches(io, planner: PlannerClient, desc: dict, steps: list[int]
             if resp.get("status") == "OK":
                 return resp["payload"].batches()
         if time.monotonic() > deadline:
-            raise ServiceError(f"batch {desc['key']} could not be fetched within {timeout}s (last known workers: {addresses})")
+            raise ServiceError(
+                f"batch {desc['key']} could not be fetched within {timeout}s (last known workers: {addresses})"
+            )
         resp = await planner.where(desc["key"], timeout=min(5.0, timeout), run_id=desc.get("run_id"))
         if not isinstance(resp, dict) or resp.get("other_run"):  # the service was restarted: reconnect first
             raise CommClosedError(f"the overlord service at {address} was restarted")

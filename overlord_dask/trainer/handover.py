@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class HandOver:
@@ -38,7 +38,9 @@ class HandOver:
         self.t_created = time.perf_counter()
 
     # ---- the trainer's thread ---------------------------------------------------------------------
-    def take(self, step: int, timeout: float, chunk_done: bool, wake: Callable[[bool, bool], None]) -> tuple[dict | None, float]:
+    def take(
+        self, step: int, timeout: float, chunk_done: bool, wake: Callable[[bool, bool], None]
+    ) -> tuple[dict | None, float]:
         """Step ``step``'s batch (None on an error or a timeout: ``error`` says which) and the
         seconds the trainer waited for it, at most ``timeout``. ``chunk_done``: the step finished before ended a chunk.
         ``wake(room, ack)`` (called holding the lock; it must only schedule) lets the IO side

@@ -19,7 +19,7 @@ relies on: a rank iterates its own stream, whole, in order.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from .dataset import OverlordDataset
 from .masks import document_mask

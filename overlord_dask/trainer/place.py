@@ -29,15 +29,25 @@ class Place:
     replica: int
 
 
-def place(rank: int | None = None, dp: int | None = None, *, cp_rank: int | None = None, replica: int | None = None,
-          device_mesh=None, dp_dims: tuple[str, ...] | None = None, cp_dim: str = "cp") -> Place:
+def place(
+    rank: int | None = None,
+    dp: int | None = None,
+    *,
+    cp_rank: int | None = None,
+    replica: int | None = None,
+    device_mesh=None,
+    dp_dims: tuple[str, ...] | None = None,
+    cp_dim: str = "cp",
+) -> Place:
     """This process's place, from the arguments given (see the module docstring)."""
     if device_mesh is not None:
         return _from_mesh(device_mesh, dp_dims, cp_dim, rank, dp, cp_rank, replica)
     if rank is None:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise RankError("pass rank (and dp), a device_mesh, or launch the trainers with torchrun or srun so that RANK and "
-                            "WORLD_SIZE are set")
+            raise RankError(
+                "pass rank (and dp), a device_mesh, or launch the trainers with torchrun or srun so that RANK and "
+                "WORLD_SIZE are set"
+            )
         rank, dp = int(os.environ["RANK"]), dp if dp is not None else int(os.environ["WORLD_SIZE"])
     return Place(int(rank), dp, cp_rank, int(replica or 0))
 

@@ -17,9 +17,9 @@ from distributed.comm import CommClosedError
 from ..errors import ServiceError
 from ..protocol import resolve_address
 from ..wire import DTYPES, decode_batch, nbytes
-from .connection import Channel, ProcessIO
-from .fetch import fetch_batches
 from .batches import shape
+from .connection import ProcessIO
+from .fetch import fetch_batches
 from .handover import HandOver
 from .tensors import TORCH_DTYPES, to_torch
 
@@ -27,13 +27,35 @@ from .tensors import TORCH_DTYPES, to_torch
 class RankIO:
     """(IO loop) The background side of one rank's stream."""
 
-    def __init__(self, io: ProcessIO, hand: HandOver, *, where: str, address: str, info: dict, rank: int, cp_rank: int | None,
-                 replica: int, generation: int, first_step: int, timeout: float, reconnect_timeout: float, as_torch: bool,
-                 pin_memory: bool, batch_options: dict | None = None, channel_group: str = ""):
+    def __init__(
+        self,
+        io: ProcessIO,
+        hand: HandOver,
+        *,
+        where: str,
+        address: str,
+        info: dict,
+        rank: int,
+        cp_rank: int | None,
+        replica: int,
+        generation: int,
+        first_step: int,
+        timeout: float,
+        reconnect_timeout: float,
+        as_torch: bool,
+        pin_memory: bool,
+        batch_options: dict | None = None,
+        channel_group: str = "",
+    ):
         self.io, self.hand = io, hand
         self.where, self.address, self.planner = where, address, io.planner(address)
         self.info, self.rank, self.cp_rank, self.replica, self.generation = info, rank, cp_rank, replica, generation
-        self.timeout, self.reconnect_timeout, self.as_torch, self.pin_memory = timeout, reconnect_timeout, as_torch, pin_memory
+        self.timeout, self.reconnect_timeout, self.as_torch, self.pin_memory = (
+            timeout,
+            reconnect_timeout,
+            as_torch,
+            pin_memory,
+        )
         self.batch_options = batch_options or {}  # batches.shape: label convention, loss mask, layout
         self.closed = False
         self._descs: dict[int, dict] = {}  # step -> descriptor naming it
@@ -63,8 +85,15 @@ class RankIO:
     def _subscribe(self) -> None:
         """Receive this consumer's messages on ``self.channel`` (as this generation)."""
         self.channel.streams.setdefault(self.consumer, {})[self.generation] = self
-        self.channel.send({"op": "subscribe", "rank": self.rank, "cp_rank": self.cp_rank or 0, "replica": self.replica,
-                           "generation": self.generation})
+        self.channel.send(
+            {
+                "op": "subscribe",
+                "rank": self.rank,
+                "cp_rank": self.cp_rank or 0,
+                "replica": self.replica,
+                "generation": self.generation,
+            }
+        )
 
     def wake(self, room: bool, ack: bool) -> None:
         """The trainer took steps (``room``) or finished a chunk (``ack``)."""
@@ -91,8 +120,17 @@ class RankIO:
                 desc = self._descs[self._fetch_next]
                 steps = [s for s in desc["steps"] if s >= self._fetch_next][:room]
                 try:
-                    batches = await fetch_batches(self.io, self.planner, desc, steps, rank=self.rank, cp_rank=self.cp_rank,
-                                                  timeout=self.timeout, abort=self._disconnected, address=self.address)
+                    batches = await fetch_batches(
+                        self.io,
+                        self.planner,
+                        desc,
+                        steps,
+                        rank=self.rank,
+                        cp_rank=self.cp_rank,
+                        timeout=self.timeout,
+                        abort=self._disconnected,
+                        address=self.address,
+                    )
                 except (OSError, CommClosedError):
                     if self.reconnect_timeout <= 0:
                         raise
@@ -118,7 +156,9 @@ class RankIO:
         if msg["op"] == "worker_lost":
             self.io.lost(msg["address"]).set()
         elif msg["op"] == "error" and msg.get("resumable") and self.reconnect_timeout > 0:
-            self.lost(f"{msg['message']}; it resumes from its snapshots when it is started again")  # a restart (or a resubmitted job) is awaited
+            self.lost(
+                f"{msg['message']}; it resumes from its snapshots when it is started again"
+            )  # a restart (or a resubmitted job) is awaited
         elif msg["op"] == "error":
             self.hand.fail(f"the overlord service failed: {msg['message']}")
         elif msg["op"] == "descriptors":
@@ -164,8 +204,16 @@ class RankIO:
                 durable = self.info.get("commit", "ack") == "ack"
             if step <= self._acked_sent and not (durable and step > self._durable_sent):
                 return
-            msg = {"rank": self.rank, "step": step, "cp_rank": self.cp_rank or 0, "replica": self.replica, "generation": self.generation,
-                   "durable": durable, "wait_s": round(h.wait_total, 4), "since_s": round(time.perf_counter() - h.t_created, 4)}
+            msg = {
+                "rank": self.rank,
+                "step": step,
+                "cp_rank": self.cp_rank or 0,
+                "replica": self.replica,
+                "generation": self.generation,
+                "durable": durable,
+                "wait_s": round(h.wait_total, 4),
+                "since_s": round(time.perf_counter() - h.t_created, 4),
+            }
             if wait:
                 if not self.connected.is_set():  # commit() or state_dict() while the service restarts
                     await asyncio.wait_for(self.connected.wait(), self.reconnect_timeout + 10)
@@ -212,11 +260,19 @@ class RankIO:
                     channel = self.io.channel(self.address, info["run_id"], wait=False, group=self.channel_group)
                     await channel.opened()
                     break
-            except (OSError, CommClosedError, ServiceError, asyncio.TimeoutError, ValueError):  # ValueError: no scheduler file (yet)
+            except (
+                OSError,
+                CommClosedError,
+                ServiceError,
+                asyncio.TimeoutError,
+                ValueError,
+            ):  # ValueError: no scheduler file (yet)
                 pass
             if time.monotonic() > deadline:
-                self.hand.fail(f"rank {self.rank}: lost the overlord service at {self.address} ({why}) and it did not come back "
-                               f"within {self.reconnect_timeout:.0f}s")
+                self.hand.fail(
+                    f"rank {self.rank}: lost the overlord service at {self.address} ({why}) and it did not come back "
+                    f"within {self.reconnect_timeout:.0f}s"
+                )
                 return
             await asyncio.sleep(delay)
             delay = min(2.0, delay * 2)
@@ -224,8 +280,10 @@ class RankIO:
             return
         first, consumed = int(att["first_step"]), self.hand.consumed
         if first > consumed + 1:  # another consumer of this rank acknowledged further: never skip silently
-            self.hand.fail(f"rank {self.rank}: the restarted service resumes this rank at step {first}, but its trainer "
-                           f"consumed only up to step {consumed}: steps {consumed + 1}..{first - 1} would be lost")
+            self.hand.fail(
+                f"rank {self.rank}: the restarted service resumes this rank at step {first}, but its trainer "
+                f"consumed only up to step {consumed}: steps {consumed + 1}..{first - 1} would be lost"
+            )
             return
         self.info, self.channel, self.generation = info, channel, int(att["generation"])
         self._descs.clear()
@@ -270,7 +328,14 @@ class RankIO:
                 self.channel.streams.pop(key, None)
             if not self.channel.closed:
                 try:
-                    self.channel.send({"op": "unsubscribe", "rank": self.rank, "cp_rank": key[1], "replica": self.replica,
-                                       "generation": self.generation})
+                    self.channel.send(
+                        {
+                            "op": "unsubscribe",
+                            "rank": self.rank,
+                            "cp_rank": key[1],
+                            "replica": self.replica,
+                            "generation": self.generation,
+                        }
+                    )
                 except Exception:  # the channel is closing: the scheduler drops the subscription anyway
                     pass

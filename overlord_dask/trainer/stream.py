@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..allocator import keep_freed_memory
 from ..errors import RankError, ServiceError
 from ..protocol import resolve_address
-from .connection import ProcessIO
 from . import batches, place
+from .connection import ProcessIO
 from .feedback import Reporting
 from .handover import HandOver
 from .prefetch import RankIO
@@ -80,17 +80,36 @@ class RankStream(Reporting):
     process, as a trainer process per GPU has); a name gives its streams a connection of their
     own (simulated hosts in ``benchmarks/control_plane.py``)."""
 
-    def __init__(self, address: str, rank: int, dp: int | None = None, *, cp_rank: int | None = None, replica: int = 0,
-                 timeout: float = 600.0, as_torch: bool = False, prefetch_steps: int | None = None, prefetch_bytes: int = 1 << 30,
-                 pin_memory: bool = False, reconnect_timeout: float = 120.0, labels: str = "shifted", loss_mask: bool | None = None,
-                 batch_dim: bool = False, channel_group: str = ""):
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        dp: int | None = None,
+        *,
+        cp_rank: int | None = None,
+        replica: int = 0,
+        timeout: float = 600.0,
+        as_torch: bool = False,
+        prefetch_steps: int | None = None,
+        prefetch_bytes: int = 1 << 30,
+        pin_memory: bool = False,
+        reconnect_timeout: float = 120.0,
+        labels: str = "shifted",
+        loss_mask: bool | None = None,
+        batch_dim: bool = False,
+        channel_group: str = "",
+    ):
         self._where = address  # an address, or a scheduler file read again on every reconnect
         self._address = resolve_address(address)
         self.rank, self.dp, self.cp_rank, self.replica = int(rank), dp, cp_rank, int(replica)
         self.timeout = timeout
         self.as_torch = as_torch
-        self._options = {"prefetch_steps": prefetch_steps, "prefetch_bytes": prefetch_bytes, "reconnect_timeout": reconnect_timeout,
-                         "channel_group": channel_group}
+        self._options = {
+            "prefetch_steps": prefetch_steps,
+            "prefetch_bytes": prefetch_bytes,
+            "reconnect_timeout": reconnect_timeout,
+            "channel_group": channel_group,
+        }
         keep_freed_memory()  # decoded batches reuse freed memory instead of faulting in fresh pages (allocator.py)
         self.io = ProcessIO.get()
         self._closed = False
@@ -116,9 +135,12 @@ class RankStream(Reporting):
             raise ServiceError(f"rank {self.rank}: the stream is closed")
         world = self._info["dp"]
         if self.dp is not None and self.dp != world:
-            raise RankError(f"consumer asked for dp={self.dp}, but the service at {self._address} runs dp={world} (a job that comes "
-                            "back with another number of ranks calls load_state_dict with its checkpoint first: the service then "
-                            "re-plans from that step for its dp)")
+            raise RankError(
+                f"consumer asked for dp={self.dp}, but the service at {self._address} runs dp={world} (a job that "
+                "comes "
+                "back with another number of ranks calls load_state_dict with its checkpoint first: the service then "
+                "re-plans from that step for its dp)"
+            )
         self._attach()
 
     def _attach(self) -> None:
@@ -130,10 +152,24 @@ class RankStream(Reporting):
         self.next_step = int(att["first_step"])
         prefetch = max(1, self._options["prefetch_steps"] or self._info.get("prefetch_steps", 4))
         self.hand = HandOver(self.next_step, prefetch, self._options["prefetch_bytes"])
-        self.rio = RankIO(self.io, self.hand, where=self._where, address=self._address, info=self._info, rank=self.rank,
-                          cp_rank=self.cp_rank, replica=self.replica, generation=int(att["generation"]), first_step=self.next_step,
-                          timeout=self.timeout, reconnect_timeout=self._options["reconnect_timeout"], as_torch=self.as_torch,
-                          pin_memory=self._pin, batch_options=self._batch_options, channel_group=self._options["channel_group"])
+        self.rio = RankIO(
+            self.io,
+            self.hand,
+            where=self._where,
+            address=self._address,
+            info=self._info,
+            rank=self.rank,
+            cp_rank=self.cp_rank,
+            replica=self.replica,
+            generation=int(att["generation"]),
+            first_step=self.next_step,
+            timeout=self.timeout,
+            reconnect_timeout=self._options["reconnect_timeout"],
+            as_torch=self.as_torch,
+            pin_memory=self._pin,
+            batch_options=self._batch_options,
+            channel_group=self._options["channel_group"],
+        )
 
     @property
     def address(self) -> str:
@@ -230,7 +266,9 @@ class RankStream(Reporting):
         except ServiceError:
             raise
         except Exception as err:
-            raise ServiceError(f"rank {self.rank}: the service at {self.rio.address} did not take the acknowledgement: {err}") from None
+            raise ServiceError(
+                f"rank {self.rank}: the service at {self.rio.address} did not take the acknowledgement: {err}"
+            ) from None
         finally:
             self._excluding(t0)
 
@@ -264,7 +302,9 @@ class RankStream(Reporting):
             raise ValueError(f"consumer state next_step must be a step number >= 0, got {target!r}")
         dp = self.dp if self.dp is not None else self._info["dp"]
         if self.rio is None or dp != self._info["dp"] or target < self.next_step:
-            if self.rio is not None:  # the service may have to go back: this attachment ends, a new one starts from target
+            if (
+                self.rio is not None
+            ):  # the service may have to go back: this attachment ends, a new one starts from target
                 self.rio.stop(wait=10)
                 self.rio, self.hand, self._unacked = None, None, None
             planner = self.io.planner(self._address)
@@ -297,7 +337,7 @@ class RankStream(Reporting):
         if rio is not None:
             rio.stop(wait)
 
-    def __enter__(self) -> "RankStream":
+    def __enter__(self) -> RankStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -324,7 +364,9 @@ def _why_stalled(s: RankStream) -> str:
     try:
         st = s.io.run(s.rio.planner.status(), timeout=10)
     except Exception as err:
-        return f"rank {s.rank}: no batch for step {s.next_step} within {s.timeout}s and the service does not answer: {err}"
+        return (
+            f"rank {s.rank}: no batch for step {s.next_step} within {s.timeout}s and the service does not answer: {err}"
+        )
     if st.get("failure"):
         return f"the overlord service failed: {st['failure']}"
     return f"rank {s.rank}: no batch for step {s.next_step} within {s.timeout}s (service status: {st})"

@@ -101,15 +101,23 @@ def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens:
         dims = [b.images.shape[1:] for b in blocks.values() if b.images is not None]
         dtype = next((b.images.dtype for b in blocks.values() if b.images is not None), np.uint8)
         g.images = {
-            "image_patches": np.concatenate(patches) if patches else np.zeros((0,) + (dims[0] if dims else (0,)), dtype=dtype),
+            "image_patches": np.concatenate(patches)
+            if patches
+            else np.zeros((0,) + (dims[0] if dims else (0,)), dtype=dtype),
             "image_positions": np.concatenate(patch_pos).astype(np.int32) if patch_pos else np.zeros(0, np.int32),
             "patch_index": np.concatenate(patch_idx).astype(np.int32) if patch_idx else np.zeros(0, np.int32),
         }
     return g
 
 
-def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False,
-                     pad_id: int = PAD_ID) -> dict:
+def pack_micro_batch(
+    pieces,
+    blocks: dict[str, SampleBlock],
+    capacity: int,
+    piece_tokens: int,
+    multimodal: bool = False,
+    pad_id: int = PAD_ID,
+) -> dict:
     """The packed micro-batch of the module docstring, padded to ``capacity`` with ``pad_id``."""
     g = _gather(pieces, blocks, capacity, piece_tokens, multimodal)
     n = int(g.cu[-1])
@@ -124,19 +132,33 @@ def pack_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
     position_ids = np.arange(capacity, dtype=np.int32)
     position_ids[:n] -= np.repeat(g.cu[:-1], np.diff(g.cu))  # restart at 0 for every piece
     position_ids[n:] = np.arange(capacity - n, dtype=np.int32)  # padding counts on from 0 as well
-    out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seqlens": g.cu, **g.meta, "num_tokens": n}
+    out = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "cu_seqlens": g.cu,
+        **g.meta,
+        "num_tokens": n,
+    }
     if g.images is not None:
         out.update(g.images)
     return out
 
 
-def wire_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False) -> dict:
+def wire_micro_batch(
+    pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool = False
+) -> dict:
     """``wire.encode(pack_micro_batch(...))`` without building the padded arrays the wire form
     leaves out (labels, positions, padding): what a constructor stores when there is no
     context parallelism (tested equal)."""
     g = _gather(pieces, blocks, capacity, piece_tokens, multimodal)
     n = int(g.cu[-1])
-    out = {"capacity": capacity, "tokens": narrow(g.tokens), "pieces": piece_table(np.diff(g.cu), g.nexts, g.meta), "num_tokens": n}
+    out = {
+        "capacity": capacity,
+        "tokens": narrow(g.tokens),
+        "pieces": piece_table(np.diff(g.cu), g.nexts, g.meta),
+        "num_tokens": n,
+    }
     if g.mask is not None and not g.mask.all():
         out["mask"] = pack_mask(g.mask)
     if g.images is not None:
@@ -144,7 +166,9 @@ def wire_micro_batch(pieces, blocks: dict[str, SampleBlock], capacity: int, piec
     return out
 
 
-def _image_patches(block: SampleBlock, doc: int, start: int, stop: int, pos: int, patches, patch_pos, patch_idx) -> None:
+def _image_patches(
+    block: SampleBlock, doc: int, start: int, stop: int, pos: int, patches, patch_pos, patch_idx
+) -> None:
     """The patches of document ``doc``'s images whose placeholder tokens lie in [start, stop)."""
     for i in range(int(block.image_offsets[doc]), int(block.image_offsets[doc + 1])):
         s0, p0 = int(block.image_starts[i]), int(block.image_patches[i])
@@ -155,8 +179,18 @@ def _image_patches(block: SampleBlock, doc: int, start: int, stop: int, pos: int
             patch_idx.append(np.arange(a - s0, b - s0))
 
 
-def build_rank_batch(step: int, rank: int, micro_batches: list, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int,
-                     cp: int = 1, cp_split_tokens: int | None = None, multimodal: bool = False, pad_id: int = PAD_ID) -> dict:
+def build_rank_batch(
+    step: int,
+    rank: int,
+    micro_batches: list,
+    blocks: dict[str, SampleBlock],
+    capacity: int,
+    piece_tokens: int,
+    cp: int = 1,
+    cp_split_tokens: int | None = None,
+    multimodal: bool = False,
+    pad_id: int = PAD_ID,
+) -> dict:
     """Every micro-batch of ``rank`` for ``step``, padded (:func:`pack_micro_batch`); with
     ``cp > 1`` each micro-batch also carries its ``cp`` context-parallel slices (``"cp"``).
     :func:`build_chunk` uses it for context-parallel chunks, whose slices are cut from the
@@ -176,8 +210,10 @@ def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> 
     flat = sl[:, 0].astype(np.int64) * micro_batches + sl[:, 1]
     order = np.argsort(flat, kind="stable")
     bounds = np.searchsorted(flat[order], np.arange(ranks.start * micro_batches, ranks.stop * micro_batches + 1))
-    return [[rows[order[bounds[i * micro_batches + m] : bounds[i * micro_batches + m + 1]]] for m in range(micro_batches)]
-            for i in range(len(ranks))]
+    return [
+        [rows[order[bounds[i * micro_batches + m] : bounds[i * micro_batches + m + 1]]] for m in range(micro_batches)]
+        for i in range(len(ranks))
+    ]
 
 
 def unit_block(entry) -> SampleBlock:
@@ -255,8 +291,15 @@ def _sizeof_chunk(chunk: BuiltChunk) -> int:
     return chunk.nbytes + 200
 
 
-def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict[str, SampleBlock], capacity: int,
-               pad_id: int = PAD_ID, loss_masks: bool = False) -> dict[int, dict[int, dict]]:
+def wire_chunk(
+    steps: list[dict],
+    ranks: range,
+    micro_batches: int,
+    blocks: dict[str, SampleBlock],
+    capacity: int,
+    pad_id: int = PAD_ID,
+    loss_masks: bool = False,
+) -> dict[int, dict[int, dict]]:
     """Every (step, rank) batch of a text-only chunk in wire form, built for the whole chunk at
     once: what :func:`wire_micro_batch` makes for each micro-batch (tested equal once decoded),
     without its fixed cost per micro-batch.
@@ -318,10 +361,23 @@ def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict
     tokens = narrow(np.concatenate(toks)) if toks else np.zeros(0, dtype=np.uint8)
     mask = None
     if any(b.loss_mask is not None for b in block_of):
-        mask = np.concatenate([block_of[j].loss_mask[x : x + m] if block_of[j].loss_mask is not None else np.ones(m, np.uint8)
-                               for j, x, m in zip(uinv.tolist(), a.tolist(), lens.tolist())])
-    table = piece_table(lens, nexts, {"sample_ids": sample_ids, "source_ids": src, "chunk_ids": start // piece_tokens,
-                                      "piece_starts": start, "epochs": epoch})
+        mask = np.concatenate(
+            [
+                block_of[j].loss_mask[x : x + m] if block_of[j].loss_mask is not None else np.ones(m, np.uint8)
+                for j, x, m in zip(uinv.tolist(), a.tolist(), lens.tolist())
+            ]
+        )
+    table = piece_table(
+        lens,
+        nexts,
+        {
+            "sample_ids": sample_ids,
+            "source_ids": src,
+            "chunk_ids": start // piece_tokens,
+            "piece_starts": start,
+            "epochs": epoch,
+        },
+    )
     tok_bounds = np.zeros(n_mb + 1, dtype=np.int64)
     np.cumsum(mb_tokens, out=tok_bounds[1:])
     tb, pb = tok_bounds.tolist(), mb_bounds.tolist()
@@ -332,18 +388,40 @@ def wire_chunk(steps: list[dict], ranks: range, micro_batches: int, blocks: dict
         for rank in ranks:
             mbs = []
             for _ in range(micro_batches):
-                mbs.append({"capacity": capacity, "tokens": tokens[tb[k] : tb[k + 1]], "pieces": table[pb[k] : pb[k + 1]],
-                            "num_tokens": tb[k + 1] - tb[k]})
+                mbs.append(
+                    {
+                        "capacity": capacity,
+                        "tokens": tokens[tb[k] : tb[k + 1]],
+                        "pieces": table[pb[k] : pb[k + 1]],
+                        "num_tokens": tb[k + 1] - tb[k],
+                    }
+                )
                 if mask is not None and not mask[tb[k] : tb[k + 1]].all():
                     mbs[-1]["mask"] = pack_mask(mask[tb[k] : tb[k + 1]])
                 k += 1
-            per_rank[rank] = {"step": sp["step"], "rank": rank, "micro_batches": mbs, "loss_tokens": sp.get("loss_tokens")}
+            per_rank[rank] = {
+                "step": sp["step"],
+                "rank": rank,
+                "micro_batches": mbs,
+                "loss_tokens": sp.get("loss_tokens"),
+            }
             per_rank[rank].update(_plan_fields(pad_id, loss_masks))
     return out
 
 
-def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: int, blocks: dict[str, SampleBlock], capacity: int,
-                cp: int = 1, cp_split_tokens: int | None = None, multimodal: bool = False, pad_id: int = PAD_ID, loss_masks: bool = False) -> BuiltChunk:
+def build_chunk(
+    steps: list[dict],
+    rank_lo: int,
+    rank_hi: int,
+    micro_batches: int,
+    blocks: dict[str, SampleBlock],
+    capacity: int,
+    cp: int = 1,
+    cp_split_tokens: int | None = None,
+    multimodal: bool = False,
+    pad_id: int = PAD_ID,
+    loss_masks: bool = False,
+) -> BuiltChunk:
     """One constructor task: consecutive ``steps`` (planner output, pieces of ranks
     ``[rank_lo, rank_hi)``) for those ranks. The result stays on the worker until every rank
     acknowledged its last step; trainers fetch their (step, rank) batches from it directly
@@ -360,10 +438,17 @@ def build_chunk(steps: list[dict], rank_lo: int, rank_hi: int, micro_batches: in
         out[sp["step"]] = {}
         for rank, mbs in zip(ranks, per_rank):
             if cp > 1:
-                batch = build_rank_batch(sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal, pad_id)
+                batch = build_rank_batch(
+                    sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal, pad_id
+                )
             else:
-                batch = {"step": sp["step"], "rank": rank, "micro_batches": [
-                    wire_micro_batch(mb, blocks, capacity, sp["piece_tokens"], multimodal) for mb in mbs]}
+                batch = {
+                    "step": sp["step"],
+                    "rank": rank,
+                    "micro_batches": [
+                        wire_micro_batch(mb, blocks, capacity, sp["piece_tokens"], multimodal) for mb in mbs
+                    ],
+                }
             out[sp["step"]][rank] = {**batch, "loss_tokens": sp.get("loss_tokens"), **_plan_fields(pad_id, loss_masks)}
     return BuiltChunk(cp == 1, out)
 
@@ -447,14 +532,17 @@ def select_cp(batch: dict, cp_rank: int) -> dict:
     return {**batch, "micro_batches": mbs}
 
 
-
 def check_micro_batch(mb: dict, capacity: int) -> None:
     """Raise ValueError unless a packed micro-batch is self-consistent: ``cu_seqlens`` starts at 0,
     increases and ends at ``num_tokens``; ``position_ids`` restart at 0 exactly at each boundary;
     ``labels`` are the next token inside a piece and -100 on padding; per-piece arrays agree."""
     cu = mb["cu_seqlens"].astype(np.int64)
     n = len(cu) - 1
-    if mb["input_ids"].shape != (capacity,) or mb["labels"].shape != (capacity,) or mb["position_ids"].shape != (capacity,):
+    if (
+        mb["input_ids"].shape != (capacity,)
+        or mb["labels"].shape != (capacity,)
+        or mb["position_ids"].shape != (capacity,)
+    ):
         raise ValueError(f"token arrays must have shape ({capacity},)")
     if cu[0] != 0 or np.any(np.diff(cu) <= 0) or cu[-1] != mb["num_tokens"] or cu[-1] > capacity:
         raise ValueError(f"bad cu_seqlens {cu.tolist()} for num_tokens={mb['num_tokens']}")

@@ -51,8 +51,15 @@ def _loss_tokens(mbs: list[dict]) -> tuple[int, int]:
     return shifted, hf
 
 
-def build_eval(blocks: list[tuple[int, SampleBlock]], budgets: dict[int, int | None], dp: int, micro_batches: int, capacity: int,
-               pad_id: int = PAD_ID, multimodal: bool = False) -> BuiltChunk:
+def build_eval(
+    blocks: list[tuple[int, SampleBlock]],
+    budgets: dict[int, int | None],
+    dp: int,
+    micro_batches: int,
+    capacity: int,
+    pad_id: int = PAD_ID,
+    multimodal: bool = False,
+) -> BuiltChunk:
     """The evaluation batches of the held-out ``blocks`` (``(source index, block)`` in order)."""
     rows = _pieces(blocks, budgets, capacity)
     bins: list[list[list[int]]] = []
@@ -68,11 +75,23 @@ def build_eval(blocks: list[tuple[int, SampleBlock]], budgets: dict[int, int | N
     steps = -(-len(bins) // per_step) if bins else 0
     bins += [[]] * (steps * per_step - len(bins))
     keyed = {block_key(src, 0, u): b for u, (src, b) in enumerate(blocks)}
-    built = [wire_micro_batch(np.asarray(b, dtype=np.int64).reshape(-1, 6), keyed, capacity, capacity, multimodal) for b in bins]
+    built = [
+        wire_micro_batch(np.asarray(b, dtype=np.int64).reshape(-1, 6), keyed, capacity, capacity, multimodal)
+        for b in bins
+    ]
     out: dict[int, dict[int, dict]] = {}
     for s in range(max(steps, 1)):
         mine = built[s * per_step : (s + 1) * per_step]
         counts = _loss_tokens(mine)
-        out[s] = {r: {"step": s, "rank": r, "micro_batches": mine[r * micro_batches : (r + 1) * micro_batches], "eval_steps": steps,
-                      "loss_tokens": counts, **({"pad_id": pad_id} if pad_id != PAD_ID else {})} for r in range(dp)}
+        out[s] = {
+            r: {
+                "step": s,
+                "rank": r,
+                "micro_batches": mine[r * micro_batches : (r + 1) * micro_batches],
+                "eval_steps": steps,
+                "loss_tokens": counts,
+                **({"pad_id": pad_id} if pad_id != PAD_ID else {}),
+            }
+            for r in range(dp)
+        }
     return BuiltChunk(True, out)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import numpy as np
+
 from ..client import lengths_report
 from ..errors import SourceError
 from ..plan.loading import plan_from_dict
-import numpy as np
-
 from ..sources import Loaded, read_unit
 from ..sources.blocks import SampleBlock
 from ..sources.units import LoadUnit
@@ -40,8 +40,14 @@ def _plan(plan_dict: dict, cache_key: str):
     return plan
 
 
-def load_block(plan_dict: dict, cache_key: str, unit: dict, run_id: str | None = None, epoch: int = 0,
-               part: tuple[int, int] | None = None) -> SampleBlock:
+def load_block(
+    plan_dict: dict,
+    cache_key: str,
+    unit: dict,
+    run_id: str | None = None,
+    epoch: int = 0,
+    part: tuple[int, int] | None = None,
+) -> SampleBlock:
     """Load one unit (or documents ``part = (lo, hi)`` of it: auto-partitioning); ``cache_key``
     names the plan version (run id and version) that defines the unit's source, so a worker
     validates each version's plan once. Inside a worker, the unit's lengths are reported to the
@@ -54,8 +60,16 @@ def load_block(plan_dict: dict, cache_key: str, unit: dict, run_id: str | None =
     t0 = time.thread_time()  # CPU, not wall: on a crowded machine wall time grows with the workers added
     loaded, reason = _read(plan, u)
     if run_id is not None:
-        report_lengths(run_id, u.source, epoch, u.index, loaded, time.thread_time() - t0,
-                       None if part is None else (part[0], part[1], whole.n_docs), reason)
+        report_lengths(
+            run_id,
+            u.source,
+            epoch,
+            u.index,
+            loaded,
+            time.thread_time() - t0,
+            None if part is None else (part[0], part[1], whole.n_docs),
+            reason,
+        )
     return loaded.block
 
 
@@ -77,18 +91,33 @@ def _read(plan, u: LoadUnit) -> tuple[Loaded, str | None]:
             if k + 1 < attempts:
                 time.sleep(QUARANTINE_BACKOFF_S * (k + 1))
     n = u.n_docs or 0
-    empty = SampleBlock(u.source, np.zeros(0, np.int32), np.zeros(n + 1, np.int64), np.arange(u.first_id, u.first_id + n, dtype=np.int64))
+    empty = SampleBlock(
+        u.source,
+        np.zeros(0, np.int32),
+        np.zeros(n + 1, np.int64),
+        np.arange(u.first_id, u.first_id + n, dtype=np.int64),
+    )
     return Loaded(empty), reason
 
 
-def load_group(plan_dict: dict, cache_key: str, units: list[dict], run_id: str | None = None, epochs: list[int] | None = None) -> tuple:
+def load_group(
+    plan_dict: dict, cache_key: str, units: list[dict], run_id: str | None = None, epochs: list[int] | None = None
+) -> tuple:
     """Several small units of one source read by one task (auto-partitioning): their blocks, in order."""
     epochs = epochs or [0] * len(units)
     return tuple(load_block(plan_dict, cache_key, u, run_id, e) for u, e in zip(units, epochs))
 
 
-def report_lengths(run_id: str, source: str, epoch: int, unit: int, loaded: Loaded, seconds: float = 0.0,
-                   part: tuple[int, int, int] | None = None, quarantined: str | None = None) -> None:
+def report_lengths(
+    run_id: str,
+    source: str,
+    epoch: int,
+    unit: int,
+    loaded: Loaded,
+    seconds: float = 0.0,
+    part: tuple[int, int, int] | None = None,
+    quarantined: str | None = None,
+) -> None:
     """Send a loaded unit's metadata to the planner through the worker's scheduler stream, with
     what loading it cost (CPU seconds, bytes): the autoscaler sizes the source's pool from it;
     the records its prepare steps dropped, and why it was quarantined, if it was.
@@ -101,8 +130,18 @@ def report_lengths(run_id: str, source: str, epoch: int, unit: int, loaded: Load
         return
     block = loaded.block
     vision, masked = block.vision_tokens(), block.masked_runs()
-    msg = lengths_report(run_id, source, epoch, unit, block.lengths().astype("<i8").tobytes(),
-                         None if vision is None else vision.astype("<i8").tobytes(), seconds, block.nbytes,
-                         None if part is None else list(part), loaded.dropped, quarantined,
-                         None if masked is None else masked.astype("<i8").tobytes())
+    msg = lengths_report(
+        run_id,
+        source,
+        epoch,
+        unit,
+        block.lengths().astype("<i8").tobytes(),
+        None if vision is None else vision.astype("<i8").tobytes(),
+        seconds,
+        block.nbytes,
+        None if part is None else list(part),
+        loaded.dropped,
+        quarantined,
+        None if masked is None else masked.astype("<i8").tobytes(),
+    )
     worker.loop.add_callback(worker.batched_send, msg)  # tasks run in a thread; the stream lives on the loop

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...pieces import AGE, SOURCE, WIDTH, lengths, stream_lengths
+from ..streams.stream import SourceStream
 from . import kernels
 from .base import Starved
 from .polish import polish
-from ...pieces import AGE, SOURCE, WIDTH, lengths, stream_lengths
-from ..streams.stream import SourceStream
 
 
 def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, surplus: np.ndarray) -> np.ndarray:
@@ -125,7 +125,9 @@ def balance_window(
 
     # --- 2. heavy groups of dp similar pieces; outliers without partners wait (bounded)
     # a bin's effective cost: its heavy piece plus the light tokens that will fill the rest of it
-    rho = float(costs[light].sum() / max(lens[light].sum(), 1)) if len(light) else float(costs.sum() / max(lens.sum(), 1))
+    rho = (
+        float(costs[light].sum() / max(lens[light].sum(), 1)) if len(light) else float(costs.sum() / max(lens.sum(), 1))
+    )
     eff = costs[heavy] + rho * (capacity - lens[heavy])
     groups = group_heavy(eff, pieces[heavy, AGE] >= max_delay, dp, age=pieces[heavy, AGE], empty=rho * capacity)
     # the step each piece was selected for: its position in selection order against the step budgets
@@ -142,11 +144,24 @@ def balance_window(
         step_room *= light_total / step_room.sum()
     step_of = _light_to_steps(light, heavy, where, pieces, lens, intended, step_room, n_bins)
     mine = [light[step_of == s] for s in range(steps)]
-    quotas = (_rank_quotas if sync == "step" else _row_quotas)(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches)
+    quotas = (_rank_quotas if sync == "step" else _row_quotas)(
+        mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches
+    )
     for s, quota in quotas.items():  # a step's quotas read only its own bins: all are known before any fill
         _water_fill(mine[s], lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, quota)
     # --- 4. single pieces off the costliest container of each step (or micro-batch row)
-    polish(where, lens, costs, bin_cost, bin_tok, steps=steps, dp=dp, micro_batches=micro_batches, capacity=capacity, sync=sync)
+    polish(
+        where,
+        lens,
+        costs,
+        bin_cost,
+        bin_tok,
+        steps=steps,
+        dp=dp,
+        micro_batches=micro_batches,
+        capacity=capacity,
+        sync=sync,
+    )
 
     # --- outputs: per step, its rows by (rank, micro-batch), each bin's in window order (flat:
     # no Python object per rank, so the cost per step does not grow with dp)
@@ -158,7 +173,9 @@ def balance_window(
     for s in range(steps):
         sel = placed[bounds[s] : bounds[s + 1]]
         b = bins[bounds[s] : bounds[s + 1]] - s * n_bins
-        out_steps.append((pieces[sel, :WIDTH], np.stack([b // micro_batches, b % micro_batches], axis=1).astype(np.int32)))
+        out_steps.append(
+            (pieces[sel, :WIDTH], np.stack([b // micro_batches, b % micro_batches], axis=1).astype(np.int32))
+        )
         out_costs.append(bin_cost[s].reshape(dp, micro_batches).copy())
     pending = pieces[where < 0].copy()
     pending[:, AGE] += 1
@@ -187,11 +204,25 @@ def _place_groups(groups, heavy, costs, lens, step_of_group, where, bin_cost, bi
     starts = np.zeros(len(groups) + 1, dtype=np.int64)
     np.cumsum([len(g) for g in groups], out=starts[1:])
     flat_cost, flat_tok = bin_cost.ravel(), bin_tok.ravel()  # views, written in place
-    kernels.place_groups(heavy[np.concatenate(groups)], starts, np.ascontiguousarray(step_of_group, dtype=np.int64), lens, costs.astype(np.float64, copy=False),
-                         where, flat_cost, flat_tok, steps, n_bins, dp, capacity)
+    kernels.place_groups(
+        heavy[np.concatenate(groups)],
+        starts,
+        np.ascontiguousarray(step_of_group, dtype=np.int64),
+        lens,
+        costs.astype(np.float64, copy=False),
+        where,
+        flat_cost,
+        flat_tok,
+        steps,
+        n_bins,
+        dp,
+        capacity,
+    )
 
 
-def _place_groups_numpy(groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp: int, capacity: int) -> None:
+def _place_groups_numpy(
+    groups, heavy, costs, lens, step_of_group, where, bin_cost, bin_tok, dp: int, capacity: int
+) -> None:
     """:func:`_place_groups` in numpy, for rows of many bins (large dp): the same choices."""
     steps, n_bins = bin_cost.shape
     micro_batches = n_bins // dp
@@ -312,8 +343,14 @@ def _light_loop_numpy(cq, mid, bounds, cum_target, cum_heavy, step_room) -> np.n
 SKIP_STATES = 256  # the programme's skip counts at most: finer than this, skips go in blocks of pieces
 
 
-def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | None = None, age: np.ndarray | None = None,
-                empty: float = 0.0) -> list[np.ndarray]:
+def group_heavy(
+    costs: np.ndarray,
+    must: np.ndarray,
+    dp: int,
+    max_skip: int | None = None,
+    age: np.ndarray | None = None,
+    empty: float = 0.0,
+) -> list[np.ndarray]:
     """Partition heavy pieces into groups of ``dp`` of similar cost; return index arrays.
 
     ``costs`` are *effective* bin costs (the piece plus the light tokens that will fill the rest of
@@ -338,7 +375,9 @@ def group_heavy(costs: np.ndarray, must: np.ndarray, dp: int, max_skip: int | No
     K = max_skip // block
     order = np.argsort(-costs, kind="stable")
     c = np.maximum(costs[order], 1e-300)
-    skip_cost = 0.0024 * (1 + 3 * (age[order] if age is not None else np.zeros(n)))  # ~(log 1.05)^2, more for older pieces
+    skip_cost = 0.0024 * (
+        1 + 3 * (age[order] if age is not None else np.zeros(n))
+    )  # ~(log 1.05)^2, more for older pieces
     skip_cost[must[order]] = np.inf  # waited long enough: never deferred
     if block == 1:
         skip = skip_cost
@@ -407,7 +446,9 @@ def _row_quotas(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batche
     if not active:
         return {}
     totals = np.array([int(lens[mine[s]].sum()) for s in active], dtype=np.int64)
-    rho = np.array([float(costs[mine[s]].sum()) / max(int(t), 1) for s, t in zip(active, totals)])  # light cost per token, per step
+    rho = np.array(
+        [float(costs[mine[s]].sum()) / max(int(t), 1) for s, t in zip(active, totals)]
+    )  # light cost per token, per step
     bin_room = (capacity - bin_tok[active]).reshape(len(active), dp, micro_batches).astype(np.float64)
     row_room = bin_room.sum(axis=1)  # [steps, mb]
     row_tok = np.stack([int(t) * rr / max(rr.sum(), 1.0) for t, rr in zip(totals, row_room)])
@@ -435,8 +476,17 @@ def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, quot
     # repair: move the last pieces out of any bin over capacity (compiled where numba is at hand:
     # at thousands of ranks many bins overflow, and this loop was much of a window's planning)
     if kernels.COMPILED:
-        kernels.repair_bins(np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(b, dtype=np.int64), lens,
-                            costs.astype(np.float64, copy=False), where, bin_tok, bin_cost, base, capacity)
+        kernels.repair_bins(
+            np.ascontiguousarray(idx, dtype=np.int64),
+            np.ascontiguousarray(b, dtype=np.int64),
+            lens,
+            costs.astype(np.float64, copy=False),
+            where,
+            bin_tok,
+            bin_cost,
+            base,
+            capacity,
+        )
     else:
         _repair_numpy(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity)
 

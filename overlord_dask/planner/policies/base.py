@@ -21,13 +21,13 @@ This module holds what every policy shares: the :class:`Window` a policy sees, t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from ...plan.models import Balance, Topology
 from ... import pieces as P
+from ...plan.models import Balance, Topology
 from ..streams import SourceStream
 
 Planned = tuple  # (piece rows [n, 6], int32 [rank, micro_batch] per row, cost[rank, micro_batch])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...plan.models import Balance
 from ... import pieces as P
+from ...plan.models import Balance
 from ..streams import ClassView
 from .balance import balance_window, wfq_select
 from .base import Planned, Policy, Starved, Window, as_floats, grown
@@ -28,18 +28,31 @@ class CostBalanced(Policy):
 
     def __init__(self, n_sources: int):
         super().__init__(n_sources)
-        self.selected, self.declared = np.zeros(n_sources, np.int64), np.zeros(n_sources)  # tokens selected / asked for per source
-        self.cls_selected, self.cls_declared = np.zeros((n_sources, 2), np.int64), np.zeros((n_sources, 2))  # per (source, short/long)
+        self.selected, self.declared = (
+            np.zeros(n_sources, np.int64),
+            np.zeros(n_sources),
+        )  # tokens selected / asked for per source
+        self.cls_selected, self.cls_declared = (
+            np.zeros((n_sources, 2), np.int64),
+            np.zeros((n_sources, 2)),
+        )  # per (source, short/long)
 
     def grow(self, n: int) -> None:
         self.selected, self.declared, self.cls_selected, self.cls_declared = (
-            grown(a, n) for a in (self.selected, self.declared, self.cls_selected, self.cls_declared))
+            grown(a, n) for a in (self.selected, self.declared, self.cls_selected, self.cls_declared)
+        )
 
     def plan(self, w: Window) -> list[Planned]:
         topo, bal = w.topology, w.balance
         target = w.steps * w.step_budget
         slack = min(topo.tokens_per_micro_batch, target // 100)
-        saved = [s.cursor() for s in w.streams], self.selected.copy(), self.declared.copy(), self.cls_selected.copy(), self.cls_declared.copy()
+        saved = (
+            [s.cursor() for s in w.streams],
+            self.selected.copy(),
+            self.declared.copy(),
+            self.cls_selected.copy(),
+            self.cls_declared.copy(),
+        )
         rows = self.pending
         # pieces still waiting fill the window's first steps; every other step selects with its own weights
         budgets = np.full(w.steps, w.step_budget, dtype=np.int64)
@@ -55,9 +68,16 @@ class CostBalanced(Policy):
                     new = self._select_steps(w, budgets) if rnd == 0 else self._select(w, need, w.start + w.steps - 1)
                     rows = np.concatenate([rows, P.with_age(new)])
                 wp = balance_window(
-                    rows, w.costs(rows), steps=w.steps, dp=topo.dp, micro_batches=topo.micro_batches,
-                    capacity=topo.tokens_per_micro_batch, step_budget=w.step_budget, heavy_tokens=w.heavy_tokens,
-                    sync=bal.sync, max_delay=bal.max_delay,
+                    rows,
+                    w.costs(rows),
+                    steps=w.steps,
+                    dp=topo.dp,
+                    micro_batches=topo.micro_batches,
+                    capacity=topo.tokens_per_micro_batch,
+                    step_budget=w.step_budget,
+                    heavy_tokens=w.heavy_tokens,
+                    sync=bal.sync,
+                    max_delay=bal.max_delay,
                 )
                 need = target - (P.tokens(rows) - P.tokens(wp.pending))  # room left by deferred pieces
                 if need <= slack:
@@ -103,8 +123,13 @@ class CostBalanced(Policy):
         return rows
 
     def get_state(self) -> dict:
-        return {"pending": P.to_bytes(self.pending), "selected": [int(x) for x in self.selected], "declared": as_floats(self.declared),
-                "cls_selected": P.to_bytes(self.cls_selected), "cls_declared": as_floats(self.cls_declared)}
+        return {
+            "pending": P.to_bytes(self.pending),
+            "selected": [int(x) for x in self.selected],
+            "declared": as_floats(self.declared),
+            "cls_selected": P.to_bytes(self.cls_selected),
+            "cls_declared": as_floats(self.cls_declared),
+        }
 
     def set_state(self, state: dict, n_sources: int) -> None:
         self.pending = P.from_bytes(state["pending"], P.WIDTH + 1)

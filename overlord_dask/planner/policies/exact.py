@@ -109,7 +109,7 @@ def assign_bins(bin_costs: np.ndarray, dp: int, micro_batches: int) -> np.ndarra
     """Return ``slots[rank, mb] = bin index`` for ``dp*micro_batches`` bins.
 
     Assigning a step's packed bins to (rank, micro-batch) slots.
-    
+
     This is the simple, correct assignment: bins sorted by cost, each to the rank with the least cost
     so far that still has a free micro-batch slot (LPT with a cardinality constraint), then each rank's
     micro-batches ordered by decreasing cost. Cost-aware re-packing across ranks is the balancer's job
@@ -143,7 +143,9 @@ class ExactStep(Policy):
         self.carry = np.zeros(n_sources)  # the surplus the next step starts from (next_carry)
 
     def grow(self, n: int) -> None:
-        self.cum_tokens, self.cum_declared, self.carry = (grown(a, n) for a in (self.cum_tokens, self.cum_declared, self.carry))
+        self.cum_tokens, self.cum_declared, self.carry = (
+            grown(a, n) for a in (self.cum_tokens, self.cum_declared, self.carry)
+        )
 
     def plan(self, w: Window) -> list[Planned]:
         topo = w.topology
@@ -159,7 +161,11 @@ class ExactStep(Policy):
         return [(rows, slot, bin_costs[slots])]
 
     def get_state(self) -> dict:
-        return {"cum_tokens": [int(x) for x in self.cum_tokens], "cum_declared": as_floats(self.cum_declared), "carry": as_floats(self.carry)}
+        return {
+            "cum_tokens": [int(x) for x in self.cum_tokens],
+            "cum_declared": as_floats(self.cum_declared),
+            "carry": as_floats(self.carry),
+        }
 
     def set_state(self, state: dict, n_sources: int) -> None:
         self.cum_tokens = grown(np.asarray(state["cum_tokens"], np.int64), n_sources)

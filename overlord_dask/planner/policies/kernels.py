@@ -192,11 +192,11 @@ def place_groups(members, starts, step_of_group, lens, costs, where, flat_cost, 
     n_groups = len(starts) - 1
     key = np.empty(n_groups)
     for g in range(n_groups):
-        key[g] = -np_sum(costs[members[starts[g]:starts[g + 1]]])
+        key[g] = -np_sum(costs[members[starts[g] : starts[g + 1]]])
     row_cost = np.zeros((steps, micro_batches))
     rank_bins = np.arange(dp) * micro_batches
     for g in _argsort(key):
-        m = members[starts[g]:starts[g + 1]]
+        m = members[starts[g] : starts[g + 1]]
         m = m[_argsort(-costs[m])]
         size = len(m)
         m_lens, m_costs = lens[m], costs[m]
@@ -305,7 +305,7 @@ def light_to_steps(cq, mid, bounds, cum_target, cum_heavy, step_room):
                 n = 0
                 while a + n < b and mid[a + n] - base <= quota[j]:
                     n += 1
-                step_sorted[a:a + n] = t
+                step_sorted[a : a + n] = t
                 light_have[j] += cq[a + n] - cq[a]
                 head[j] = a + n
     return step_sorted
@@ -373,9 +373,37 @@ def warm() -> bool:
 def _warm() -> None:
     f8, i8 = np.float64, np.int64
     programme(8, 2, 8, 1, np.ones(8), np.ones(8), np.ones(8))
-    place_groups(np.arange(4, dtype=i8), np.array([0, 2, 4], dtype=i8), np.array([0, 1], dtype=i8), np.ones(4, i8), np.ones(4),
-                 np.full(4, -1, i8), np.zeros(8), np.zeros(8, i8), 2, 4, 2, 10)
+    place_groups(
+        np.arange(4, dtype=i8),
+        np.array([0, 2, 4], dtype=i8),
+        np.array([0, 1], dtype=i8),
+        np.ones(4, i8),
+        np.ones(4),
+        np.full(4, -1, i8),
+        np.zeros(8),
+        np.zeros(8, i8),
+        2,
+        4,
+        2,
+        10,
+    )
     groups_to_steps(np.ones((2, 3)), np.ones((2, 3)), 2)
-    repair_bins(np.arange(3, dtype=i8), np.zeros(3, dtype=i8), np.full(3, 4, dtype=i8), np.ones(3), np.full(3, -1, dtype=i8),
-                np.array([12, 0], dtype=i8), np.array([3.0, 0.0]), 0, 10)
-    light_to_steps(np.arange(5, dtype=f8), np.arange(4, dtype=f8) + 0.5, np.array([0, 2, 4], dtype=i8), np.ones((2, 2)), np.zeros((2, 2)), np.ones(2))
+    repair_bins(
+        np.arange(3, dtype=i8),
+        np.zeros(3, dtype=i8),
+        np.full(3, 4, dtype=i8),
+        np.ones(3),
+        np.full(3, -1, dtype=i8),
+        np.array([12, 0], dtype=i8),
+        np.array([3.0, 0.0]),
+        0,
+        10,
+    )
+    light_to_steps(
+        np.arange(5, dtype=f8),
+        np.arange(4, dtype=f8) + 0.5,
+        np.array([0, 2, 4], dtype=i8),
+        np.ones((2, 2)),
+        np.zeros((2, 2)),
+        np.ones(2),
+    )

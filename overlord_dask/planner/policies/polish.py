@@ -7,7 +7,8 @@ long as that container, so a few targeted changes pay: each round takes the cost
 container of a step (or row) and, trying the cheapest ones in turn (``TARGETS``; the cheapest is
 often the fullest, holding many cheap tokens), moves the piece whose cost is closest to half
 their gap there, if it fits; where the bins are too full for that, it swaps a dearer piece for a
-cheaper one. Either always lowers the pair's maximum. At most ``MAX_MOVES`` per step or row, stopping when nothing helps or the costliest container
+cheaper one. Either always lowers the pair's maximum. At most ``MAX_MOVES`` per step or row, stopping when nothing
+helps or the costliest container
 is within ``TOLERANCE`` of the mean: the cost
 is bounded per step, whatever dp is. Pieces stay inside their step, so the mix over steps and the
 exactly-once accounting are untouched; choices are deterministic (ties go to the lowest index).
@@ -22,8 +23,19 @@ TARGETS = 8  # cheapest containers tried for each change of the costliest
 TOLERANCE = 0.002  # done once the costliest container is this close to the mean
 
 
-def polish(where: np.ndarray, lens: np.ndarray, costs: np.ndarray, bin_cost: np.ndarray, bin_tok: np.ndarray, *, steps: int, dp: int,
-           micro_batches: int, capacity: int, sync: str) -> int:
+def polish(
+    where: np.ndarray,
+    lens: np.ndarray,
+    costs: np.ndarray,
+    bin_cost: np.ndarray,
+    bin_tok: np.ndarray,
+    *,
+    steps: int,
+    dp: int,
+    micro_batches: int,
+    capacity: int,
+    sync: str,
+) -> int:
     """Improve the window's placement in place (``where``: flat bin per piece, -1 pending;
     ``bin_cost``/``bin_tok``: ``[steps, dp·micro_batches]``); returns the number of changes."""
     n_bins = dp * micro_batches
@@ -37,17 +49,41 @@ def polish(where: np.ndarray, lens: np.ndarray, costs: np.ndarray, bin_cost: np.
         if len(members) == 0:
             continue
         if sync == "step":  # containers are ranks: all their micro-batches
-            moves += _polish_group(members, where, lens, costs, bin_cost[s], bin_tok[s], s * n_bins, capacity, rank_of_bin, dp,
-                                   lambda k: np.arange(k * micro_batches, (k + 1) * micro_batches))
+            moves += _polish_group(
+                members,
+                where,
+                lens,
+                costs,
+                bin_cost[s],
+                bin_tok[s],
+                s * n_bins,
+                capacity,
+                rank_of_bin,
+                dp,
+                lambda k: np.arange(k * micro_batches, (k + 1) * micro_batches),
+            )
         else:  # containers are the bins of one micro-batch row
             for m in range(micro_batches):
                 owner = np.where(np.arange(n_bins) % micro_batches == m, rank_of_bin, -1)
-                moves += _polish_group(members, where, lens, costs, bin_cost[s], bin_tok[s], s * n_bins, capacity, owner, dp,
-                                       lambda k, m=m: np.array([k * micro_batches + m]))
+                moves += _polish_group(
+                    members,
+                    where,
+                    lens,
+                    costs,
+                    bin_cost[s],
+                    bin_tok[s],
+                    s * n_bins,
+                    capacity,
+                    owner,
+                    dp,
+                    lambda k, m=m: np.array([k * micro_batches + m]),
+                )
     return moves
 
 
-def _polish_group(members, where, lens, costs, bin_cost, bin_tok, base: int, capacity: int, owner: np.ndarray, n: int, bins_of) -> int:
+def _polish_group(
+    members, where, lens, costs, bin_cost, bin_tok, base: int, capacity: int, owner: np.ndarray, n: int, bins_of
+) -> int:
     """Moves and swaps among ``n`` containers (``owner[bin]``: a bin's container, -1 none;
     ``bins_of(k)``: container ``k``'s bins) of the pieces ``members`` (one step's)."""
     mine = np.sort(members[owner[where[members] - base] >= 0])  # by piece (searchsorted below)
@@ -70,7 +106,9 @@ def _polish_group(members, where, lens, costs, bin_cost, bin_tok, base: int, cap
             gap = cont_cost[hi] - cont_cost[lo]
             if lo == hi or gap <= 0:
                 continue
-            got = _change(in_hi, mine[at == lo], gap, bins_of(lo), where, lens, costs, bin_cost, bin_tok, base, capacity)
+            got = _change(
+                in_hi, mine[at == lo], gap, bins_of(lo), where, lens, costs, bin_cost, bin_tok, base, capacity
+            )
             if got is not None:
                 delta, changed = got
                 cont_cost[hi] -= delta
@@ -84,7 +122,9 @@ def _polish_group(members, where, lens, costs, bin_cost, bin_tok, base: int, cap
     return moves
 
 
-def _change(in_hi, in_lo, gap: float, lo_bins, where, lens, costs, bin_cost, bin_tok, base: int, capacity: int) -> tuple | None:
+def _change(
+    in_hi, in_lo, gap: float, lo_bins, where, lens, costs, bin_cost, bin_tok, base: int, capacity: int
+) -> tuple | None:
     """Move a piece of the costlier container to the cheaper one, or swap a pair; (the cost
     moved, the pieces changed), or None where nothing fits that lowers the pair's maximum."""
     c = costs[in_hi]

@@ -41,7 +41,9 @@ def pieces_ahead(s: SourceStream, min_tokens: int, cls: str | None = None) -> tu
     return rows[np.lexsort(keys.T[::-1])], True
 
 
-def _scan(s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None = None) -> tuple[np.ndarray, np.ndarray, int, bool]:
+def _scan(
+    s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None = None
+) -> tuple[np.ndarray, np.ndarray, int, bool]:
     """Rows of class ``cls`` from its cursor, their order keys ``[epoch, pos, doc position,
     start]``, their tokens, and whether ``min_tokens`` were reached (with ``until``, a key:
     every unit up to that key's unit instead, and whether they were all loaded)."""
@@ -54,8 +56,12 @@ def _scan(s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None
         unit = int(s.ordering.units(e)[pos])
         lens = s.lengths.get((e, unit))
         if lens is None:
-            return (np.concatenate(rows) if rows else np.zeros((0, 5), np.int64),
-                    np.concatenate(keys) if keys else np.zeros((0, 4), np.int64), total, False)
+            return (
+                np.concatenate(rows) if rows else np.zeros((0, 5), np.int64),
+                np.concatenate(keys) if keys else np.zeros((0, 4), np.int64),
+                total,
+                False,
+            )
         L = lens[doc:]
         if len(L):
             rem = L.copy()
@@ -75,7 +81,13 @@ def _scan(s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None
                 start = k * s.piece_tokens + np.where(d == 0, tok, 0)
                 stop = np.minimum(start + s.piece_tokens, L[d])
                 block = np.empty((k_total, 5), dtype=np.int64)
-                block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = e, unit, s.ordering.file_doc((e, unit), d + doc), start, stop
+                block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = (
+                    e,
+                    unit,
+                    s.ordering.file_doc((e, unit), d + doc),
+                    start,
+                    stop,
+                )
                 rows.append(block)
                 key = np.empty((k_total, 4), dtype=np.int64)
                 key[:, 0], key[:, 1], key[:, 2], key[:, 3] = e, pos, d + doc, start
@@ -88,8 +100,10 @@ def _scan(s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None
             empty_units += 1
         if empty_units > s.n_units and until is None:
             if cls is not None and s.split:
-                raise SourceError(f"source {s.name!r} has no {cls} documents (long: over long_tokens={s.split} tokens) "
-                                  "in a whole pass over its files; leave it out of the stage's long_sources")
+                raise SourceError(
+                    f"source {s.name!r} has no {cls} documents (long: over long_tokens={s.split} tokens) "
+                    "in a whole pass over its files; leave it out of the stage's long_sources"
+                )
             raise SourceError(f"source {s.name!r} is empty: a whole pass over its files found no tokens")
         doc, tok = 0, 0
         e, pos = s.ordering.next_unit(e, pos)
@@ -105,7 +119,12 @@ def take(s: SourceStream, rows: np.ndarray, cls: str | None = None) -> None:
     if not s.split or cls is not None:
         advance_past(s, rows[-1], cls if s.split else None)
         return
-    lens = np.array([s.lengths[(int(e), int(u))][s.ordering.shuffled_doc((int(e), int(u)), int(d))] for e, u, d in rows[:, :3].tolist()])
+    lens = np.array(
+        [
+            s.lengths[(int(e), int(u))][s.ordering.shuffled_doc((int(e), int(u)), int(d))]
+            for e, u, d in rows[:, :3].tolist()
+        ]
+    )
     is_long = lens > s.split
     for c, sel in (("short", ~is_long), ("long", is_long)):
         if sel.any():

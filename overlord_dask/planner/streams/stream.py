@@ -30,6 +30,7 @@ from . import rows
 from .lookahead import LoadRequests
 from .order import SourceOrder
 
+
 @dataclass(slots=True)
 class Piece:
     source: int  # index of the source in the plan
@@ -52,7 +53,7 @@ class ClassView:
     """One length class of a source ("long" or "short"), which selection treats as a source of
     its own (its own weight, its own cursor)."""
 
-    stream: "SourceStream"
+    stream: SourceStream
     cls: str
 
     @property

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ... import pieces as P
+from ... import runs
 from ...errors import PlanError
 from ...plan.models import CostModel
 from ...plan.schedule import Context
-from ... import pieces as P
-from ... import runs
 from ..cost import doc_costs
 from .stream import SourceStream
 
@@ -33,8 +33,15 @@ class StreamSet:
 
     def add(self, name: str, first_ids) -> SourceStream:
         """A new source (at the next index), given its units' first sample ids."""
-        s = SourceStream(name=name, index=len(self.streams), n_units=len(first_ids), first_ids=np.asarray(first_ids, dtype=np.int64),
-                         seed=self.seed, piece_tokens=self.piece_tokens, evict_after=self.evict_after)
+        s = SourceStream(
+            name=name,
+            index=len(self.streams),
+            n_units=len(first_ids),
+            first_ids=np.asarray(first_ids, dtype=np.int64),
+            seed=self.seed,
+            piece_tokens=self.piece_tokens,
+            evict_after=self.evict_after,
+        )
         self.streams.append(s)
         self.names.append(name)
         self.dropped = np.concatenate([self.dropped, np.zeros((1, 2), np.int64)])
@@ -56,7 +63,9 @@ class StreamSet:
             raise KeyError(f"unknown source {name!r}; sources: {self.names}") from None
 
     # ---- loading look-ahead -------------------------------------------------------------------
-    def wanted(self, weights: np.ndarray, step_tokens: int, window_steps: int, units_ahead: int, starved_on: str | None) -> list[list]:
+    def wanted(
+        self, weights: np.ndarray, step_tokens: int, window_steps: int, units_ahead: int, starved_on: str | None
+    ) -> list[list]:
         """Units to load next, ``[source, epoch, unit]`` each: for every source with a weight over
         the coming windows, enough to plan the next window and then some; more for a source that
         planning found short (``starved_on``)."""
@@ -73,7 +82,9 @@ class StreamSet:
 
     MAX_PASSES_PER_WINDOW = 4
 
-    def check_pass(self, s: SourceStream, weight: float, step_budget: int, window_steps: int, tokens_per_micro_batch: int) -> None:
+    def check_pass(
+        self, s: SourceStream, weight: float, step_budget: int, window_steps: int, tokens_per_micro_batch: int
+    ) -> None:
         """A source whose whole pass over its files is a small part of what one planning window
         takes from it would repeat every document many times per step (all-empty documents, a
         handful of tiny ones, micro-batches far larger than the corpus): fail, saying so, instead
@@ -82,9 +93,12 @@ class StreamSet:
         need = weight * step_budget * window_steps
         if weight > 0 and need > self.MAX_PASSES_PER_WINDOW * per_pass:
             raise PlanError(
-                f"source {s.name!r} holds only {per_pass:,} tokens in a whole pass over its files ({s.n_units} units), but a "
-                f"planning window of {window_steps} steps takes about {int(need):,} tokens from it (weight {weight:.3g}), "
-                f"{need / max(per_pass, 1):.0f} passes: every document would repeat within a few steps. Lower its weight, use "
+                f"source {s.name!r} holds only {per_pass:,} tokens in a whole pass over its files ({s.n_units} units), "
+                "but a "
+                f"planning window of {window_steps} steps takes about {int(need):,} tokens from it (weight "
+                f"{weight:.3g}), "
+                f"{need / max(per_pass, 1):.0f} passes: every document would repeat within a few steps. Lower its "
+                "weight, use "
                 f"smaller micro-batches (tokens_per_micro_batch={tokens_per_micro_batch:,}), or add data"
             )
 
