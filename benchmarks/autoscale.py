@@ -49,7 +49,7 @@ PIPELINE = Path(__file__).resolve().parents[1] / "pipelines" / "photos.yaml"
 def _plan(data: str, steps: int, mode: str, budget: int):
     import yaml
 
-    from overlord_dask.plan.loading import plan_from_dict
+    from overlord_dask.plan import plan_from_dict
 
     d = yaml.safe_load(PIPELINE.read_text())
     root = Path(data).resolve()

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from overlord_dask.observe.figures import step_imbalance  # noqa: E402
 from overlord_dask.plan import plan_from_dict  # noqa: E402
-from overlord_dask.planner.cost import doc_costs  # noqa: E402
+from overlord_dask.planner.cost_model import doc_costs  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
 
 MAX_DOC = 131_072
@@ -97,7 +97,7 @@ DISTRIBUTIONS = {
 
 def make_plan(dist: dict, **balance):
     sources = [{"name": n, "format": "zarr", "url": f"{n}.zarr", "weight": w} for n, (w, _) in dist["sources"].items()]
-    from overlord_dask.plan.models import Balance
+    from overlord_dask.plan import Balance
 
     window = balance.get("window", Balance().window)
     return plan_from_dict(

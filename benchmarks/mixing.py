@@ -192,7 +192,7 @@ def per_step(state: PlannerState, ledger: dict[int, dict]) -> tuple[np.ndarray, 
         p = ledger[s]["pieces"]
         lens = p[:, 5] - p[:, 4]
         tokens[k] = np.bincount(p[:, 0], weights=lens, minlength=n)
-        weights[k] = state.weights_at(s)
+        weights[k] = state.timeline.mix_at(s)
         longest[k] = lens.max()
     return tokens, weights, longest
 

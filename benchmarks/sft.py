@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
     import pyarrow.parquet as pq
 
     from overlord_dask import Service
-    from overlord_dask.plan.loading import plan_from_dict
+    from overlord_dask.plan import plan_from_dict
     from overlord_dask.service.chat_demo import generate_chat_corpus, llama3_style_tokenizer
     from overlord_dask.service.deploy import local_cluster
 

@@ -62,7 +62,7 @@ def raw_read_and_tokenize(plan, max_tokens: int, sources: list | None = None) ->
     tokenize (with the plan's tokenizer); stop after ``max_tokens`` tokens, shared by weight.
     Returns (tokens, seconds)."""
     sources = plan.sources if sources is None else sources
-    weights = plan.weights()
+    weights = plan.declared_weights()
     w = np.array([weights[s.name] for s in sources])
     tokens, t0 = 0, time.perf_counter()
     for src, budget in zip(sources, max_tokens * w / w.sum()):

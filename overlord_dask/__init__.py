@@ -5,8 +5,8 @@ tokenizers, read on workers) → ``planner`` (the algorithm: mix, pack, balance,
 by ``scheduler`` (its Dask side, a scheduler plugin) → ``worker`` (load and constructor tasks, the
 batch server) → ``trainer`` (the rank's stream, ``OverlordDataset``). ``loading`` sizes the
 loader pools, ``observe`` holds the figures and views, ``service`` starts and drives a run and is
-the ``overlord`` command. ``pieces``, ``protocol``, ``client``, ``wire`` and ``snapshots`` are
-shared by several processes.
+the ``overlord`` command. ``pieces``, ``batch_layout``, ``protocol``, ``client``, ``wire``, ``masked_runs`` and
+``snapshots`` are shared by several processes.
 """
 
 from .errors import OverlordError, PlanError, RankError, ServiceError, SourceError
@@ -28,7 +28,8 @@ _LAZY = {
     "Topology": "plan",
     "load_plan": "plan",
     "plan_from_dict": "plan",
-    "loss_by_source": "trainer.feedback",
+    "loss_by_source": "trainer.reporting",
+    "StreamOptions": "trainer.options",
 }
 
 
@@ -60,6 +61,7 @@ __all__ = [
     "ServiceError",
     "Source",
     "SourceError",
+    "StreamOptions",
     "Topology",
     "connect",
     "load_plan",

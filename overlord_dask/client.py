@@ -134,7 +134,7 @@ def lengths_report(
     masked: bytes | None = None,
 ) -> dict:
     """A load task's one-way report on its worker's stream (``Route.LENGTHS``); ``masked``: the
-    unit's masked runs (``runs.py``), where the loss ignores some of its tokens."""
+    unit's masked runs (``masked_runs.py``), where the loss ignores some of its tokens."""
     return {
         "op": Route.LENGTHS,
         "run_id": run_id,

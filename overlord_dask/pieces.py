@@ -12,8 +12,10 @@ balancer appends ``AGE`` (windows the piece has waited). A source's stream hands
 without the source column (``[epoch, unit, doc, start, stop]``, ``STREAM_*`` below), since it
 knows only itself.
 
-On the wire (planner → submitter → constructors) rows travel as little-endian bytes:
-:func:`to_bytes` / :func:`from_bytes`.
+Rows are int64 (:data:`DTYPE`) wherever they are: in the planner, in snapshots and on the wire
+(planner → submitter → constructors) as little-endian bytes (:func:`to_bytes` /
+:func:`from_bytes`). A planned piece's ``[rank, micro_batch]`` slot is int32 (:data:`SLOT_DTYPE`,
+:func:`slot_bytes` / :func:`slot_from_bytes`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ import math
 import numpy as np
 
 SOURCE, EPOCH, UNIT, DOC, START, STOP, AGE = range(7)
+DTYPE = np.int64  # piece rows, everywhere
+WIRE = "<i8"  # ... and as bytes
+SLOT_DTYPE = np.int32  # a planned piece's [rank, micro_batch]
+SLOT_WIRE = "<i4"
 WIDTH = 6  # a planned piece; WIDTH + 1 with AGE
 STREAM_START, STREAM_STOP = START - 1, STOP - 1  # a stream's rows lack the source column
 
 
 def empty(width: int = WIDTH) -> np.ndarray:
-    return np.zeros((0, width), dtype=np.int64)
+    return np.zeros((0, width), dtype=DTYPE)
 
 
 def lengths(rows: np.ndarray) -> np.ndarray:
@@ -119,12 +125,21 @@ def flatten(ranks: list[list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(parts), np.concatenate(slots)
 
 
-def to_bytes(rows: np.ndarray, dtype: str = "<i8") -> bytes:
-    """Rows as little-endian bytes (``"<i4"`` halves them where every value fits, as on the way to
-    a constructor)."""
-    return rows.astype(dtype).tobytes()
+def to_bytes(rows: np.ndarray) -> bytes:
+    """Rows (any width) as little-endian int64 bytes."""
+    return np.asarray(rows).astype(WIRE, copy=False).tobytes()
 
 
-def from_bytes(buf: bytes, width: int = WIDTH, dtype: str = "<i8") -> np.ndarray:
+def from_bytes(buf: bytes, width: int = WIDTH) -> np.ndarray:
     """The int64 rows :func:`to_bytes` wrote (a writable copy)."""
-    return np.frombuffer(buf, dtype=dtype).reshape(-1, width).astype(np.int64)
+    return np.frombuffer(buf, dtype=WIRE).reshape(-1, width).astype(DTYPE)
+
+
+def slot_bytes(slot: np.ndarray) -> bytes:
+    """``[rank, micro_batch]`` per planned piece as little-endian int32 bytes."""
+    return np.asarray(slot).astype(SLOT_WIRE, copy=False).tobytes()
+
+
+def slot_from_bytes(buf: bytes) -> np.ndarray:
+    """The int32 ``[rank, micro_batch]`` rows :func:`slot_bytes` wrote."""
+    return np.frombuffer(buf, dtype=SLOT_WIRE).reshape(-1, 2).astype(SLOT_DTYPE)

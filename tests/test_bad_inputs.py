@@ -80,11 +80,10 @@ def _plan(tmp_path, topology=None, loading=None, checkpoint=None, **src):
 
 def _load_error(plan) -> str:
     """Load the first unit as a worker would (``load_block``); the error it raises."""
-    import uuid
 
     with pytest.raises(SourceError) as exc:  # indexing may already refuse it (a float zarr array, say)
         unit = discover_units(plan.sources[0], plan)[0]
-        load_block(plan_to_dict(plan), uuid.uuid4().hex, unit.to_dict())
+        load_block(plan.source_plan(plan.sources[0].name), unit.to_dict())
     return str(exc.value)
 
 

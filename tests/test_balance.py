@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from overlord_dask.observe.figures import step_imbalance
 from overlord_dask.plan import plan_from_dict
-from overlord_dask.planner.cost import doc_costs
+from overlord_dask.planner.cost_model import doc_costs
 from overlord_dask.planner.policies.balance import _level, group_heavy
 from overlord_dask.planner.state import PlannerState
 

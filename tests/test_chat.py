@@ -13,7 +13,7 @@ import pytest
 
 from overlord_dask import Service, connect
 from overlord_dask.errors import SourceError
-from overlord_dask.plan.loading import plan_from_dict
+from overlord_dask.plan import plan_from_dict
 from overlord_dask.service.chat_demo import (
     PLAIN_CHAT_TEMPLATE,
     conversation,

@@ -233,7 +233,7 @@ def test_plan_report_counts_tokens_and_epochs_without_a_cluster(tmp_path, corpus
     budget = plan.topology.step_tokens * plan.balance.fill
     by = {s["source"]: s for s in report["sources"]}
     assert abs(sum(s["tokens"] for s in by.values()) - 500 * budget) / (500 * budget) < 0.01
-    w = plan.weights_at(0)
+    w = plan.declared_weights(0)
     assert (
         abs(by["chat"]["tokens"] - 300 * budget * w["chat"]) / (300 * budget * w["chat"]) < 0.02
     )  # none after step 300

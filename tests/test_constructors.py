@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from overlord_dask.batch_layout import BatchLayout
 from overlord_dask.sources.blocks import SampleBlock
 from overlord_dask.worker.constructors import IGNORE_INDEX, block_key, build_rank_batch, check_micro_batch
 
@@ -26,7 +27,7 @@ def test_pack_fields_are_consistent():
         ],  # a whole doc, the middle piece of a split doc, a whole doc
         [[0, 0, 0, 1, 0, 9]],
     ]
-    batch = build_rank_batch(3, 1, mbs, blocks, capacity=20, piece_tokens=4)
+    batch = build_rank_batch(3, 1, mbs, blocks, 4, BatchLayout(2, 20))
     assert batch["step"] == 3 and batch["rank"] == 1 and len(batch["micro_batches"]) == 2
     mb = batch["micro_batches"][0]
     check_micro_batch(mb, 20)
@@ -48,12 +49,14 @@ def test_pack_fields_are_consistent():
 def test_over_capacity_is_refused():
     blocks = {block_key(0, 0, 0): _block([15, 9])}
     with pytest.raises(ValueError, match="over capacity"):
-        build_rank_batch(0, 0, [[[0, 0, 0, 0, 0, 15], [0, 0, 0, 1, 0, 9]]], blocks, capacity=20, piece_tokens=20)
+        build_rank_batch(0, 0, [[[0, 0, 0, 0, 0, 15], [0, 0, 0, 1, 0, 9]]], blocks, 20, BatchLayout(1, 20))
 
 
 def test_checker_catches_inconsistency():
     blocks = {block_key(0, 0, 0): _block([5, 9])}
-    mb = build_rank_batch(0, 0, [[[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9]]], blocks, 16, 16)["micro_batches"][0]
+    mb = build_rank_batch(0, 0, [[[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9]]], blocks, 16, BatchLayout(1, 16))[
+        "micro_batches"
+    ][0]
     bad = dict(mb, position_ids=np.arange(16, dtype=np.int32))
     with pytest.raises(ValueError, match="position_ids"):
         check_micro_batch(bad, 16)
@@ -76,8 +79,8 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
     blocks = {block_key(0, 0, 0): _block([5, 9, 3])}
     pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3]])
     slot = np.array([[0, 0], [1, 0], [1, 1]])  # (rank, micro-batch) of each piece
-    steps = [{"step": 4, "pieces": P.to_bytes(pieces, "<i4"), "slot": P.to_bytes(slot, "<i4"), "piece_tokens": 16}]
-    chunk = build_chunk(steps, 0, 2, 2, blocks, capacity=16)
+    steps = [{"step": 4, "pieces": P.to_bytes(pieces), "slot": P.slot_bytes(slot), "piece_tokens": 16}]
+    chunk = build_chunk(steps, (0, 2), BatchLayout(2, 16), blocks)
     arrays = sum(nbytes(chunk.batch(4, r)) for r in (0, 1))
     packed = sum(len(chunk.packed(4, r)) for r in (0, 1))  # held packed for the wire: the arrays and pickle's framing
     assert 0 < arrays < packed < arrays + 2048 and chunk.nbytes == packed and sizeof(chunk) == packed + 200
@@ -119,11 +122,8 @@ def test_a_fetch_sends_the_batches_the_constructor_packed_as_frames():
     blocks = {block_key(0, 0, 0): _block([5, 9, 3, 7])}
     pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3], [0, 0, 0, 3, 0, 7]])
     slot = np.array([[0, 0], [1, 0], [1, 1], [0, 1]])
-    steps = [
-        {"step": s, "pieces": P.to_bytes(pieces, "<i4"), "slot": P.to_bytes(slot, "<i4"), "piece_tokens": 16}
-        for s in (4, 5)
-    ]
-    chunk = build_chunk(steps, 0, 2, 2, blocks, capacity=16)
+    steps = [{"step": s, "pieces": P.to_bytes(pieces), "slot": P.slot_bytes(slot), "piece_tokens": 16} for s in (4, 5)]
+    chunk = build_chunk(steps, (0, 2), BatchLayout(2, 16), blocks)
     for per_rank in chunk.batches.values():
         assert all(isinstance(b, bytes) for b in per_rank.values())
     packed = [chunk.packed(s, 1) for s in (4, 5)]

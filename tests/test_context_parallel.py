@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlord_dask import RankError, Service, connect
+from overlord_dask.batch_layout import BatchLayout
 from overlord_dask.sources.blocks import SampleBlock
 from overlord_dask.worker.constructors import (
     IGNORE_INDEX,
@@ -26,9 +27,8 @@ def _mb(lengths, capacity, split, cp):
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     block = SampleBlock("s", np.arange(3, 3 + offsets[-1]), offsets, np.arange(len(lengths)))
     pieces = [[0, 0, 0, d, 0, int(L)] for d, L in enumerate(lengths)]
-    return build_rank_batch(
-        0, 0, [pieces], {block_key(0, 0, 0): block}, capacity, capacity, cp=cp, cp_split_tokens=split
-    )["micro_batches"][0]
+    layout = BatchLayout(1, capacity, cp=cp, cp_split_tokens=split)
+    return build_rank_batch(0, 0, [pieces], {block_key(0, 0, 0): block}, capacity, layout)["micro_batches"][0]
 
 
 @settings(max_examples=60, deadline=None)

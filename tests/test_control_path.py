@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from overlord_dask import Service, ServiceError, connect
+from overlord_dask.batch_layout import BatchLayout
 from overlord_dask.protocol import block_key
 from overlord_dask.sources.blocks import SampleBlock
 from overlord_dask.trainer.tensors import TORCH_DTYPES
@@ -44,7 +45,7 @@ def test_wire_form_decodes_to_exactly_the_packed_micro_batch(seed):
             break
         pieces.append([0, 0, 0, int(d), a, b])
         used += b - a
-    batch = build_rank_batch(0, 0, [pieces, []], {block_key(0, 0, 0): block}, 2048, 512)
+    batch = build_rank_batch(0, 0, [pieces, []], {block_key(0, 0, 0): block}, 512, BatchLayout(2, 2048))
     wire = encode_batch(batch)
     for mb, w in zip(batch["micro_batches"], wire["micro_batches"]):
         assert "labels" not in w and "position_ids" not in w and "input_ids" not in w  # derived on the trainer
@@ -126,15 +127,13 @@ def test_a_chunk_built_at_once_decodes_to_the_packed_micro_batches(seed):
         rows, slots = np.array(rows), np.array(slots)
         order = rng.permutation(len(rows))  # the ledger need not list a step's pieces by rank
         rows, slots = rows[order], slots[order]
-        steps.append(
-            {"step": step, "pieces": P.to_bytes(rows, "<i4"), "slot": P.to_bytes(slots, "<i4"), "piece_tokens": 64}
-        )
+        steps.append({"step": step, "pieces": P.to_bytes(rows), "slot": P.slot_bytes(slots), "piece_tokens": 64})
         for rank in range(lo, hi):
             expected[step, rank] = [
                 pack_micro_batch(rows[(slots[:, 0] == rank) & (slots[:, 1] == m)].tolist(), blocks, capacity, 64)
                 for m in range(mb)
             ]
-    chunk = build_chunk(steps, lo, hi, mb, blocks, capacity)
+    chunk = build_chunk(steps, (lo, hi), BatchLayout(mb, capacity), blocks)
     assert sorted(chunk.batches) == [7, 8, 9] and all(sorted(b) == [lo, hi - 1] for b in chunk.batches.values())
     for (step, rank), packed in expected.items():
         batch = pickle.loads(chunk.packed(step, rank))
@@ -149,7 +148,7 @@ def test_a_chunk_built_at_once_decodes_to_the_packed_micro_batches(seed):
                 same_fields(want, have)
                 assert all(have[k].dtype == want[k].dtype for k in want if isinstance(want[k], np.ndarray))
     with pytest.raises(ValueError, match="over capacity"):
-        build_chunk(steps, lo, hi, mb, blocks, capacity=64)
+        build_chunk(steps, (lo, hi), BatchLayout(mb, 64), blocks)
 
 
 def test_wire_form_keeps_context_parallel_slices_whole():
@@ -157,15 +156,9 @@ def test_wire_form_keeps_context_parallel_slices_whole():
 
     rng = np.random.default_rng(3)
     block = _block(rng)
+    pieces = [[[0, 0, 0, 1, 0, int(np.diff(block.offsets)[1])]]]
     batch = build_rank_batch(
-        0,
-        0,
-        [[[0, 0, 0, 1, 0, int(np.diff(block.offsets)[1])]]],
-        {block_key(0, 0, 0): block},
-        1024,
-        1024,
-        cp=2,
-        cp_split_tokens=4,
+        0, 0, pieces, {block_key(0, 0, 0): block}, 1024, BatchLayout(1, 1024, cp=2, cp_split_tokens=4)
     )
     sl = select_cp(batch, 1)["micro_batches"][0]
     back = decode(encode(sl))

@@ -115,15 +115,19 @@ def test_schedules_stages_and_functions():
             ],
         )
     )
-    w = p.weights_at(0, normalise=False)
+    w = p.declared_weights(0, normalise=False)
     assert w == {"a": pytest.approx(0.2), "b": 0.0, "c": 0.0}
-    assert p.weights_at(15, normalise=False)["b"] == pytest.approx(0.5)  # half-way up the ramp
-    assert p.weights_at(49, normalise=False)["b"] == 1.0 and p.weights_at(50, normalise=False)["b"] == 0.0  # left at 50
-    assert p.weights_at(4, normalise=False)["c"] == 0.0 and p.weights_at(5, normalise=False)["c"] == 1.0  # entered at 5
+    assert p.declared_weights(15, normalise=False)["b"] == pytest.approx(0.5)  # half-way up the ramp
+    assert (
+        p.declared_weights(49, normalise=False)["b"] == 1.0 and p.declared_weights(50, normalise=False)["b"] == 0.0
+    )  # left at 50
+    assert (
+        p.declared_weights(4, normalise=False)["c"] == 0.0 and p.declared_weights(5, normalise=False)["c"] == 1.0
+    )  # entered at 5
     # the stage ramps from the previous weights to its own over 9 steps
-    before, after = p.weights_at(59), p.weights_at(69)
+    before, after = p.declared_weights(59), p.declared_weights(69)
     assert after == pytest.approx({"a": 0.25, "b": 0.0, "c": 0.75})
-    mid = p.weights_at(64)
+    mid = p.declared_weights(64)
     assert min(before["c"], after["c"]) < mid["c"] < max(before["c"], after["c"])
     assert p.context_at(59).piece_tokens == 4096 and p.context_at(60).piece_tokens == 1024
     assert p.context_at(60).long_policy == "drop" and p.context_at(60).stage == "anneal"
@@ -189,7 +193,7 @@ def test_a_weight_function_failing_beyond_the_checked_steps_stops_the_planner_wi
     )
     plan = plan_from_dict(d)  # validated over its 20 steps; the function turns negative at 37
     with pytest.raises(ValueError, match="source 'a' has weight -0.5 at step 37"):
-        plan.weights_at(37)
+        plan.declared_weights(37)
 
 
 # ---- the planner ------------------------------------------------------------------------------
@@ -197,7 +201,7 @@ def test_exact_policy_follows_the_schedule_every_step():
     state = PlannerState(plan_from_dict(plan_dict()), FIRST_IDS)
     ledger = drive(state, 45)
     tokens = source_tokens(state, ledger)
-    weights = np.array([state.weights_at(s) for s in range(45)])
+    weights = np.array([state.timeline.mix_at(s) for s in range(45)])
     longest = np.array([(ledger[s]["pieces"][:, 5] - ledger[s]["pieces"][:, 4]).max() for s in range(45)])
     err = np.abs(tokens - weights * tokens.sum(axis=1, keepdims=True)).max(axis=1)
     assert np.all(err <= 2 * longest)  # every step within two pieces (mixing.py's bound)
@@ -220,7 +224,7 @@ def test_cost_policy_cuts_windows_at_jumps_and_tracks_the_mix():
     ledger = drive(state, 60)
     assert starts[:6] == [0, 8, 15, 23, 30, 38]  # cut at the jumps of c (15 and 30)
     tokens = source_tokens(state, ledger)
-    weights = np.array([state.weights_at(s) for s in range(60)])
+    weights = np.array([state.timeline.mix_at(s) for s in range(60)])
     assert window_mix_errors(tokens, weights, 10).max() < 0.05
     assert tokens[16:30, 2].sum() < 0.02 * tokens[16:30].sum()  # only pieces that waited from before the pause
 

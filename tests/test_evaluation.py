@@ -10,7 +10,7 @@ import pytest
 
 from overlord_dask import Service, connect
 from overlord_dask.errors import PlanError, ServiceError
-from overlord_dask.plan.loading import plan_from_dict
+from overlord_dask.plan import plan_from_dict
 from overlord_dask.service.holdout import split
 from overlord_dask.service.indexing import index_sources
 from overlord_dask.trainer.evaluation import EvalStream

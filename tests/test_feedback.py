@@ -15,13 +15,12 @@ import pytest
 from overlord_dask import PlanError, Service, connect, loss_by_source
 from overlord_dask import pieces as P
 from overlord_dask.plan import plan_from_dict, plan_to_dict
-from overlord_dask.plan.timeline import PlanTimeline
-from overlord_dask.planner import snapshot
 from overlord_dask.planner.feedback import FeedbackLoop
 from overlord_dask.planner.learn import TERMS, features, robust_fit
 from overlord_dask.planner.mixing import ODM, Controller, project
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.planner.streams.order import stable_seed
+from overlord_dask.planner.timeline import Timeline
 
 UNITS, DOCS = 300, 64
 IDS = {n: list(range(0, UNITS * DOCS, DOCS)) for n in ("web", "books", "chat")}
@@ -153,7 +152,7 @@ def test_decisions_survive_a_snapshot_restore_and_a_rewind_to_another_dp():
     run(st, fb, 40)
     kinds = {d.kind for d in st.timeline.decisions}
     assert kinds == {"cost", "weights"}
-    state = snapshot.capture(st)
+    state = st.get_state()
     assert len(state["decisions"]) == len(st.timeline.decisions)
     restored = PlannerState(plan, IDS, state=state)  # decisions come back with the snapshot
     run(restored, None, 40)
@@ -223,30 +222,32 @@ def test_controller_decisions_respect_lag_bounds_and_max_change_and_the_mix_foll
     assert prev == pytest.approx([0.2, 0.05, 0.75], abs=1e-6)  # the target projected onto the bounds (nearest shares)
     # the planner's weights follow: the timeline's mix, and the tokens planned once the shares reached the target
     first = next(d.at for d in ds if np.allclose([d.values[n] for n in ("web", "books", "chat")], prev))
-    assert first <= 50 and st.timeline.weights_at(first) == pytest.approx(prev)
+    assert first <= 50 and st.timeline.weights_in_force(first) == pytest.approx(prev)
     tok = np.sum([P.source_tokens(st.ledger[s]["pieces"], 3) for s in range(first, 80)], axis=0)
     assert tok / tok.sum() == pytest.approx(prev, abs=0.05)
 
 
 def test_a_plan_update_that_changes_the_sources_overrides_the_controller_until_its_next_decision():
     plan = plan_from_dict(plan_dict(cost={"hidden": 8192}))
-    tl = PlanTimeline(plan)
+    tl = Timeline(plan)
     tl.decide("weights", 10, {"web": 0.1, "books": 0.1, "chat": 0.8}, "test")
-    assert tl.weights_at(9) == pytest.approx([0.4, 0.3, 0.3]) and tl.weights_at(10) == pytest.approx([0.1, 0.1, 0.8])
+    assert tl.weights_in_force(9) == pytest.approx([0.4, 0.3, 0.3]) and tl.weights_in_force(10) == pytest.approx(
+        [0.1, 0.1, 0.8]
+    )
     d = plan_to_dict(plan)
     d["sources"][0]["weight"] = 0.6  # a user's update at step 20
     tl.add(plan_from_dict(d), 20)
-    assert tl.weights_at(19) == pytest.approx([0.1, 0.1, 0.8])
-    assert tl.weights_at(20) == pytest.approx(np.array([0.6, 0.3, 0.3]) / 1.2)
+    assert tl.weights_in_force(19) == pytest.approx([0.1, 0.1, 0.8])
+    assert tl.weights_in_force(20) == pytest.approx(np.array([0.6, 0.3, 0.3]) / 1.2)
     tl.decide("weights", 30, {"web": 0.5, "books": 0.5, "chat": 0.0}, "test")
-    assert tl.weights_at(30) == pytest.approx([0.5, 0.5, 0.0])
+    assert tl.weights_in_force(30) == pytest.approx([0.5, 0.5, 0.0])
     assert tl.next_jump(25) == 30 and tl.next_jump(5) == 10
     # an update that only changes the cost model leaves the mix decision alone (and ends a learned cost)
     tl.decide("cost", 40, {"attention": 1.0, "linear": 2.0, "constant": 0.0, "encoder": 0.0}, "test")
     d2 = plan_to_dict(tl.latest)
     d2["cost"]["attention"] = 5.0
     tl.add(plan_from_dict(d2), 50)
-    assert tl.weights_at(55) == pytest.approx([0.5, 0.5, 0.0])
+    assert tl.weights_in_force(55) == pytest.approx([0.5, 0.5, 0.0])
     assert tl.cost_at(45).linear == 2.0 and tl.cost_at(55).attention == 5.0
     with pytest.raises(PlanError, match="unknown sources"):
         tl.decide("weights", 60, {"nope": 1.0}, "test")
@@ -444,7 +445,7 @@ def test_with_snapshots_no_step_a_decision_governs_goes_out_before_a_snapshot_ho
             loading={"prefetch_steps": 8, "units_ahead": 8},
         )
     )
-    thread = PlannerThread("run", 2, on_tasks=lambda *a: None, observe=dict, on_failure=pytest.fail)
+    thread = PlannerThread("run", 2, pad_id=0, on_tasks=lambda *a: None, observe=dict, on_failure=pytest.fail)
     thread.state = st = PlannerState(plan, IDS)
     thread.feedback = FeedbackLoop(st)
     thread.hold_decisions = True

@@ -174,16 +174,11 @@ def test_a_counted_unit_read_in_parts_equals_the_whole(fc):
         plan = make_plan(
             root, source_for(fmt, urls[fmt]), loading={"unit_bytes": 6000, "unit_rows": 40, "unit_tokens": 4000}
         )
-        from overlord_dask.plan.loading import plan_to_dict
-
-        d = plan_to_dict(plan)
+        sp = plan.source_plan(plan.sources[0].name)
         for u in discover_units(*_src(plan))[:3]:
-            whole = load_block(d, f"k-{fmt}", u.to_dict())
+            whole = load_block(sp, u.to_dict())
             n = u.n_docs
-            parts = [
-                load_block(d, f"k-{fmt}", u.to_dict(), part=(a, b))
-                for a, b in ((0, n // 3), (n // 3, n - 1), (n - 1, n))
-            ]
+            parts = [load_block(sp, u.to_dict(), part=(a, b)) for a, b in ((0, n // 3), (n // 3, n - 1), (n - 1, n))]
             joined = SampleBlock.concat(parts)
             assert np.array_equal(joined.tokens, whole.tokens) and np.array_equal(
                 joined.sample_ids, whole.sample_ids

@@ -15,7 +15,7 @@ from PIL import Image
 
 from overlord_dask import Service, connect
 from overlord_dask.errors import SourceError
-from overlord_dask.plan.loading import plan_from_dict
+from overlord_dask.plan import plan_from_dict
 from overlord_dask.service.chat_demo import llama3_style_tokenizer
 from overlord_dask.sources import discover_units, read_unit
 from overlord_dask.sources.images import best_grid, patchify

@@ -11,8 +11,8 @@ import pytest
 
 from overlord_dask import Service, connect
 from overlord_dask.errors import SourceError
-from overlord_dask.plan.loading import plan_from_dict
-from overlord_dask.plan.timeline import PlanTimeline
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.plan.versions import PlanVersions
 from overlord_dask.service.indexing import index_sources
 from overlord_dask.service.manifest import with_digests
 from overlord_dask.sources import read_unit
@@ -50,7 +50,7 @@ def test_a_flipped_byte_in_a_data_page_is_caught(tmp_path):
     _write(tmp_path / "t.parquet")
     plan = _plan(tmp_path)
     plain = index_sources(plan)["s"]
-    units = with_digests(PlanTimeline(plan, []), index_sources(plan))["s"]
+    units = with_digests(PlanVersions(plan), index_sources(plan))["s"]
     assert len(units) == 6 and all(u.digest for u in units)
     assert units[0].digest == units[1].digest != units[2].digest  # two units of one row group share its digest
     before = read_unit(plan.sources[0], plan, plain[3]).block

@@ -199,7 +199,6 @@ def test_parquet_photos_are_decoded_on_load_and_parts_concat_to_the_whole(corpus
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from overlord_dask.plan import plan_to_dict
     from overlord_dask.sources.blocks import SampleBlock
     from overlord_dask.sources.images import patchify
     from overlord_dask.worker.loaders import load_block
@@ -223,8 +222,8 @@ def test_parquet_photos_are_decoded_on_load_and_parts_concat_to_the_whole(corpus
     assert all(np.all(doc[s : s + P] == token_id) for s in starts)
     assert int((doc == token_id).sum()) == P * len(row["images"])
     # the same unit loaded in three parts (auto-partitioning) is the same block once concatenated
-    d, n = plan_to_dict(plan), unit.n_docs
-    parts = [load_block(d, "t", unit.to_dict(), part=(a, b)) for a, b in ((0, n // 3), (n // 3, n // 2), (n // 2, n))]
+    sp, n = plan.source_plan(src.name), unit.n_docs
+    parts = [load_block(sp, unit.to_dict(), part=(a, b)) for a, b in ((0, n // 3), (n // 3, n // 2), (n // 2, n))]
     joined = SampleBlock.concat(parts)
     for f in ("tokens", "offsets", "sample_ids", "images", "image_offsets", "image_starts", "image_patches"):
         assert np.array_equal(getattr(joined, f), getattr(block, f)), f

@@ -37,7 +37,7 @@ def _error(data, tmp_path, name="plan.yaml") -> str:
 def test_example_plans_load(path):
     plan = load_plan(path)
     assert plan.sources and plan.topology.dp >= 1
-    assert abs(sum(plan.weights().values()) - 1.0) < 1e-12
+    assert abs(sum(plan.declared_weights().values()) - 1.0) < 1e-12
 
 
 def test_yaml_and_python_plans_are_the_same():

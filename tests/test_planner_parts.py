@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from overlord_dask import pieces as P
+from overlord_dask.batch_layout import BatchLayout
 from overlord_dask.planner.ledger import Ledger
 from overlord_dask.planner.policies import POLICIES, CostBalanced, ExactStep
 from overlord_dask.planner.progress import Progress
@@ -28,7 +29,9 @@ def test_piece_rows_recut_flatten_and_bytes():
         [1, 0],
         [1, 1],
     ]
-    assert np.array_equal(P.from_bytes(P.to_bytes(pieces, "<i4"), dtype="<i4"), pieces)
+    assert (
+        np.array_equal(P.from_bytes(P.to_bytes(pieces)), pieces) and P.from_bytes(P.to_bytes(pieces)).dtype == P.DTYPE
+    )
     assert P.stream_lengths(pieces[:, 1:]).tolist() == P.lengths(pieces).tolist()
 
 
@@ -112,7 +115,7 @@ def test_policies_are_named_in_one_registry_and_their_counters_round_trip():
 
 
 def test_chunks_default_to_a_million_tokens_within_half_the_prefetch_bound():
-    from overlord_dask.plan.models import Loading, Topology
+    from overlord_dask.plan import Loading, Topology
     from overlord_dask.scheduler.chunks import CHUNK_TOKENS, chunk_steps
 
     small = Topology(dp=4, micro_batches=2, tokens_per_micro_batch=16384)  # 131k tokens per step
@@ -130,7 +133,7 @@ def test_chunks_default_to_a_million_tokens_within_half_the_prefetch_bound():
 def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
     """Each group of ranks draws on nearly every block, so a chunk split over workers copies its
     blocks to each of them: a chunk is one task unless that task would exceed ``TASK_TOKENS``."""
-    from overlord_dask.plan.models import Topology
+    from overlord_dask.plan import Topology
     from overlord_dask.scheduler.chunks import TASK_TOKENS, chunk_tasks
 
     dp, steps, ledger = 8, [], {}
@@ -143,12 +146,12 @@ def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
     for tpmb in (1024, 16384, 65536):  # chunks of 64k, 1M and 4M tokens: one task each
         topo = Topology(dp=dp, micro_batches=1, tokens_per_micro_batch=tpmb)
         assert 8 * topo.step_tokens <= TASK_TOKENS
-        (task,) = chunk_tasks(steps, ledger, topo, run_id="r")
-        assert task["ranks"] == [0, dp] and [len(P.from_bytes(p["slot"], 2, "<i4")) for p in task["steps"]] == [dp] * 8
+        (task,) = chunk_tasks(steps, ledger, topo, BatchLayout(1, tpmb), run_id="r")
+        assert task["ranks"] == [0, dp] and [len(P.slot_from_bytes(p["slot"])) for p in task["steps"]] == [dp] * 8
     big = Topology(dp=dp, micro_batches=2, tokens_per_micro_batch=65536)  # 8M tokens: two tasks of 4M
-    assert [t["ranks"] for t in chunk_tasks(steps, ledger, big, run_id="r")] == [[0, 4], [4, 8]]
+    assert [t["ranks"] for t in chunk_tasks(steps, ledger, big, BatchLayout(2, 65536), run_id="r")] == [[0, 4], [4, 8]]
     huge = Topology(dp=dp, micro_batches=8, tokens_per_micro_batch=65536)  # 32M tokens: one task per rank
-    tasks = chunk_tasks(steps, ledger, huge, run_id="r")
+    tasks = chunk_tasks(steps, ledger, huge, BatchLayout(8, 65536), run_id="r")
     assert [t["ranks"] for t in tasks] == [[r, r + 1] for r in range(dp)]
     assert all(
         (t["ranks"][1] - t["ranks"][0]) * 8 * huge.micro_batches * huge.tokens_per_micro_batch <= TASK_TOKENS

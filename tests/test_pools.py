@@ -14,8 +14,7 @@ from overlord_dask import Service, connect
 from overlord_dask.loading.autoscale import PoolPolicy
 from overlord_dask.loading.pools import PoolSpec, plan_pools, pool_of, pool_resource, worker_spec
 from overlord_dask.observe.figures import delivered_identities, delivered_record
-from overlord_dask.plan import plan_from_dict
-from overlord_dask.plan.models import Autoscale
+from overlord_dask.plan import Autoscale, plan_from_dict
 
 from .harness import run_ranks
 

@@ -71,7 +71,7 @@ def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, s
             delivered.append(delivered_identities(rec))
     duplicates, missing = exactly_once([planned_identities(ledger[s]) for s in range(steps)], delivered)
     assert (duplicates, missing) == (0, 0)
-    w = np.array(list(plan.weights().values()))
+    w = np.array(list(plan.declared_weights().values()))
     if policy == "none":  # exact per-step mix: every source within two pieces of its weight
         for m in metrics:
             err = np.abs(np.array(m["source_tokens"]) - w * m["tokens"])

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from overlord_dask.errors import PlanError, SourceError
-from overlord_dask.plan.loading import plan_from_dict
+from overlord_dask.plan import plan_from_dict
 from overlord_dask.service.chat_demo import llama3_style_tokenizer
 from overlord_dask.sources import discover_units, load_unit
 from overlord_dask.sources.tokenizers import load_tokenizer
@@ -192,7 +192,7 @@ def test_plan_local_code_reaches_the_workers_without_an_install(cluster, tmp_pat
     is loaded, uploaded to the scheduler and the workers by the service (the plan's folder is
     gone from under them once the service has started)."""
     from overlord_dask import Service, connect
-    from overlord_dask.plan.loading import load_plan
+    from overlord_dask.plan import load_plan
 
     code, data = tmp_path / "plan", tmp_path / "data"
     (code / "localprep_pkg").mkdir(parents=True)

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from distributed.deploy import Adaptive
 
 from ..client import PlannerClient
-from ..plan.models import Autoscale
+from ..plan import Autoscale
 from .pools import PoolSpec, grow, pool_of, pool_sizes, start_workers
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ MEMORY_SHARE = 0.5  # of a worker's memory limit that its pool's loaded blocks m
 
 
 @dataclass
-class Decision:
+class ScaleDecision:
     pool: str
     workers: int  # requested now
     target: int  # what the pool should have
@@ -68,14 +68,14 @@ class PoolPolicy:
 
     def decide(
         self, signals: dict, current: dict[str, int], arrived: dict[str, int], memory: dict[str, float] | None = None
-    ) -> dict[str, Decision]:
+    ) -> dict[str, ScaleDecision]:
         """``memory``: bytes a worker of each pool may use (its memory limit), where known."""
         cfg = self.config
         # the peak of the recent rate: while loading holds trainers back, the rate now is what
         # loading delivers, and sizing to it would shrink the pool that is short
         rate, step_tokens = max(signals["steps_per_s"], signals.get("steps_per_s_peak", 0.0)), signals["step_tokens"]
         starving = signals["starved_on"] if signals["steps_ready"] < max(1, signals["prefetch_steps"] // 2) else None
-        out: dict[str, Decision] = {}
+        out: dict[str, ScaleDecision] = {}
         for name, spec in self.pools.items():
             cur = current.get(name, 0)
             srcs = {s: signals["sources"][s] for s in spec.sources if s in signals["sources"]}
@@ -119,17 +119,17 @@ class PoolPolicy:
                     self.down_votes[name] = 0
             else:
                 self.down_votes[name] = 0
-            out[name] = Decision(name, cur, target, None if unknown else demand, why)
+            out[name] = ScaleDecision(name, cur, target, None if unknown else demand, why)
         self._fit_budget(out)
         return out
 
-    def _fit_budget(self, out: dict[str, Decision]) -> None:
+    def _fit_budget(self, out: dict[str, ScaleDecision]) -> None:
         budget = self.config.max_workers
         if budget is None:
             return
         while sum(d.target for d in out.values()) > budget:
 
-            def slack(d: Decision) -> tuple:
+            def slack(d: ScaleDecision) -> tuple:
                 need = 0 if d.demand_cores is None else self.config.headroom * d.demand_cores / self.pools[d.pool].cores
                 return (d.target - need, d.target)
 
@@ -153,7 +153,7 @@ class PoolAdaptive(Adaptive):
         self.policy = PoolPolicy(pools, config)
         self.config = config
         self.run_id = run_id
-        self.decisions: dict[str, Decision] = {}
+        self.decisions: dict[str, ScaleDecision] = {}
         self.history: deque = deque(maxlen=10_000)  # every change: time, step, pool, from, to, reason
         self.last_signals: dict | None = None
         self.planner = None  # client.PlannerClient over Adaptive.scheduler, made on first use (it exists once started)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import runs
+from .. import masked_runs
 
 MAX_PARTS = 16  # a unit is never cut into more parts than this
 MAX_GROUP = 8  # nor more units read by one task than this
@@ -109,4 +109,4 @@ class UnitParts:
         del self._units[key]
         lens = np.concatenate([c[1] for c in chain])
         vision = None if chain[0][2] is None else np.concatenate([c[2] for c in chain])
-        return lens, vision, sum(c[3] for c in chain), runs.concat([(c[4], len(c[1])) for c in chain])
+        return lens, vision, sum(c[3] for c in chain), masked_runs.concat([(c[4], len(c[1])) for c in chain])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from distributed.deploy import SpecCluster
 
-from ..plan.models import Plan, Pool
+from ..plan import Plan, Pool
 
 PREFIX = "overlord-pool-"
 

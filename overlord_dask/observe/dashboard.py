@@ -31,7 +31,7 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
     window = window_figures(recent, len(names))
     d_share, w_share = window["delivered_share"], window["declared_share"]
     acked = list(state.progress.acked)
-    lost = extra.get("losses", {})
+    lost = extra.get("dropped", {})
     records = lost.get("records", {})
     sources = []
     for i, s in enumerate(state.streams):
@@ -39,7 +39,7 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
             {
                 "source": s.name,
                 "pool": state.timeline.source(s.name).pool_name,
-                "weight": float(state.weights_at(max(committed + 1, 0))[i]),
+                "weight": float(state.timeline.mix_at(max(committed + 1, 0))[i]),
                 "delivered_share": float(d_share[i]) if i < len(d_share) else 0.0,
                 "declared_share": float(w_share[i]) if i < len(w_share) else 0.0,
                 "epoch": int(s.epoch),

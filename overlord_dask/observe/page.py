@@ -112,7 +112,7 @@ def render(snap: dict) -> str:
         for p, d in snap["pools"].items()
     ]
     quarantined = [
-        {k: q[k] for k in ("source", "unit", "step", "reason")} for q in snap.get("losses", {}).get("quarantined", [])
+        {k: q[k] for k in ("source", "unit", "step", "reason")} for q in snap.get("dropped", {}).get("quarantined", [])
     ]
     control = {
         "last snapshot": snap["last_snapshot"],

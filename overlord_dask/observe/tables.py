@@ -18,17 +18,20 @@ installed); plots need matplotlib (the ``notebook`` extra). In a notebook::
 from __future__ import annotations
 
 import html
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from .. import pieces as P
 from ..plan.display import html_table as _table
-from ..plan.timeline import PlanTimeline
+
+if TYPE_CHECKING:
+    from ..planner.timeline import Timeline
 
 
 def decisions_table(decisions: list) -> pa.Table:
-    """One row per decision (``plan/timeline.py``): from step, kind, values (JSON) and reason."""
+    """One row per decision (``planner/timeline.py``): from step, kind, values (JSON) and reason."""
     import json
 
     return pa.table(
@@ -77,13 +80,13 @@ def mix_table(metrics: list[dict], sources: list[str], committed: int | None = N
     )
 
 
-def schedule_table(timeline: PlanTimeline, start: int, stop: int) -> pa.Table:
+def schedule_table(timeline: Timeline, start: int, stop: int) -> pa.Table:
     """The declared mix of steps ``start..stop-1`` (normalised weights per source), the plan
     version and stage that will be in force, and the maximum piece length: what the plan says
     will be delivered, before it is planned."""
     rows = {k: [] for k in ("step", "source", "weight", "version", "stage", "piece_tokens")}
     for step in range(start, stop):
-        w = timeline.weights_at(step)
+        w = timeline.weights_in_force(step)
         ctx = timeline.context_at(step)
         v = timeline.version_at(step)
         for name, x in zip(timeline.source_names, w):
@@ -212,8 +215,8 @@ def plot_mix(mix: pa.Table, window: int = 20, ax=None, schedule: pa.Table | None
 
 
 # ---- HTML ---------------------------------------------------------------------------------------
-def service_html(status: dict, timeline: PlanTimeline, metrics: list[dict]) -> str:
-    w = timeline.weights_at(status["next_step"])
+def service_html(status: dict, timeline: Timeline, metrics: list[dict]) -> str:
+    w = timeline.weights_in_force(status["next_step"])
     recent = metrics[-20:]
     toks = np.zeros(len(timeline.source_names))
     for m in recent:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .schedule import Schedule
 
 if TYPE_CHECKING:
-    from .models import Plan
+    from .plan import Plan
 
 
 def _weight_text(w) -> str:

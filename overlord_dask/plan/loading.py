@@ -1,109 +1,85 @@
-"""Loading plans from YAML (or dicts) with errors that name the file, the field path and the fix."""
+"""How far the service reads and builds ahead of the trainers, how load units are cut, what a
+failed load does, and the loader pools' autoscaler."""
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-from typing import Any
+from typing import Literal
 
-import yaml
-from pydantic import ValidationError
+from pydantic import Field
 
-from ..errors import PlanError
-from .models import Plan
+from .base import Strict
 
 
-def _dotted(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "<plan>"
+class Autoscale(Strict):
+    """Pool sizes from the planner's signals (``overlord_dask/loading/autoscale.py``): each pool gets the
+    workers its sources' token demand needs (weights over the schedule ahead × the trainers' step
+    rate × measured transform seconds per token), grows at once when the planner waits on one of
+    its sources, and shrinks only after ``down_after`` checks in a row said so."""
+
+    enabled: bool = False
+    """Size the loader pools from the planner's signals (every source without a declared pool gets its own)."""
+    max_workers: int | None = Field(default=None, ge=1, le=100_000)
+    """Most pool workers in all (the worker budget); None: no overall cap beyond each pool's."""
+    interval_s: float = Field(default=1.0, gt=0, le=3600)
+    """Seconds between scaling decisions."""
+    headroom: float = Field(default=1.5, ge=1.0, le=100.0)
+    """Capacity over measured demand (demand is noisy and a new worker needs time to start)."""
+    lead_s: float = Field(default=10.0, ge=0, le=86_400)
+    """Look this far ahead on the schedule (at the measured step rate): a pool grows before a
+    curriculum stage raises its weight, and shrinks only after the stage that needed it."""
+    down_after: int = Field(default=5, ge=1, le=10_000)
+    """Consecutive decisions that must agree before a pool shrinks (no flapping)."""
 
 
-def format_validation_error(err: ValidationError, where: str, data: Any = None) -> str:
-    """One line per problem: `where: sources[1](web).format: Input should be 'parquet' or 'zarr' (got 'csv')`."""
-    lines = []
-    errors = err.errors()
+class Loading(Strict):
+    """How far loading and batch construction may run ahead of the trainers (bounded memory)."""
 
-    # `weight: -1` fails both branches of `float | Schedule`; report only the branch the user meant
-    def branch(e) -> str | None:
-        last = e["loc"][-1] if e["loc"] else None
-        if last == "float":
-            return "float"
-        if isinstance(last, str) and "Schedule" in last:
-            return "Schedule"
-        return None
-
-    for e in errors:
-        b = branch(e)
-        if b is not None:
-            if b != (
-                "Schedule"
-                if isinstance(e.get("input"), dict) or b == "Schedule" and e["type"] == "value_error"
-                else "float"
-            ):
-                continue
-            e = {**e, "loc": e["loc"][:-1]}
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        path = _dotted(loc)
-        # name the source as well as its index: "sources[1]" alone makes the user count
-        if data is not None and len(loc) >= 2 and loc[0] == "sources" and isinstance(loc[1], int):
-            try:
-                name = data["sources"][loc[1]].get("name")
-                if name:
-                    path = path.replace(f"sources[{loc[1]}]", f"sources[{loc[1]}]({name})", 1)
-            except (KeyError, IndexError, TypeError, AttributeError):
-                pass
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; allowed fields are listed in overlord_dask/plan/models.py)"
-        elif e["type"] == "missing":
-            msg = "required field is missing"
-        got = e.get("input")
-        suffix = f" (got {got!r})" if e["type"] not in ("missing",) and not isinstance(got, (dict, list)) else ""
-        lines.append(f"{where}: {path}: {msg}{suffix}")
-    return "invalid plan:\n  " + "\n  ".join(lines)
-
-
-def plan_from_dict(data: Any, *, where: str = "<dict>", base_dir: str | os.PathLike | None = None) -> Plan:
-    """Validate a plain dict (as parsed from YAML/JSON) into a :class:`Plan`."""
-    if not isinstance(data, dict):
-        raise PlanError(
-            f"{where}: a plan must be a mapping with keys like 'sources' and 'topology', got {type(data).__name__}"
-        )
-    if base_dir is not None and "base_dir" not in data:
-        data = {**data, "base_dir": str(base_dir)}
-    folder = data.get("base_dir")
-    if isinstance(folder, str) and os.path.isdir(folder) and folder not in sys.path:
-        sys.path.append(
-            folder
-        )  # plan-local code (`module:callable` next to the plan) imports; installed modules still win
-    try:
-        return Plan.model_validate(data)
-    except ValidationError as err:
-        raise PlanError(format_validation_error(err, where, data)) from None
-
-
-def load_plan(path: str | os.PathLike) -> Plan:
-    """Read and validate a YAML plan. Relative source URLs resolve against the file's folder."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise PlanError(f"plan file not found: {p}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
-        raise PlanError(f"{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
-    return plan_from_dict(data, where=str(p), base_dir=p.resolve().parent)
-
-
-def plan_to_dict(plan: Plan) -> dict:
-    """A plain, YAML/msgpack-friendly dict that :func:`plan_from_dict` turns back into the same plan."""
-    return plan.model_dump(mode="json")
+    unit_rows: int = Field(default=4096, ge=1)
+    """parquet: at most this many rows per load unit (a unit is one row group or a part of one)."""
+    unit_tokens: int = Field(default=1 << 20, ge=1)
+    """zarr, megatron: about this many tokens per load unit (rounded to whole documents)."""
+    unit_bytes: int = Field(default=8 << 20, ge=1)
+    """jsonl (uncompressed, or zstd in frames): about this many bytes per load unit (whole lines)."""
+    task_seconds: float | None = Field(default=0.5, gt=0, le=3600)
+    """Auto-partitioning: load tasks are cut to about this many seconds of measured CPU. A unit
+    that would take over twice as long is read as several parts in parallel; units that take
+    under a quarter of it are read together by one task. None: one task per unit. The stream never
+    depends on it (units, not tasks, are the grain of the order). A ``transform`` must then be
+    per document (it runs on each part)."""
+    prefetch_steps: int = Field(default=4, ge=1, le=1024)
+    """Steps planned and built ahead of the slowest rank's acknowledged step."""
+    units_ahead: int = Field(default=2, ge=1, le=1024)
+    """Loads of a source in flight at once, at least: more when the coming windows need more
+    units, and a text source asks for about a million tokens' worth of units at a time, which one
+    task reads (``planner/lookahead.py``)."""
+    retries: int = Field(default=2, ge=0, le=16)
+    """Attempts per load unit before ``on_corrupt`` decides."""
+    integrity: bool = False
+    """Record a digest of each load unit's bytes when its source is indexed, kept with the
+    snapshots, and check it on every load: a file that changed or rotted since is an error naming
+    the unit (or a quarantined unit, with ``on_corrupt: quarantine``). Costs one read of every
+    source's files at indexing (at the first start; a restart reuses the kept digests)."""
+    on_corrupt: Literal["fail", "quarantine"] = "fail"
+    """A unit that still cannot be read after its retries (a corrupt file, a malformed record):
+    ``fail`` stops the run with the unit, file and reason named; ``quarantine`` loads it as empty,
+    records it (``status()["quarantined"]``, the dashboard, an ``event=quarantine`` log line) and
+    goes on. Never a silent skip."""
+    batch_steps: int | None = Field(default=None, ge=1, le=1024)
+    """Steps handed out together: one constructor task per group of ranks and one queue item per
+    rank name this many consecutive steps, and trainers acknowledge once per such chunk (the
+    control path's cost is per chunk, not per step). Default: a quarter of ``prefetch_steps``,
+    raised until a chunk holds ~1M tokens (small steps: the fixed cost per chunk is amortised),
+    but at most half of ``prefetch_steps`` (one chunk is built while the trainers take another);
+    at least 1."""
+    autoscale: Autoscale = Field(default_factory=Autoscale)
+    """Elastic per-source pools; off by default (every load task runs on any worker)."""
+    shadows: int = Field(default=1, ge=0, le=4)
+    """Extra copies of every built batch, each on another worker (hot standbys): a worker that
+    dies takes its batches with it, and the trainers are served from a shadow instead of waiting
+    for the batch to be rebuilt. Costs ``shadows`` × the bytes of the batches in flight (a
+    few steps' worth). Needs Dask's active memory manager off (``service/deploy.py`` turns it off), which
+    would otherwise drop the copies as redundant."""
+    shadow_blocks: bool = True
+    """Loaded blocks get the same number of shadows as built batches: a worker that dies takes
+    its blocks too, and the next constructor tasks read them from a shadow instead of waiting for
+    a reload. Costs ``shadows`` × the bytes of the blocks in flight (``status()["block_shadow_bytes"]``)."""

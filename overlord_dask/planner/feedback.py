@@ -2,7 +2,7 @@
 
 Each rank's stream reports per step its compute time (per micro-batch where the trainer iterates
 micro-batches) and, when the trainer calls ``report()``, its loss per source and other metrics
-(``trainer/feedback.py``). The scheduler queues the reports (bounded) and the planner thread
+(``trainer/reporting.py``). The scheduler queues the reports (bounded) and the planner thread
 hands them here each planning round:
 
 - step times become rows of the cost learner's regression (``learn.py``), with the features of
@@ -157,7 +157,7 @@ class FeedbackLoop:
         if self.controller is not None and self._mixing_due():
             self.decided_at = self.newest
             at = max(self.newest + self.mixing.lag, st.frontier)
-            current = st.timeline.weights_at(at)
+            current = st.timeline.weights_in_force(at)
             got = self.controller.propose(self.newest, dict(zip(st.source_names, map(float, current))))
             if got is not None:
                 shares, why = got

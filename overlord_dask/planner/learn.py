@@ -14,7 +14,7 @@ weights on relative residuals, iterated: a step that also saved a checkpoint or 
 straggling collective does not pull it) and non-negative, over a sliding window of the newest
 observations. Once its predictions stop moving (``tolerance``, ``patience``), the fitted model
 replaces the one in force from a future step, recorded in the timeline as a decision
-(``plan/timeline.py``): replay, resume and a change of dp see the same switch at the same step.
+(``timeline.py``): replay, resume and a change of dp see the same switch at the same step.
 
 The balancer only compares costs, so a learned model's unit does not matter to it; it is
 microseconds of trainer compute (``UNIT``), which keeps costs at a scale like the declared ones.
@@ -25,8 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import pieces as P
-from ..plan.feedback import LearnCost
-from ..plan.models import CostModel
+from ..plan import CostModel, LearnCost
 
 TERMS = ("attention", "linear", "constant", "encoder", "fixed")  # one column each: ΣL², ΣL, documents, ΣV, 1
 UNIT = 1e6  # a learned model's costs are in microseconds

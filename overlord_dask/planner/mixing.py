@@ -4,7 +4,7 @@ A controller sees, per reported step and rank, each source's token-weighted loss
 metric the trainer reports), and every ``mixing.interval`` reported steps proposes shares. The
 planner keeps them within the declared bounds and the maximum change per decision
 (:func:`project`) and records them in the timeline from a step at least ``mixing.lag`` ahead
-(``plan/timeline.py``), with the controller's reason and state: a resumed run continues from the
+(``timeline.py``), with the controller's reason and state: a resumed run continues from the
 state, a replay from the recorded decisions delivers the identical stream.
 
 Write one as a class (``mixing: {controller: mypkg.mix:MyController, options: {...}}``)::
@@ -24,8 +24,8 @@ import math
 import numpy as np
 
 from ..errors import PlanError
+from ..plan import Mixing
 from ..plan.base import import_callable
-from ..plan.feedback import Mixing
 
 
 class Controller:

@@ -5,15 +5,14 @@ The planner is a pure function of its parts' state at a window start and of the 
 so the planner at any kept window start (``windows.WindowStarts``, or a snapshot in storage)
 re-plans the same steps again: a new ``PlannerState`` is restored from that window, replays
 silently up to the job's step, and hands out from there; with another ``dp`` it switches to it
-at that step, as a restore with another topology does (``snapshot.switch_topology``). Per-source
+at that step, as a restore with another topology does (``PlannerState.switch_topology``). Per-source
 positions are topology-free, so exactly-once holds either way, and with the same ``dp`` the
 steps come out token-identical to the first time.
 """
 
 from __future__ import annotations
 
-from ..plan.models import Plan
-from . import snapshot
+from ..plan import Plan
 from .state import PlannerState
 
 
@@ -33,7 +32,7 @@ def rebuild_at(st: PlannerState, step: int, source: tuple[int, dict, dict], dp: 
     if window_step > step:
         raise ValueError(f"cannot rebuild step {step} from the window at step {window_step}")
     plan = with_dp(st.final_plan, dp or st.final_plan.topology.dp)
-    state = snapshot.state_at(st, step, window_step, window, topology)
+    state = st.state_at(step, window_step, window, topology)
     first_ids = {s.name: s.first_ids for s in st.streams}
     new = PlannerState(
         plan,

@@ -1,4 +1,4 @@
-"""The planner, free of Dask: it composes the parts and runs the planning loop.
+"""The planner, free of Dask: the parts it composes, its state and how a snapshot restores it.
 
 The scheduler side (``scheduler/``) runs this class in its planner thread and routes requests to
 it, which keeps it testable without a cluster. Everything here is metadata: lengths, ids,
@@ -6,40 +6,49 @@ counters. No payload.
 
 Parts, each owning its state (and its share of a snapshot):
 
-- ``timeline`` (``plan/timeline.py``): the plan's versions, weights and context at any step;
+- ``timeline`` (``timeline.py``): the plan's versions and the planner's decisions, the weights,
+  mix, context and cost model at any step;
 - ``streams`` (``streams/``): each source's order, cursor and loaded metadata;
 - ``policy`` (``policies/``, chosen by ``balance.policy``): how a window is chosen and laid out
   over ranks, and the counters that carry the mix across windows;
+- ``windows`` (``windows.py``): the streams' and the policy's state at each window start kept;
 - ``ledger`` (``ledger.py``): planned steps, where their pieces went, their metrics;
 - ``progress`` (``progress.py``): acknowledgements, committed and durable steps.
 
-The loop: ``wanted()`` names units to load, ``add_lengths()`` takes their metadata in,
-``plan_ahead()`` plans whole windows into ``ready``, ``plan_steps()`` hands steps out within the
-prefetch bound (into the ledger) and names units no later step needs. ``snapshot.py`` captures
-and restores its state.
+The loop (``loop.py``): ``wanted()`` names units to load, ``add_lengths()`` takes their metadata
+in, ``plan_ahead()`` plans whole windows into ``ready``, ``plan_steps()`` hands steps out within
+the prefetch bound (into the ledger) and names units no later step needs.
+
+A snapshot (:meth:`PlannerState.get_state`) holds the parts' state at the start of the window
+holding the durable step, that window's first step, the durable step, the topology the window
+was planned on, the timeline's updates and decisions, and the identity of the sources' code. A
+restore re-plans from the window on the snapshot's topology, hands out steps from the durable
+one, and switches to the plan's topology there, so a run may resume with another dp and keep
+exactly-once.
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict, deque
+from collections import deque
 
 import numpy as np
 
 from .. import pieces as P
 from ..errors import PlanError
-from ..plan.models import Plan
-from ..plan.timeline import PlanTimeline
-from . import snapshot
-from .ledger import Ledger, step_metrics
-from .policies import POLICIES, Starved, Window
+from ..plan import Plan
+from ..plan.code import identities
+from .ledger import Ledger
+from .loop import PlanningLoop
+from .policies import POLICIES
 from .progress import Progress
-from .snapshot import decode_decisions, decode_updates
 from .streams import StreamSet
+from .timeline import Timeline
 from .windows import WindowStarts
 
+STATE_VERSION = 3  # 2: every policy's counters in every snapshot (still read)
 
-class PlannerState:
+
+class PlannerState(PlanningLoop):
     def __init__(
         self,
         plan: Plan,
@@ -51,8 +60,9 @@ class PlannerState:
         decisions: list | None = None,
     ):
         self.final_plan = plan
-        self.timeline = PlanTimeline(
-            plan, list(updates) or decode_updates(state), decode_decisions(state) if decisions is None else decisions
+        recorded = Timeline.from_state(plan, state)
+        self.timeline = Timeline(
+            plan, list(updates) or recorded.updates, recorded.decisions if decisions is None else decisions
         )
         if state is not None:  # replay on the topology the snapshot was planned with, switch at `committed`
             plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
@@ -68,16 +78,14 @@ class PlannerState:
         self.failure: str | None = None
         self.starved_on: str | None = None
         self._starved: tuple | None = None  # (source, what planning saw) when a window last starved
-        self.ready: deque = deque()  # planned steps not yet handed out: (ranks, bin_costs, drops or None)
+        self.ready: deque = deque()  # planned steps not yet handed out: (rows, slot, bin costs, drops or None)
         self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
         self.windows = WindowStarts(lambda: {**self.streams.get_state(), **self.policy.get_state()})
-        self.pool_workers: dict[
-            str, int
-        ] = {}  # workers per loader pool, as the autoscaler last reported (metrics only)
+        self.pool_workers: dict[str, int] = {}  # workers per loader pool, as the autoscaler last reported
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
-        self.reload: list[list] = []  # units to load again only for their blocks (snapshot.restore)
+        self.reload: list[list] = []  # units to load again only for their blocks (restore)
         if state is not None:
-            snapshot.restore(self, state)
+            self._restore(state)
 
     def use_plan(self, plan: Plan, acked_through: int = -1) -> None:
         """Adopt a plan's topology and the budgets derived from it; every (rank, cp rank) has
@@ -94,7 +102,8 @@ class PlannerState:
         return self.streams.names
 
     @property
-    def metrics(self) -> OrderedDict:
+    def metrics(self) -> dict[int, dict]:
+        """The ledger's figures of each planned step kept."""
         return self.ledger.metrics
 
     @property
@@ -120,9 +129,6 @@ class PlannerState:
     def plan_version(self) -> int:
         return len(self.timeline.versions) - 1
 
-    def weights_at(self, step: int) -> np.ndarray:
-        return self.timeline.mix_at(step)
-
     # ---- live plan updates ----------------------------------------------------------------------
     def update(self, plan: Plan, at_step: int | None, unit_first_ids: dict[str, list[int]]) -> int:
         """Apply ``plan`` from ``at_step`` (default: the first step not planned yet). New sources
@@ -147,19 +153,12 @@ class PlannerState:
         """Units whose metadata (or, after a restore, blocks) the planner needs next: [source,
         epoch, unit] each."""
         reload, self.reload = self.reload, []
-        return reload + self.streams.wanted(
-            self._weights_ahead(),
-            self.topology.step_tokens,
-            self._window_steps(),
-            self.plan.loading.units_ahead,
-            self.starved_on,
-        )
+        steps, units_ahead = self._window_steps(), self.plan.loading.units_ahead
+        ahead = self.streams.wanted(self._mix_ahead(), self.topology.step_tokens, steps, units_ahead, self.starved_on)
+        return reload + ahead
 
-    def _window_steps(self) -> int:
-        return self.policy.window_steps(self.balance)
-
-    def _weights_ahead(self) -> np.ndarray:
-        """Largest weight of each source over the next two windows (so a source that enters at a
+    def _mix_ahead(self) -> np.ndarray:
+        """Largest share of each source over the next two windows (so a source that enters at a
         coming step is loaded before it is needed)."""
         t0 = self.planned_until
         return self.timeline.max_mix_over(t0, t0 + 2 * self._window_steps() + 1)
@@ -173,174 +172,68 @@ class PlannerState:
         vision: np.ndarray | None = None,
         masked: np.ndarray | None = None,
     ) -> bool:
-        """A loaded unit's document lengths (image tokens per document, masked runs); False if not needed
-        (a duplicate, or a unit planning has passed). Checks, once a whole pass of the source has
-        arrived, that it is not far smaller than what a window takes from it."""
+        """A loaded unit's document lengths (image tokens per document, masked runs); False if not
+        needed (a duplicate, or a unit planning has passed). Checks, once a whole pass of the
+        source has arrived, that it is not far smaller than what a window takes from it."""
         s = self.streams.by_name(source)
         before = s.loads.tokens_per_pass()
         added = s.add_lengths(epoch, unit, lengths, vision)
         if added or (s.index, epoch, unit) in self.streams.held:  # (a passed unit loaded again for its block)
             self.streams.keep_lengths((s.index, epoch, unit), lengths, masked)
         if before is None and s.loads.tokens_per_pass() is not None:
-            self.streams.check_pass(
-                s,
-                float(self._weights_ahead()[s.index]),
-                self.step_budget,
-                self._window_steps(),
-                self.topology.tokens_per_micro_batch,
-            )
+            share = float(self._mix_ahead()[s.index])
+            mb_tokens = self.topology.tokens_per_micro_batch
+            self.streams.check_pass(s, share, self.step_budget, self._window_steps(), mb_tokens)
         return added
 
-    def costs(self, rows: np.ndarray, step: int) -> np.ndarray:
-        """Cost of planned piece rows at ``step`` (backbone tokens and, with an encoder cost, image
-        tokens), by the cost model in force there (declared, or learned: ``timeline.cost_at``)."""
-        return self.streams.costs(rows, self.timeline.cost_at(step))
-
-    # ---- planning -----------------------------------------------------------------------------
-    def can_plan(self) -> bool:
-        return self.next_step - self.committed < self.plan.loading.prefetch_steps
-
-    def plan_steps(self, max_steps: int) -> tuple[list[dict], list[list]]:
-        """Plan as many steps as the bounds and loaded metadata allow.
-
-        Returns (steps, finished_units): each step is ``{"step", "pieces", "slot"}`` where
-        ``pieces`` is little-endian int64 bytes of piece rows (``pieces.py``) and ``slot`` int32
-        bytes of ``[rank, micro_batch]`` per row (compact for the RPC: no Python object per
-        piece); finished units are ``[source, epoch, unit]`` whose blocks no later step needs.
-        """
-        steps = []
-        t0 = time.perf_counter()
-        while len(steps) < max_steps and self.can_plan():
-            if self.next_step == self.replay_until and self.final_plan.topology != self.topology:
-                snapshot.switch_topology(self)
-            try:
-                rows, slot, mb_costs, drops = self._next_planned()
-            except Starved as e:
-                self.starved_on = e.source
-                break
-            self.starved_on = None
-            step = self.next_step
-            self.next_step += 1
-            if step < self.replay_until:
-                continue  # delivered before the restore: only the planner state had to catch up
-            entry = self._record(step, rows, slot, mb_costs, drops)
-            steps.append(
-                {
-                    "step": step,
-                    "pieces": P.to_bytes(entry["pieces"]),
-                    "slot": P.to_bytes(entry["slot"], "<i4"),
-                    "piece_tokens": self.metrics[step]["piece_tokens"],
-                    "loss_tokens": self.metrics[step]["loss_tokens"],
-                }
-            )
-        if steps:
-            self.plan_seconds.append(time.perf_counter() - t0)
-            del self.plan_seconds[:-10_000]
-        in_use = [self.pending] + [rows for rows, *_ in self.ready]
-        return steps, self.streams.finished_units(in_use)
-
-    def _next_planned(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """The next step's pieces as int64 rows with their int32 ``[rank, micro_batch]``, the
-        bins' costs, and (on a window's first step) the documents a drop policy skipped while
-        planning the window."""
-        if not self.ready:
-            self._plan_next_window()
-        return self.ready.popleft()
-
-    def _plan_next_window(self) -> None:
-        """Plan the window that starts at ``planned_until`` into ``ready``; its state beforehand
-        is kept for snapshots (``windows``)."""
-        start = self.planned_until
-        if self._starved is not None and self._starved[1] == self._inputs(self._starved[0]):
-            # No unit of the source this window starved on arrived since: it would starve again,
-            # after selecting and rolling back its pieces, at every ack and every other source's unit.
-            raise Starved(self._starved[0])
-        self.windows.begin(start, snapshot.topology_dict(self.topology))
-        ctx = self.timeline.context_at(start)
-        self.streams.apply_context(ctx)
-        self.policy.pending = P.recut(
-            self.policy.pending, ctx.piece_tokens
-        )  # waiting pieces take this stage's piece size
-        window = Window(
-            start=start,
-            steps=self.timeline.window_len(start, self._window_steps()),
-            streams=self.streams.streams,
-            topology=self.topology,
-            balance=self.balance,
-            step_budget=self.step_budget,
-            heavy_tokens=self.heavy_tokens,
-            weights_at=self.weights_at,
-            class_weights_at=self.timeline.class_weights_at,
-            costs=lambda rows: self.costs(rows, start),
-        )
-        try:
-            planned = self.policy.plan(window)
-        except Starved as e:
-            self.windows.abandon(start)
-            self.streams.forget_drops()
-            self._starved = (e.source, self._inputs(e.source))
-            raise
-        drops = self.streams.drain_drops()
-        for k, (rows, slot, mb_costs) in enumerate(planned):
-            self.ready.append((rows, slot, mb_costs, drops if k == 0 else None))
-        self.windows.prune(self.progress.durable_step - self.plan.checkpoint.keep_steps)
-
-    def _inputs(self, source: str) -> tuple:
-        """What decides whether the next window starves on ``source`` (its selection stops at
-        the first source whose metadata is missing, so other sources' units cannot help)."""
-        return (self.planned_until, self.streams.by_name(source).loads.loaded_units, self.plan_version, self.topology)
-
-    def plan_ahead(self, steps: int) -> int:
-        """Plan whole windows ahead of hand-out until at least ``steps`` planned steps wait in
-        ``ready`` (policies that plan windows), so that handing out a step never waits for a
-        window to be balanced. Stops quietly when a source's metadata is not loaded yet
-        (``starved_on``), and never plans past a pending topology switch (the stream must not
-        depend on how far ahead planning ran). Returns the number of windows planned."""
-        n = 0
-        while self.policy.plans_ahead and len(self.ready) < steps:
-            if self.final_plan.topology != self.topology and self.planned_until >= self.replay_until:
-                break
-            try:
-                self._plan_next_window()
-            except Starved as e:
-                self.starved_on = e.source  # loading looks further ahead for this source (wanted)
-                return n
-            n += 1
-        if self.ready:
-            self.starved_on = None  # planning is ahead: no source holds it back
-        return n
-
-    def _record(
-        self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops: np.ndarray | None
-    ) -> dict:
-        drops = drops if drops is not None else np.zeros((0, 5), np.int64)  # a window's drops go with its first step
-        ctx = self.timeline.context_at(step)
-        metrics = step_metrics(
-            step,
-            pieces,
-            drops,
-            mb_costs,
-            self.costs(pieces, step),
-            n_sources=len(self.streams),
-            step_tokens=self.topology.step_tokens,
-            dp=self.topology.dp,
-            context={
-                "pending": int(len(self.pending)),
-                "weights": tuple(float(x) for x in self.weights_at(step)),
-                "version": self.timeline.version_at(step),
-                "stage": ctx.stage,
-                "piece_tokens": ctx.piece_tokens,
-            },
-        )
-        metrics["loss_tokens"] = self.streams.loss_tokens(pieces)
-        if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
-            metrics["pool_workers"] = dict(self.pool_workers)
-        return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)
-
-    # ---- state (snapshot.py) ------------------------------------------------------------------------
+    # ---- state ----------------------------------------------------------------------------------
     def get_state(self) -> dict:
-        """A msgpack-friendly snapshot of the planner (``snapshot.capture``)."""
-        return snapshot.capture(self)
+        """A msgpack-friendly snapshot: the state at the start of the window holding the durable
+        step (or the state now, if nothing was planned since), for a restore to re-plan from."""
+        durable = self.progress.durable_step
+        start = self.windows.at(durable)
+        if start is None:
+            start = (self.planned_until, self.windows.capture(), self.topology.model_dump())
+        return self.state_at(durable, *start)
+
+    def state_at(self, committed: int, window_step: int, window: dict, topology: dict) -> dict:
+        """A snapshot of this run that resumes at ``committed`` from the window at ``window_step``."""
+        return {
+            "version": STATE_VERSION,
+            "plan": self.plan.name,
+            "sources": list(self.source_names),
+            **self.timeline.get_state(),
+            "committed": committed,
+            "window_step": window_step,
+            "window": window,
+            "topology": topology,
+            "code": identities(self.timeline.sources()),
+        }
+
+    def _restore(self, state: dict) -> None:
+        """Put this planner (new, built on the snapshot's topology) where ``state`` was taken."""
+        if state.get("version") not in (2, STATE_VERSION):
+            raise ValueError(f"snapshot version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+        if list(state["sources"]) != self.source_names:
+            raise ValueError(
+                f"snapshot sources {list(state['sources'])} differ from the plan's {self.source_names}; "
+                "to add or remove sources, resume with the snapshot's plan and apply a plan update"
+            )
+        self.streams.set_state(state["window"])
+        self.policy.set_state(state["window"], len(self.streams))
+        self.reload = self.streams.passed_units(self.policy.pending)  # their blocks are gone with the old process
+        self.next_step = int(state["window_step"])
+        self.replay_until = int(state["committed"])
+        self.progress.restart_at(self.replay_until)
+
+    def switch_topology(self) -> None:
+        """After replaying the delivered steps on the snapshot's topology, continue on the plan's:
+        the pieces planned but not delivered go back to the front of the queue, in order."""
+        undelivered = [rows for rows, *_ in self.ready]
+        if undelivered:
+            self.policy.pending = np.concatenate([self.policy.pending, P.with_age(np.concatenate(undelivered))])
+        self.ready.clear()
+        self.use_plan(self.final_plan, acked_through=self.replay_until - 1)
 
     # ---- acknowledgements and status ------------------------------------------------------------
     def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> int:

@@ -8,8 +8,8 @@ instead: every group draws pieces from nearly every block, so each group's worke
 copy of each block, and a chunk split over ``G`` workers copies its blocks up to ``G`` times
 (``benchmarks/throughput.py --scaling`` compares worker counts). One queue item per rank then names the whole chunk, so
 queue items, constructor tasks and acks are per chunk, not per (step, rank). A task carries only
-its ranks' pieces, as int32 bytes (every field fits: half the bytes of the ledger's int64), and
-the units whose blocks it needs.
+its ranks' pieces (``pieces.to_bytes``), the units whose blocks it needs and the layout its
+micro-batches are packed to (``batch_layout.BatchLayout``: the one the planner budgeted).
 
 How many steps a chunk holds (:func:`chunk_steps`, unless the plan sets ``loading.batch_steps``):
 a quarter of the prefetch bound, raised until a chunk holds ``CHUNK_TOKENS`` tokens, but never
@@ -26,7 +26,8 @@ import math
 import numpy as np
 
 from .. import pieces as P
-from ..plan.models import Topology
+from ..batch_layout import BatchLayout
+from ..plan import Topology
 from ..protocol import batch_key
 
 TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
@@ -44,11 +45,14 @@ def chunk_steps(loading, topology: Topology) -> int:
     return max(1, min(max(prefetch // 4, enough), prefetch // 2))
 
 
-def chunk_tasks(steps: list[dict], ledger, topology: Topology, run_id: str, rewinds: int = 0) -> list[dict]:
+def chunk_tasks(
+    steps: list[dict], ledger, topology: Topology, layout: BatchLayout, run_id: str, rewinds: int = 0
+) -> list[dict]:
     """Constructor tasks for consecutive ``steps`` (``PlannerState.plan_steps`` output, their
-    pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "micro_batches", "units"}``;
-    as few groups of ranks as keep each within ``TASK_TOKENS``."""
-    dp, mb = topology.dp, topology.micro_batches
+    pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "layout", "units"}``, the
+    layout as a dict (``batch_layout.py``); as few groups of ranks as keep each within
+    ``TASK_TOKENS``."""
+    dp = topology.dp
     tokens = len(steps) * topology.step_tokens
     groups = max(1, math.ceil(tokens / TASK_TOKENS))
     per = math.ceil(dp / min(groups, dp))
@@ -63,8 +67,8 @@ def chunk_tasks(steps: list[dict], ledger, topology: Topology, run_id: str, rewi
             parts.append(
                 {
                     "step": sp["step"],
-                    "pieces": P.to_bytes(pieces[mine], "<i4"),
-                    "slot": P.to_bytes(slot[mine], "<i4"),
+                    "pieces": P.to_bytes(pieces[mine]),
+                    "slot": P.slot_bytes(slot[mine]),
                     "piece_tokens": sp["piece_tokens"],
                     "loss_tokens": sp.get("loss_tokens"),
                 }
@@ -76,7 +80,7 @@ def chunk_tasks(steps: list[dict], ledger, topology: Topology, run_id: str, rewi
                 "key": batch_key(run_id, steps[0]["step"], lo, hi, rewinds),
                 "steps": parts,
                 "ranks": [lo, hi],
-                "micro_batches": mb,
+                "layout": layout.to_dict(),
                 "units": used.tolist(),
             }
         )

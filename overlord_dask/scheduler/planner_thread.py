@@ -19,12 +19,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import logs
+from ..batch_layout import BatchLayout
 from ..planner.feedback import FeedbackLoop
 from ..planner.policies import kernels
 from ..planner.state import PlannerState
 from . import heap
 from .chunks import chunk_tasks
-from .feedback import FeedbackInbox
+from .inbox import ReportInbox
 
 logger = logging.getLogger(__name__)
 OBSERVE_EVERY_S = 0.5  # the dashboard page's view of the run is at most this old
@@ -70,14 +71,15 @@ class PlannerThread:
         run_id: str,
         chunk_steps: int,
         *,
+        pad_id: int,
         on_tasks: Callable,
         observe: Callable[[], dict],
         on_failure: Callable[[str], None],
         on_decisions: Callable[[list], None] = lambda d: None,
     ):
-        self.run_id, self.chunk_steps = run_id, chunk_steps
+        self.run_id, self.chunk_steps, self.pad_id = run_id, chunk_steps, pad_id
         self.on_tasks, self.observe, self.on_failure, self.on_decisions = on_tasks, observe, on_failure, on_decisions
-        self.feedback_in = FeedbackInbox()
+        self.feedback_in = ReportInbox()
         self.feedback: FeedbackLoop | None = None
         self.hold_decisions = False  # (with snapshots) no step a decision governs goes out before a snapshot holds it
         self.held_from: int | None = None  # the earliest step of decisions no snapshot holds yet
@@ -200,7 +202,8 @@ class PlannerThread:
             if not steps:
                 break
             self._log_stages(steps)
-            out["tasks"] += chunk_tasks(steps, st.ledger, st.final_plan.topology, self.run_id, self.rewinds)
+            layout = BatchLayout.of(st.final_plan.topology, pad_id=self.pad_id, sources=st.timeline.sources())
+            out["tasks"] += chunk_tasks(steps, st.ledger, st.final_plan.topology, layout, self.run_id, self.rewinds)
         if out["tasks"]:
             # these chunks go to the workers first; the next window is balanced in the next
             # round, off the trainers' path

@@ -27,17 +27,19 @@ import sys
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import logs
-from ..loading.losses import DataLosses
 from ..loading.partition import UnitParts
-from ..loading.signals import LoadSignals
 from ..observe import dashboard, prometheus
+from ..plan.base import resolve_url
 from ..planner.rewind import memory_source as rewind_memory_source
 from ..planner.rewind import rebuild_at
 from ..protocol import Route, load_prefix
+from ..vocab import PAD_ID
 from . import heap
 from .channels import RankChannels
 from .chunks import chunk_steps
+from .dropped import DroppedData
 from .held import HeldBatches
+from .load_signals import LoadSignals
 from .planner_thread import PlannerThread
 from .routes import Routes
 from .snapshot_loop import SnapshotLoop
@@ -59,23 +61,16 @@ class PlannerPlugin(SchedulerPlugin):
         unit_first_ids: dict[str, list[int]],
         run_id: str,
         *,
-        checkpoint_url: str | None = None,
-        storage_options: dict | None = None,
-        keep_bases: int = 2,
-        base_every_steps: int = 1000,
-        base_every_seconds: float = 600.0,
-        keep_steps: int = 0,
-        keep_hours: float | None = None,
+        pad_id: int = PAD_ID,
         restore: dict | None = None,
         restore_seq: int = -1,
     ):
         self.plan = plan  # a plan.Plan: handed over once, pickled with the plugin
         self.unit_first_ids = unit_first_ids
         self.run_id = run_id
-        self.checkpoint_url = checkpoint_url
-        self.storage_options = storage_options or {}
-        self.keep = {"keep_bases": keep_bases, "keep_steps": keep_steps, "keep_hours": keep_hours}
-        self.base_every = (base_every_steps, base_every_seconds)
+        self.pad_id = pad_id  # the tokenizer's (the service loads it): constructors pad with it
+        ck = plan.checkpoint  # snapshots: where (resolved against the plan's folder) and how
+        self.checkpoint_url = resolve_url(ck.url, plan.base_dir) if ck.url else None
         self.restore_state = restore
         self.seq = restore_seq  # last snapshot sequence number written (or restored)
         self.thread: PlannerThread | None = None
@@ -87,12 +82,13 @@ class PlannerPlugin(SchedulerPlugin):
         self.chunk_steps = chunk_steps(plan.loading, plan.topology)
         self.signals = LoadSignals()  # measured load costs and step rate, for the pool autoscaler
         self.parts = UnitParts()  # lengths of units loaded in parts, until every part arrived
-        self.losses = DataLosses()  # records dropped by prepare steps, units quarantined
+        self.dropped = DroppedData()  # records dropped by prepare steps, units quarantined
         self.held = HeldBatches(scheduler, plan.loading.shadows, plan.loading.shadow_blocks, load_prefix(self.run_id))
         self.routes = Routes(self)
         self.thread = PlannerThread(
             self.run_id,
             self.chunk_steps,
+            pad_id=self.pad_id,
             on_tasks=self.held.add,
             observe=self._observe,
             on_failure=self.fail,
@@ -105,24 +101,19 @@ class PlannerPlugin(SchedulerPlugin):
             self.run_id,
             plan.topology.dp,
             plan.topology.cp,
-            backlog=self.routes.backlog,
-            on_leave=self.routes.leave,
+            backlog=self.routes.trainers.backlog,
+            on_leave=self.routes.trainers.leave,
         )
         self._rewinding = asyncio.Lock()
         self.watch = LoopWatch(on_tick=self.thread.idle_tick)
         self._background = [planning, asyncio.create_task(self.watch.run())]
         self.snapshots_loop = None
         if self.checkpoint_url:
-            self.snapshots_loop = SnapshotLoop(
-                self.checkpoint_url,
-                self.storage_options,
-                lambda: self.thread.run(self.thread.state.get_state),
-                self.run_id,
-                **self.keep,
-                base_every_steps=self.base_every[0],
-                base_every_seconds=self.base_every[1],
-                seq=self.seq,
-            )
+
+            async def capture() -> dict:  # the planner state now (a rewind may have replaced it)
+                return await self.thread.run(self.thread.state.get_state)
+
+            self.snapshots_loop = SnapshotLoop(self.checkpoint_url, plan.checkpoint, capture, self.run_id, seq=self.seq)
             self._background.append(asyncio.create_task(self.snapshots_loop.run()))
             self.thread.hold_decisions = True
         scheduler.handlers.update(self.routes.table())
@@ -175,14 +166,14 @@ class PlannerPlugin(SchedulerPlugin):
             self.thread.state,
             self.signals,
             run_id=self.run_id,
-            scaling=self.routes.scaling,
-            snapshots=self.routes.snapshots(),
+            scaling=self.routes.service.scaling,
+            snapshots=self.routes.service.snapshots(),
             loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)},
             extra={
-                "counters": self.routes.counters(),
-                "rank_wait_share": self.routes.wait_shares(),
-                "timings": self.routes.timings.snapshot(),
-                "losses": self.losses.status(),
+                "counters": self.routes.service.counters(),
+                "rank_wait_share": self.routes.trainers.wait_shares(),
+                "timings": self.routes.trainers.timings.snapshot(),
+                "dropped": self.dropped.status(),
                 "feedback": self.thread.feedback_status(),
             },
         )
@@ -276,8 +267,8 @@ class PlannerPlugin(SchedulerPlugin):
             self.plan, self.chunk_steps = new.final_plan, cps
             release = list(self.held.tasks) + dropped
             self.held.tasks.clear()
-            self.routes.replicas.clear()
-            self.routes.first_step.clear()
+            self.routes.trainers.replicas.clear()
+            self.routes.trainers.first_step.clear()
             message = (
                 f"the run was rewound to step {step} (a training job restarted from its checkpoint); "
                 "this consumer's stream ended"
@@ -309,4 +300,4 @@ def _dispatch_lengths(scheduler, **msg) -> None:
     after its run stopped) are dropped here instead of breaking the worker's connection."""
     plugin = scheduler.plugins.get(PlannerPlugin.name)
     if isinstance(plugin, PlannerPlugin) and plugin.running:
-        plugin.routes.lengths(**msg)
+        plugin.routes.service.lengths(**msg)

@@ -20,32 +20,22 @@ logger = logging.getLogger(__name__)
 
 
 class SnapshotLoop:
-    def __init__(
-        self,
-        url: str,
-        storage_options: dict,
-        capture: Callable[[], Awaitable[dict]],
-        run_id: str,
-        *,
-        keep_bases: int,
-        base_every_steps: int,
-        base_every_seconds: float,
-        seq: int,
-        keep_steps: int = 0,
-        keep_hours: float | None = None,
-    ):
+    def __init__(self, url: str, checkpoint, capture: Callable[[], Awaitable[dict]], run_id: str, *, seq: int):
+        """Snapshots to ``url`` (the plan's ``checkpoint.url``, resolved) with the plan's
+        ``checkpoint`` settings (``plan.Checkpoint``); ``capture()`` takes the planner's state."""
         from ..snapshots import SnapshotStore, SnapshotWriter
 
+        ck = checkpoint
         self.url, self.capture, self.run_id = url, capture, run_id
-        self.store = SnapshotStore(url, storage_options)
+        self.store = SnapshotStore(url, ck.storage_options)
         self.writer = SnapshotWriter(
             self.store,
-            keep_bases=keep_bases,
-            base_every_steps=base_every_steps,
-            base_every_seconds=base_every_seconds,
+            keep_bases=ck.keep_bases,
+            base_every_steps=ck.base_every_steps,
+            base_every_seconds=ck.base_every_seconds,
             seq=seq,
-            keep_steps=keep_steps,
-            keep_hours=keep_hours,
+            keep_steps=ck.keep_steps,
+            keep_hours=ck.keep_hours,
         )
         self.error: str | None = None  # the last write failed (status shows it until one succeeds)
         self.stats: list[dict] = []

@@ -151,7 +151,7 @@ def run_demo(
     src_tokens = np.zeros(len(plan.sources))
     for r in ranks:
         np.add.at(src_tokens, r["source"], r["length"])
-    weights = np.array(list(plan.weights().values()))
+    weights = np.array(list(plan.declared_weights().values()))
     tokens = int(sum(int(r["tokens"]) for r in ranks))
     waits = np.concatenate([r["wait_s"] for r in ranks])
     # steady-state rate, over the steps from `s0` on: the service builds `prefetch_steps` steps
@@ -331,7 +331,7 @@ def cmd_preview(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from ..plan.models import Plan
+    from ..plan import Plan
 
     schema = Plan.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"

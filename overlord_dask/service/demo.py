@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from ..plan.loading import load_plan, plan_from_dict
-from ..plan.models import Plan
+from ..plan import Plan
+from ..plan.io import load_plan, plan_from_dict
 from ..sources.tokenizers import BYTE_OFFSET, EOS_ID
 
 CORPUS_VERSION = 5  # 4: books' tokens in 256k-token chunks; 5: captions' in 64k-token chunks

@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import replace
 
 from ..errors import PlanError
-from ..plan.models import Source
+from ..plan import Source
 from ..sources.units import LoadUnit
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from ..plan.models import Plan, Source
-from ..plan.timeline import PlanTimeline
+from ..plan import Plan, Source
+from ..plan.versions import PlanVersions
 from ..sources import discover_units
 from ..sources.fs import is_local
 from ..sources.units import LoadUnit
@@ -27,7 +27,7 @@ def index_sources(plan: Plan, sources: list[Source] | None = None) -> dict[str, 
         return {name: f.result() for name, f in futs.items()}
 
 
-def index_timeline(timeline: PlanTimeline) -> dict[str, list[LoadUnit]]:
+def index_timeline(timeline: PlanVersions) -> dict[str, list[LoadUnit]]:
     """Units of every source any plan version names (each source indexed once, with the plan
     version that defines it, so relative URLs resolve against that plan's folder)."""
     units: dict[str, list[LoadUnit]] = {}

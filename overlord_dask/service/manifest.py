@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from ..errors import SourceError
 from ..plan.base import resolve_url
-from ..plan.timeline import PlanTimeline
+from ..plan.versions import PlanVersions
 from ..sources.fs import source_fs
 from ..sources.integrity import region_digest, regions
 from ..sources.units import LoadUnit
@@ -25,7 +25,7 @@ def _key(u: LoadUnit) -> list:
     return [u.index, u.path, u.part, u.start, u.stop, list(u.span) if u.span is not None else None]
 
 
-def with_digests(timeline: PlanTimeline, units: dict[str, list[LoadUnit]]) -> dict[str, list[LoadUnit]]:
+def with_digests(timeline: PlanVersions, units: dict[str, list[LoadUnit]]) -> dict[str, list[LoadUnit]]:
     """``units`` with their digests, for the sources whose plan asks for integrity checks."""
     out = dict(units)
     for name, us in units.items():

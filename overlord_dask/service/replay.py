@@ -1,7 +1,7 @@
 """A run's stream planned again offline, from its plan and its recorded timeline.
 
 The stream is a pure function of the plan, its live updates and the planner's own decisions (a
-learned cost model, a mixing controller's shares: ``plan/timeline.py``), so replaying them gives
+learned cost model, a mixing controller's shares: ``planner/timeline.py``), so replaying them gives
 the same pieces in the same places, step for step. Use it to check a run (a controller's run is
 reproducible without the trainers that drove it), or to look at what a run with the same
 decisions would deliver::
@@ -15,19 +15,19 @@ be reachable from it; only their lengths are kept.
 
 from __future__ import annotations
 
-from ..plan.models import Plan
-from ..plan.timeline import PlanTimeline
+from ..plan import Plan
 from ..planner.state import PlannerState
+from ..planner.timeline import Timeline
 from ..sources import read_unit
 from . import holdout
 from .indexing import index_timeline
 
 
-def replay(plan: Plan, timeline: PlanTimeline | None = None, steps: int = 100) -> dict[int, dict]:
+def replay(plan: Plan, timeline: Timeline | None = None, steps: int = 100) -> dict[int, dict]:
     """Plan steps ``[0, steps)`` of ``plan`` with ``timeline``'s updates and decisions (default:
     none); returns ``{step: {"pieces": int64 rows, "slot": int32 [rank, micro_batch],
     "sample_ids": each piece's document id}}``."""
-    timeline = timeline or PlanTimeline(plan)
+    timeline = timeline or Timeline(plan)
     units = holdout.training(plan.seed, timeline.source, index_timeline(timeline))
     first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
     st = PlannerState(plan, first_ids, updates=timeline.updates, decisions=timeline.decisions)

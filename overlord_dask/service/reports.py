@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan.models import Plan
-from ..plan.timeline import PlanTimeline
+from ..plan import Plan
+from ..plan.versions import PlanVersions
 from ..sources import read_unit
 from .indexing import index_sources
 
@@ -53,11 +53,11 @@ def source_passes(plan: Plan, sample_units: int = 2) -> dict[str, dict]:
 def plan_report(plan: Plan, steps: int, sample_units: int = 2) -> dict:
     """Tokens and epochs per source up to ``steps``, the stage boundaries, and a curve of
     cumulative tokens per source (for a plot)."""
-    timeline = PlanTimeline(plan, [])
+    timeline = PlanVersions(plan)
     names = timeline.source_names
     budget = plan.topology.step_tokens * plan.balance.fill
     xs = np.unique(np.linspace(0, steps, min(CURVE_POINTS, steps + 1)).astype(np.int64))
-    weights = np.array([timeline.weights_at(int(s)) for s in xs])  # normalised shares at the sampled steps
+    weights = np.array([timeline.declared_weights(int(s)) for s in xs])  # normalised shares at the sampled steps
     # tokens up to each sampled step: the shares integrated step by step (trapezoids between samples)
     per_step = weights * budget
     cum = np.zeros_like(per_step)

@@ -32,14 +32,15 @@ from ..allocator import KeepFreedMemory
 from ..client import BlockingPlannerClient
 from ..errors import PlanError, ServiceError
 from ..loading.pools import plan_pools, pool_resource, pool_sizes, set_sizes
+from ..plan import Plan
 from ..plan.base import resolve_url
 from ..plan.code import changed, identities
-from ..plan.loading import plan_from_dict, plan_to_dict
-from ..plan.models import Plan
-from ..plan.timeline import Decision, PlanTimeline
-from ..planner.snapshot import decode_updates
+from ..plan.io import plan_from_dict, plan_to_dict
+from ..plan.versions import PlanVersions, decode_updates
+from ..planner.timeline import Decision, Timeline
 from ..protocol import resolve_address
 from ..scheduler.plugin import PlannerPlugin
+from ..sources.tokenizers import load_tokenizer
 from ..sources.units import LoadUnit
 from ..worker.batch_server import BatchServer
 from . import holdout
@@ -126,8 +127,8 @@ async def _detach_planner(dask_scheduler) -> None:
 
 def _snapshots(plan: Plan) -> tuple[tuple | None, dict]:
     """The snapshot to resume from (``(state, seq)``, if the plan resumes and one exists) and the
-    planner's snapshot settings. An unreachable or read-only location fails here, naming it, not
-    later in a log."""
+    planner plugin's arguments that restore it. An unreachable or read-only location fails here,
+    naming it, not later in a log."""
     ck = plan.checkpoint
     if not ck.url:
         return None, {}
@@ -137,21 +138,13 @@ def _snapshots(plan: Plan) -> tuple[tuple | None, dict]:
     store = SnapshotStore(url, ck.storage_options)
     store.check_writable()
     loaded = store.load() if ck.resume else None
-    snap = {
-        "checkpoint_url": url,
-        "storage_options": ck.storage_options,
-        "keep_bases": ck.keep_bases,
-        "keep_steps": ck.keep_steps,
-        "keep_hours": ck.keep_hours,
-        "base_every_steps": ck.base_every_steps,
-        "base_every_seconds": ck.base_every_seconds,
-    }
+    snap = {}
     if loaded is not None:
         snap["restore"], snap["restore_seq"] = loaded
     return loaded, snap
 
 
-def _check_code(plan: Plan, timeline: PlanTimeline, state: dict) -> None:
+def _check_code(plan: Plan, timeline: PlanVersions, state: dict) -> None:
     """Refuse (or, with ``checkpoint.on_code_change: accept``, log) a resume whose prepare or
     transform functions changed since the snapshot (``plan/code.py``)."""
     now = identities(timeline.source(n) for n in timeline.source_names)
@@ -220,11 +213,12 @@ class Service(ServiceViews):
             _check_main_guard()  # before anything else: the worker processes would run this script again
         loaded, snap = _snapshots(plan)
         # every plan version in the snapshot (live updates before a restart), and their sources
-        timeline = PlanTimeline(plan, decode_updates(loaded[0]) if loaded else [])
+        timeline = PlanVersions(plan, decode_updates(loaded[0].get("updates")) if loaded else [])
         if loaded:
             _check_code(plan, timeline, loaded[0])
         indexed = with_digests(timeline, index_timeline(timeline))  # loading.integrity: each unit's digest
         units = holdout.training(plan.seed, timeline.source, indexed)  # held-out units never reach the planner
+        pad_id = load_tokenizer(plan.tokenizer, plan.base_dir).pad_id  # every micro-batch is padded with it
         owned = None
         if cluster is None and address is None:
             from .deploy import local_cluster  # the embedded default deployment
@@ -244,13 +238,13 @@ class Service(ServiceViews):
                 client.register_plugin(LogSetup(**logs.settings()))
             client.register_plugin(KeepFreedMemory())
             client.register_plugin(BatchServer())
-            client.register_plugin(PlannerPlugin(plan, first_ids, run_id, **snap))
+            client.register_plugin(PlannerPlugin(plan, first_ids, run_id, pad_id=pad_id, **snap))
             registered = True
             if pooled is not None and plan.loading.autoscale.enabled:
                 from ..loading.autoscale import PoolAdaptive
 
                 adaptive = PoolAdaptive(pooled, plan_pools(plan), plan.loading.autoscale, run_id)
-            submitter = Submitter(client, timeline, run_id, units)
+            submitter = Submitter(client, timeline, run_id, units, pad_id)
             submitter.submit_eval(
                 holdout.held_out(plan.seed, timeline.source, indexed)
             )  # the evaluation batches, built once
@@ -334,14 +328,14 @@ class Service(ServiceViews):
         return self.client.scheduler.address
 
     # ---- the plan ---------------------------------------------------------------------------------
-    def timeline(self) -> PlanTimeline:
+    def timeline(self) -> Timeline:
         """Every plan version of the run, with the step each applies from, and the planner's own
         decisions (a learned cost model, a mixing controller's shares): with the plan, what a
         replay needs to deliver the identical stream (``PlannerState(plan, ..., updates=tl.updates,
         decisions=tl.decisions)``)."""
         got = self.planner.plans(decisions=True)
         plans = [(at, plan_from_dict(d, where=f"<plan version from step {at}>")) for at, d in got["versions"]]
-        return PlanTimeline(plans[0][1], plans[1:], [Decision.from_dict(d) for d in got["decisions"]])
+        return Timeline(plans[0][1], plans[1:], [Decision.from_dict(d) for d in got["decisions"]])
 
     def update_plan(self, plan: Plan, at_step: int | None = None) -> int:
         """Run ``plan`` from ``at_step`` on (default: the first step not planned yet); returns that

@@ -21,17 +21,18 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
+from dataclasses import replace
 
 from distributed import Client, Future
 
+from ..batch_layout import BatchLayout
 from ..client import BlockingPlannerClient
 from ..loading.partition import partition
 from ..loading.pools import pool_resource, uses_pools
-from ..plan.loading import plan_from_dict, plan_to_dict
-from ..plan.timeline import PlanTimeline
+from ..plan.io import plan_from_dict
+from ..plan.versions import PlanVersions
 from ..protocol import block_key, eval_key, load_key
 from ..sources import discover_units
-from ..sources.tokenizers import load_tokenizer
 from ..sources.units import LoadUnit
 from ..worker.constructors import build_chunk
 from ..worker.evaluation import build_eval
@@ -45,12 +46,15 @@ class Submitter(threading.Thread):
     """The service's thread that submits and holds the run's tasks (``timeline``: the run's plan
     versions as the service started it; later versions are fetched when the planner has them)."""
 
-    def __init__(self, client: Client, timeline: PlanTimeline, run_id: str, units: dict[str, list[LoadUnit]]):
+    def __init__(
+        self, client: Client, timeline: PlanVersions, run_id: str, units: dict[str, list[LoadUnit]], pad_id: int
+    ):
         super().__init__(name=f"overlord-submitter-{run_id}", daemon=True)
         self.client = client
         self.planner = BlockingPlannerClient(client)
         self.plan = timeline.latest
         self.run_id = run_id
+        self.pad_id = pad_id  # the tokenizer's: evaluation batches are padded with it
         self.units = dict(units)
         self._use_timeline(timeline)
         self.blocks: dict[str, Future] = {}
@@ -81,31 +85,26 @@ class Submitter(threading.Thread):
             logger.exception("could not report the failure to the consumers")
         self._stop_event.set()
 
-    def _use_timeline(self, timeline: PlanTimeline) -> None:
-        """Adopt the run's plan versions: source indices, each source's plan (as the dict its
-        load tasks carry, converted once per version), its pool, and the units of sources that
+    def _use_timeline(self, timeline: PlanVersions) -> None:
+        """Adopt the run's plan versions: source indices, each source's slice of its newest plan
+        (``plan.SourcePlan``: what its load tasks carry), its pool, and the units of sources that
         a live update added (indexed here, from file metadata)."""
+        self.timeline = timeline
         self.src_index = {name: i for i, name in enumerate(timeline.source_names)}
-        self.source_plan = {}  # source -> (cache key, plan dict) its load tasks use
+        self.source_plan = {}  # source -> its slice of the plan (its load tasks carry it)
         self.resources = {}  # source -> the worker resource its loads need (its pool), or None
-        for v, (_, p) in enumerate(timeline.versions):
-            as_dict = plan_to_dict(p)
+        for _, p in timeline.versions:
             for src in p.sources:
-                self.source_plan[src.name] = (f"{self.run_id}-v{v}", as_dict)
+                self.source_plan[src.name] = p.source_plan(src.name)
                 self.resources[src.name] = {pool_resource(src.pool_name): 1} if uses_pools(p) else None
                 if src.name not in self.units:  # a source a live update added: its training units
                     self.units[src.name] = holdout.split(p.seed, src, discover_units(src, p))[0]
         self.plan_version = len(timeline.versions) - 1
-        self.multimodal = any(
-            timeline.source(n).images_field for n in timeline.source_names
-        )  # batches carry image fields
-        self.pad_id = load_tokenizer(self.plan.tokenizer, self.plan.base_dir).pad_id  # micro-batches are padded with it
-        self.loss_masks = any(timeline.source(n).masks_loss for n in timeline.source_names)  # batches carry loss masks
 
     def _fetch_timeline(self) -> None:
         """A live update (from any client) added a plan version: learn it from the planner."""
         plans = [(at, plan_from_dict(d, where=f"<plan version from step {at}>")) for at, d in self.planner.plans()]
-        self._use_timeline(PlanTimeline(plans[0][1], plans[1:]))
+        self._use_timeline(PlanVersions(plans[0][1], plans[1:]))
 
     # ---- one round ----------------------------------------------------------------------------
     def round(self) -> None:
@@ -132,7 +131,7 @@ class Submitter(threading.Thread):
         target = self.plan.loading.task_seconds
         for task in partition(wanted, lambda s, u: self.units[s][u].n_docs, costs or {}, target):
             source = task.source
-            cache_key, plan_dict = self.source_plan[source]
+            sp = self.source_plan[source]
             # a unit asked for again (evicted between two cursors, say) may still be held under its
             # old key by a constructor that needs it: a new key makes the load run, and report, again
             self.loads += 1
@@ -144,8 +143,7 @@ class Submitter(threading.Thread):
                 futs = [
                     self.client.submit(
                         load_block,
-                        plan_dict,
-                        cache_key,
+                        sp,
                         u.to_dict(),
                         self.run_id,
                         epoch,
@@ -159,8 +157,7 @@ class Submitter(threading.Thread):
             elif len(task.units) > 1:
                 fut = self.client.submit(
                     load_group,
-                    plan_dict,
-                    cache_key,
+                    sp,
                     [self.units[source][un].to_dict() for _, un in task.units],
                     self.run_id,
                     [e for e, _ in task.units],
@@ -171,7 +168,7 @@ class Submitter(threading.Thread):
                     self.blocks[block_key(self.src_index[source], e, un)] = ("group", i, fut)
             else:
                 self.blocks[block_key(self.src_index[source], epoch, unit)] = self.client.submit(
-                    load_block, plan_dict, cache_key, u.to_dict(), self.run_id, epoch, key=key, **opts
+                    load_block, sp, u.to_dict(), self.run_id, epoch, key=key, **opts
                 )
 
     def submit_eval(self, held: dict[str, list[LoadUnit]]) -> None:
@@ -181,7 +178,7 @@ class Submitter(threading.Thread):
             return
         plan, ev = self.plan, self.plan.evaluation
         names = sorted(held, key=self.src_index.get)  # the plan's source order
-        weights = ev.weights or plan.weights_at(0)
+        weights = ev.weights or plan.declared_weights(0)
         total = sum(weights.get(n, 0.0) for n in names) or 1.0
         budgets = {
             self.src_index[n]: None if ev.tokens is None else int(ev.tokens * weights.get(n, 0.0) / total)
@@ -189,47 +186,30 @@ class Submitter(threading.Thread):
         }
         blocks = []
         for n in names:
-            cache_key, plan_dict = self.source_plan[n]
             for u in held[n]:
                 fut = self.client.submit(
                     load_block,
-                    plan_dict,
-                    cache_key,
+                    self.source_plan[n],
                     u.to_dict(),
                     key=f"overlord-evalload-{self.run_id}-{n}-{u.index}",
                     pure=False,
                 )
                 blocks.append((self.src_index[n], fut))
+        layout = replace(
+            BatchLayout.of(plan.topology, pad_id=self.pad_id, sources=self.timeline.sources()),
+            micro_batches=ev.micro_batches,
+            capacity=ev.tokens_per_micro_batch or plan.topology.tokens_per_micro_batch,
+            cp=1,
+        )
         self.eval_future = self.client.submit(
-            build_eval,
-            blocks,
-            budgets,
-            plan.topology.dp,
-            ev.micro_batches,
-            ev.tokens_per_micro_batch or plan.topology.tokens_per_micro_batch,
-            self.pad_id,
-            self.multimodal,
-            key=eval_key(self.run_id),
-            pure=False,
+            build_eval, blocks, budgets, plan.topology.dp, layout, key=eval_key(self.run_id), pure=False
         )
 
     def _submit_builds(self, tasks: list) -> None:
-        topo = self.plan.topology
+        """One constructor task per chunk task of the planner, with the layout the planner gave it."""
         for t in tasks:
             blocks = {block_key(*u): self.blocks[block_key(*u)] for u in t["units"]}
+            layout = BatchLayout.from_dict(t["layout"])
             self.batches[t["key"]] = self.client.submit(
-                build_chunk,
-                t["steps"],
-                t["ranks"][0],
-                t["ranks"][1],
-                t["micro_batches"],
-                blocks,
-                topo.tokens_per_micro_batch,
-                topo.cp,
-                topo.cp_split_tokens,
-                self.multimodal,
-                self.pad_id,
-                self.loss_masks,
-                key=t["key"],
-                pure=False,
+                build_chunk, t["steps"], tuple(t["ranks"]), layout, blocks, key=t["key"], pure=False
             )

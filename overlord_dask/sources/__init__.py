@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SourceError
+from ..plan import Source, SourcePlan
 from ..plan.base import import_callable
-from ..plan.models import Plan, Source
 from . import integrity
 from .blocks import SampleBlock
 from .formats import UNKNOWN_BASE, Format, get_format
@@ -21,7 +21,7 @@ from .tokenizers import image_token_id, load_tokenizer
 from .units import LoadUnit
 
 
-def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
+def discover_units(source: Source, plan: SourcePlan) -> list[LoadUnit]:
     """All load units of a source in canonical order; raises SourceError naming the culprit."""
     fmt = get_format(source.format)
     try:
@@ -45,7 +45,7 @@ def discover_units(source: Source, plan: Plan) -> list[LoadUnit]:
     return units
 
 
-def check_text(source: Source, plan: Plan) -> None:
+def check_text(source: Source, plan: SourcePlan) -> None:
     """What a text, chat or multimodal source needs of its tokenizer, checked where the plan is
     loaded (a ValueError naming the source, the tokenizer and the plan field that fixes it)."""
     if source.text_field or source.messages_field:
@@ -64,20 +64,20 @@ def check_text(source: Source, plan: Plan) -> None:
 
 
 @dataclass(slots=True)
-class Loaded:
+class LoadedUnit:
     """A loaded unit: its block, and how many of its records the source's prepare steps dropped."""
 
     block: SampleBlock
     dropped: int = 0
 
 
-def read_unit(source: Source, plan: Plan, unit: LoadUnit) -> Loaded:
+def read_unit(source: Source, plan: SourcePlan, unit: LoadUnit) -> LoadedUnit:
     """Read one unit, prepare and tokenize its records, apply the source's transform. Runs inside
     a Dask task on a worker."""
     fmt = get_format(source.format)
     integrity.check(source, plan, unit)  # a unit indexed with a digest: its bytes must be those
     out = fmt.read(source, plan, unit)
-    loaded = Loaded(*to_block(source, plan, unit, out)) if fmt.records else Loaded(out)
+    loaded = LoadedUnit(*to_block(source, plan, unit, out)) if fmt.records else LoadedUnit(out)
     if not isinstance(loaded.block, SampleBlock):
         raise SourceError(
             f"format {source.format!r} read {unit.describe()} as {type(out).__name__}, expected a SampleBlock"
@@ -105,12 +105,12 @@ def read_unit(source: Source, plan: Plan, unit: LoadUnit) -> Loaded:
     return loaded
 
 
-def load_unit(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
+def load_unit(source: Source, plan: SourcePlan, unit: LoadUnit) -> SampleBlock:
     """The block of one unit (``read_unit`` without the count of dropped records)."""
     return read_unit(source, plan, unit).block
 
 
-def layout_warnings(source: Source, plan: Plan) -> list[str]:
+def layout_warnings(source: Source, plan: SourcePlan) -> list[str]:
     """The format's advice on the source's files (``overlord validate``)."""
     return get_format(source.format).warnings(source, plan)
 
@@ -119,7 +119,7 @@ __all__ = [
     "UNKNOWN_BASE",
     "Format",
     "LoadUnit",
-    "Loaded",
+    "LoadedUnit",
     "SampleBlock",
     "discover_units",
     "layout_warnings",

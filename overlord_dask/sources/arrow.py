@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from ..errors import SourceError
-from ..plan.models import Plan, Source
+from ..plan import Source, SourcePlan
 from .formats import UNKNOWN_BASE, Format
 from .fs import is_local, list_files, source_fs
 from .records import check_schema
@@ -44,7 +44,7 @@ class ArrowFormat(Format):
     name = "arrow"
     suffixes = (".arrow", ".arrows", ".ipc", ".feather")
 
-    def _files(self, source: Source, plan: Plan) -> tuple[object, list[str]]:
+    def _files(self, source: Source, plan: SourcePlan) -> tuple[object, list[str]]:
         fs, path = source_fs(source, plan.base_dir)
         if fs.isdir(path):
             if fs.exists(f"{path}/dataset_dict.json"):
@@ -70,7 +70,7 @@ class ArrowFormat(Format):
                 return fs, files
         return list_files(source, plan.base_dir, self.suffixes)
 
-    def discover(self, source: Source, plan: Plan) -> list[LoadUnit]:
+    def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         fs, files = self._files(source, plan)
         if not is_local(source, plan.base_dir):
             if not source.prepare:
@@ -91,7 +91,7 @@ class ArrowFormat(Format):
             first_id += rows
         return units
 
-    def read(self, source: Source, plan: Plan, unit: LoadUnit) -> pa.Table:
+    def read(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> pa.Table:
         cols = self.columns(source)
         try:
             if unit.stop < 0:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from dask.sizeof import sizeof
 
-from .. import runs
+from .. import masked_runs
 
 TOKEN_DTYPE = np.int32
 NARROW_TOKEN_DTYPE = np.uint16
@@ -167,7 +167,7 @@ class SampleBlock:
         own positions. None when every token is trained."""
         if self.loss_mask is None or self.loss_mask.all():
             return None
-        return runs.encode(self.loss_mask, self.offsets)
+        return masked_runs.encode(self.loss_mask, self.offsets)
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets).astype(np.int64)

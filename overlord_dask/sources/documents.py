@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from .chat import ChatError, check_messages, encode_rendered, trained_spans
-from .tokenizers import ByteTokenizer, Loaded, TokenizerError, flatten
+from .tokenizers import ByteTokenizer, LoadedTokenizer, TokenizerError, flatten
 
 
 class Bad(dict):
@@ -25,7 +25,7 @@ class Bad(dict):
 
 
 def chat_documents(
-    source, loaded: Loaded, base_dir, column: pa.Array, bad: Bad
+    source, loaded: LoadedTokenizer, base_dir, column: pa.Array, bad: Bad
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every conversation of ``column`` rendered, tokenized and masked; a bad one is empty."""
     template = loaded.template(base_dir, source.name)
@@ -83,7 +83,7 @@ def token_documents(source, table: pa.Table, list_parts) -> tuple[np.ndarray, np
     return tokens, offsets, (vals != 0).astype(np.uint8)
 
 
-def placeholder_pattern(loaded: Loaded, source: str) -> np.ndarray:
+def placeholder_pattern(loaded: LoadedTokenizer, source: str) -> np.ndarray:
     """The ids an image placeholder string encodes to: its own token, or (byte tokenizer) its bytes."""
     tid = loaded.tok.token_id(loaded.spec.image_token)
     if tid is not None and not isinstance(loaded.tok, ByteTokenizer):

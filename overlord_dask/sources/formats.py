@@ -17,6 +17,9 @@ A format is a class with two methods, run in two places:
   pure function of the files (the same unit, the same documents, on any worker, at any time),
   and raise ``SourceError`` naming the unit and what is wrong.
 
+``plan`` is the source's slice of the plan (``plan.SourcePlan``: its folder, loading settings,
+tokenizer, the run's name and seed), what a load task carries instead of the whole plan.
+
 Sample ids are source-wide and stable: document ``k`` of a unit has id ``unit.first_id + k``.
 A format that cannot count a unit's documents from metadata gives the unit ``stop = -1`` and a
 ``first_id`` with room for any count (``UNKNOWN_BASE``): the planner learns the count when the
@@ -33,9 +36,9 @@ import functools
 from abc import ABC, abstractmethod
 
 from ..errors import SourceError
+from ..plan import Source, SourcePlan
 from ..plan import formats as names
 from ..plan.base import import_callable
-from ..plan.models import Plan, Source
 from .records import fields
 from .units import LoadUnit
 
@@ -54,19 +57,19 @@ class Format(ABC):
     def check(self, source: Source) -> None:
         """Raise ValueError if ``source`` names fields this format cannot read."""
 
-    def warnings(self, source: Source, plan: Plan) -> list[str]:
+    def warnings(self, source: Source, plan: SourcePlan) -> list[str]:
         """Advice on the source's layout for ``overlord validate`` (files that make loading slow)."""
         return []
 
     @abstractmethod
-    def discover(self, source: Source, plan: Plan) -> list[LoadUnit]:
+    def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         """The source's load units, from metadata only, in a deterministic order."""
 
     @abstractmethod
-    def read(self, source: Source, plan: Plan, unit: LoadUnit):
+    def read(self, source: Source, plan: SourcePlan, unit: LoadUnit):
         """The unit's documents: a ``pyarrow.Table`` of records, or a ``SampleBlock``."""
 
-    def regions(self, source: Source, plan: Plan, unit: LoadUnit) -> list[tuple[str, int, int | None]]:
+    def regions(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> list[tuple[str, int, int | None]]:
         """The byte ranges ``(path, start, stop or None: to the end)`` a unit is read from, which
         its integrity digest covers (``integrity.py``); by default its whole file (or folder)."""
         return [(unit.path, 0, None)]

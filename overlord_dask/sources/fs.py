@@ -8,8 +8,8 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from ..errors import SourceError
+from ..plan import Source
 from ..plan.base import resolve_url
-from ..plan.models import Source
 
 _GLOB_CHARS = "*?["
 _BRACE = re.compile(r"\{([^{}]*)\}")

@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.json as pj
 
 from ..errors import SourceError
-from ..plan.models import Plan, Source
+from ..plan import Source, SourcePlan
 from .compression import compression, decompressed, zstd_frames
 from .formats import UNKNOWN_BASE, Format
 from .fs import list_files, source_fs
@@ -60,7 +60,7 @@ class JsonlFormat(Format):
     suffixes = SUFFIXES
 
     # ---- indexing ---------------------------------------------------------------------------------------
-    def discover(self, source: Source, plan: Plan) -> list[LoadUnit]:
+    def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         fs, files = list_files(source, plan.base_dir, self.suffixes)
         step = plan.loading.unit_bytes
         cuts: list[tuple[str, int, int, tuple]] = []  # (path, doc start, doc stop or -1, span)
@@ -77,7 +77,7 @@ class JsonlFormat(Format):
         ]
 
     # ---- loading ------------------------------------------------------------------------------------------
-    def read(self, source: Source, plan: Plan, unit: LoadUnit) -> pa.Table:
+    def read(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> pa.Table:
         fs, _ = source_fs(source, plan.base_dir)
         kind = compression(unit.path)
         try:

@@ -22,7 +22,7 @@ import struct
 import numpy as np
 
 from ..errors import SourceError
-from ..plan.models import Plan, Source
+from ..plan import Source, SourcePlan
 from .blocks import SampleBlock, check_tokens
 from .formats import Format
 from .fs import is_local, list_files, source_fs
@@ -76,7 +76,7 @@ class Index:
         return self._read(HEADER + 12 * self.n_seqs, "<i8", a, b)
 
 
-def _pairs(source: Source, plan: Plan) -> tuple[object, list[str]]:
+def _pairs(source: Source, plan: SourcePlan) -> tuple[object, list[str]]:
     """The dataset prefixes (path without ``.bin``/``.idx``) of a source."""
     fs, path = source_fs(source, plan.base_dir)
     for ext in (".bin", ".idx"):
@@ -103,7 +103,7 @@ class MegatronFormat(Format):
         if source.images_field:
             raise ValueError("megatron sources hold token ids only; images_field is not supported")
 
-    def discover(self, source: Source, plan: Plan) -> list[LoadUnit]:
+    def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         fs, prefixes = _pairs(source, plan)
         local = is_local(source, plan.base_dir)
         units, first_id, step = [], 0, plan.loading.unit_tokens
@@ -120,7 +120,7 @@ class MegatronFormat(Format):
             first_id += n_docs
         return units
 
-    def read(self, source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
+    def read(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> SampleBlock:
         fs, _ = source_fs(source, plan.base_dir)
         prefix = unit.path[:-4]
         idx = Index(fs, prefix + ".idx", is_local(source, plan.base_dir))

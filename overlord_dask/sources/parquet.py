@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import SourceError
-from ..plan.models import Plan, Source
+from ..plan import Source, SourcePlan
 from .formats import Format
 from .fs import is_local, list_files, source_fs
 from .records import check_schema
@@ -43,7 +43,7 @@ class ParquetFormat(Format):
     name = "parquet"
     suffixes = (".parquet",)
 
-    def discover(self, source: Source, plan: Plan) -> list[LoadUnit]:
+    def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         """Units from the files' footers only (no data pages); the order is the sorted file order
         whatever the timing. On remote storage the footers are read in parallel (each is a
         request); on a local disk one after the other: a footer there is a little CPU, and threads
@@ -67,7 +67,7 @@ class ParquetFormat(Format):
                 first_id += rows
         return units
 
-    def regions(self, source: Source, plan: Plan, unit: LoadUnit) -> list[tuple[str, int, int | None]]:
+    def regions(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> list[tuple[str, int, int | None]]:
         """The unit's row group: from its first column chunk's first page to its last chunk's end."""
         fs, _ = source_fs(source, plan.base_dir)
         rg = _open(fs, unit.path, source).metadata.row_group(unit.part)
@@ -83,7 +83,7 @@ class ParquetFormat(Format):
             hi = max(hi, start + col.total_compressed_size)
         return [(unit.path, int(lo or 0), int(hi))]
 
-    def read(self, source: Source, plan: Plan, unit: LoadUnit) -> pa.Table:
+    def read(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> pa.Table:
         fs, _ = source_fs(source, plan.base_dir)
         pf = _open(fs, unit.path, source)
         if not source.prepare:

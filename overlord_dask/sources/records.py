@@ -15,8 +15,8 @@ import pyarrow.compute as pc
 
 from ..errors import SourceError
 from ..logs import event
+from ..plan import Source, SourcePlan
 from ..plan.base import import_callable
-from ..plan.models import Plan, Source
 from .blocks import SampleBlock, check_tokens
 from .documents import Bad, chat_documents, emptied, placeholder_pattern, take_placeholders, token_documents
 from .images import decode_images, processor_of, with_image_tokens
@@ -86,7 +86,7 @@ def check_schema(source: Source, where: str, schema: pa.Schema) -> None:
         )
 
 
-def to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tuple[SampleBlock, int]:
+def to_block(source: Source, plan: SourcePlan, unit: LoadUnit, table: pa.Table) -> tuple[SampleBlock, int]:
     """The unit's block from its records (``table``, in file order), and how many records its
     prepare steps dropped or were dropped as bad (``on_bad_record: drop``)."""
     try:
@@ -95,7 +95,7 @@ def to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tup
         raise SourceError(f"source {source.name!r}: {err}") from None
 
 
-def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tuple[SampleBlock, int]:
+def _to_block(source: Source, plan: SourcePlan, unit: LoadUnit, table: pa.Table) -> tuple[SampleBlock, int]:
     n = table.num_rows
     kept = np.arange(n)
     if source.prepare:
@@ -179,7 +179,7 @@ def _to_block(source: Source, plan: Plan, unit: LoadUnit, table: pa.Table) -> tu
     ), dropped
 
 
-def _bad_records(source: Source, plan: Plan, unit: LoadUnit, bad: Bad, kept, ids) -> None:
+def _bad_records(source: Source, plan: SourcePlan, unit: LoadUnit, bad: Bad, kept, ids) -> None:
     """Stop at the first bad record (``on_bad_record: error``), naming it; else log them."""
     row = min(bad)
     what = f"{unit.describe()}: record {unit.start + int(kept[row])} (sample id {int(ids[kept[row]])}): {bad[row]}"

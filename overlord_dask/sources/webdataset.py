@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SourceError
-from ..plan.models import Plan, Source
+from ..plan import Source, SourcePlan
 from .formats import UNKNOWN_BASE, Format
 from .fs import list_files, source_fs
 from .units import LoadUnit
@@ -74,11 +74,11 @@ class WebDatasetFormat(Format):
         if source.images_field and not source.images_exts:
             raise ValueError(f"images_field {source.images_field!r} lists no image extensions (e.g. 'jpg,png')")
 
-    def discover(self, source: Source, plan: Plan) -> list[LoadUnit]:
+    def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         _, files = list_files(source, plan.base_dir, self.suffixes)
         return [LoadUnit(source.name, i, path, -1, 0, -1, i * UNKNOWN_BASE) for i, path in enumerate(files)]
 
-    def read(self, source: Source, plan: Plan, unit: LoadUnit) -> pa.Table:
+    def read(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> pa.Table:
         fs, _ = source_fs(source, plan.base_dir)
         field = source.text_field or source.tokens_field or source.messages_field
         image_exts = source.images_exts

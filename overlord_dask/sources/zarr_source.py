@@ -18,7 +18,7 @@ import numpy as np
 import zarr
 
 from ..errors import SourceError
-from ..plan.models import Plan, Source
+from ..plan import Source, SourcePlan
 from .blocks import SampleBlock, check_tokens
 from .formats import Format
 from .fs import source_fs, source_url
@@ -27,7 +27,7 @@ from .tokenizers import image_token_id
 from .units import LoadUnit
 
 
-def _open_group(source: Source, plan: Plan):
+def _open_group(source: Source, plan: SourcePlan):
     fs, path = source_fs(source, plan.base_dir)
     url = source_url(source, plan.base_dir)
     if not fs.exists(path):
@@ -56,7 +56,7 @@ _GROUPS_MAX = 32
 _GROUPS_LOCK = threading.Lock()
 
 
-def _loading_group(source: Source, plan: Plan):
+def _loading_group(source: Source, plan: SourcePlan):
     """The source's group, opened once per plan object in this process (a worker's loads of one
     run version share the plan object: ``loaders._plan``). Opening reads the group's and the
     arrays' metadata (a few object-store requests on S3), for every unit otherwise. Chunks are
@@ -79,17 +79,17 @@ class ZarrFormat(Format):
     name = "zarr"
     records = False
 
-    def discover(self, source: Source, plan: Plan) -> list[LoadUnit]:
+    def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         return _discover(source, plan)
 
-    def read(self, source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
+    def read(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> SampleBlock:
         return _load(source, plan, unit)
 
-    def warnings(self, source: Source, plan: Plan) -> list[str]:
+    def warnings(self, source: Source, plan: SourcePlan) -> list[str]:
         return layout_warnings(source, plan)
 
 
-def _discover(source: Source, plan: Plan) -> list[LoadUnit]:
+def _discover(source: Source, plan: SourcePlan) -> list[LoadUnit]:
     group, path = _open_group(source, plan)
     tokens, offsets_arr = group[source.token_array], group[source.offsets_field]
     if not np.issubdtype(tokens.dtype, np.integer):
@@ -116,7 +116,7 @@ def _discover(source: Source, plan: Plan) -> list[LoadUnit]:
     return units
 
 
-def layout_warnings(source: Source, plan: Plan) -> list[str]:
+def layout_warnings(source: Source, plan: SourcePlan) -> list[str]:
     """Advice on the group's layout (``overlord validate``): token chunks larger than the plan's
     units make every load decompress a whole chunk to keep part of it."""
     group, _ = _open_group(source, plan)
@@ -156,7 +156,7 @@ def _check_images(source: Source, group, n_docs: int) -> None:
         )
 
 
-def _load(source: Source, plan: Plan, unit: LoadUnit) -> SampleBlock:
+def _load(source: Source, plan: SourcePlan, unit: LoadUnit) -> SampleBlock:
     group, _ = _loading_group(source, plan)
     try:
         offsets = np.asarray(group[source.offsets_field][unit.start : unit.stop + 1], dtype=np.int64)

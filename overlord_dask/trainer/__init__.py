@@ -4,13 +4,15 @@ Data flow: one ``connection.ProcessIO`` per process (an IO thread, a connection 
 workers, one channel per run to the scheduler) --> per rank a ``prefetch.RankIO`` on that thread
 (descriptors in, batches fetched from the workers and decoded, acks out) --> a
 ``handover.HandOver`` bounded in steps and bytes --> ``stream.RankStream`` on the trainer's
-thread (``next_batch``, ``state_dict``) --> ``dataset.OverlordDataset`` (torch).
+thread (``next_batch``, ``state_dict``) --> ``dataset.OverlordDataset`` (torch). How a stream
+fetches and shapes batches is one ``options.StreamOptions``, passed down through every layer;
+``reporting`` sends the trainer's step times and metrics back to the planner.
 
 Imports nothing of the planner, the scheduler side, the workers or the service: a trainer node
 needs numpy, Dask's comms and torch, not pyarrow, zarr or numba.
 """
 
-_LAZY = {"RankStream": ".stream", "connect": ".stream", "OverlordDataset": ".dataset"}
+_LAZY = {"RankStream": ".stream", "connect": ".stream", "OverlordDataset": ".dataset", "StreamOptions": ".options"}
 __all__ = sorted(_LAZY)
 
 

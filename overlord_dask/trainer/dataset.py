@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch.utils.data import IterableDataset
 
+from .options import StreamOptions
 from .place import place
 from .stream import RankStream
 
@@ -26,12 +27,15 @@ class OverlordDataset(IterableDataset):
 
     ``labels`` (``"shifted"``, or ``"hf"`` for models that shift them themselves),
     ``loss_mask`` and ``batch_dim`` (``[1, C]`` tensors) choose what the model receives
-    (``trainer/batches.py``). Use with ``DataLoader(ds, batch_size=None, num_workers=0)``:
-    batches are already built by the service and fetched ahead in the background, so
-    DataLoader workers would only split (and break) the ordered stream. ``pin_memory=True``
-    pins them for CUDA trainers. ``state_dict()`` / ``load_state_dict()`` follow torchdata's
-    ``StatefulDataLoader`` and DCP's ``Stateful``. ``split="eval"`` iterates the rank's share of
-    the evaluation stream (the plan's held-out units): finite, the same at every pass.
+    (``trainer/batches.py``); these and the other options of the stream (``timeout``,
+    ``prefetch_steps``, ``prefetch_bytes``, ``pin_memory``, ``reconnect_timeout``) are the fields
+    of :class:`~overlord_dask.trainer.options.StreamOptions`, given as keyword arguments or as
+    ``options=``. Use with ``DataLoader(ds, batch_size=None, num_workers=0)``: batches are
+    already built by the service and fetched ahead in the background, so DataLoader workers
+    would only split (and break) the ordered stream. ``pin_memory=True`` pins them for CUDA
+    trainers. ``state_dict()`` / ``load_state_dict()`` follow torchdata's ``StatefulDataLoader``
+    and DCP's ``Stateful``. ``split="eval"`` iterates the rank's share of the evaluation stream
+    (the plan's held-out units): finite, the same at every pass.
     """
 
     def __init__(
@@ -45,35 +49,14 @@ class OverlordDataset(IterableDataset):
         cp_dim: str = "cp",
         cp_rank: int | None = None,
         replica: int | None = None,
-        labels: str = "shifted",
-        loss_mask: bool | None = None,
-        batch_dim: bool = False,
-        timeout: float = 600.0,
-        prefetch_steps: int | None = None,
-        prefetch_bytes: int = 1 << 30,
-        pin_memory: bool = False,
-        reconnect_timeout: float = 120.0,
         split: str = "train",
+        options: StreamOptions | None = None,
+        **option_kwargs,
     ):
         super().__init__()
         p = place(rank, dp, cp_rank=cp_rank, replica=replica, device_mesh=device_mesh, dp_dims=dp_dims, cp_dim=cp_dim)
-        self.address, self.rank, self.dp, self.cp_rank, self.replica, self.timeout = (
-            address,
-            p.rank,
-            p.dp,
-            p.cp_rank,
-            p.replica,
-            timeout,
-        )
-        self.options = {
-            "prefetch_steps": prefetch_steps,
-            "prefetch_bytes": prefetch_bytes,
-            "pin_memory": pin_memory,
-            "reconnect_timeout": reconnect_timeout,
-            "labels": labels,
-            "loss_mask": loss_mask,
-            "batch_dim": batch_dim,
-        }
+        self.address, self.rank, self.dp, self.cp_rank, self.replica = address, p.rank, p.dp, p.cp_rank, p.replica
+        self.options = StreamOptions.make(options, **option_kwargs, as_torch=True)
         self._stream: RankStream | None = None
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -91,30 +74,14 @@ class OverlordDataset(IterableDataset):
         if self.split == "eval":  # not the training stream: the rank's training consumer stays attached
             from .evaluation import EvalStream
 
-            return iter(
-                EvalStream(
-                    self.address,
-                    self.rank,
-                    self.dp,
-                    timeout=self.timeout,
-                    as_torch=True,
-                    **{k: self.options[k] for k in ("labels", "loss_mask", "batch_dim")},
-                )
-            )
+            return iter(EvalStream(self.address, self.rank, self.dp, options=self.options))
         return iter(self.stream)
 
     @property
     def stream(self) -> RankStream:
         if self._stream is None:
             self._stream = RankStream(
-                self.address,
-                self.rank,
-                self.dp,
-                cp_rank=self.cp_rank,
-                replica=self.replica,
-                timeout=self.timeout,
-                as_torch=True,
-                **self.options,
+                self.address, self.rank, self.dp, cp_rank=self.cp_rank, replica=self.replica, options=self.options
             )
         return self._stream
 
@@ -135,7 +102,7 @@ class OverlordDataset(IterableDataset):
         self.stream.step_done(seconds)
 
     def loss_by_source(self, batch: dict, token_losses) -> dict:
-        """Per source ``(sum of token losses, tokens)`` of a micro-batch (``trainer/feedback.py``)."""
+        """Per source ``(sum of token losses, tokens)`` of a micro-batch (``trainer/reporting.py``)."""
         return self.stream.loss_by_source(batch, token_losses)
 
     def close(self) -> None:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 from ..errors import RankError, ServiceError
 from ..protocol import resolve_address
-from ..wire import DTYPES, decode_batch
 from . import batches
-from .batches import shape
 from .connection import ProcessIO
 from .fetch import fetch_batches
-from .tensors import TORCH_DTYPES, to_torch
+from .options import StreamOptions
+from .tensors import for_trainer
 
 FETCH_STEPS = 8  # evaluation steps asked for per fetch
 
@@ -26,8 +26,8 @@ FETCH_STEPS = 8  # evaluation steps asked for per fetch
 class EvalStream:
     """Rank ``rank``'s evaluation micro-batches (numpy, or torch with ``as_torch``), iterated as
     often as wanted. It does not attach to the training stream: a training stream and an
-    evaluation stream of the same rank live side by side. ``labels``, ``loss_mask`` and
-    ``batch_dim`` as for :class:`~overlord_dask.trainer.stream.RankStream`."""
+    evaluation stream of the same rank live side by side. Options (``timeout``, ``as_torch``,
+    ``labels``, ``loss_mask``, ``batch_dim``) as for :class:`~overlord_dask.trainer.stream.RankStream`."""
 
     def __init__(
         self,
@@ -35,22 +35,22 @@ class EvalStream:
         rank: int,
         dp: int | None = None,
         *,
-        timeout: float = 600.0,
-        as_torch: bool = False,
-        labels: str = "shifted",
-        loss_mask: bool | None = None,
-        batch_dim: bool = False,
+        options: StreamOptions | None = None,
+        **option_kwargs,
     ):
         self.io = ProcessIO.get()
         self.address = resolve_address(address)
-        self.rank, self.timeout, self.as_torch = int(rank), timeout, as_torch
-        info = self.io.service_info(self.address, timeout)
+        self.rank, self.options = int(rank), StreamOptions.make(options, **option_kwargs)
+        info = self.io.service_info(self.address, self.timeout)
         if dp is not None and dp != info["dp"]:
             raise RankError(f"consumer asked for dp={dp}, but the service at {self.address} runs dp={info['dp']}")
         if not 0 <= self.rank < info["dp"]:
             raise RankError(f"rank {self.rank} does not exist: the service at {self.address} runs dp={info['dp']}")
-        batches.check_options(labels, info.get("cp", 1))
-        self.batch_options = {"labels": labels, "loss_mask": loss_mask, "batch_dim": batch_dim}
+        batches.check_options(self.options.labels, info.get("cp", 1))
+
+    @property
+    def timeout(self) -> float:
+        return self.options.timeout
 
     def steps(self) -> Iterator[dict]:
         return eval_steps(self)
@@ -95,10 +95,7 @@ def eval_steps(stream) -> Iterator[dict]:
             total = b["eval_steps"]
             if step >= total:
                 return
-            b = shape(decode_batch(b, TORCH_DTYPES if stream.as_torch else DTYPES), **stream.batch_options)
-            if stream.as_torch:
-                b = {**b, "micro_batches": [to_torch(mb) for mb in b["micro_batches"]]}
-            yield b
+            yield for_trainer(b, replace(stream.options, pin_memory=False))
             step += 1
 
 

@@ -15,13 +15,13 @@ import time
 from distributed.comm import CommClosedError
 
 from ..errors import ServiceError
-from ..protocol import resolve_address
-from ..wire import DTYPES, decode_batch, nbytes
-from .batches import shape
+from ..wire import nbytes
 from .connection import ProcessIO
 from .fetch import fetch_batches
 from .handover import HandOver
-from .tensors import TORCH_DTYPES, to_torch
+from .options import StreamOptions
+from .reconnect import find_service
+from .tensors import for_trainer
 
 
 class RankIO:
@@ -35,35 +35,22 @@ class RankIO:
         where: str,
         address: str,
         info: dict,
-        rank: int,
-        cp_rank: int | None,
-        replica: int,
+        consumer: tuple[int, int | None, int],
         generation: int,
         first_step: int,
-        timeout: float,
-        reconnect_timeout: float,
-        as_torch: bool,
-        pin_memory: bool,
-        batch_options: dict | None = None,
-        channel_group: str = "",
+        options: StreamOptions,
     ):
-        self.io, self.hand = io, hand
+        self.io, self.hand, self.options = io, hand, options
         self.where, self.address, self.planner = where, address, io.planner(address)
-        self.info, self.rank, self.cp_rank, self.replica, self.generation = info, rank, cp_rank, replica, generation
-        self.timeout, self.reconnect_timeout, self.as_torch, self.pin_memory = (
-            timeout,
-            reconnect_timeout,
-            as_torch,
-            pin_memory,
-        )
-        self.batch_options = batch_options or {}  # batches.shape: label convention, loss mask, layout
+        self.info, self.generation = info, generation
+        self.rank, self.cp_rank, self.replica = consumer  # (rank, cp rank or None, replica)
         self.closed = False
         self._descs: dict[int, dict] = {}  # step -> descriptor naming it
         self._fetch_next = first_step
         self._max_seen = first_step - 1  # highest step named by a descriptor (planned, so ackable)
         self._acked_sent = first_step - 1
         self._durable_sent = first_step - 1
-        self.channel_group, self.channel = channel_group, io.channel(address, info["run_id"], group=channel_group)
+        self.channel = io.channel(address, info["run_id"], group=options.channel_group)
         self.tasks = io.run(self._start(), timeout=30)
 
     async def _start(self):
@@ -82,18 +69,14 @@ class RankIO:
     def consumer(self) -> tuple[int, int, int]:
         return self.rank, self.cp_rank or 0, self.replica
 
+    def _ident(self) -> dict:
+        """Who this is in a channel message: the consumer and its attachment's generation."""
+        return {"rank": self.rank, "cp_rank": self.cp_rank or 0, "replica": self.replica, "generation": self.generation}
+
     def _subscribe(self) -> None:
         """Receive this consumer's messages on ``self.channel`` (as this generation)."""
         self.channel.streams.setdefault(self.consumer, {})[self.generation] = self
-        self.channel.send(
-            {
-                "op": "subscribe",
-                "rank": self.rank,
-                "cp_rank": self.cp_rank or 0,
-                "replica": self.replica,
-                "generation": self.generation,
-            }
-        )
+        self.channel.send({"op": "subscribe", **self._ident()})
 
     def wake(self, room: bool, ack: bool) -> None:
         """The trainer took steps (``room``) or finished a chunk (``ack``)."""
@@ -120,27 +103,18 @@ class RankIO:
                 desc = self._descs[self._fetch_next]
                 steps = [s for s in desc["steps"] if s >= self._fetch_next][:room]
                 try:
+                    where = {"abort": self._disconnected, "address": self.address, "timeout": self.options.timeout}
                     batches = await fetch_batches(
-                        self.io,
-                        self.planner,
-                        desc,
-                        steps,
-                        rank=self.rank,
-                        cp_rank=self.cp_rank,
-                        timeout=self.timeout,
-                        abort=self._disconnected,
-                        address=self.address,
+                        self.io, self.planner, desc, steps, rank=self.rank, cp_rank=self.cp_rank, **where
                     )
                 except (OSError, CommClosedError):
-                    if self.reconnect_timeout <= 0:
+                    if self.options.reconnect_timeout <= 0:
                         raise
                     await asyncio.sleep(0.1)  # the service is away: the channel notices and reconnects
                     await self.connected.wait()
                     continue
                 for s, b in zip(steps, batches):
-                    b = shape(decode_batch(b, TORCH_DTYPES if self.as_torch else DTYPES), **self.batch_options)
-                    if self.as_torch:
-                        b = {**b, "micro_batches": [to_torch(mb, self.pin_memory) for mb in b["micro_batches"]]}
+                    b = for_trainer(b, self.options)
                     h.put(s, b, nbytes(b))
                     self._descs.pop(s, None)
                 self._fetch_next = steps[-1] + 1
@@ -155,10 +129,9 @@ class RankIO:
             return  # meant for an earlier consumer of this rank in this process
         if msg["op"] == "worker_lost":
             self.io.lost(msg["address"]).set()
-        elif msg["op"] == "error" and msg.get("resumable") and self.reconnect_timeout > 0:
-            self.lost(
-                f"{msg['message']}; it resumes from its snapshots when it is started again"
-            )  # a restart (or a resubmitted job) is awaited
+        elif msg["op"] == "error" and msg.get("resumable") and self.options.reconnect_timeout > 0:
+            # a restart (or a resubmitted job) is awaited
+            self.lost(f"{msg['message']}; it resumes from its snapshots when it is started again")
         elif msg["op"] == "error":
             self.hand.fail(f"the overlord service failed: {msg['message']}")
         elif msg["op"] == "descriptors":
@@ -204,19 +177,12 @@ class RankIO:
                 durable = self.info.get("commit", "ack") == "ack"
             if step <= self._acked_sent and not (durable and step > self._durable_sent):
                 return
-            msg = {
-                "rank": self.rank,
-                "step": step,
-                "cp_rank": self.cp_rank or 0,
-                "replica": self.replica,
-                "generation": self.generation,
-                "durable": durable,
-                "wait_s": round(h.wait_total, 4),
-                "since_s": round(time.perf_counter() - h.t_created, 4),
-            }
+            since = time.perf_counter() - h.t_created
+            msg = {**self._ident(), "step": step, "durable": durable, "wait_s": round(h.wait_total, 4)}
+            msg["since_s"] = round(since, 4)
             if wait:
                 if not self.connected.is_set():  # commit() or state_dict() while the service restarts
-                    await asyncio.wait_for(self.connected.wait(), self.reconnect_timeout + 10)
+                    await asyncio.wait_for(self.connected.wait(), self.options.reconnect_timeout + 10)
                     msg["step"] = step = min(h.consumed, self._max_seen)
                     msg["generation"] = self.generation
                 resp = await self.planner.ack(**msg)
@@ -233,7 +199,7 @@ class RankIO:
         """The channel to the scheduler broke: reconnect (in the background), or fail."""
         if self.closed or self.hand.error is not None:  # closed, or already told why (the run stopped, say)
             return
-        if self.reconnect_timeout <= 0:
+        if self.options.reconnect_timeout <= 0:
             self.hand.fail(f"rank {self.rank}: {why}")
         elif self._reconnecting is None or self._reconnecting.done():
             self.connected.clear()
@@ -244,40 +210,16 @@ class RankIO:
         """Find the service again at the same address or the one its scheduler file names now
         (restarted from its snapshot), attach, subscribe on a new channel and go on from this
         trainer's position."""
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.2
-        while not self.closed:
-            try:  # each try bounded: connecting to a dead address otherwise retries for Dask's 30 s
-                address = resolve_address(self.where)
-                if address != self.address:  # restarted elsewhere: its scheduler file says where
-                    self.address, self.planner = address, self.io.planner(address)
-                info = await asyncio.wait_for(self.planner.info(), max(0.5, min(5.0, deadline - time.monotonic())))
-                if isinstance(info, dict):
-                    att = await self.planner.attach(self.rank, self.cp_rank or 0, self.replica)
-                    if att.get("error"):
-                        self.hand.fail(f"rank {self.rank}: reattaching to the restarted service failed: {att['error']}")
-                        return
-                    channel = self.io.channel(self.address, info["run_id"], wait=False, group=self.channel_group)
-                    await channel.opened()
-                    break
-            except (
-                OSError,
-                CommClosedError,
-                ServiceError,
-                asyncio.TimeoutError,
-                ValueError,
-            ):  # ValueError: no scheduler file (yet)
-                pass
-            if time.monotonic() > deadline:
-                self.hand.fail(
-                    f"rank {self.rank}: lost the overlord service at {self.address} ({why}) and it did not come back "
-                    f"within {self.reconnect_timeout:.0f}s"
-                )
-                return
-            await asyncio.sleep(delay)
-            delay = min(2.0, delay * 2)
-        else:
+        try:
+            found = await find_service(
+                self.io, self.where, self.address, self.consumer, self.options, lambda: self.closed, why
+            )
+        except ServiceError as err:
+            self.hand.fail(f"rank {self.rank}: {err}")
             return
+        if found is None:
+            return  # closed meanwhile
+        self.address, self.planner, info, att, channel = found
         first, consumed = int(att["first_step"]), self.hand.consumed
         if first > consumed + 1:  # another consumer of this rank acknowledged further: never skip silently
             self.hand.fail(
@@ -328,14 +270,6 @@ class RankIO:
                 self.channel.streams.pop(key, None)
             if not self.channel.closed:
                 try:
-                    self.channel.send(
-                        {
-                            "op": "unsubscribe",
-                            "rank": self.rank,
-                            "cp_rank": key[1],
-                            "replica": self.replica,
-                            "generation": self.generation,
-                        }
-                    )
+                    self.channel.send({"op": "unsubscribe", **self._ident()})
                 except Exception:  # the channel is closing: the scheduler drops the subscription anyway
                     pass

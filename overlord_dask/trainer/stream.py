@@ -47,20 +47,21 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 
 from ..allocator import keep_freed_memory
 from ..errors import RankError, ServiceError
 from ..protocol import resolve_address
 from . import batches, place
+from .checkpointing import Checkpointing
 from .connection import ProcessIO
-from .feedback import Reporting
 from .handover import HandOver
+from .options import StreamOptions
 from .prefetch import RankIO
+from .reporting import Reporting
 
-STATE_VERSION = 1
 
-
-class RankStream(Reporting):
+class RankStream(Reporting, Checkpointing):
     """Iterator over one rank's micro-batches (numpy by default, torch with ``as_torch=True``).
 
     A consumer is a data-parallel ``rank`` (of ``dp``; default: the service's), a ``cp_rank``
@@ -70,15 +71,9 @@ class RankStream(Reporting):
     and starts fetching ahead when it is made; a job restarted from an older checkpoint, or with
     another number of ranks, is served from its checkpoint by ``load_state_dict``.
 
-    ``prefetch_steps`` (default: the plan's ``loading.prefetch_steps``) and ``prefetch_bytes``
-    bound the batches held here ahead of the trainer (at least one step is always allowed, so a
-    step larger than the byte bound cannot stall). ``pin_memory`` pins torch tensors for fast
-    host-to-GPU copies (ignored with a warning where no accelerator is present, as
-    ``torch.utils.data.DataLoader`` does). ``labels``, ``loss_mask`` and ``batch_dim`` choose the
-    label convention and layout (``batches.py``). ``channel_group``: the streams of this process
-    that share one connection to the service; by default all of them (one connection per
-    process, as a trainer process per GPU has); a name gives its streams a connection of their
-    own (simulated hosts in ``benchmarks/control_plane.py``)."""
+    How it fetches and shapes batches (prefetch bounds, pinning, the label convention, layout,
+    timeouts) is a :class:`~overlord_dask.trainer.options.StreamOptions`, given as ``options=``
+    or as its fields' keyword arguments."""
 
     def __init__(
         self,
@@ -88,43 +83,27 @@ class RankStream(Reporting):
         *,
         cp_rank: int | None = None,
         replica: int = 0,
-        timeout: float = 600.0,
-        as_torch: bool = False,
-        prefetch_steps: int | None = None,
-        prefetch_bytes: int = 1 << 30,
-        pin_memory: bool = False,
-        reconnect_timeout: float = 120.0,
-        labels: str = "shifted",
-        loss_mask: bool | None = None,
-        batch_dim: bool = False,
-        channel_group: str = "",
+        options: StreamOptions | None = None,
+        **option_kwargs,
     ):
         self._where = address  # an address, or a scheduler file read again on every reconnect
         self._address = resolve_address(address)
         self.rank, self.dp, self.cp_rank, self.replica = int(rank), dp, cp_rank, int(replica)
-        self.timeout = timeout
-        self.as_torch = as_torch
-        self._options = {
-            "prefetch_steps": prefetch_steps,
-            "prefetch_bytes": prefetch_bytes,
-            "reconnect_timeout": reconnect_timeout,
-            "channel_group": channel_group,
-        }
+        opts = StreamOptions.make(options, **option_kwargs)
         keep_freed_memory()  # decoded batches reuse freed memory instead of faulting in fresh pages (allocator.py)
         self.io = ProcessIO.get()
         self._closed = False
-        self._info = self.io.service_info(self._address, timeout)
+        self._info = self.io.service_info(self._address, opts.timeout)
         self.cp_rank = place.check(self._info, self._address, place.Place(self.rank, dp, cp_rank, self.replica))
-        batches.check_options(labels, self._info.get("cp", 1))
-        self._batch_options = {"labels": labels, "loss_mask": loss_mask, "batch_dim": batch_dim}
-        self._pin = pin_memory and _can_pin()
+        batches.check_options(opts.labels, self._info.get("cp", 1))
+        self.options = replace(opts, pin_memory=opts.pin_memory and _can_pin())
         self.micro_batches = self._info["micro_batches"]
         self.next_step: int | None = None  # first step not yet handed to the trainer (known once attached)
         self._unacked: int | None = None  # last step handed over, not yet finished by the trainer
         self.wait_s: list[float] = []  # seconds next_batch waited for each step
         self.hand: HandOver | None = None
         self.rio: RankIO | None = None
-        self._init_reports()  # feedback.py: compute times and reported metrics, sent with the acks
+        self._init_reports()  # reporting.py: compute times and reported metrics, sent with the acks
         if self.dp is None or self.dp == self._info["dp"]:
             self._attach()  # batches are fetched ahead from now on; another dp waits for the job's checkpoint
 
@@ -137,9 +116,8 @@ class RankStream(Reporting):
         if self.dp is not None and self.dp != world:
             raise RankError(
                 f"consumer asked for dp={self.dp}, but the service at {self._address} runs dp={world} (a job that "
-                "comes "
-                "back with another number of ranks calls load_state_dict with its checkpoint first: the service then "
-                "re-plans from that step for its dp)"
+                "comes back with another number of ranks calls load_state_dict with its checkpoint first: the "
+                "service then re-plans from that step for its dp)"
             )
         self._attach()
 
@@ -150,25 +128,18 @@ class RankStream(Reporting):
         if att.get("error"):
             raise ServiceError(att["error"])
         self.next_step = int(att["first_step"])
-        prefetch = max(1, self._options["prefetch_steps"] or self._info.get("prefetch_steps", 4))
-        self.hand = HandOver(self.next_step, prefetch, self._options["prefetch_bytes"])
+        prefetch = max(1, self.options.prefetch_steps or self._info.get("prefetch_steps", 4))
+        self.hand = HandOver(self.next_step, prefetch, self.options.prefetch_bytes)
         self.rio = RankIO(
             self.io,
             self.hand,
             where=self._where,
             address=self._address,
             info=self._info,
-            rank=self.rank,
-            cp_rank=self.cp_rank,
-            replica=self.replica,
+            consumer=(self.rank, self.cp_rank, self.replica),
             generation=int(att["generation"]),
             first_step=self.next_step,
-            timeout=self.timeout,
-            reconnect_timeout=self._options["reconnect_timeout"],
-            as_torch=self.as_torch,
-            pin_memory=self._pin,
-            batch_options=self._batch_options,
-            channel_group=self._options["channel_group"],
+            options=self.options,
         )
 
     @property
@@ -212,8 +183,8 @@ class RankStream(Reporting):
         return eval_micro_batches(self)
 
     @property
-    def batch_options(self) -> dict:
-        return self._batch_options
+    def timeout(self) -> float:
+        return self.options.timeout
 
     def next_batch(self) -> dict:
         """The next step's batch for this rank; the previous step counts as consumed."""
@@ -258,11 +229,15 @@ class RankStream(Reporting):
         self._finish_previous()
         self._flush()
 
+    def _send_ack(self, durable: bool | None, timeout: float) -> None:
+        """Acknowledge what the trainer finished and wait for the answer (its reports go first)."""
+        self.io.loop.call_soon_threadsafe(self._drain_reports, self.rio)
+        self.io.run(self.rio.send_ack(durable), timeout=timeout)
+
     def _flush(self, durable: bool | None = None) -> None:
         t0 = time.perf_counter()
-        self.io.loop.call_soon_threadsafe(self._drain_reports, self.rio)
         try:
-            self.io.run(self.rio.send_ack(durable), timeout=min(self.timeout, 120))
+            self._send_ack(durable, min(self.timeout, 120))
         except ServiceError:
             raise
         except Exception as err:
@@ -272,61 +247,12 @@ class RankStream(Reporting):
         finally:
             self._excluding(t0)
 
-    # ---- state (torchdata StatefulDataLoader style) -------------------------------------------
-    def state_dict(self) -> dict:
-        """Small and topology-free: the next step this trainer needs. Save it with the trainer's
-        own checkpoint; ``load_state_dict`` on a new stream resumes there, also when the service
-        has handed out far past it, restarted from its snapshot, or the job comes back with
-        another number of ranks. This call waits until the service has every acknowledgement up
-        to it; with the plan's ``checkpoint.commit: checkpoint`` it also makes those steps
-        durable in the service's snapshots."""
-        self._ensure_attached()
-        self._finish_previous()
-        self._flush(durable=True)
-        return {"version": STATE_VERSION, "next_step": self.next_step}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a trainer checkpoint (``state_dict()``'s), whatever the service has
-        handed out since: where it is past that step for this rank, or runs another number of
-        ranks than this stream's ``dp``, the service goes back to it (the whole job's ranks
-        restart from the same checkpoint; their other streams find it done) and delivers from
-        there exactly what it delivered the first time (with the same dp), nothing before it and
-        nothing skipped. Where the service is behind it, the steps in between are skipped and
-        acknowledged. A step older than the service keeps (``checkpoint.keep_steps``) is refused,
-        naming the oldest it can serve."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"consumer state version {got!r} is not supported (expected {STATE_VERSION})")
-        target = state.get("next_step")
-        if not isinstance(target, int) or isinstance(target, bool) or target < 0:
-            raise ValueError(f"consumer state next_step must be a step number >= 0, got {target!r}")
-        dp = self.dp if self.dp is not None else self._info["dp"]
-        if self.rio is None or dp != self._info["dp"] or target < self.next_step:
-            if (
-                self.rio is not None
-            ):  # the service may have to go back: this attachment ends, a new one starts from target
-                self.rio.stop(wait=10)
-                self.rio, self.hand, self._unacked = None, None, None
-            planner = self.io.planner(self._address)
-            resp = self.io.run(planner.rewind(self.rank, target, dp, self.cp_rank or 0, self.replica), timeout=120)
-            if resp.get("error"):
-                raise ServiceError(f"rank {self.rank}: {resp['error']}")
-            if resp.get("rewound") or dp != self._info["dp"]:
-                self._info = self.io.service_info(self._address, self.timeout)
-                self.micro_batches = self._info["micro_batches"]
-            self._ensure_attached()
-        if target > self.next_step:
-            self.next_step = target
-            self.hand.skip_to(target)
-            self.io.loop.call_soon_threadsafe(self.rio.wake_acks)
-
     def close(self) -> None:
         if self._closed:
             return
         if self.rio is not None and self.hand.error is None and self.rio.connected.is_set():
             try:  # steps the trainer finished are consumed; the one it holds now is not (it may have died with it)
-                self.io.loop.call_soon_threadsafe(self._drain_reports, self.rio)
-                self.io.run(self.rio.send_ack(), timeout=10)
+                self._send_ack(None, 10)
             except Exception:  # the service may be gone; nothing to keep
                 pass
         self._stop_background(wait=10)  # nothing of this stream runs on the IO thread once closed

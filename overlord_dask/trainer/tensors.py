@@ -1,11 +1,14 @@
-"""A decoded batch as torch tensors, in the dtypes a model expects (int64 ids, labels and
-positions; int32 boundaries and per-document fields), pinned on request."""
+"""A fetched batch as the trainer receives it (:func:`for_trainer`): decoded from its wire form,
+shaped as the stream's options ask, and, for torch trainers, as tensors in the dtypes a model
+expects (int64 ids, labels and positions; int32 boundaries and per-document fields), pinned on
+request."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..wire import DTYPES
+from ..wire import DTYPES, decode_batch
+from .batches import shape
 
 TENSOR_FIELDS = {
     "input_ids": "long",
@@ -38,3 +41,12 @@ def to_torch(mb: dict, pin: bool = False) -> dict:
         else:
             out[k] = v
     return out
+
+
+def for_trainer(raw: dict, options) -> dict:
+    """A fetched step (``wire`` form) decoded, shaped (``batches.shape``: labels, mask, layout)
+    and, with ``options.as_torch``, as torch tensors (pinned with ``options.pin_memory``)."""
+    b = shape(decode_batch(raw, TORCH_DTYPES if options.as_torch else DTYPES), **options.batch_options)
+    if options.as_torch:
+        b = {**b, "micro_batches": [to_torch(mb, options.pin_memory) for mb in b["micro_batches"]]}
+    return b

@@ -42,6 +42,7 @@ import numpy as np
 from dask.sizeof import sizeof
 
 from .. import pieces as P
+from ..batch_layout import BatchLayout
 from ..protocol import block_key
 from ..sources.blocks import SampleBlock
 from ..vocab import PAD_ID
@@ -59,9 +60,9 @@ class _Gathered:
 def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens: int, multimodal: bool) -> _Gathered:
     """One pass over the pieces: a slice copy and two scalar reads per piece; everything
     else (labels, positions, padding, the identity arrays) is computed on whole arrays."""
-    rows = np.asarray(pieces, dtype=np.int64).reshape(-1, P.WIDTH)
+    rows = np.asarray(pieces, dtype=P.DTYPE).reshape(-1, P.WIDTH)
     n = len(rows)
-    lens = rows[:, 5] - rows[:, 4]
+    lens = P.lengths(rows)
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     if n and cu[-1] > capacity:
@@ -70,10 +71,11 @@ def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens:
     parts, masks, nexts, sample_ids = [], [], np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     patches, patch_pos, patch_idx = [], [], []
     by_unit: dict[tuple, SampleBlock] = {}
-    for k, (src, epoch, unit, doc, start, stop) in enumerate(rows.tolist()):
-        block = by_unit.get((src, epoch, unit))
+    for k, row in enumerate(rows.tolist()):
+        unit, doc, start, stop = tuple(row[: P.UNIT + 1]), row[P.DOC], row[P.START], row[P.STOP]
+        block = by_unit.get(unit)
         if block is None:
-            block = by_unit[(src, epoch, unit)] = blocks[block_key(src, epoch, unit)]
+            block = by_unit[unit] = blocks[block_key(*unit)]
         if block.images is not None:
             _image_patches(block, doc, start, stop, int(cu[k]), patches, patch_pos, patch_idx)
         d0, d1 = int(block.offsets[doc]), int(block.offsets[doc + 1])
@@ -91,10 +93,10 @@ def _gather(pieces, blocks: dict[str, SampleBlock], capacity: int, piece_tokens:
     g.cu, g.nexts = cu.astype(np.int32), nexts
     g.meta = {
         "sample_ids": sample_ids,
-        "source_ids": rows[:, 0].astype(np.int32),
-        "chunk_ids": (rows[:, 4] // piece_tokens).astype(np.int32),
-        "piece_starts": rows[:, 4].copy(),
-        "epochs": rows[:, 1].astype(np.int32),
+        "source_ids": rows[:, P.SOURCE].astype(np.int32),
+        "chunk_ids": (rows[:, P.START] // piece_tokens).astype(np.int32),
+        "piece_starts": rows[:, P.START].copy(),
+        "epochs": rows[:, P.EPOCH].astype(np.int32),
     }
     g.images = None
     if multimodal:
@@ -180,33 +182,25 @@ def _image_patches(
 
 
 def build_rank_batch(
-    step: int,
-    rank: int,
-    micro_batches: list,
-    blocks: dict[str, SampleBlock],
-    capacity: int,
-    piece_tokens: int,
-    cp: int = 1,
-    cp_split_tokens: int | None = None,
-    multimodal: bool = False,
-    pad_id: int = PAD_ID,
+    step: int, rank: int, micro_batches: list, blocks: dict[str, SampleBlock], piece_tokens: int, layout: BatchLayout
 ) -> dict:
     """Every micro-batch of ``rank`` for ``step``, padded (:func:`pack_micro_batch`); with
     ``cp > 1`` each micro-batch also carries its ``cp`` context-parallel slices (``"cp"``).
     :func:`build_chunk` uses it for context-parallel chunks, whose slices are cut from the
     padded form."""
-    mbs = [pack_micro_batch(mb, blocks, capacity, piece_tokens, multimodal, pad_id) for mb in micro_batches]
-    if cp > 1:
+    lay = layout
+    mbs = [pack_micro_batch(mb, blocks, lay.capacity, piece_tokens, lay.multimodal, lay.pad_id) for mb in micro_batches]
+    if lay.cp > 1:
         for mb in mbs:
-            mb["cp"] = cp_slices(mb, cp, cp_split_tokens or 2 * cp, pad_id)
+            mb["cp"] = cp_slices(mb, lay.cp, lay.cp_split_tokens, lay.pad_id)
     return {"step": step, "rank": rank, "micro_batches": mbs}
 
 
 def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> list[list[np.ndarray]]:
-    """Decode a task's step (pieces: int32 rows ``[source, epoch, unit, doc, start, stop]``, slot:
-    int32 ``[rank, micro_batch]``) into ``[rank][micro_batch] -> int64 rows [n, 6]`` for ``ranks``."""
-    rows = P.from_bytes(pieces, P.WIDTH, "<i4")
-    sl = np.frombuffer(slot, dtype="<i4").reshape(-1, 2)
+    """Decode a task's step (``pieces.to_bytes`` of its piece rows, ``pieces.slot_bytes`` of their
+    ``[rank, micro_batch]``) into ``[rank][micro_batch] -> piece rows`` for ``ranks``."""
+    rows = P.from_bytes(pieces)
+    sl = P.slot_from_bytes(slot)
     flat = sl[:, 0].astype(np.int64) * micro_batches + sl[:, 1]
     order = np.argsort(flat, kind="stable")
     bounds = np.searchsorted(flat[order], np.arange(ranks.start * micro_batches, ranks.stop * micro_batches + 1))
@@ -291,15 +285,7 @@ def _sizeof_chunk(chunk: BuiltChunk) -> int:
     return chunk.nbytes + 200
 
 
-def wire_chunk(
-    steps: list[dict],
-    ranks: range,
-    micro_batches: int,
-    blocks: dict[str, SampleBlock],
-    capacity: int,
-    pad_id: int = PAD_ID,
-    loss_masks: bool = False,
-) -> dict[int, dict[int, dict]]:
+def wire_chunk(steps: list[dict], ranks: range, layout: BatchLayout, blocks: dict[str, SampleBlock]) -> dict:
     """Every (step, rank) batch of a text-only chunk in wire form, built for the whole chunk at
     once: what :func:`wire_micro_batch` makes for each micro-batch (tested equal once decoded),
     without its fixed cost per micro-batch.
@@ -312,10 +298,11 @@ def wire_chunk(
     left per piece is its slice copy. The chunk's narrow dtypes are those of its widest
     micro-batch (lossless; the consumer restores its own dtypes either way)."""
     lo, n_ranks = ranks.start, len(ranks)
+    micro_batches, capacity = layout.micro_batches, layout.capacity
     rows_l, mb_l, pt_l = [], [], []
     for i, sp in enumerate(steps):
-        rows = P.from_bytes(sp["pieces"], P.WIDTH, "<i4")
-        sl = np.frombuffer(sp["slot"], dtype="<i4").reshape(-1, 2)
+        rows = P.from_bytes(sp["pieces"])
+        sl = P.slot_from_bytes(sp["slot"])
         mine = (sl[:, 0] >= lo) & (sl[:, 0] < ranks.stop)  # as split_step: other ranks' pieces are not this task's
         if not mine.all():
             rows, sl = rows[mine], sl[mine]
@@ -327,8 +314,8 @@ def wire_chunk(
     order = np.argsort(mb_of, kind="stable")  # micro-batch by micro-batch, each in the planner's piece order
     rows, mb_of, piece_tokens = rows[order], mb_of[order], np.concatenate(pt_l)[order]
     n = len(rows)
-    src, epoch, unit, doc, start, stop = rows.T
-    lens = stop - start
+    src, epoch, doc, start, stop = (rows[:, c] for c in (P.SOURCE, P.EPOCH, P.DOC, P.START, P.STOP))
+    lens = P.lengths(rows)
     mb_bounds = np.searchsorted(mb_of, np.arange(n_mb + 1))
     mb_tokens = np.bincount(mb_of, weights=lens, minlength=n_mb).astype(np.int64)
     if n and mb_tokens.max() > capacity:
@@ -405,58 +392,41 @@ def wire_chunk(
                 "micro_batches": mbs,
                 "loss_tokens": sp.get("loss_tokens"),
             }
-            per_rank[rank].update(_plan_fields(pad_id, loss_masks))
+            per_rank[rank].update(plan_fields(layout))
     return out
 
 
-def build_chunk(
-    steps: list[dict],
-    rank_lo: int,
-    rank_hi: int,
-    micro_batches: int,
-    blocks: dict[str, SampleBlock],
-    capacity: int,
-    cp: int = 1,
-    cp_split_tokens: int | None = None,
-    multimodal: bool = False,
-    pad_id: int = PAD_ID,
-    loss_masks: bool = False,
-) -> BuiltChunk:
-    """One constructor task: consecutive ``steps`` (planner output, pieces of ranks
-    ``[rank_lo, rank_hi)``) for those ranks. The result stays on the worker until every rank
+def build_chunk(steps: list[dict], ranks: tuple[int, int], layout: BatchLayout, blocks: dict) -> BuiltChunk:
+    """One constructor task: consecutive ``steps`` (a chunk task's, ``scheduler/chunks.py``: the
+    pieces of ranks ``[lo, hi)``) for those ranks, packed to ``layout``. The result stays on the worker until every rank
     acknowledged its last step; trainers fetch their (step, rank) batches from it directly
     (``batch_server``). Without context parallelism the batches are stored in wire form
     (``wire.encode``: narrow dtypes, derivable arrays left out); with it, whole, since every CP
     rank is sent its own slice."""
-    ranks = range(rank_lo, rank_hi)
+    ranks = range(*ranks)
     blocks = {k: unit_block(v) for k, v in blocks.items()}
+    cp, multimodal, capacity = layout.cp, layout.multimodal, layout.capacity
     if cp == 1 and not multimodal:
-        return BuiltChunk(True, wire_chunk(steps, ranks, micro_batches, blocks, capacity, pad_id, loss_masks))
+        return BuiltChunk(True, wire_chunk(steps, ranks, layout, blocks))
     out: dict[int, dict[int, dict]] = {}
     for sp in steps:
-        per_rank = split_step(sp["pieces"], sp["slot"], ranks, micro_batches)
+        per_rank = split_step(sp["pieces"], sp["slot"], ranks, layout.micro_batches)
         out[sp["step"]] = {}
         for rank, mbs in zip(ranks, per_rank):
             if cp > 1:
-                batch = build_rank_batch(
-                    sp["step"], rank, mbs, blocks, capacity, sp["piece_tokens"], cp, cp_split_tokens, multimodal, pad_id
-                )
+                batch = build_rank_batch(sp["step"], rank, mbs, blocks, sp["piece_tokens"], layout)
             else:
-                batch = {
-                    "step": sp["step"],
-                    "rank": rank,
-                    "micro_batches": [
-                        wire_micro_batch(mb, blocks, capacity, sp["piece_tokens"], multimodal) for mb in mbs
-                    ],
-                }
-            out[sp["step"]][rank] = {**batch, "loss_tokens": sp.get("loss_tokens"), **_plan_fields(pad_id, loss_masks)}
+                mbs = [wire_micro_batch(mb, blocks, capacity, sp["piece_tokens"], multimodal) for mb in mbs]
+                batch = {"step": sp["step"], "rank": rank, "micro_batches": mbs}
+            out[sp["step"]][rank] = {**batch, "loss_tokens": sp.get("loss_tokens"), **plan_fields(layout)}
     return BuiltChunk(cp == 1, out)
 
 
-def _plan_fields(pad_id: int, loss_masks: bool) -> dict:
+def plan_fields(layout: BatchLayout) -> dict:
     """What a batch says of its plan, where it is not the default: the pad id, and that some
     sources' loss ignores some tokens (the trainer then adds ``loss_mask`` unless told not to)."""
-    return {**({"pad_id": pad_id} if pad_id != PAD_ID else {}), **({"loss_masks": True} if loss_masks else {})}
+    pad = {"pad_id": layout.pad_id} if layout.pad_id != PAD_ID else {}
+    return {**pad, **({"loss_masks": True} if layout.loss_masks else {})}
 
 
 def zigzag_chunks(length: int, cp: int) -> np.ndarray:

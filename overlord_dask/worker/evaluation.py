@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import wire
+from ..batch_layout import BatchLayout
 from ..protocol import block_key
 from ..sources.blocks import SampleBlock
-from ..vocab import PAD_ID
-from .constructors import BuiltChunk, wire_micro_batch
+from .constructors import BuiltChunk, plan_fields, wire_micro_batch
 
 
 def _pieces(blocks: list[tuple[int, SampleBlock]], budgets: dict[int, int | None], capacity: int) -> list[list[int]]:
@@ -52,15 +52,11 @@ def _loss_tokens(mbs: list[dict]) -> tuple[int, int]:
 
 
 def build_eval(
-    blocks: list[tuple[int, SampleBlock]],
-    budgets: dict[int, int | None],
-    dp: int,
-    micro_batches: int,
-    capacity: int,
-    pad_id: int = PAD_ID,
-    multimodal: bool = False,
+    blocks: list[tuple[int, SampleBlock]], budgets: dict[int, int | None], dp: int, layout: BatchLayout
 ) -> BuiltChunk:
-    """The evaluation batches of the held-out ``blocks`` (``(source index, block)`` in order)."""
+    """The evaluation batches of the held-out ``blocks`` (``(source index, block)`` in order),
+    packed to ``layout`` (the evaluation's micro-batches and capacity)."""
+    micro_batches, capacity, multimodal = layout.micro_batches, layout.capacity, layout.multimodal
     rows = _pieces(blocks, budgets, capacity)
     bins: list[list[list[int]]] = []
     used = capacity
@@ -90,7 +86,7 @@ def build_eval(
                 "micro_batches": mine[r * micro_batches : (r + 1) * micro_batches],
                 "eval_steps": steps,
                 "loss_tokens": counts,
-                **({"pad_id": pad_id} if pad_id != PAD_ID else {}),
+                **plan_fields(layout),
             }
             for r in range(dp)
         }

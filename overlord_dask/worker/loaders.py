@@ -25,34 +25,23 @@ import numpy as np
 
 from ..client import lengths_report
 from ..errors import SourceError
-from ..plan.loading import plan_from_dict
-from ..sources import Loaded, read_unit
+from ..plan import SourcePlan
+from ..sources import LoadedUnit, read_unit
 from ..sources.blocks import SampleBlock
 from ..sources.units import LoadUnit
 
-_PLAN_CACHE: dict[str, object] = {}
-
-
-def _plan(plan_dict: dict, cache_key: str):
-    plan = _PLAN_CACHE.get(cache_key)
-    if plan is None:
-        plan = _PLAN_CACHE[cache_key] = plan_from_dict(plan_dict, where="<service plan>")
-    return plan
-
 
 def load_block(
-    plan_dict: dict,
-    cache_key: str,
+    plan: SourcePlan,
     unit: dict,
     run_id: str | None = None,
     epoch: int = 0,
     part: tuple[int, int] | None = None,
 ) -> SampleBlock:
-    """Load one unit (or documents ``part = (lo, hi)`` of it: auto-partitioning); ``cache_key``
-    names the plan version (run id and version) that defines the unit's source, so a worker
-    validates each version's plan once. Inside a worker, the unit's lengths are reported to the
-    planner of run ``run_id`` (``epoch`` is the planner's)."""
-    plan = _plan(plan_dict, cache_key)
+    """Load one unit (or documents ``part = (lo, hi)`` of it: auto-partitioning) with its
+    source's slice of the plan (``plan.SourcePlan``, validated once in the service: the worker
+    takes it as it is). Inside a worker, the unit's lengths are reported to the planner of run
+    ``run_id`` (``epoch`` is the planner's)."""
     u = LoadUnit.from_dict(unit)
     whole = u
     if part is not None:  # the same documents a whole-unit load reads, from lo to hi
@@ -76,7 +65,7 @@ def load_block(
 QUARANTINE_BACKOFF_S = 0.5  # wait before attempt k + 1: k times this
 
 
-def _read(plan, u: LoadUnit) -> tuple[Loaded, str | None]:
+def _read(plan, u: LoadUnit) -> tuple[LoadedUnit, str | None]:
     """The unit read, or (``on_corrupt: quarantine``, after its attempts) an empty block and why."""
     source = plan.source(u.source)
     quarantine = plan.loading.on_corrupt == "quarantine"
@@ -97,15 +86,15 @@ def _read(plan, u: LoadUnit) -> tuple[Loaded, str | None]:
         np.zeros(n + 1, np.int64),
         np.arange(u.first_id, u.first_id + n, dtype=np.int64),
     )
-    return Loaded(empty), reason
+    return LoadedUnit(empty), reason
 
 
 def load_group(
-    plan_dict: dict, cache_key: str, units: list[dict], run_id: str | None = None, epochs: list[int] | None = None
+    plan: SourcePlan, units: list[dict], run_id: str | None = None, epochs: list[int] | None = None
 ) -> tuple:
     """Several small units of one source read by one task (auto-partitioning): their blocks, in order."""
     epochs = epochs or [0] * len(units)
-    return tuple(load_block(plan_dict, cache_key, u, run_id, e) for u, e in zip(units, epochs))
+    return tuple(load_block(plan, u, run_id, e) for u, e in zip(units, epochs))
 
 
 def report_lengths(
@@ -113,7 +102,7 @@ def report_lengths(
     source: str,
     epoch: int,
     unit: int,
-    loaded: Loaded,
+    loaded: LoadedUnit,
     seconds: float = 0.0,
     part: tuple[int, int, int] | None = None,
     quarantined: str | None = None,

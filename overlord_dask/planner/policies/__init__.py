@@ -2,7 +2,7 @@
 and laid out over ranks (``base.py`` says what every policy gets and returns)."""
 
 from .base import Policy, Starved, Window
-from .cost import CostBalanced
+from .cost_balanced import CostBalanced
 from .exact import ExactStep
 
 POLICIES: dict[str, type[Policy]] = {"none": ExactStep, "cost": CostBalanced}

@@ -10,7 +10,7 @@ metadata not loaded yet) a policy leaves its counters and the streams as they we
 
 - ``none`` (``exact.py``): one step at a time, the exact per-step mix (best-fit packing, bins
   assigned to ranks by cost); counters: the run's cumulative tokens per source and the carry.
-- ``cost`` (``cost.py``): a window of ``balance.window`` steps selected by weighted fair queuing
+- ``cost`` (``cost_balanced.py``): a window of ``balance.window`` steps selected by weighted fair queuing
   and balanced over ranks by attention cost (``balance.py``, its loops compiled in
   ``kernels.py``); counters: tokens selected and asked for per source (and per length class in
   stages with a long share), and the pieces deferred to the next window.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import pieces as P
-from ...plan.models import Balance, Topology
+from ...plan import Balance, Topology
 from ..streams import SourceStream
 
 Planned = tuple  # (piece rows [n, 6], int32 [rank, micro_batch] per row, cost[rank, micro_batch])
@@ -52,7 +52,7 @@ class Window:
     balance: Balance
     step_budget: int  # tokens to plan per step (fill × capacity)
     heavy_tokens: int
-    weights_at: Callable[[int], np.ndarray]  # each source's share of a step's tokens
+    mix_at: Callable[[int], np.ndarray]  # each source's share of a step's tokens
     class_weights_at: Callable[[int], np.ndarray | None]  # [source, (short, long)] shares, or None
     costs: Callable[[np.ndarray], np.ndarray]  # cost of planned piece rows
 

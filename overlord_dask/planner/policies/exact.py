@@ -149,7 +149,7 @@ class ExactStep(Policy):
 
     def plan(self, w: Window) -> list[Planned]:
         topo = w.topology
-        weights = w.weights_at(w.start)
+        weights = w.mix_at(w.start)
         sel = select_step(w.streams, weights, topo.dp * topo.micro_batches, topo.tokens_per_micro_batch, self.carry)
         self.cum_tokens += sel.source_tokens
         self.cum_declared += weights * sel.total_tokens

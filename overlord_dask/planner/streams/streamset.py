@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ... import masked_runs
 from ... import pieces as P
-from ... import runs
 from ...errors import PlanError
-from ...plan.models import CostModel
+from ...plan import CostModel
 from ...plan.schedule import Context
-from ..cost import doc_costs
+from ..cost_model import doc_costs
 from .stream import SourceStream
 
 
@@ -28,7 +28,8 @@ class StreamSet:
         self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by planned pieces
         # (source, epoch, unit) -> document lengths in file order, while planned pieces may reference the unit
         self.doc_lengths: dict[tuple[int, int, int], np.ndarray] = {}
-        # (source, epoch, unit) -> masked runs (``runs.py``) of units where the loss ignores some tokens, for as long
+        # (source, epoch, unit) -> masked runs (``masked_runs.py``) of units where the loss ignores some
+        # tokens, for as long
         self.masked: dict[tuple[int, int, int], np.ndarray] = {}
 
     def add(self, name: str, first_ids) -> SourceStream:
@@ -203,8 +204,8 @@ class StreamSet:
                 continue
             lens = self.doc_lengths[key]
             docs, start, stop = mine[:, P.DOC], mine[:, P.START], mine[:, P.STOP]
-            shifted += int(runs.masked_in(r, len(lens), docs, start + 1, np.minimum(stop + 1, lens[docs])).sum())
-            hf += int(runs.masked_in(r, len(lens), docs, start + 1, stop).sum())
+            shifted += int(masked_runs.masked_in(r, len(lens), docs, start + 1, np.minimum(stop + 1, lens[docs])).sum())
+            hf += int(masked_runs.masked_in(r, len(lens), docs, start + 1, stop).sum())
         return shifted, hf
 
     def finished_units(self, in_use: list[np.ndarray]) -> list[list]:

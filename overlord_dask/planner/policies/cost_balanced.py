@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import pieces as P
-from ...plan.models import Balance
+from ...plan import Balance
 from ..streams import ClassView
 from .balance import balance_window, wfq_select
 from .base import Planned, Policy, Starved, Window, as_floats, grown
@@ -95,7 +95,7 @@ class CostBalanced(Policy):
         equal weights in one call)."""
         groups: list[list] = []  # [first step of the run, budget, weights]
         for k, b in enumerate(budgets):
-            weights = w.weights_at(w.start + k)
+            weights = w.mix_at(w.start + k)
             if groups and np.array_equal(groups[-1][2], weights):
                 groups[-1][1] += int(b)
             else:
@@ -106,7 +106,7 @@ class CostBalanced(Policy):
     def _select(self, w: Window, budget: int, step: int) -> np.ndarray:
         if budget <= 0:
             return P.empty()
-        weights = w.weights_at(step)
+        weights = w.mix_at(step)
         cw = w.class_weights_at(step)
         if cw is None:
             rows = wfq_select(w.streams, weights, budget, self.selected - self.declared)

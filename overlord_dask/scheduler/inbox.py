@@ -13,7 +13,7 @@ from collections import deque
 MAX_QUEUED = 200_000  # reports (a step of one rank each) waiting for the planner thread
 
 
-class FeedbackInbox:
+class ReportInbox:
     def __init__(self, max_queued: int = MAX_QUEUED):
         self._queue: deque = deque(maxlen=max_queued)
         self.received = 0

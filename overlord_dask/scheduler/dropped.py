@@ -14,7 +14,7 @@ import time
 MAX_QUARANTINED = 1000  # the most quarantine records kept (the count goes on)
 
 
-class DataLosses:
+class DroppedData:
     def __init__(self) -> None:
         self.records: dict[str, dict[int, int]] = {}  # source -> unit -> records read
         self.dropped: dict[str, dict[int, int]] = {}  # source -> unit -> records dropped

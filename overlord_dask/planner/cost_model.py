@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan.models import CostModel
+from ..plan import CostModel
 
 
 def doc_costs(lengths: np.ndarray, model: CostModel) -> np.ndarray:

@@ -1,11 +1,5 @@
-"""What the planner does with what the trainers report: a cost model learned from their step
-times (``cost.learn``) and a mixing controller driven by their losses (``mixing``).
-
-Both act only through decisions recorded in the run's timeline (``plan/timeline.py``) for steps
-not planned yet, so the stream stays a pure function of the plan, its updates and its decisions:
-a resumed run and a replay from the recorded decisions deliver the identical stream. Without
-reports nothing changes: the declared cost model and the declared weights stay in force.
-"""
+"""A mixing controller: the mix set during training from the losses the trainers report
+(``planner/mixing.py`` runs it; decisions are recorded in the run's timeline)."""
 
 from __future__ import annotations
 
@@ -14,29 +8,6 @@ import math
 from pydantic import Field, field_validator, model_validator
 
 from .base import Strict
-
-
-class LearnCost(Strict):
-    """Fit the cost model's coefficients to the step times the trainers report
-    (``planner/learn.py``) and switch the balancer to the fit once it has settled."""
-
-    window: int = Field(default=2000, ge=16, le=1_000_000)
-    """Observations (a rank's micro-batch, or its step with ``balance.sync: step``) the fit uses: the newest ones."""
-    min_observations: int = Field(default=64, ge=8)
-    """Observations needed before the first fit."""
-    every: int = Field(default=8, ge=1, le=100_000)
-    """Refit after this many new steps reported."""
-    tolerance: float = Field(default=0.02, gt=0, lt=1)
-    """The fit has settled when, for ``patience`` fits in a row, its predictions over the window
-    moved by less than this (relative, median)."""
-    patience: int = Field(default=3, ge=1, le=1000)
-    """Fits in a row within ``tolerance`` before the fitted model is used."""
-    refit_change: float = Field(default=0.01, gt=0, lt=10)
-    """A settled fit replaces the model in force only where its median relative error over the
-    window is lower than that model's (at its best scale) by more than this: no churn of
-    decisions from noise."""
-    lag: int = Field(default=0, ge=0, le=100_000)
-    """A switch applies this many steps after the first step not planned yet."""
 
 
 class Mixing(Strict):

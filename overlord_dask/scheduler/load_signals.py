@@ -82,7 +82,7 @@ def pool_signals(state, signals: LoadSignals, lead_s: float) -> dict:
     window = state.policy.window_steps(plan.balance)
     start = committed + 1
     horizon = max(2 * window + plan.loading.prefetch_steps, int(np.ceil(lead_s * max(rate, peak))))
-    now = state.weights_at(max(start, 0))
+    now = state.timeline.mix_at(max(start, 0))
     ahead = state.timeline.max_mix_over(max(start, 0), start + horizon + 1)
     sources = {}
     for i, s in enumerate(state.streams):

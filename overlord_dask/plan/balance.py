@@ -1,0 +1,30 @@
+"""How the planner lays a window of steps out over ranks (policy, what the trainers synchronise
+on, the window, the fill)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import Strict
+
+
+class Balance(Strict):
+    """How the planner spreads attention cost over ranks (issue: stragglers from long documents)."""
+
+    policy: Literal["cost", "none"] = "cost"
+    """`cost`: plan `window` steps at once, spread long documents so every rank gets an equal
+    share, water-fill short ones (`planner/policies/balance.py`). `none`: exact per-step mixing with
+    best-fit packing and no look-ahead (`planner/policies/exact.py`)."""
+    sync: Literal["step", "micro_batch"] = "micro_batch"
+    """What the trainer waits on: `step` (DDP: ranks sync once per step) or `micro_batch` (FSDP:
+    every micro-batch); the imbalance of that one is minimised."""
+    window: int = Field(default=16, ge=1, le=256)
+    """Steps planned together; long documents move between these steps (mix is exact per window)."""
+    fill: float = Field(default=0.97, gt=0.0, le=1.0)
+    """Token budget of a step as a fraction of its capacity (slack for balancing)."""
+    heavy_tokens: int | None = Field(default=None, ge=1)
+    """Pieces at least this long are balanced as outliers; default tokens_per_micro_batch // 16."""
+    max_delay: int = Field(default=2, ge=0, le=64)
+    """Windows a long piece may wait for similar ones before it is placed alone."""

@@ -1,0 +1,46 @@
+"""One source's slice of a plan: what reading its load units needs, and nothing else.
+
+A load task carries this, not the whole plan: the run's name and seed (logs, seeded choices), the
+plan's folder (relative URLs and tokenizer paths resolve against it), the loading settings (how
+units are cut, what a failed read does), the plan's default tokenizer and the one source. It has
+the shape of a :class:`~overlord_dask.plan.Plan` where readers look (``base_dir``, ``loading``,
+``tokenizer_of(source)``, ``source(name)``), so a format reader written against a plan reads a
+slice unchanged. Built from an already validated plan (:meth:`Plan.source_plan`), it is not
+validated again, and a worker never re-validates the plan it came from.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import Strict
+from .loading import Loading
+from .source import Source
+from .text import Tokenizer
+
+
+class SourcePlan(Strict):
+    """The slice of a plan that the loaders of one source read with."""
+
+    name: str
+    """The run's plan name."""
+    seed: int
+    """The plan's seed."""
+    base_dir: str | None = None
+    """The plan's folder (relative URLs and tokenizer paths resolve against it)."""
+    tokenizer: Tokenizer = Field(default_factory=Tokenizer)
+    """The plan's tokenizer (for a source that names none)."""
+    loading: Loading = Field(default_factory=Loading)
+    """The plan's loading settings."""
+    sources: list[Source] = Field(min_length=1, max_length=1)
+    """The one source."""
+
+    def source(self, name: str) -> Source:
+        (s,) = self.sources
+        if s.name != name:
+            raise KeyError(f"no source named {name!r} in the slice of source {s.name!r}")
+        return s
+
+    def tokenizer_of(self, source: Source) -> Tokenizer:
+        """The tokenizer a source's text is encoded with: its own, else the plan's."""
+        return source.tokenizer or self.tokenizer

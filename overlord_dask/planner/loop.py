@@ -1,0 +1,177 @@
+"""The planning loop of :class:`~overlord_dask.planner.state.PlannerState`: windows planned ahead,
+steps handed out within the prefetch bound, each recorded in the ledger.
+
+A mixin of ``PlannerState`` (it works on the parts that class composes: ``timeline``, ``streams``,
+``policy``, ``ledger``, ``progress``, ``windows``), kept apart so that one file says how steps are
+planned and the other what the planner holds and how it is saved and restored.
+
+``plan_ahead()`` plans whole windows into ``ready``; ``plan_steps()`` hands steps out of it into
+the ledger and names the units no later step needs. A window that needs a unit's metadata not
+loaded yet raises :class:`~overlord_dask.planner.policies.Starved` inside, leaves every part as it
+was, and is tried again once that source's next unit arrives.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import pieces as P
+from .ledger import step_metrics
+from .policies import Starved, Window
+
+
+class PlanningLoop:
+    """(mixin of ``PlannerState``) How windows are planned and steps handed out."""
+
+    def costs(self, rows: np.ndarray, step: int) -> np.ndarray:
+        """Cost of planned piece rows at ``step`` (backbone tokens and, with an encoder cost, image
+        tokens), by the cost model in force there (declared, or learned: ``timeline.cost_at``)."""
+        return self.streams.costs(rows, self.timeline.cost_at(step))
+
+    def can_plan(self) -> bool:
+        return self.next_step - self.committed < self.plan.loading.prefetch_steps
+
+    def plan_steps(self, max_steps: int) -> tuple[list[dict], list[list]]:
+        """Plan as many steps as the bounds and loaded metadata allow.
+
+        Returns (steps, finished_units): each step is ``{"step", "pieces", "slot", "piece_tokens",
+        "loss_tokens"}`` with ``pieces`` the step's int64 piece rows (``pieces.py``) and ``slot``
+        their int32 ``[rank, micro_batch]`` (both as the ledger holds them); finished units are
+        ``[source, epoch, unit]`` whose blocks no later step needs.
+        """
+        steps = []
+        t0 = time.perf_counter()
+        while len(steps) < max_steps and self.can_plan():
+            if self.next_step == self.replay_until and self.final_plan.topology != self.topology:
+                self.switch_topology()
+            try:
+                rows, slot, mb_costs, drops = self._next_planned()
+            except Starved as e:
+                self.starved_on = e.source
+                break
+            self.starved_on = None
+            step = self.next_step
+            self.next_step += 1
+            if step < self.replay_until:
+                continue  # delivered before the restore: only the planner state had to catch up
+            entry = self._record(step, rows, slot, mb_costs, drops)
+            m = self.ledger.metrics[step]
+            steps.append(
+                {
+                    "step": step,
+                    "pieces": entry["pieces"],
+                    "slot": entry["slot"],
+                    "piece_tokens": m["piece_tokens"],
+                    "loss_tokens": m["loss_tokens"],
+                }
+            )
+        if steps:
+            self.plan_seconds.append(time.perf_counter() - t0)
+            del self.plan_seconds[:-10_000]
+        in_use = [self.policy.pending] + [rows for rows, *_ in self.ready]
+        return steps, self.streams.finished_units(in_use)
+
+    def _next_planned(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The next step's pieces as int64 rows with their int32 ``[rank, micro_batch]``, the
+        bins' costs, and (on a window's first step) the documents a drop policy skipped while
+        planning the window."""
+        if not self.ready:
+            self._plan_next_window()
+        return self.ready.popleft()
+
+    def _plan_next_window(self) -> None:
+        """Plan the window that starts at ``planned_until`` into ``ready``; its state beforehand
+        is kept for snapshots (``windows``)."""
+        start = self.planned_until
+        if self._starved is not None and self._starved[1] == self._inputs(self._starved[0]):
+            # No unit of the source this window starved on arrived since: it would starve again,
+            # after selecting and rolling back its pieces, at every ack and every other source's unit.
+            raise Starved(self._starved[0])
+        self.windows.begin(start, self.topology.model_dump())
+        ctx = self.timeline.context_at(start)
+        self.streams.apply_context(ctx)
+        # pieces still waiting take this stage's piece size
+        self.policy.pending = P.recut(self.policy.pending, ctx.piece_tokens)
+        window = Window(
+            start=start,
+            steps=self.timeline.window_len(start, self._window_steps()),
+            streams=self.streams.streams,
+            topology=self.topology,
+            balance=self.balance,
+            step_budget=self.step_budget,
+            heavy_tokens=self.heavy_tokens,
+            mix_at=self.timeline.mix_at,
+            class_weights_at=self.timeline.class_weights_at,
+            costs=lambda rows: self.costs(rows, start),
+        )
+        try:
+            planned = self.policy.plan(window)
+        except Starved as e:
+            self.windows.abandon(start)
+            self.streams.forget_drops()
+            self._starved = (e.source, self._inputs(e.source))
+            raise
+        drops = self.streams.drain_drops()
+        for k, (rows, slot, mb_costs) in enumerate(planned):
+            self.ready.append((rows, slot, mb_costs, drops if k == 0 else None))
+        self.windows.prune(self.progress.durable_step - self.plan.checkpoint.keep_steps)
+
+    def _inputs(self, source: str) -> tuple:
+        """What decides whether the next window starves on ``source`` (its selection stops at
+        the first source whose metadata is missing, so other sources' units cannot help)."""
+        loaded = self.streams.by_name(source).loads.loaded_units
+        return (self.planned_until, loaded, self.plan_version, self.topology)
+
+    def plan_ahead(self, steps: int) -> int:
+        """Plan whole windows ahead of hand-out until at least ``steps`` planned steps wait in
+        ``ready`` (policies that plan windows), so that handing out a step never waits for a
+        window to be balanced. Stops quietly when a source's metadata is not loaded yet
+        (``starved_on``), and never plans past a pending topology switch (the stream must not
+        depend on how far ahead planning ran). Returns the number of windows planned."""
+        n = 0
+        while self.policy.plans_ahead and len(self.ready) < steps:
+            if self.final_plan.topology != self.topology and self.planned_until >= self.replay_until:
+                break
+            try:
+                self._plan_next_window()
+            except Starved as e:
+                self.starved_on = e.source  # loading looks further ahead for this source (wanted)
+                return n
+            n += 1
+        if self.ready:
+            self.starved_on = None  # planning is ahead: no source holds it back
+        return n
+
+    def _record(self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops) -> dict:
+        """Step ``step`` into the ledger with its metrics (a window's drops go with its first step)."""
+        drops = drops if drops is not None else np.zeros((0, 5), np.int64)
+        ctx = self.timeline.context_at(step)
+        context = {
+            "pending": int(len(self.policy.pending)),
+            "weights": tuple(float(x) for x in self.timeline.mix_at(step)),
+            "version": self.timeline.version_at(step),
+            "stage": ctx.stage,
+            "piece_tokens": ctx.piece_tokens,
+        }
+        topo = self.topology
+        costs = self.costs(pieces, step)
+        metrics = step_metrics(
+            step,
+            pieces,
+            drops,
+            mb_costs,
+            costs,
+            n_sources=len(self.streams),
+            step_tokens=topo.step_tokens,
+            dp=topo.dp,
+            context=context,
+        )
+        metrics["loss_tokens"] = self.streams.loss_tokens(pieces)
+        if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
+            metrics["pool_workers"] = dict(self.pool_workers)
+        return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)
+
+    def _window_steps(self) -> int:
+        return self.policy.window_steps(self.balance)

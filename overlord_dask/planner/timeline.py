@@ -1,0 +1,182 @@
+"""The run's timeline: its declared plan versions (``plan/versions.py``) and the planner's own
+decisions, each from the step it applies.
+
+A decision is what the planner concludes at run time from what the trainers report: a mixing
+controller's shares (``mixing.py``), a learned cost model (``learn.py``). It is recorded the way
+a live update is, from a step not planned yet, so the stream stays a pure function of (plan,
+updates, decisions): a resumed run and a replay deliver the identical stream. A decision stays in
+force until the next one of its kind, or until a plan version that changes what it overrides
+(the sources or stages for the mix, the cost model for a learned cost) starts after it.
+
+Everything the planner asks of "the plan at a step" goes through here: the weights in force, the
+mix (with a stage's long-document share), the cost model in force, where planning windows must
+end.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import PlanError
+from ..plan import CostModel, Plan
+from ..plan.versions import OVERRIDES, PlanVersions, decode_updates
+
+KINDS = OVERRIDES  # what a decision sets: the mix (shares by source name), the cost model's coefficients
+
+
+class Decision(NamedTuple):
+    """A decision of the planner's own, in force from step ``at``."""
+
+    at: int
+    kind: str
+    values: dict
+    reason: str
+    after: int  # plan versions that existed when it was made (a version at the same step made later overrides it)
+    state: dict | None = None  # the deciding controller's state after it (a resumed run continues from it)
+
+    def to_dict(self) -> dict:
+        return {
+            "at": self.at,
+            "kind": self.kind,
+            "values": dict(self.values),
+            "reason": self.reason,
+            "after": self.after,
+            "state": self.state,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Decision:
+        return cls(int(d["at"]), str(d["kind"]), dict(d["values"]), str(d["reason"]), int(d["after"]), d.get("state"))
+
+
+class Timeline(PlanVersions):
+    """The plan versions and the decisions on top of them."""
+
+    def __init__(self, plan: Plan, updates: list[tuple[int, Plan]] = (), decisions: list[Decision] = ()):
+        super().__init__(plan, updates)
+        self.decisions: list[Decision] = []
+        self._by_kind: dict[str, list[Decision]] = {k: [] for k in KINDS}
+        self._costs: dict[tuple, CostModel] = {}
+        for d in decisions:
+            self._append(d)
+
+    @classmethod
+    def from_state(cls, plan: Plan, state: dict | None) -> Timeline:
+        """The timeline a snapshot recorded (:meth:`get_state`) on top of ``plan``."""
+        state = state or {}
+        decisions = [Decision.from_dict(d) for d in state.get("decisions", [])]
+        return cls(plan, decode_updates(state.get("updates")), decisions)
+
+    def get_state(self) -> dict:
+        return {"updates": self.updates_state(), "decisions": [d.to_dict() for d in self.decisions]}
+
+    # ---- decisions ------------------------------------------------------------------------------
+    def decide(self, kind: str, at_step: int, values: dict, reason: str, state: dict | None = None) -> Decision:
+        """Record a decision of ``kind`` from ``at_step`` (not before the last one of its kind)."""
+        if kind not in KINDS:
+            raise ValueError(f"decision kind must be one of {KINDS}, got {kind!r}")
+        if kind == "weights":
+            unknown = sorted(set(values) - set(self.source_names))
+            if unknown:
+                raise PlanError(f"mixing decision at step {at_step} names unknown sources {unknown}")
+            if not all(np.isfinite(v) and v >= 0 for v in values.values()) or sum(values.values()) <= 0:
+                raise PlanError(
+                    f"mixing decision at step {at_step}: shares must be finite, >= 0 and not all 0 (got {values})"
+                )
+        prior = self._by_kind[kind]
+        if prior and at_step < prior[-1].at:
+            raise PlanError(f"{kind} decision at step {at_step}: the last one already applies from step {prior[-1].at}")
+        d = Decision(int(at_step), kind, {k: float(v) for k, v in values.items()}, reason, len(self.versions), state)
+        self._append(d)
+        return d
+
+    def _append(self, d: Decision) -> None:
+        self.decisions.append(d)
+        self._by_kind[d.kind].append(d)
+
+    def in_force(self, kind: str, step: int) -> Decision | None:
+        """The decision of ``kind`` that governs ``step``, if any (a later plan version that
+        changes what it overrides ends it)."""
+        lst = self._by_kind[kind]
+        i = bisect_right(lst, step, key=lambda d: d.at) - 1
+        if i < 0:
+            return None
+        d = lst[i]
+        for vi in range(1, len(self.versions)):
+            at = self.versions[vi][0]
+            if at <= step and (at > d.at or (at == d.at and vi >= d.after)) and kind in self.changes[vi]:
+                return None
+        return d
+
+    # ---- what governs a step --------------------------------------------------------------------
+    def cost_at(self, step: int) -> CostModel:
+        """The cost model governing ``step``: the plan's, or a learned one in force."""
+        cost = self.plan_at(step).cost
+        d = self.in_force("cost", step)
+        if d is None:
+            return cost
+        key = (id(cost), d.at, len(self._by_kind["cost"]))
+        if key not in self._costs:
+            self._costs = {key: cost.model_copy(update={k: float(v) for k, v in d.values.items()})}
+        return self._costs[key]
+
+    def weights_in_force(self, step: int) -> np.ndarray:
+        """Each source's weight at ``step`` over every source of the run: the declared weights,
+        or a mixing decision's shares over the sources the declared plan has active there."""
+        out = self.declared_weights(step)
+        d = self.in_force("weights", step) if self.decisions else None
+        if d is not None:
+            mine = np.array([d.values.get(name, 0.0) for name in self.source_names]) * (out > 0)
+            if mine.sum() > 0:
+                out = mine / mine.sum()
+        return out
+
+    def class_weights_at(self, step: int) -> np.ndarray | None:
+        """``[source, (short, long)]`` shares of step ``step`` in a stage with a long share, else None."""
+        ctx = self.context_at(step)
+        if ctx.long_share is None:
+            return None
+        w = self.weights_in_force(step)
+        if ctx.long_sources:
+            lw = np.array([ctx.long_sources.get(n, 0.0) for n in self.source_names])
+            lw = lw * (w > 0) if (lw * (w > 0)).sum() > 0 else lw
+            lw = lw / lw.sum()
+        else:
+            lw = w
+        return np.stack([w * (1 - ctx.long_share), lw * ctx.long_share], axis=1)
+
+    def mix_at(self, step: int) -> np.ndarray:
+        """Each source's share of step ``step``'s tokens: its weight in force, or in a stage with a
+        long share, ``(1 - share)·weight + share·long weight``."""
+        cw = self.class_weights_at(step)
+        return self.weights_in_force(step) if cw is None else cw.sum(axis=1)
+
+    def max_mix_over(self, start: int, stop: int) -> np.ndarray:
+        """Largest share of each source over steps ``[start, stop)``: the ends and every jump
+        between them (shares are piecewise linear between jumps)."""
+        steps = {start, max(start, stop - 1)}
+        j = self.next_jump(start)
+        while j is not None and j < stop:
+            steps.add(j)
+            j = self.next_jump(j)
+        return np.max([self.mix_at(t) for t in sorted(steps)], axis=0)
+
+    # ---- planning windows -----------------------------------------------------------------------
+    def next_jump(self, step: int) -> int | None:
+        """The first step after ``step`` where the mix or context changes abruptly (a planning
+        window ends there), or None."""
+        cands = self.declared_jumps_after(step)
+        for lst in self._by_kind.values():
+            i = bisect_right(lst, step, key=lambda d: d.at)
+            if i < len(lst):
+                cands.append(lst[i].at)
+        return min(cands) if cands else None
+
+    def window_len(self, start: int, steps: int) -> int:
+        """Steps in a planning window from ``start``: ``steps``, cut at the next jump of the mix or
+        context (a stage start, a source entering or leaving, a live update, a decision)."""
+        j = self.next_jump(start)
+        return steps if j is None else max(1, min(steps, j - start))

@@ -1,0 +1,174 @@
+"""The routes of the service's side (``routes.py`` lists them all): the submitter's long poll,
+live updates, the autoscaler's inputs, stop and failure, the views, and the workers' stream of
+unit lengths."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import logs
+from .. import pieces as P
+from ..errors import PlanError
+from ..plan.io import plan_from_dict, plan_to_dict
+from .load_signals import pool_signals
+
+
+class ServiceRoutes:
+    """The service's, the operators' and the workers' handlers, over the plugin's parts (and
+    the trainers' routes, for the figures they keep)."""
+
+    def __init__(self, plugin, trainers):
+        self.p, self.trainers = plugin, trainers
+        self.scaling: dict | None = None  # the autoscaler's last decisions and history, as it reported them
+        self.stop_requested = False
+
+    @property
+    def state(self):
+        return self.p.thread.state
+
+    # ---- the submitter, the autoscaler, operators ------------------------------------------------------
+    async def work(self, timeout: float = 1.0) -> dict:
+        out = await self.p.thread.next_work(timeout)
+        signals = self.p.signals
+        out.update(
+            failure=self.state.failure,
+            plan_version=self.state.plan_version,
+            load_costs={s: signals.seconds_per_doc(s) for s in signals.cost},
+        )  # for auto-partitioning
+        return out
+
+    async def update(self, plan: dict, at_step: int | None = None, unit_first_ids: dict | None = None) -> dict:
+        """Apply a live plan update; with snapshots, answer only once a base holding it is written
+        (so an acknowledged update survives a crash)."""
+        try:
+            new = plan_from_dict(plan, where="<plan update>")
+            at = await self.p.thread.run(self.state.update, new, at_step, unit_first_ids or {})
+        except (PlanError, ValueError) as err:
+            return {"error": str(err), "at_step": None, "version": self.state.plan_version}
+        self.p.thread.wake()
+        logs.event("plan_update", self.p.run_id, at, version=self.state.plan_version)
+        if self.p.snapshots_loop is not None:
+            await self.p.snapshots_loop.write(force=True)
+        return {"error": None, "at_step": at, "version": self.state.plan_version}
+
+    async def pools(self, lead_s: float = 10.0, report: dict | None = None) -> dict:
+        """The autoscaler's inputs: per-source demand over the schedule ahead and measured costs;
+        with ``report``, the autoscaler's latest decisions (kept for ``Service.pools()``)."""
+        if report is not None:
+            self.scaling = report
+            self.state.pool_workers = dict(
+                report.get("arrived") or {}
+            )  # the planner records it with each step it plans
+            return {}
+        return {**await self.p.thread.run(pool_signals, self.state, self.p.signals, lead_s), "scaling": self.scaling}
+
+    def request_stop(self) -> dict:
+        """Ask the process that runs this service (``overlord serve``) to stop cleanly: it sees
+        ``stop_requested`` in the status, writes the last snapshot and retires its workers."""
+        self.stop_requested = True
+        logs.event("stop_requested", self.p.run_id, self.state.committed)
+        return {"stop_requested": True}
+
+    def fail(self, message: str) -> None:
+        self.p.fail(message)
+
+    # ---- views -----------------------------------------------------------------------------------------
+    async def status(self) -> dict:
+        thread = self.p.thread
+        st = await thread.run(
+            lambda: {**self.state.status(), "feedback": thread.feedback_status()}
+        )  # one hop to the planner thread
+        snaps = self.p.snapshots_loop
+        return {
+            **st,
+            **self.p.dropped.status(),
+            "loop": self.loop(),
+            "chunk_steps": self.p.chunk_steps,
+            **self.p.held.figures(),
+            **self.p.held.block_figures(),
+            "channels": len(self.p.channels.streams),
+            "subscribed": sum(len(s) for s in self.p.channels.subs.values()),
+            "snapshot_error": snaps.error if snaps is not None else None,
+            "stop_requested": self.stop_requested,
+            "rank_wait_share": self.trainers.wait_shares(),
+            **self.counters(),
+        }
+
+    async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
+        return await self.p.thread.run(
+            lambda: [m for s, m in self.state.metrics.items() if s >= start and (stop is None or s < stop)]
+        )
+
+    async def ledger(self, start: int = 0, stop: int | None = None) -> list[dict]:
+        def entries() -> list[dict]:
+            st, out = self.state, []
+            for s, entry in st.ledger.items():
+                if s >= start and (stop is None or s < stop):
+                    p = entry["pieces"]
+                    out.append(
+                        {
+                            "step": s,
+                            "pieces": P.to_bytes(p),
+                            "slot": entry["slot"].tobytes(),
+                            "sample_ids": st.streams.sample_ids(p).tobytes(),
+                            "dropped": st.streams.dropped_ids(entry["dropped"]).tobytes(),
+                        }
+                    )
+            return out
+
+        return await self.p.thread.run(entries)
+
+    async def plans(self, decisions: bool = False) -> list | dict:
+        """The plan versions ``[[at_step, plan], ...]``; with ``decisions``, ``{"versions", "decisions"}``."""
+
+        def view():
+            tl = self.state.timeline
+            versions = [[at, plan_to_dict(p)] for at, p in tl.versions]
+            return {"versions": versions, "decisions": [d.to_dict() for d in tl.decisions]} if decisions else versions
+
+        return await self.p.thread.run(view)
+
+    def snapshots(self) -> list[dict]:
+        return list(self.p.snapshots_loop.stats) if self.p.snapshots_loop is not None else []
+
+    def loop(self, reset: bool = False) -> dict:
+        """How late the scheduler's event loop woke up (``watchdog.py``)."""
+        return self.p.watch.figures(reset)
+
+    def counters(self) -> dict:
+        """Control-path traffic (tests and benchmarks read it)."""
+        return {"descriptors_put": self.p.channels.put_count, "acks": self.trainers.acks, **self.p.held.counts}
+
+    # ---- the workers' stream ----------------------------------------------------------------------------
+    def lengths(
+        self,
+        run_id: str,
+        source: str,
+        epoch: int,
+        unit: int,
+        lengths: bytes,
+        vision: bytes | None = None,
+        seconds: float = 0.0,
+        nbytes: int = 0,
+        part: list | None = None,
+        dropped: int = 0,
+        quarantined: str | None = None,
+        masked: bytes | None = None,
+        **_,
+    ) -> None:
+        """A load task's unit metadata (one-way, from the worker's stream); repeats are ignored."""
+        if run_id != self.p.run_id:
+            return
+        v = None if vision is None else np.frombuffer(vision, dtype="<i8")
+        lens = np.frombuffer(lengths, dtype="<i8")
+        m = None if masked is None else np.frombuffer(masked, dtype="<i8")
+        self.p.signals.loaded(source, seconds, int(lens.sum()), nbytes, len(lens))
+        if quarantined and self.p.dropped.quarantine(source, unit, quarantined, self.state.committed):
+            logs.event("quarantine", self.p.run_id, self.state.committed, source=source, unit=unit, reason=quarantined)
+        if part is not None:  # auto-partitioning: the unit counts once all its parts are in
+            whole = self.p.parts.add((source, epoch, unit), part, lens, v, dropped, m)
+            if whole is None:
+                return
+            lens, v, dropped, m = whole
+        self.p.dropped.loaded(source, unit, len(lens), dropped)
+        self.p.thread.add_lengths(source, epoch, unit, lens, v, m)

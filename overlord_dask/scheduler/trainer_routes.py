@@ -1,0 +1,197 @@
+"""The routes trainers use (``routes.py`` lists them all): attach, acknowledge, find their
+batches, rewind to their checkpoint, and the per-process channel their descriptors and acks
+travel on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .. import logs
+from ..protocol import eval_key
+from .channels import Consumer, send
+from .held import holders
+from .replicas import ReplicaAcks
+from .timings import Timings
+
+
+class TrainerRoutes:
+    """The trainers' handlers, over the plugin's parts."""
+
+    def __init__(self, plugin):
+        self.p = plugin
+        self.acks = 0
+        self.replicas = ReplicaAcks()
+        # (rank, cp rank) -> (seconds waiting, seconds since it attached), as the trainer counts them
+        self.rank_wait: dict[tuple[int, int], tuple[float, float]] = {}
+        self.timings = Timings()  # trainer wait and step time histograms (the metrics)
+        self.first_step: dict[Consumer, int] = {}  # each attached consumer's first step (its backlog starts there)
+
+    @property
+    def state(self):
+        return self.p.thread.state
+
+    def info(self) -> dict:
+        plan = self.state.final_plan
+        t = plan.topology
+        return {
+            "run_id": self.p.run_id,
+            "name": plan.name,
+            "dp": t.dp,
+            "cp": t.cp,
+            "micro_batches": t.micro_batches,
+            "tokens_per_micro_batch": t.tokens_per_micro_batch,
+            "prefetch_steps": plan.loading.prefetch_steps,
+            "chunk_steps": self.p.chunk_steps,
+            "sources": list(self.state.source_names),
+            "plan_version": self.state.plan_version,
+            "commit": self.state.progress.commit_mode,
+        }
+
+    def attach(self, rank: int, cp_rank: int = 0, replica: int = 0) -> dict:
+        """A consumer joins as (rank, cp rank, replica): it starts after its last acknowledged
+        step (a new replica where its rank is), under a new generation."""
+        st, topo = self.state, self.state.final_plan.topology
+        if not 0 <= rank < topo.dp or not 0 <= cp_rank < topo.cp or replica < 0:
+            return {"error": f"rank {rank} cp rank {cp_rank} does not exist: the plan has dp={topo.dp}, cp={topo.cp}"}
+        i = rank * st.topology.cp + cp_rank
+        rank_acked = st.progress.acked[i] if i < len(st.progress.acked) else -1
+        rank_durable = st.progress.durable[i] if i < len(st.progress.durable) else -1
+        consumer = (rank, cp_rank, replica)
+        first = max(st.replay_until, self.replicas.attach(consumer, rank_acked, rank_durable) + 1)
+        self.first_step[consumer] = first
+        gen = self.p.channels.reattach(consumer)
+        if gen > 1:  # a consumer came back (or another replaced it): it goes on from `first`
+            logs.event("rank_rewind", self.p.run_id, first, rank=rank, cp_rank=cp_rank, replica=replica, generation=gen)
+        return {"error": None, "first_step": first, "generation": gen}
+
+    def backlog(self, consumer: Consumer) -> list[dict]:
+        """What a newly subscribed consumer needs: every built batch of its rank from its first
+        step on (and the run's failure, if it failed)."""
+        rank, cp_rank, _ = consumer
+        first = self.first_step.get(consumer, 0)
+        out = [
+            self.p.channels.descriptor(key, t)
+            for key, t in self.p.held.tasks.items()
+            if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first
+        ]
+        if self.state.failure:
+            out.append({"error": self.state.failure})
+        return out
+
+    def leave(self, consumer: Consumer) -> None:
+        """A consumer's process went away: it no longer holds its rank's other replicas back."""
+        self.replicas.leave(consumer)
+
+    async def rewind(self, rank: int, step: int, dp: int, cp_rank: int = 0, replica: int = 0) -> dict:
+        """A training job restarted from its checkpoint at ``step`` with ``dp`` ranks."""
+        return await self.p.rewind(rank, cp_rank, step, dp)
+
+    async def channel(self, comm, channel_id: str, run_id: str, **_) -> None:
+        """A consumer process's stream (one per process and run, shared by its ranks)."""
+        if run_id != self.p.run_id:
+            await comm.write(
+                [
+                    {
+                        "op": "error",
+                        "rank": None,
+                        "message": f"this scheduler runs overlord run {self.p.run_id}, not {run_id}",
+                    }
+                ]
+            )
+            return
+        await self.p.channels.serve(comm, channel_id, self._channel_ack, self.p.thread.feedback_in.put)
+
+    def _channel_ack(
+        self,
+        bs,
+        rank: int,
+        step: int,
+        cp_rank: int = 0,
+        durable: bool = False,
+        wait_s: float | None = None,
+        since_s: float | None = None,
+        replica: int = 0,
+        generation: int | None = None,
+        **_,
+    ) -> None:
+        resp = self.ack(rank, step, cp_rank, durable, wait_s, since_s, replica, generation)
+        if resp["error"]:
+            send(
+                bs,
+                {
+                    "op": "error",
+                    "rank": rank,
+                    "cp_rank": cp_rank,
+                    "replica": replica,
+                    "generation": generation,
+                    "message": resp["error"],
+                },
+            )
+
+    def ack(
+        self,
+        rank: int,
+        step: int,
+        cp_rank: int = 0,
+        durable: bool = False,
+        wait_s: float | None = None,
+        since_s: float | None = None,
+        replica: int = 0,
+        generation: int | None = None,
+    ) -> dict:
+        st = self.state
+        self.acks += 1
+        consumer = (rank, cp_rank, replica)
+        if generation is not None and not self.p.channels.current(consumer, generation):
+            return {
+                "committed": st.committed,
+                "error": f"rank {rank}: this consumer's attachment (generation {generation}) was "
+                "replaced or the run was rewound; its acknowledgement is ignored",
+            }
+        if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
+            self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
+        before, before_durable = st.committed, st.progress.durable_step
+        try:
+            st.progress.check(rank, step, cp_rank, st.next_step)
+            acked, saved = self.replicas.ack(consumer, step, durable)
+            committed = st.ack(rank, acked, cp_rank)
+            if saved >= 0:
+                committed = st.ack(rank, saved, cp_rank, durable=True)
+        except ValueError as err:
+            return {"committed": st.committed, "error": str(err)}
+        self.timings.acked(consumer, step, wait_s)
+        if st.progress.durable_step > before_durable and self.p.snapshots_loop is not None:
+            self.p.snapshots_loop.wake()
+        if committed > before:
+            self.timings.committed(committed)
+            self.p.thread.release(self.p.held.release_before(committed))
+        return {"committed": committed, "error": None}
+
+    async def where(self, key: str, timeout: float = 5.0, run_id: str | None = None) -> dict:
+        """Workers holding built batch ``key``. A descriptor of another run (a consumer that has
+        not noticed the restart yet) gets ``other_run``: it reconnects instead of failing."""
+        if run_id is not None and run_id != self.p.run_id:
+            return {"error": None, "workers": [], "other_run": True}
+        return await self.p.held.where(key, timeout)
+
+    async def evaluation(self, timeout: float = 5.0) -> dict:
+        """Where the run's evaluation batches are (waits up to ``timeout`` while they are built)."""
+        if not any(self.state.timeline.source(n).holdout is not None for n in self.state.source_names):
+            return {"error": "the plan holds out no evaluation data (set a source's holdout)", "workers": []}
+        key, deadline = eval_key(self.p.run_id), time.monotonic() + timeout
+        while (
+            (ts := self.p.scheduler.tasks.get(key)) is None or ts.state not in ("memory", "erred")
+        ) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # submitted with the run's first tasks; built once its units are loaded
+        if ts is None:
+            return {"error": f"the evaluation batches were not submitted within {timeout:g}s", "workers": []}
+        if ts.state == "erred":
+            blame = ts.exception_blame or ts
+            return {"error": f"building the evaluation batches failed: {blame.exception_text}", "workers": []}
+        return {"error": None, "key": key, "run_id": self.p.run_id, "workers": holders(ts)}
+
+    def wait_shares(self) -> dict:
+        """Each rank's share of its wall time spent waiting in ``next()`` (as its acks report it)."""
+        shares = dict(self.rank_wait)  # one copy (atomic): the planner thread reads it while the loop adds ranks
+        return {f"{r}" + (f".{c}" if c else ""): round(w / s, 4) for (r, c), (w, s) in sorted(shares.items()) if s > 0}
