@@ -114,7 +114,7 @@ def _s3_rows(plan: dict, root: str, names: list[str]) -> list[dict]:
     """Upload the corpus to a loopback S3 server and index it there, by the service and in turn."""
     import s3fs
 
-    from benchmarks.s3 import create_bucket, start_moto, storage_options
+    from overlord_dask.testing.object_store import create_bucket, start_moto, storage_options
 
     proc, endpoint = start_moto()
     try:

@@ -3,7 +3,7 @@
     python benchmarks/formats.py                  # readable table (a corpus of about --mb MB of text)
     python benchmarks/formats.py --json --mb 200 --tokens 100000000
 
-One corpus (``--mb`` MB of text, ``benchmarks/format_corpus.py``) written as parquet, jsonl.zst
+One corpus (``--mb`` MB of text, ``overlord_dask/testing/format_corpus.py``) written as parquet, jsonl.zst
 (frames of 1 MB), an HF ``save_to_disk`` Arrow folder, webdataset shards and Megatron ``.bin/.idx``
 (pre-tokenized with the byte tokenizer the others are tokenized with on the fly). Per format:
 
@@ -35,8 +35,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.format_corpus import make_records, source_for, write  # noqa: E402
 from benchmarks.output import emit_rows  # noqa: E402
+from overlord_dask.testing.format_corpus import make_records, source_for, write  # noqa: E402
 
 FORMATS = ("parquet", "jsonl.zst", "arrow", "webdataset", "megatron")
 WORDS_PER_DOC = 80  # about 450 bytes of text per record (lognormal lengths)

@@ -132,3 +132,37 @@ def calibrate(trainer: ModelTrainer, capacity: int, micro_batches: int, steps: i
         times.append(time.perf_counter() - t0)
     trainer.forget_batches()
     return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def self_check() -> dict:
+    """The trainer's guard against a loader's bad batch: a token id past its vocabulary is named
+    in the error, on the first batch a loader hands over, also after ``calibrate``'s synthetic
+    ones (``python benchmarks/model_trainer.py --self-check``; the tests run it)."""
+    out = {}
+    for calibrated in (False, True):
+        m = ModelTrainer(vocab=8, dim=4, layers=1, capacity=4, device="cpu")
+        if calibrated:
+            calibrate(m, capacity=4, micro_batches=1, steps=1)
+            assert m.losses == [], "calibrate's synthetic batches must not count as training"
+        mb = {
+            "input_ids": torch.tensor([1, 2, 9, 3]),
+            "position_ids": torch.arange(4),
+            "labels": torch.tensor([2, 9, 3, -100]),
+        }
+        try:
+            m.micro_batch(mb)
+            out["calibrated" if calibrated else "fresh"] = "not caught"
+        except ValueError as err:
+            out["calibrated" if calibrated else "fresh"] = str(err)
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1:] != ["--self-check"]:
+        sys.exit(
+            "usage: python benchmarks/model_trainer.py --self-check (the trainer itself is used by trainer_wait.py)"
+        )
+    print(json.dumps(self_check()))

@@ -48,10 +48,23 @@ def pytest_configure(config):
     os.environ.setdefault("DASK_DISTRIBUTED__LOGGING__DISTRIBUTED", "warning")
 
 
+INTEGRATION_FIXTURES = {"cluster", "s3_server"}  # a test that asks for one of these is an integration test
+
+
+def pytest_collection_modifyitems(config, items):
+    """Two sets: the quick unit tests (``pytest -m "not integration"``: no cluster, service,
+    process or server) and the integration tests (``pytest -m integration``); CI runs both. A
+    test is marked ``integration`` by its module or its own decorator, and any test that asks
+    for a cluster or an object store is one whatever its marks say."""
+    for item in items:
+        if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server (moto) on loopback, with the bucket ``overlord``."""
-    from benchmarks.s3 import create_bucket, start_moto
+    from overlord_dask.testing.object_store import create_bucket, start_moto
 
     proc, endpoint = start_moto()
     create_bucket(endpoint, "overlord")

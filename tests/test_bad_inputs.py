@@ -32,6 +32,8 @@ from overlord_dask.sources import discover_units
 from overlord_dask.sources.blocks import SampleBlock
 from overlord_dask.worker.loaders import load_block
 
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
+
 ROOT = Path(__file__).resolve().parents[1]
 U = "tests.test_bad_inputs:"  # where the user functions below are imported from
 

@@ -1,8 +1,12 @@
-"""Benchmarks stay runnable: a few steps of the planner-only balance benchmark (figures are the
-benchmark's job, not the tests'; this only checks that it runs and reports what it promises)."""
+"""Benchmarks stay runnable: each runs as a user runs it (``python benchmarks/NAME.py ... --json``,
+a process of its own), a few steps of it (figures are the benchmark's job, not the tests'; this
+only checks that it runs and reports what it promises). No test imports a benchmark's code."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,10 +14,23 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import balance  # noqa: E402
-import mixing  # noqa: E402
+
+def run_benchmark(name: str, args: list[str], timeout: float = 600) -> tuple[dict, str]:
+    """``python benchmarks/{name}.py *args`` (with ``--json``): its JSON object and its stdout."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, f"benchmarks/{name}.py failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("{"))
+    return json.loads(line), out.stdout
+
+
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
 
 KEYS = {
     "imbalance_p50",
@@ -30,28 +47,28 @@ KEYS = {
 }
 
 
-def test_balance_benchmark_runs(capsys):
-    out = balance.main(["--steps", "32", "--only", "mixed_100k", "--window", "8", "--json"])
+def test_balance_benchmark_runs():
+    out, stdout = run_benchmark("balance", ["--steps", "32", "--only", "mixed_100k", "--window", "8", "--json"])
     assert set(out) == {"mixed_100k"}
     res = out["mixed_100k"]
     assert KEYS <= set(res)
     assert res["capacity_violations"] == 0
     assert res["imbalance_p50"] < res["baseline_imbalance_p50"]
-    assert '"mixed_100k"' in capsys.readouterr().out
+    assert '"mixed_100k"' in stdout
 
 
-def test_mixing_benchmark_runs(capsys):
-    out = mixing.main(["--steps", "150", "--micro-batches", "4", "--json"])
+def test_mixing_benchmark_runs():
+    out, stdout = run_benchmark("mixing", ["--steps", "150", "--micro-batches", "4", "--json"])
     assert {"mix_error_window_max", "mix_error_step_max", "duplicates", "missing", "replay_identical"} <= set(out)
     assert out["duplicates"] == 0 and out["missing"] == 0 and out["replay_identical"]
     assert out["mix_error_step_max"] <= 2.0  # exact per-step policy: within two pieces, always
-    assert '"mix_error_window_max"' in capsys.readouterr().out
+    assert '"mix_error_window_max"' in stdout
 
 
-def test_trainer_wait_benchmark_runs(capsys, corpus):
-    import trainer_wait
+def test_trainer_wait_benchmark_runs(corpus):
 
-    out = trainer_wait.main(
+    out, stdout = run_benchmark(
+        "trainer_wait",
         [
             "--dp",
             "2",
@@ -68,7 +85,7 @@ def test_trainer_wait_benchmark_runs(capsys, corpus):
             "--data",
             str(corpus),
             "--json",
-        ]
+        ],
     )
     (row,) = out["rows"]
     assert {
@@ -80,16 +97,16 @@ def test_trainer_wait_benchmark_runs(capsys, corpus):
         "baseline_wait_share",
     } <= set(row)
     assert 0 <= row["wait_share"] < 1 and row["compute_ms"] == 20
-    assert '"trainer_wait"' in capsys.readouterr().out
+    assert '"trainer_wait"' in stdout
 
 
-def test_trainer_wait_trains_a_real_model_from_both_loaders(capsys, corpus):
+def test_trainer_wait_trains_a_real_model_from_both_loaders(corpus):
     """``--model``: rank 0 trains a small model on CPU from the service and from the per-rank
     DataLoader; its figures are reported apart, and the loss falls on either loader's batches
     (real, aligned input_ids / labels / position_ids reach the model)."""
-    import trainer_wait
 
-    out = trainer_wait.main(
+    out, stdout = run_benchmark(
+        "trainer_wait",
         [
             "--model",
             "--device",
@@ -113,7 +130,7 @@ def test_trainer_wait_trains_a_real_model_from_both_loaders(capsys, corpus):
             "--data",
             str(corpus),
             "--json",
-        ]
+        ],
     )
     (row,) = out["rows"]
     assert out["model"]["device"] == "cpu" and out["model"]["ranks"] == 1
@@ -122,33 +139,22 @@ def test_trainer_wait_trains_a_real_model_from_both_loaders(capsys, corpus):
             0 <= row[prefix + "wait_share"] < 1 and row[prefix + "compute_ms"] > 0 and row[prefix + "synthetic_ms"] > 0
         )
         assert row[prefix + "loss_last"] < row[prefix + "loss_first"] - 0.5, (prefix, row)
-    assert '"trainer_wait"' in capsys.readouterr().out
+    assert '"trainer_wait"' in stdout
 
 
-@pytest.mark.parametrize("calibrated", [False, True])
-def test_model_trainer_names_a_token_past_its_vocabulary(calibrated):
-    """The first batch a loader hands over is checked, also after ``calibrate``'s synthetic ones."""
-    import torch
-    from model_trainer import ModelTrainer, calibrate
-
-    m = ModelTrainer(vocab=8, dim=4, layers=1, capacity=4, device="cpu")
-    if calibrated:
-        calibrate(m, capacity=4, micro_batches=1, steps=1)
-        assert m.losses == []
-    mb = {
-        "input_ids": torch.tensor([1, 2, 9, 3]),
-        "position_ids": torch.arange(4),
-        "labels": torch.tensor([2, 9, 3, -100]),
-    }
-    with pytest.raises(ValueError, match="token id 9 .* vocabulary of 8"):
-        m.micro_batch(mb)
+def test_model_trainer_names_a_token_past_its_vocabulary():
+    """The benchmarks' model trainer checks the first batch a loader hands over, also after
+    ``calibrate``'s synthetic ones (its own ``--self-check``)."""
+    out, _ = run_benchmark("model_trainer", ["--self-check"])
+    for case in ("fresh", "calibrated"):
+        assert re.search(r"token id 9 .* vocabulary of 8", out[case]), out
 
 
 @pytest.mark.parametrize("consumers", ["lean", "rankstream"])
-def test_control_plane_benchmark_runs(capsys, corpus, consumers):
-    import control_plane
+def test_control_plane_benchmark_runs(corpus, consumers):
 
-    out = control_plane.main(
+    out, stdout = run_benchmark(
+        "control_plane",
         [
             "--dp",
             "6",
@@ -166,7 +172,7 @@ def test_control_plane_benchmark_runs(capsys, corpus, consumers):
             "--data",
             str(corpus),
             "--json",
-        ]
+        ],
     )
     (row,) = out["rows"]
     assert {
@@ -179,13 +185,13 @@ def test_control_plane_benchmark_runs(capsys, corpus, consumers):
     } <= set(row)
     assert row["dp"] == 6 and row["steps"] > 0 and row["cpu_ms_per_step_rank"] > 0
     assert row["connections"] == 2 and row["consumer_processes"] == 2 and row["consumers"] == consumers
-    assert '"control_plane"' in capsys.readouterr().out
+    assert '"control_plane"' in stdout
 
 
-def test_faults_benchmark_runs(capsys, corpus):
-    import faults
+def test_faults_benchmark_runs(corpus):
 
-    out = faults.main(
+    out, stdout = run_benchmark(
+        "faults",
         [
             "--steps",
             "12",
@@ -202,7 +208,7 @@ def test_faults_benchmark_runs(capsys, corpus):
             "1",
             "3",
             "--json",
-        ]
+        ],
     )
     assert set(out["scenarios"]) == {
         "worker_kill_shadows",
@@ -220,26 +226,27 @@ def test_faults_benchmark_runs(capsys, corpus):
         assert {"stall_max_s", "duplicates", "missing", "identical"} <= set(row), name
         assert row["identical"] and row["duplicates"] == 0 and row["missing"] == 0, (name, row)
     assert out["scenarios"]["worker_kill_shadows"]["batches_shadowed"] > 0
-    assert '"faults"' in capsys.readouterr().out
+    assert '"faults"' in stdout
 
 
-def test_autoscale_benchmark_runs(capsys, corpus):
-    import autoscale
+def test_autoscale_benchmark_runs(corpus):
 
-    out = autoscale.main(["--steps", "40", "--warmup", "5", "--compute-ms", "20", "--data", str(corpus), "--json"])
+    out, stdout = run_benchmark(
+        "autoscale", ["--steps", "40", "--warmup", "5", "--compute-ms", "20", "--data", str(corpus), "--json"]
+    )
     for mode in ("static", "autoscaled"):
         assert {"wait_share", "wait_p99_ms", "worker_seconds", "tokens_per_s"} <= set(out[mode]), mode
         assert out[mode]["workers_max"] <= out["budget"]
     assert {"duplicates", "missing", "identical", "lead_steps"} <= set(out)
     assert out["identical"] and out["duplicates"] == 0 and out["missing"] == 0
     assert out["heavy_ratio"] >= 20  # the photo source's loading really is heavier per token
-    assert '"autoscale"' in capsys.readouterr().out
+    assert '"autoscale"' in stdout
 
 
-def test_memory_benchmark_runs(capsys, tmp_path):
-    import memory
+def test_memory_benchmark_runs(tmp_path):
 
-    out = memory.main(
+    out, stdout = run_benchmark(
+        "memory",
         [
             "--ranks",
             "1",
@@ -260,7 +267,7 @@ def test_memory_benchmark_runs(capsys, tmp_path):
             "--data",
             str(tmp_path),
             "--json",
-        ]
+        ],
     )
     assert {(r["ranks"], r["sources"]) for r in out["rows"]} == {(1, 1), (2, 1)}
     assert {
@@ -273,13 +280,13 @@ def test_memory_benchmark_runs(capsys, tmp_path):
     for row in out["rows"]:
         assert row["baseline_mb"] > 0 and row["ours_mb"] > 0, row  # both loaders really add memory over bare trainers
         assert row["baseline_tokens_per_s"] > 0 and row["ours_tokens_per_s"] > 0, row
-    assert '"memory"' in capsys.readouterr().out
+    assert '"memory"' in stdout
 
 
-def test_peers_benchmark_runs(capsys, tmp_path):
-    import peers
+def test_peers_benchmark_runs(tmp_path):
 
-    out = peers.main(
+    out, stdout = run_benchmark(
+        "peers",
         [
             "--dp",
             "2",
@@ -300,32 +307,32 @@ def test_peers_benchmark_runs(capsys, tmp_path):
             "--data",
             str(tmp_path),
             "--json",
-        ]
+        ],
     )
     rows = {r["system"]: r for r in out["rows"]}
     assert set(rows) == {"torchdata", "ours"}
     for name, row in rows.items():
         assert {"tokens_per_s", "wait_share", "wait_p99_ms", "memory_mb", "mix_error_window_max"} <= set(row), name
         assert row["resume_identical"], (name, row)  # both resume exactly from their state_dict()
-    assert '"peers"' in capsys.readouterr().out
+    assert '"peers"' in stdout
 
 
-def test_corpus_scale_benchmark_runs(capsys, tmp_path):
-    import corpus_scale
+def test_corpus_scale_benchmark_runs(tmp_path):
 
-    out = corpus_scale.main(
-        ["--sources", "3", "--files", "2", "--row-groups", "4", "--rows", "5", "--data", str(tmp_path), "--json"]
+    out, stdout = run_benchmark(
+        "corpus_scale",
+        ["--sources", "3", "--files", "2", "--row-groups", "4", "--rows", "5", "--data", str(tmp_path), "--json"],
     )
     assert out["units"] == 3 * 2 * 4 and out["files"] == 6
     assert out["first_batch_cold_s"] > 0 and out["first_batch_warm_s"] > 0
     assert {r["units"] for r in out["rows"] if r["what"].startswith("index")} == {24}
-    assert '"corpus_scale"' in capsys.readouterr().out
+    assert '"corpus_scale"' in stdout
 
 
-def test_throughput_benchmark_with_a_trained_bpe(capsys, corpus):
-    import throughput
+def test_throughput_benchmark_with_a_trained_bpe(corpus):
 
-    out = throughput.main(
+    out, stdout = run_benchmark(
+        "throughput",
         [
             "--steps",
             "6",
@@ -350,7 +357,7 @@ def test_throughput_benchmark_with_a_trained_bpe(capsys, corpus):
             "--raw-repeats",
             "2",
             "--json",
-        ]
+        ],
     )
     for res in (out, out["bpe"]):
         assert res["tokens"] > 0 and res["ratio_to_raw"] > 0 and res["duplicates"] == 0 and res["missing"] == 0
@@ -361,24 +368,25 @@ def test_throughput_benchmark_with_a_trained_bpe(capsys, corpus):
         for r in (res, base):  # the raw rate: the median of 2 passes before its run and 2 after
             assert len(r["raw_passes"]) == 4 and abs(r["raw_tokens_per_s"] - float(np.median(r["raw_passes"]))) <= 0.2
     assert out["bpe"]["vocab"] == 400
-    assert '"throughput"' in capsys.readouterr().out
+    assert '"throughput"' in stdout
 
 
-def test_formats_benchmark_runs(capsys, tmp_path):
-    import formats
+def test_formats_benchmark_runs(tmp_path):
 
-    out = formats.main(["--mb", "1", "--files", "2", "--tokens", "200000", "--data", str(tmp_path), "--json"])
+    out, stdout = run_benchmark(
+        "formats", ["--mb", "1", "--files", "2", "--tokens", "200000", "--data", str(tmp_path), "--json"]
+    )
     assert set(out["formats"]) == {"parquet", "jsonl.zst", "arrow", "webdataset", "megatron"}
     for fmt, figures in out["formats"].items():
         assert set(figures) == {"index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s"}, fmt
         assert all(v > 0 for v in figures.values()), (fmt, figures)
-    assert '"formats"' in capsys.readouterr().out
+    assert '"formats"' in stdout
 
 
-def test_sft_benchmark_checks_every_label_against_transformers(capsys, tmp_path):
-    import sft
+def test_sft_benchmark_checks_every_label_against_transformers(tmp_path):
 
-    out = sft.main(
+    out, stdout = run_benchmark(
+        "sft",
         [
             "--convs",
             "300",
@@ -395,7 +403,7 @@ def test_sft_benchmark_checks_every_label_against_transformers(capsys, tmp_path)
             "--data",
             str(tmp_path),
             "--json",
-        ]
+        ],
     )
     assert out["mask_mismatches"] == 0 and out["pieces_checked"] > 10
     assert (
@@ -404,13 +412,13 @@ def test_sft_benchmark_checks_every_label_against_transformers(capsys, tmp_path)
         and 0 <= out["wait_share"] <= 1
         and 0 <= out["peer_wait_share"] <= 1
     )
-    assert '"sft"' in capsys.readouterr().out
+    assert '"sft"' in stdout
 
 
-def test_learned_cost_benchmark_runs(capsys):
-    import learned_cost
+def test_learned_cost_benchmark_runs():
 
-    out = learned_cost.main(
+    out, stdout = run_benchmark(
+        "learned_cost",
         [
             "--dp",
             "4",
@@ -426,9 +434,8 @@ def test_learned_cost_benchmark_runs(capsys):
             "3000",
             "--no-true-model",
             "--json",
-        ]
+        ],
     )
-    capsys.readouterr()
     for k in (
         "declared_imbalance_p50",
         "learned_imbalance_p50",
@@ -440,13 +447,12 @@ def test_learned_cost_benchmark_runs(capsys):
     assert out["replay_identical"] is True and out["switch_step"] is not None and out["settle_steps"] <= 60
 
 
-def test_feedback_mixing_benchmark_runs(capsys):
-    import feedback_mixing
+def test_feedback_mixing_benchmark_runs():
 
-    out = feedback_mixing.main(
-        ["--steps", "40", "--tokens", "1024", "--docs", "600", "--interval", "5", "--eval-every", "5", "--json"]
+    out, stdout = run_benchmark(
+        "feedback_mixing",
+        ["--steps", "40", "--tokens", "1024", "--docs", "600", "--interval", "5", "--eval-every", "5", "--json"],
     )
-    capsys.readouterr()
     for k in (
         "tokens_to_target_static",
         "tokens_to_target_controller",
@@ -459,11 +465,9 @@ def test_feedback_mixing_benchmark_runs(capsys):
     assert out["replay_identical"] is True and (out["duplicates"], out["missing"]) == (0, 0) and out["decisions"] >= 3
 
 
-def test_gpu_learned_cost_benchmark_runs_on_the_cpu(capsys):
+def test_gpu_learned_cost_benchmark_runs_on_the_cpu():
     """The GPU measurement's script, with a tiny model and a dense document mask on the CPU."""
-    import gpu_learned_cost
 
-    out = gpu_learned_cost.main(["--tiny", "--steps", "12", "--json"])
-    capsys.readouterr()
+    out, stdout = run_benchmark("gpu_learned_cost", ["--tiny", "--steps", "12", "--json"])
     assert out["attention"] == "sdpa dense mask" and out["declared_step_ms"] > 0 and out["learned_step_ms"] > 0
     assert out["settle_steps"] is not None and set(out["fitted"]) >= {"attention", "linear", "constant", "fixed"}

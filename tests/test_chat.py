@@ -199,6 +199,7 @@ def _expected_label(ref, sample, pos) -> int:
     return ids[pos + 1] if pos + 1 < len(ids) and mask[pos + 1] else -100
 
 
+@pytest.mark.integration
 def test_masks_travel_through_packing_splits_and_the_wire(cluster, tmp_path, llama3, hf):
     """Chat and plain text mixed, documents split across micro-batches: every label of every chat
     piece is the reference's (-100 on every masked target), text pieces are all trained, and
@@ -253,6 +254,7 @@ def test_masks_travel_through_packing_splits_and_the_wire(cluster, tmp_path, lla
     assert chat_pieces > 20 and masked > 100
 
 
+@pytest.mark.integration
 def test_masks_survive_context_parallel_slices(cluster, tmp_path, llama3, hf):
     plan, convs = _chat_and_text(tmp_path, llama3, cp=2, cp_min_tokens=8)
     ref = [tuple(reference(hf, c)) for c in [[{k: v for k, v in m.items() if v is not None} for m in c] for c in convs]]
@@ -284,13 +286,14 @@ def test_masks_survive_context_parallel_slices(cluster, tmp_path, llama3, hf):
     assert checked > 500
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fmt", ["jsonl.zst", "arrow", "webdataset"])
 def test_chat_records_read_alike_from_every_record_format(tmp_path, llama3, fmt):
     """The same conversations as jsonl.zst lines, an HF save_to_disk folder, or webdataset shards
     (a ``json`` member per sample) give the blocks parquet gives."""
     import json
 
-    from benchmarks.format_corpus import write
+    from overlord_dask.testing.format_corpus import write
 
     rng = np.random.default_rng(9)
     convs = [conversation(rng) for _ in range(50)]

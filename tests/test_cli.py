@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OVERLORD = [sys.executable, "-m", "overlord_dask"]
 
 
+@pytest.mark.integration
 def test_demo_prints_a_summary_with_exactly_once(tmp_path):
     out = subprocess.run(
         [
@@ -57,6 +58,7 @@ def test_demo_prints_a_summary_with_exactly_once(tmp_path):
     assert (tmp_path / "data" / "CORPUS.json").exists()  # the corpus was generated because it was missing
 
 
+@pytest.mark.integration
 def test_the_steady_state_window_skips_warm_up_and_prefetched_steps():
     from overlord_dask.service.cli import steady_from
 
@@ -66,6 +68,7 @@ def test_the_steady_state_window_skips_warm_up_and_prefetched_steps():
     assert steady_from(2, 64) == 1 and steady_from(1, 64) == 0  # a one-step run: from its first batch
 
 
+@pytest.mark.integration
 def test_validate_and_bad_plan_exit_codes(tmp_path, corpus):
     plan = yaml.safe_load((ROOT / "overlord_dask" / "service" / "demo_plan.yaml").read_text())
     for s in plan["sources"]:
@@ -110,6 +113,7 @@ def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run([*OVERLORD, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.integration
 def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, corpus):
     """A service's life from the command line: serve (for the trainers' world size, announcing
     itself in a scheduler file), trainers that find it by the file, status, a plan update, a
@@ -172,6 +176,7 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
             proc.kill()
 
 
+@pytest.mark.integration
 def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
@@ -194,6 +199,7 @@ def _demo_plan_file(tmp_path, corpus, **changes) -> Path:
     return path
 
 
+@pytest.mark.integration
 def test_plan_report_counts_tokens_and_epochs_without_a_cluster(tmp_path, corpus):
     """Each source's tokens up to a step are its declared share of the steps' budget; a pass
     read whole gives its exact tokens, and epochs are the ratio; the plot is written."""
@@ -246,6 +252,7 @@ def test_plan_report_counts_tokens_and_epochs_without_a_cluster(tmp_path, corpus
     assert main(["plan-report", str(path)]) == 2  # no steps in the plan and none given: told so
 
 
+@pytest.mark.integration
 def test_preview_shows_decoded_documents_and_the_trained_part(tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -292,6 +299,7 @@ def test_schema_validates_every_example_plan_and_catches_a_typo(tmp_path):
         jsonschema.validate(plan, schema)
 
 
+@pytest.mark.integration
 def test_status_watch_follows_a_service_until_it_is_gone(tmp_path, corpus):
     path = _demo_plan_file(tmp_path, corpus)
     proc = _serve(path, "--dp", "1", "--scheduler-file", str(tmp_path / "run.json"))

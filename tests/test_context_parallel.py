@@ -70,6 +70,7 @@ def test_zigzag_chunks_are_near_equal():
     assert b[0] == 0 and b[-1] == 103 and len(sizes) == 8 and sizes.max() - sizes.min() <= 1
 
 
+@pytest.mark.integration
 def test_service_with_context_parallelism(cluster, small_plan):
     plan = small_plan(
         topology={"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 4096, "cp": 2, "cp_min_tokens": 512}

@@ -194,6 +194,7 @@ print(before, tuned, faults_per_decode())
 """
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_consumers_decode_into_reused_memory_even_under_dasks_trim_setting():
     """A process started with ``MALLOC_TRIM_THRESHOLD_`` (as Dask's nanny leaves it in the
@@ -214,6 +215,7 @@ def _allocator_tuned() -> bool:
     return allocator._done is True
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_every_worker_of_a_service_keeps_freed_memory(cluster, small_plan):
     with Service.start(small_plan(), cluster=cluster) as service:
@@ -236,6 +238,7 @@ def _consume_all(address, ranks, steps, **kw):
     return out
 
 
+@pytest.mark.integration
 def test_queue_items_and_acks_are_per_chunk_not_per_step(cluster, small_plan):
     plan = small_plan(loading={"prefetch_steps": 8, "batch_steps": 4})
     steps, dp = 16, plan.topology.dp
@@ -251,6 +254,7 @@ def test_queue_items_and_acks_are_per_chunk_not_per_step(cluster, small_plan):
     assert st["loop"]["samples"] > 0 and "block_max_ms" in st["loop"]
 
 
+@pytest.mark.integration
 def test_ranks_of_one_process_share_one_channel_and_descriptors_are_pushed(cluster, small_plan):
     """Every rank in this process receives its descriptors on one stream (no per-rank polling);
     a closed stream unsubscribes; a stream waiting when the run stops fails at once, naming it."""
@@ -280,6 +284,7 @@ def test_ranks_of_one_process_share_one_channel_and_descriptors_are_pushed(clust
         s.close()
 
 
+@pytest.mark.integration
 def test_channel_groups_give_ranks_of_one_process_connections_of_their_own(cluster, small_plan):
     """``channel_group``: the ranks of one name share a connection (a simulated host, or a
     group of trainers); closing one group's channel unsubscribes its ranks only, and the others
@@ -382,6 +387,7 @@ def test_batched_writer_batches_and_leaves_no_cyclic_garbage():
     asyncio.run(main())
 
 
+@pytest.mark.integration
 def test_a_slow_rank_bounds_everyone(cluster, small_plan):
     """Rank 1 never asks: the service plans at most prefetch_steps ahead of it, rank 0 gets no
     further, and the consumers' buffers hold what their bounds allow."""
@@ -401,6 +407,7 @@ def test_a_slow_rank_bounds_everyone(cluster, small_plan):
         slow.close()
 
 
+@pytest.mark.integration
 def test_byte_bound_holds_one_step_at_most_when_tiny(cluster, small_plan):
     plan = small_plan(loading={"prefetch_steps": 6, "batch_steps": 3})
     with Service.start(plan, cluster=cluster) as service:
@@ -417,6 +424,7 @@ def test_byte_bound_holds_one_step_at_most_when_tiny(cluster, small_plan):
                 s.close()
 
 
+@pytest.mark.integration
 def test_pin_memory_without_an_accelerator_warns_and_still_delivers(cluster, small_plan):
     import torch
 

@@ -8,10 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from overlord_dask import PlanError, Service, connect
+from overlord_dask import PlanError, Service
 from overlord_dask.observe.figures import (
-    delivered_identities,
-    delivered_record,
     exactly_once,
     planned_identities,
     window_mix_errors,
@@ -20,7 +18,7 @@ from overlord_dask.plan import plan_from_dict, plan_to_dict
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.planner.streams.order import stable_seed
 
-from .harness import run_ranks
+from .harness import as_array, assert_same_stream, consume
 
 N_UNITS, DOCS = 200, 64
 FIRST_IDS = {n: list(range(0, N_UNITS * DOCS, DOCS)) for n in ("a", "b", "c", "d")}
@@ -323,22 +321,7 @@ def test_stage_context_splits_or_drops_long_documents_and_records_drops():
 
 
 # ---- through the service ----------------------------------------------------------------------
-def _consume(address, ranks, steps, between=None):
-    got = {}
-
-    def run(rank):
-        with connect(address, rank, timeout=120) as stream:
-            for k in range(steps):
-                if between and k == between[0] and rank == 0:
-                    between[1]()
-                b = stream.next_batch()
-                got[(rank, b["step"])] = delivered_identities(delivered_record(b))
-            stream.commit()
-
-    run_ranks(run, ranks)
-    return got
-
-
+@pytest.mark.integration
 def test_live_update_through_the_service(cluster, small_plan):
     plan = small_plan(balance={"policy": "cost", "window": 3})
     d = plan_to_dict(plan)
@@ -349,12 +332,12 @@ def test_live_update_through_the_service(cluster, small_plan):
     steps, dp = 24, plan.topology.dp
     with Service.start(plan, cluster=cluster) as service:
         applied = {}
-        got = _consume(
-            service.address,
-            list(range(dp)),
-            steps,
-            between=(4, lambda: applied.setdefault("at", service.update_plan(new))),
-        )
+
+        def update_after_step_3(rank, batch):  # rank 0, between its steps 3 and 4
+            if rank == 0 and batch["step"] == 3:
+                applied.setdefault("at", service.update_plan(new))
+
+        got = consume(service.address, range(dp), steps=steps, on_batch=update_after_step_3).ids
         service.wait_for_step(steps, timeout=60)
         ledger, metrics = service.ledger(0, steps), service.metrics(0, steps)
         assert service.status()["plan_version"] == 1
@@ -365,13 +348,12 @@ def test_live_update_through_the_service(cluster, small_plan):
     late = np.array([m["source_tokens"][3] if len(m["source_tokens"]) > 3 else 0 for m in metrics])
     assert late[:at].sum() == 0 and late[at + 3 :].min() > 0
     planned = [planned_identities(ledger[s]) for s in range(steps)]
-    assert exactly_once(planned, list(got.values())) == (0, 0)
+    assert exactly_once(planned, [as_array(v) for v in got.values()]) == (0, 0)
     # replay: a run given the same update at the same step before it gets there delivers the same
     with Service.start(plan, cluster=cluster) as service:
         assert service.update_plan(new, at_step=at) == at
-        again = _consume(service.address, list(range(dp)), steps)
-    for key, ids in got.items():
-        assert sorted(map(tuple, ids.tolist())) == sorted(map(tuple, again[key].tolist())), key
+        again = consume(service.address, range(dp), steps=steps).ids
+    assert_same_stream(again, got)
 
 
 # ---- long-document share ---------------------------------------------------------------------

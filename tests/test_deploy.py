@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.integration
 def test_local_cluster_uses_worker_processes(cluster):
     import os
 
@@ -25,6 +26,7 @@ def test_local_cluster_uses_worker_processes(cluster):
     assert len(worker_pids) == len(pids) == 2 and os.getpid() not in worker_pids
 
 
+@pytest.mark.integration
 def test_the_embedded_cluster_quiets_dasks_housekeeping_timers(cluster):
     """Workers run without Dask's 100 Hz statistical profiler and with the slower loop-health tick,
     system monitor and memory checks; the scheduler and the nannies with the slower tick, system
@@ -61,6 +63,7 @@ def _thread_priorities():
     return sorted(os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task"))
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values")
 def test_embedded_workers_yield_the_cores_to_the_scheduler_and_the_trainers(cluster):
     """Every thread of every embedded worker runs at ``priority.WORKER_NICE`` (also threads a task
@@ -100,6 +103,7 @@ def test_a_users_dask_settings_win_over_the_quiet_defaults():
     assert dask.config.get("distributed.worker.profile.enabled") is True  # the caller's own config is untouched
 
 
+@pytest.mark.integration
 def test_slurm_job_script_renders():
     pytest.importorskip("dask_jobqueue")
     from overlord_dask.service.deploy import slurm_cluster
@@ -121,6 +125,7 @@ def test_slurm_job_script_renders():
     assert "--lifetime 3240s --lifetime-stagger 324s" in script  # before the 1 h walltime (a tenth less), staggered
 
 
+@pytest.mark.integration
 def test_slurm_launcher_prints_job_script(corpus, tmp_path):
     pytest.importorskip("dask_jobqueue")
     plan = ROOT / "pipelines" / "demo.yaml"
@@ -144,6 +149,7 @@ def test_slurm_launcher_prints_job_script(corpus, tmp_path):
     assert "#SBATCH -p gpu" in out.stdout
 
 
+@pytest.mark.integration
 def test_pools_scale_as_slurm_jobs_through_the_real_slurmcluster(corpus, tmp_path, monkeypatch):
     """dask-jobqueue's own SLURMCluster, with sbatch/scancel/squeue stand-ins on PATH that run
     each job script as a local process group (tests/fake_slurm): every pool worker is a job of
@@ -194,32 +200,33 @@ def test_pools_scale_as_slurm_jobs_through_the_real_slurmcluster(corpus, tmp_pat
     assert len(cancelled) == len(scripts)  # every job ended by scancel: the shrink, then the close
 
 
+@pytest.mark.integration
 def test_shared_jobs_that_end_are_replaced_without_a_stall_or_a_lost_step(tmp_path):
     """A soak through the real SLURMCluster (stand-in Slurm commands): worker jobs live 15 s,
     the run lasts 45 s, every job is replaced several times; each successor starts before its
     predecessor drains, so trainers never wait long, and nothing is delivered twice or lost."""
     pytest.importorskip("dask_jobqueue")
+    import json
+    import subprocess
     import sys
 
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.soak import soak
-
-    res = soak(
-        str(tmp_path / "data"),
-        str(tmp_path / "slurm"),
-        seconds=45,
-        lifetime=15,
-        stagger=3,
-        jobs=2,
-        dp=2,
-        compute_s=0.05,
+    args = ["--seconds", "45", "--lifetime", "15", "--stagger", "3", "--jobs", "2", "--dp", "2", "--compute-ms", "50"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), *args, "--data", str(tmp_path / "data"), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
+    assert out.returncode == 0, out.stderr[-5000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["failure"] is None
     assert res["workers_replaced"] >= 4, res
     assert res["duplicates"] == 0 and res["missing"] == 0 and res["steps"] > 100, res
     assert res["stall_max_s"] < 1.5, res
 
 
+@pytest.mark.integration
 def test_worker_lifetimes_follow_the_walltime():
     pytest.importorskip("dask_jobqueue")
     from overlord_dask.service.deploy import slurm_cluster
@@ -238,6 +245,7 @@ def test_worker_lifetimes_follow_the_walltime():
         slurm_cluster(walltime="01:00:00", lifetime="2h")
 
 
+@pytest.mark.integration
 def test_the_service_outlives_its_own_job_through_the_scheduler_file(cluster, corpus, tmp_path, monkeypatch):
     """`overlord slurm` as a (stand-in) Slurm job with a 15 s walltime: it stops cleanly before
     it, writing its last snapshot, and resubmits itself; the next job resumes from the snapshot

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,8 +50,6 @@ def test_benchmark_results_say_where_they_come_from():
         "output",
         "per_rank",
         "model_trainer",
-        "s3",
-        "format_corpus",
     }
     named = {re.search(r"benchmarks/(\w+)\.py", s).group(1) for s in sections if re.search(r"benchmarks/(\w+)\.py", s)}
     assert scripts <= named, f"no results for {sorted(scripts - named)}"

@@ -92,6 +92,7 @@ def test_holdout_is_a_stable_choice_of_units(tmp_path):
         )
 
 
+@pytest.mark.integration
 def test_held_out_documents_never_reach_training_and_every_rank_reads_the_same_eval_stream(cluster, tmp_path):
     _corpus(tmp_path)
     plan = _plan(tmp_path)
@@ -136,6 +137,7 @@ def test_held_out_documents_never_reach_training_and_every_rank_reads_the_same_e
     assert sum(len(mbs[0]) for mbs in first.values()) == 2 * len(first[0][0])
 
 
+@pytest.mark.integration
 def test_an_evaluation_budget_is_shared_by_weight(cluster, tmp_path):
     _corpus(tmp_path)
     plan = _plan(tmp_path, evaluation={"tokens": 3000, "weights": {"web": 1.0, "code": 1.0}, "micro_batches": 1})

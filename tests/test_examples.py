@@ -19,6 +19,8 @@ import torch
 
 from overlord_dask import Service
 
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 

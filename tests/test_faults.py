@@ -11,43 +11,37 @@ import time
 import pytest
 from dask.utils import parse_timedelta
 
-from overlord_dask import Service, connect
-from overlord_dask.observe.figures import delivered_identities, delivered_record
+from overlord_dask import Service
 from overlord_dask.service.deploy import WORKER_CONFIG
 
-from .harness import run_ranks
+from .harness import consume
+
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
 
 PEER_CONNECT_S = parse_timedelta(
     WORKER_CONFIG["distributed"]["comm"]["timeouts"]["connect"]
 )  # a worker's wait on a dead peer
 
 
-def _consume(streams, steps, waits=None, at_step=None, action=None) -> dict:
-    """Each rank takes ``steps`` steps; ``action`` runs once when rank 0 reaches ``at_step``."""
-    got = {}
+def _consume(address, steps, waits=None, at_step=None, action=None) -> dict:
+    """Each of two ranks takes ``steps`` steps, one step fetched ahead, so the batches built for the
+    next steps are still on the workers (``harness.consume``);
+    ``action`` runs once when rank 0 reaches ``at_step``; ``waits`` gets each step's wait."""
 
-    def run(r):
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            b = streams[r].next_batch()
-            if waits is not None:
-                waits.append(time.perf_counter() - t0)
-            got[(r, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
-            if r == 0 and b["step"] == at_step and action is not None:
-                action()
+    def on_batch(rank, batch):
+        if rank == 0 and batch["step"] == at_step and action is not None:
+            action()
 
-    run_ranks(run, list(streams))
-    return got
+    got = consume(address, range(2), steps=steps, on_batch=on_batch, prefetch_steps=1)
+    if waits is not None:
+        waits.extend(got.waits)
+    return got.ids
 
 
 def _reference(plan, cluster, steps: int) -> dict:
     """What an uninterrupted run of ``plan`` delivers, per (rank, step)."""
     with Service.start(plan, cluster=cluster) as ref:
-        streams = {r: connect(ref.address, r, timeout=120) for r in range(plan.topology.dp)}
-        reference = _consume(streams, steps)
-        for s in streams.values():
-            s.close()
-    return reference
+        return _consume(ref.address, steps)
 
 
 @pytest.mark.parametrize("shadows", [1, 0])
@@ -56,8 +50,6 @@ def test_worker_killed_mid_run_loses_and_repeats_nothing(cluster, small_plan, sh
     steps = 24
     reference = _reference(plan, cluster, steps)
     with Service.start(plan, cluster=cluster) as service:
-        # one step fetched ahead: the batches built for the next steps are still on the workers
-        streams = {r: connect(service.address, r, timeout=120, prefetch_steps=1) for r in range(2)}
         pids = service.client.run(os.getpid)
         victim = sorted(pids)[0]
 
@@ -66,10 +58,8 @@ def test_worker_killed_mid_run_loses_and_repeats_nothing(cluster, small_plan, sh
             os.kill(pids[victim], signal.SIGKILL)
 
         waits = []
-        got = _consume(streams, steps, waits, at_step=8, action=kill)
+        got = _consume(service.address, steps, waits, at_step=8, action=kill)
         st = service.status()
-        for s in streams.values():
-            s.close()
     assert sorted(got) == sorted(reference)
     for key, ids in reference.items():
         assert got[key] == ids, key  # the same stream, rank by rank, step by step
@@ -97,7 +87,6 @@ def test_every_worker_killed_at_once_loses_and_repeats_nothing(cluster, small_pl
     steps = 20
     reference = _reference(plan, cluster, steps)
     with Service.start(plan, cluster=cluster) as service:
-        streams = {r: connect(service.address, r, timeout=120, prefetch_steps=1) for r in range(2)}
         pids = service.client.run(os.getpid)
 
         def kill_all():
@@ -105,9 +94,7 @@ def test_every_worker_killed_at_once_loses_and_repeats_nothing(cluster, small_pl
                 os.kill(pid, signal.SIGKILL)
 
         waits = []
-        got = _consume(streams, steps, waits, at_step=6, action=kill_all)
-        for s in streams.values():
-            s.close()
+        got = _consume(service.address, steps, waits, at_step=6, action=kill_all)
     assert got == reference  # the same stream, rank by rank, step by step
     print(f"all workers killed: longest wait {max(waits):.3f}s")
     assert max(waits) < 20, max(waits)  # was 60 s: every rank waited out connect timeouts

@@ -317,6 +317,7 @@ def test_loss_by_source_counts_only_labelled_tokens_of_each_document():
 
 
 # ---- through the service ----------------------------------------------------------------------------
+@pytest.mark.integration
 def test_reports_reach_the_planner_and_a_controlled_run_replays(cluster, small_plan):
     from overlord_dask.service.replay import replay
 
@@ -350,8 +351,13 @@ def test_reports_reach_the_planner_and_a_controlled_run_replays(cluster, small_p
             t.start()
         for t in threads:
             t.join()
-        deadline = time.monotonic() + 10
-        while (fb := service.status()["feedback"])["newest_reported"] < steps - 1 and time.monotonic() < deadline:
+        # every rank's last time report (of step steps - 2: the last step ends with no request after it)
+        # has reached the planner; a loss report of the last step from any one rank does not say so
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            fb = service.status()["feedback"]
+            if [fb["rank_compute"].get(str(r), {}).get("step") for r in range(dp)] == [steps - 2] * dp:
+                break
             time.sleep(0.1)
         tl = service.timeline()
         ledger = service.ledger(0, steps)
@@ -368,7 +374,8 @@ def test_reports_reach_the_planner_and_a_controlled_run_replays(cluster, small_p
     # the measured compute of each rank's last reported step (the one before its last: that one ends with no
     # request after it): its two micro-batches' sleeps, and on rank 0 not its checkpoint's time
     for r in range(dp):
-        assert fb["rank_compute_s"][str(r)] == pytest.approx(sum(per_mb[r][-4:-2]), rel=0.1, abs=2e-3), r
+        assert fb["rank_compute"][str(r)]["step"] == steps - 2, fb["rank_compute"]
+        assert fb["rank_compute"][str(r)]["seconds"] == pytest.approx(sum(per_mb[r][-4:-2]), rel=0.1, abs=2e-3), r
     assert fb["cost_fit"]["observations"] > 0 and fb["controller"] == "odm"
     assert {d.kind for d in tl.decisions} == {"cost", "weights"}, fb
     # the page shows the fit and every decision with its reason; the gauges carry the fit
@@ -384,47 +391,33 @@ def test_reports_reach_the_planner_and_a_controlled_run_replays(cluster, small_p
         np.testing.assert_array_equal(again[s]["slot"], ledger[s]["slot"])
 
 
+@pytest.mark.integration
 def test_a_killed_controlled_run_resumes_with_its_decisions_and_equals_its_replay(tmp_path, corpus, cluster):
     """SIGKILL a service whose mix a controller steers, start it again from its snapshot: the
     trainers, restored from their state_dicts, get the stream that a replay of the plan and the
     recorded decisions plans, step for step (no decision lost with the process)."""
-    import os
-    import signal
-
-    import yaml
-
     from overlord_dask.observe.figures import planned_identities
     from overlord_dask.plan import load_plan
     from overlord_dask.service.replay import replay
 
-    from .test_resume import _consume, _plan_file, _serve
+    from .harness import Served, consume, plan_file
 
-    path = _plan_file(tmp_path, corpus, str(tmp_path / "ck"))
-    data = yaml.safe_load(path.read_text())
-    data["mixing"] = {"controller": "tests.test_feedback:Fixed", "interval": 3, "lag": 1, "max_change": 0.2}
-    path.write_text(yaml.safe_dump(data))
+    mixing = {"controller": "tests.test_feedback:Fixed", "interval": 3, "lag": 1, "max_change": 0.2}
+    path = plan_file(tmp_path, corpus, str(tmp_path / "ck"), mixing=mixing)
     k, m = 12, 10
-    proc, address = _serve(path)
-    try:
-        first, states = _consume(address, [0, 1], k)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    proc, address = _serve(path)
-    try:
-        after, _ = _consume(address, [0, 1], m, states=states)
-        handle = Service.attach(address)
+    with Served(path) as service:
+        first = consume(service.address, [0, 1], steps=k)
+    with Served(path) as service:
+        after = consume(service.address, [0, 1], steps=m, states=first.states)
+        handle = Service.attach(service.address)
         try:
             tl = handle.timeline()
         finally:
             handle.close()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
     made = [d for d in tl.decisions if d.kind == "weights"]
     assert made and made[0].at < k + m, tl.decisions
     again = replay(load_plan(path), tl, k + m)
-    combined = {**first, **after}
+    combined = {**first.ids, **after.ids}
     assert sorted(combined) == [(r, s) for r in (0, 1) for s in range(k + m)]
     for (rank, step), ids in combined.items():
         entry = again[step]

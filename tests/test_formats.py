@@ -1,7 +1,7 @@
 """Reading the data users already have: jsonl (plain, gzip, zstd), Arrow (IPC, Feather, HF
 ``save_to_disk`` folders), webdataset shards, Megatron ``.bin/.idx``, and formats users register.
 
-Every file here is written by the library its users write it with (``benchmarks/format_corpus.py``)
+Every file here is written by the library its users write it with (``overlord_dask/testing/format_corpus.py``)
 and the delivered documents are compared byte for byte with a reading that shares no code with
 the readers (``tests/reference.py``: ``json``/``gzip``/``zstandard``, HF ``datasets``, the
 ``webdataset`` library, megatron-core's ``IndexedDataset``)."""
@@ -21,7 +21,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from benchmarks.format_corpus import make_records, source_for, write, write_megatron
 from overlord_dask import Service, connect
 from overlord_dask.errors import PlanError, SourceError
 from overlord_dask.observe.figures import exactly_once, planned_identities
@@ -29,10 +28,11 @@ from overlord_dask.plan import plan_from_dict
 from overlord_dask.sources import UNKNOWN_BASE, Format, discover_units, load_unit, read_unit
 from overlord_dask.sources.blocks import SampleBlock
 from overlord_dask.sources.units import LoadUnit
+from overlord_dask.testing.format_corpus import make_records, source_for, write, write_megatron
 from overlord_dask.worker.loaders import load_block
 
 from . import reference as ref
-from .harness import run_ranks
+from .harness import assert_same_stream, consume, run_ranks
 
 N_RECORDS, FILES = 240, 3
 SERVED = ("jsonl", "jsonl.gz", "jsonl.zst", "arrow", "webdataset", "megatron")
@@ -250,6 +250,7 @@ def _serve_and_check(plan, root, fmt, url, cluster, steps: int) -> set:
     return epochs
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fmt", SERVED)
 def test_the_service_delivers_each_format_exactly_once_as_in_the_files(fc, cluster, fmt):
     root, _, urls = fc
@@ -260,6 +261,7 @@ def test_the_service_delivers_each_format_exactly_once_as_in_the_files(fc, clust
     assert _serve_and_check(plan, root, fmt, urls[fmt], cluster, steps=14) == {0, 1}  # past the end of the first pass
 
 
+@pytest.mark.integration
 def test_the_stream_does_not_depend_on_the_worker_count(fc, cluster):
     """Units counted only when loaded (plain jsonl byte ranges, webdataset shards): the same
     plan on 2 and on 1 worker processes plans the same pieces, step by step."""
@@ -287,38 +289,39 @@ def test_the_stream_does_not_depend_on_the_worker_count(fc, cluster):
         assert np.array_equal(planned_identities(ledgers[0][s]), planned_identities(ledgers[1][s])), s
 
 
+@pytest.mark.integration
 def test_a_job_back_with_another_dp_on_webdataset_is_exactly_once(fc, cluster):
-    from tests.test_restart import _run
 
     root, _, urls = fc
     plan = make_plan(root, source_for("webdataset", urls["webdataset"]), topology={"dp": 3})
     with Service.start(plan, cluster=cluster) as service:
-        _, ids3, saved = _run(service.address, 3, 12, save_at=(5,))
-        _, ids2, _ = _run(service.address, 2, 15, states={r: saved[(r, 5)] for r in range(2)})
+        three = consume(service.address, range(3), until=12, dp=3, save_at=(5,), save_final=False)
+        two = consume(service.address, range(2), until=15, dp=2, states={r: three.saved[(r, 5)] for r in range(2)})
+
         ledger = service.ledger(0, 15)
-    delivered = [v for (r, s), v in ids3.items() if s < 5] + list(ids2.values())
+    delivered = three.delivered(before=5) + two.delivered()
     assert exactly_once([planned_identities(ledger[s]) for s in range(15)], delivered) == (0, 0)
 
 
+@pytest.mark.integration
 def test_a_restarted_service_resumes_a_jsonl_run_exactly(fc, cluster, tmp_path):
     """Snapshot, stop, start again: units counted only when loaded are counted again, and the
     resumed stream is the uninterrupted one."""
-    from tests.test_restart import _run
 
     root, _, urls = fc
     src = source_for("jsonl", urls["jsonl"])
     plain = make_plan(root, src, loading={"unit_bytes": 4000})
     with Service.start(plain, cluster=cluster) as service:
-        want, _, _ = _run(service.address, 2, 16)
+        want = consume(service.address, range(2), until=16).digests
     ck = make_plan(
         root, src, loading={"unit_bytes": 4000}, checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 3}
     )
     with Service.start(ck, cluster=cluster) as service:
-        first, _, saved = _run(service.address, 2, 7, save_at=(7,))
+        first = consume(service.address, range(2), until=7, save_at=(7,), save_final=False)
         service.wait_for_step(7, timeout=60)
     with Service.start(ck, cluster=cluster) as service:
-        rest, _, _ = _run(service.address, 2, 16, states={r: saved[(r, 7)] for r in range(2)})
-    assert {**first, **rest} == want
+        rest = consume(service.address, range(2), until=16, states={r: first.saved[(r, 7)] for r in range(2)})
+    assert_same_stream({**first.digests, **rest.digests}, want)
 
 
 # ---- preparing records before tokenizing ----------------------------------------------------------------------
@@ -389,6 +392,7 @@ def keep_english_wds(record: dict, min_quality: float = 0.5):
     return None if kept is None else {**record, "txt": kept["text"]}
 
 
+@pytest.mark.integration
 def test_dropped_records_are_counted_in_status_and_the_dashboard(fc, cluster):
     root, records, urls = fc
     plan = make_plan(
@@ -456,6 +460,7 @@ def test_prepare_is_refused_for_token_formats(fc):
 
 
 # ---- a changed prepare function is noticed on resume ---------------------------------------------------------
+@pytest.mark.integration
 def test_resuming_with_changed_prepare_code_is_refused_or_accepted_and_logged(fc, tmp_path, monkeypatch, caplog):
     import linecache
     import logging
@@ -608,6 +613,7 @@ def test_a_datasetdict_folder_points_at_its_splits(tmp_path):
 
 
 # ---- quarantine: retry, then record, never skip silently -------------------------------------------------------
+@pytest.mark.integration
 def test_a_corrupt_unit_is_quarantined_and_recorded_or_fails_the_run(fc, cluster, tmp_path):
     root, _, urls = fc
     bad = tmp_path / "bad"
@@ -724,11 +730,12 @@ def test_hf_urls_resolve_through_fsspec():
     assert type(fs).__name__ == "HfFileSystem" and path.startswith("datasets/HuggingFaceFW/fineweb")
 
 
+@pytest.mark.integration
 def test_jsonl_on_s3(fc, s3_server):
     """Plain and multi-frame zstd jsonl on an S3-compatible server: the same documents as the files."""
     import s3fs
 
-    from benchmarks.s3 import STORAGE_OPTIONS
+    from overlord_dask.testing.object_store import STORAGE_OPTIONS
 
     root, _, urls = fc
     opts = {**STORAGE_OPTIONS, "client_kwargs": {**STORAGE_OPTIONS["client_kwargs"], "endpoint_url": s3_server}}

@@ -23,6 +23,8 @@ import yaml
 from overlord_dask import Service
 from overlord_dask.observe.figures import exactly_once, planned_identities
 
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TRAINERS = """

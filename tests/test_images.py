@@ -186,6 +186,7 @@ def test_a_hugging_face_image_processor_folder(tmp_path, llama3):
     assert j > 0
 
 
+@pytest.mark.integration
 def test_patches_stay_with_their_placeholders_through_splits_and_cp(cluster, tmp_path, llama3):
     texts, images = _records(tmp_path, n=120, seed=2)
     plan = _plan(

@@ -9,9 +9,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import tomllib
 
 from overlord_dask import Service
+
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("pyarrow", "zarr", "numba", "pydantic", "PIL", "prometheus_client", "tqdm")

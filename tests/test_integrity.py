@@ -66,6 +66,7 @@ def test_a_flipped_byte_in_a_data_page_is_caught(tmp_path):
     read_unit(plan.sources[0], plan, units[0])  # the other row groups are as they were
 
 
+@pytest.mark.integration
 def test_a_restart_checks_the_files_against_what_the_run_first_saw(cluster, tmp_path):
     """The first start keeps the digests with the snapshots; a byte flipped before the second
     start is noticed there (not taken as the file's new truth): its unit is quarantined."""

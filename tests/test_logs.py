@@ -97,6 +97,7 @@ def test_events_as_logfmt_and_json_lines_that_parsers_read():
         logs.setup("xml")
 
 
+@pytest.mark.integration
 def test_a_library_user_s_setup_reaches_the_workers(cluster, small_plan):
     from overlord_dask import Service
 

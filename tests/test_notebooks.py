@@ -14,6 +14,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from refresh_notebooks import execute, source_hash  # noqa: E402
 
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
+
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 

@@ -62,6 +62,7 @@ def longest(metrics, a, b):
     return max(m["longest_piece"] for m in metrics[a:b])
 
 
+@pytest.mark.integration
 def test_curriculum_pipeline(corpus, cluster):
     plan = pipeline("curriculum", corpus)
     steps = 96
@@ -77,6 +78,7 @@ def test_curriculum_pipeline(corpus, cluster):
     assert err_tokens.max() <= 3 * plan.topology.tokens_per_micro_batch
 
 
+@pytest.mark.integration
 def test_long_context_pipeline(corpus, cluster):
     plan = pipeline("long_context", corpus)
     got, ledger, metrics = run(plan, cluster, 60)
@@ -100,6 +102,7 @@ def test_long_context_pipeline(corpus, cluster):
     assert long_share(0, 40) < 0.3 and abs(long_share(44, 60) - 0.4) < 0.03
 
 
+@pytest.mark.integration
 def test_multimodal_pipeline_delivers_images_with_their_placeholders(corpus, cluster):
     plan = pipeline("multimodal", corpus)
     got, _, _ = run(plan, cluster, 10)
@@ -229,6 +232,7 @@ def test_parquet_photos_are_decoded_on_load_and_parts_concat_to_the_whole(corpus
         assert np.array_equal(getattr(joined, f), getattr(block, f)), f
 
 
+@pytest.mark.integration
 def test_photos_pipeline_runs(corpus, cluster):
     plan = pipeline("photos", corpus, loading={"unit_rows": 50, "prefetch_steps": 8, "autoscale": {"enabled": False}})
     got, _, _ = run(plan, cluster, 6)

@@ -10,13 +10,12 @@ import pytest
 import yaml
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from overlord_dask import Service, connect
+from overlord_dask import Service
 from overlord_dask.loading.autoscale import PoolPolicy
 from overlord_dask.loading.pools import PoolSpec, plan_pools, pool_of, pool_resource, worker_spec
-from overlord_dask.observe.figures import delivered_identities, delivered_record
 from overlord_dask.plan import Autoscale, plan_from_dict
 
-from .harness import run_ranks
+from .harness import consume
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,6 +130,7 @@ def test_pools_without_weight_ahead_are_released_and_the_budget_caps_the_rest():
     assert d["photos"].target == 1 and "no load cost measured yet" in d["photos"].reason
 
 
+@pytest.mark.integration
 def test_pool_specs_pin_by_resource_on_local_and_slurm_clusters():
     from overlord_dask.service.deploy import local_cluster, slurm_cluster
 
@@ -215,20 +215,11 @@ def _photos_plan(corpus, autoscale: bool, steps: int = 40):
 
 
 def _consume(service, dp: int, steps: int, compute_s: float = 0.0) -> dict:
-    got = {}
-
-    def rank(r):
-        with connect(service.address, r, timeout=120) as stream:
-            for _ in range(steps):
-                time.sleep(compute_s)
-                b = stream.next_batch()
-                got[(r, b["step"])] = sorted(map(tuple, delivered_identities(delivered_record(b)).tolist()))
-            stream.commit()
-
-    run_ranks(rank, range(dp))
-    return got
+    """What each (rank, step) receives (``harness.consume``), each step computing ``compute_s``."""
+    return consume(service.address, range(dp), steps=steps, on_batch=lambda r, b: time.sleep(compute_s)).ids
 
 
+@pytest.mark.integration
 def test_autoscaled_pools_load_each_source_on_its_own_workers_and_keep_the_stream(corpus, cluster):
     from overlord_dask.service.deploy import local_cluster
 
@@ -260,6 +251,7 @@ def test_autoscaled_pools_load_each_source_on_its_own_workers_and_keep_the_strea
     assert metrics and all("pool_workers" in m for m in metrics[-5:])
 
 
+@pytest.mark.integration
 def test_the_stream_does_not_depend_on_how_loading_is_cut(corpus, cluster):
     """Auto-partitioning: one task per unit, units read in many parts (a tiny task_seconds) and
     several units per task (a large one) deliver the same stream."""

@@ -5,49 +5,20 @@ step, exactly once; beyond the retention the error names the oldest step and the
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
 import pytest
 
 from overlord_dask import Service, connect
 from overlord_dask.errors import ServiceError
-from overlord_dask.observe.figures import delivered_identities, delivered_record, exactly_once, planned_identities
-from tests.harness import run_ranks
+from overlord_dask.observe.figures import exactly_once, planned_identities
+
+from .harness import assert_same_stream, consume
+
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
 
 
-def _tokens(batch: dict) -> str:
-    h = hashlib.sha256()
-    for mb in batch["micro_batches"]:
-        for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "sample_ids"):
-            h.update(np.ascontiguousarray(mb[k]).astype(np.int64).tobytes())
-    return h.hexdigest()
-
-
-def _run(address, dp: int, until: int, *, states: dict | None = None, save_at: tuple = (), close: bool = True):
-    """Each of ``dp`` ranks (threads) loads its state (if any) and consumes up to step ``until``;
-    returns per (rank, step) the token digest and the piece identities, and the states saved when
-    a rank's next step was one of ``save_at``."""
-    digests, ids, saved = {}, {}, {}
-
-    def rank(r):
-        s = connect(address, r, dp, timeout=120)
-        if states is not None:
-            s.load_state_dict(states[r])
-        while True:
-            if s.next_step in save_at:
-                saved[(r, s.next_step)] = s.state_dict()
-            if s.next_step >= until:
-                break
-            b = s.next_batch()
-            digests[(r, b["step"])] = _tokens(b)
-            ids[(r, b["step"])] = delivered_identities(delivered_record(b))
-        s.commit()
-        if close:
-            s.close()
-
-    run_ranks(rank, range(dp))
-    return digests, ids, saved
+def _run(address, dp: int, until: int, **kw):
+    """Every rank of ``dp`` consumes up to step ``until`` (``harness.consume``; no final checkpoint)."""
+    return consume(address, range(dp), until=until, dp=dp, save_final=False, **kw)
 
 
 @pytest.mark.parametrize("with_snapshots", [False, True], ids=["no snapshot location", "snapshots"])
@@ -59,11 +30,10 @@ def test_a_job_restarts_from_older_checkpoints_while_the_service_runs_on(cluster
     plan = small_plan(**ck)
     dp = plan.topology.dp
     with Service.start(plan, cluster=cluster) as service:
-        first, _, saved = _run(service.address, dp, 30, save_at=(1, 12, 29))
+        first = _run(service.address, dp, 30, save_at=(1, 12, 29))
         for k in (12, 1, 29):
-            again, _, _ = _run(service.address, dp, 30, states={r: saved[(r, k)] for r in range(dp)})
-            assert set(again) == {(r, s) for r in range(dp) for s in range(k, 30)}, k
-            assert all(again[key] == first[key] for key in again), f"restart from step {k} differs from the first run"
+            again = _run(service.address, dp, 30, states={r: first.saved[(r, k)] for r in range(dp)})
+            assert_same_stream(again.digests, {key: d for key, d in first.digests.items() if key[1] >= k})
         assert service.status()["failure"] is None
 
 
@@ -72,20 +42,21 @@ def test_a_job_back_with_another_dp_is_replanned_from_its_checkpoint_exactly_onc
     service re-plans from there for 2 ranks; every planned piece is delivered exactly once."""
     plan = small_plan()
     with Service.start(plan, cluster=cluster) as service:
-        _, ids3, saved = _run(service.address, 3, 20, save_at=(9,))
-        _, ids2, _ = _run(service.address, 2, 24, states={r: saved[(r, 9)] for r in range(2)})
+        three = _run(service.address, 3, 20, save_at=(9,))
+        two = _run(service.address, 2, 24, states={r: three.saved[(r, 9)] for r in range(2)})
+
         assert service.status()["failure"] is None and service.summary()["dp"] == 2
         ledger = service.ledger(0, 24)
-    delivered = [v for (r, s), v in ids3.items() if s < 9] + list(ids2.values())
+    delivered = three.delivered(before=9) + two.delivered()
     planned = [planned_identities(ledger[s]) for s in range(24)]
     assert exactly_once(planned, delivered) == (0, 0)
-    assert {s for (_, s) in ids2} == set(range(9, 24))
+    assert {s for (_, s) in two.ids} == set(range(9, 24))
 
 
 def test_a_checkpoint_older_than_the_retention_is_refused_naming_the_oldest_step(cluster, small_plan):
     plan = small_plan(checkpoint={"keep_steps": 4})
     with Service.start(plan, cluster=cluster) as service:
-        _, _, saved = _run(service.address, 3, 40, save_at=(2,))
+        saved = _run(service.address, 3, 40, save_at=(2,)).saved
         with connect(service.address, 0, timeout=60) as s:
             with pytest.raises(
                 ServiceError,
@@ -102,9 +73,8 @@ def test_after_a_service_restart_a_job_resumes_from_a_checkpoint_older_than_the_
     its checkpoint of step 10: served from the bases in storage, identical to the first time."""
     plan = small_plan(checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 4})
     with Service.start(plan, cluster=cluster) as service:
-        first, _, saved = _run(service.address, 3, 30, save_at=(10,))
+        first = _run(service.address, 3, 30, save_at=(10,))
     with Service.start(plan, cluster=cluster) as service:
         assert service.status()["committed"] == 30
-        again, _, _ = _run(service.address, 3, 30, states={r: saved[(r, 10)] for r in range(3)})
-    assert set(again) == {(r, s) for r in range(3) for s in range(10, 30)}
-    assert all(again[key] == first[key] for key in again)
+        again = _run(service.address, 3, 30, states={r: first.saved[(r, 10)] for r in range(3)})
+    assert_same_stream(again.digests, {key: d for key, d in first.digests.items() if key[1] >= 10})

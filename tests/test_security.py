@@ -11,8 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from distributed.security import Security
+
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
 
 ROOT = Path(__file__).resolve().parents[1]
 

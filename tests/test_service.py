@@ -38,6 +38,7 @@ def consume(address: str, ranks: list[int], steps: int) -> dict[int, list[dict]]
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("policy", ["cost", "none"])
 def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, small_plan, policy):
     plan = small_plan(balance={"policy": policy, "window": 3})
@@ -115,6 +116,7 @@ def tcp_reads(monkeypatch):
     return seen
 
 
+@pytest.mark.integration
 def test_payloads_go_worker_to_trainer_not_through_the_scheduler(cluster, small_plan, tcp_reads):
     """Consumers run in their own processes; the scheduler and the driver live in this one. While
     megabytes of batches are delivered, this process reads a small fraction of that, and never a
@@ -142,6 +144,7 @@ def test_payloads_go_worker_to_trainer_not_through_the_scheduler(cluster, small_
     assert tcp_reads["largest"] < 0.1 * one_batch, (tcp_reads, one_batch)  # and no batch-sized message
 
 
+@pytest.mark.integration
 def test_rank_that_does_not_exist(cluster, small_plan):
     with Service.start(small_plan(), cluster=cluster) as service:
         with pytest.raises(RankError, match=r"rank 3 does not exist: the service at .* has dp=3 ranks \(0..2\)"):
@@ -153,6 +156,7 @@ def test_rank_that_does_not_exist(cluster, small_plan):
             other_dp.next_batch()  # ... without one, its first batch says what is wrong
 
 
+@pytest.mark.integration
 def test_a_run_lowers_the_gil_switch_interval_of_the_scheduler_process_and_restores_it(cluster, small_plan):
     """The planner thread must not hold the event loop off the GIL for Python's default 5 ms."""
     import sys
@@ -163,11 +167,13 @@ def test_a_run_lowers_the_gil_switch_interval_of_the_scheduler_process_and_resto
     assert sys.getswitchinterval() == pytest.approx(before)
 
 
+@pytest.mark.integration
 def test_no_service_at_address(cluster):
     with pytest.raises(ServiceError, match="no overlord service at"):
         connect(cluster.scheduler_address, 0, timeout=5)
 
 
+@pytest.mark.integration
 def test_missing_file_fails_before_anything_starts(cluster, small_plan, corpus):
     plan = small_plan()
     bad = plan.model_copy(
@@ -177,6 +183,7 @@ def test_missing_file_fails_before_anything_starts(cluster, small_plan, corpus):
         Service.start(bad, cluster=cluster)
 
 
+@pytest.mark.integration
 def test_missing_column_fails_before_anything_starts(cluster, small_plan):
     plan = small_plan()
     bad = plan.model_copy(
@@ -189,6 +196,7 @@ def test_missing_column_fails_before_anything_starts(cluster, small_plan):
         Service.start(bad, cluster=cluster)
 
 
+@pytest.mark.integration
 def test_corrupt_shard_fails_the_run_with_the_file_named(cluster, tmp_path):
     good = tmp_path / "a-good.parquet"
     bad = tmp_path / "b-bad.parquet"
@@ -221,6 +229,7 @@ def test_corrupt_shard_fails_the_run_with_the_file_named(cluster, tmp_path):
         assert "b-bad.parquet" in service.status()["failure"]
 
 
+@pytest.mark.integration
 def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
     """/overlord (HTML with SVG charts, and .json) and overlord_* gauges on Dask's /metrics, fetched
     over loopback HTTP from the scheduler's dashboard server while trainers stream."""

@@ -11,6 +11,8 @@ from overlord_dask.planner.state import PlannerState
 from overlord_dask.planner.streams.order import stable_seed
 from overlord_dask.snapshots import SnapshotError, SnapshotStore
 
+from .harness import planner_stream
+
 
 # ---- the store ---------------------------------------------------------------------------------
 def _exercise_store(url, **opts):
@@ -48,8 +50,9 @@ def test_store_on_a_local_folder(tmp_path):
         store.load()
 
 
+@pytest.mark.integration
 def test_store_on_s3(s3_server):
-    from benchmarks.s3 import storage_options
+    from overlord_dask.testing.object_store import storage_options
 
     _exercise_store("s3://overlord/run-1", **storage_options(s3_server))
 
@@ -82,23 +85,8 @@ def _lengths(name, epoch, unit):
 
 
 def _run(state: PlannerState, until: int, *, lengths=_lengths, on_commit=None, hook=None) -> dict[int, tuple]:
-    """Plan up to ``until`` with every rank acknowledging at once; ``hook(state)`` runs first in
-    each round and may return a step planning must not pass yet; ``on_commit(state)`` runs after
-    each committed step."""
-    out = {}
-    while state.next_step < until:
-        cap = hook(state) if hook else None
-        for name, epoch, unit in state.wanted():
-            state.add_lengths(name, epoch, unit, lengths(name, epoch, unit))
-        planned, _ = state.plan_steps(min(until, cap if cap is not None else until) - state.next_step)
-        for p in planned:
-            e = state.ledger[p["step"]]
-            out[p["step"]] = (e["pieces"].copy(), e["slot"].copy())
-            for r in range(state.topology.dp):
-                state.ack(r, p["step"])
-            if on_commit:
-                on_commit(state)
-    return out
+    """``harness.planner_stream`` over this file's unit lengths."""
+    return planner_stream(state, until, lengths, on_commit=on_commit, hook=hook)
 
 
 @pytest.mark.parametrize("policy", ["cost", "none"])

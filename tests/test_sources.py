@@ -217,13 +217,14 @@ def test_hf_bpe_tokenizer_file(tmp_path):
         discover_units(plan.sources[0], plan)
 
 
+@pytest.mark.integration
 def test_parquet_source_on_s3_indexes_in_parallel_like_a_local_one(tmp_path, s3_server):
     """A parquet source on an S3-compatible server (moto, loopback): its footers are read in
     parallel, and the units (in the sorted file order) and tokens equal the same files' on disk."""
     import s3fs
 
-    from benchmarks.s3 import create_bucket, storage_options
     from overlord_dask.service.indexing import index_sources
+    from overlord_dask.testing.object_store import create_bucket, storage_options
 
     for f in range(5):
         _write_text(

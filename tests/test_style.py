@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -137,6 +137,7 @@ def test_callable_tokenizers_take_arguments_from_the_plan(tmp_path):
         _docs(tmp_path, tokenizer="tests.test_tokenizers:nope")
 
 
+@pytest.mark.integration
 def test_the_plan_tokenizer_pads_the_micro_batches(cluster, tmp_path, llama3):
     """Padding is the plan tokenizer's pad id (its EOS, when it declares no pad), on the wire too."""
     from overlord_dask import Service, connect
@@ -187,6 +188,7 @@ def test_tokenizer_shorthands_resolve_to_their_backends():
     assert json.loads(Tokenizer.model_validate("byte").model_dump_json())["path"] == "byte"
 
 
+@pytest.mark.integration
 def test_plan_local_code_reaches_the_workers_without_an_install(cluster, tmp_path):
     """A tokenizer module and a prepare package next to the plan file: importable where the plan
     is loaded, uploaded to the scheduler and the workers by the service (the plan's folder is

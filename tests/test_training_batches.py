@@ -21,6 +21,7 @@ def _pieces(mb):
     return list(zip(cu[:-1], cu[1:]))
 
 
+@pytest.mark.integration
 def test_replicas_get_identical_batches_and_both_label_conventions_count_the_step(cluster, small_plan):
     """Each of 3 ranks has two replicas (its tensor-parallel ranks, say): replica 0 takes shifted
     labels with a loss mask, replica 1 HF-style labels in the [1, C] layout. Both see the same
@@ -76,6 +77,7 @@ def test_replicas_get_identical_batches_and_both_label_conventions_count_the_ste
     assert cut > 0  # the plan does split documents, so both counts differ
 
 
+@pytest.mark.integration
 def test_a_replica_that_leaves_does_not_hold_its_rank_back(cluster, small_plan):
     plan = small_plan(topology={"dp": 1})
     with Service.start(plan, cluster=cluster) as service:
@@ -87,6 +89,7 @@ def test_a_replica_that_leaves_does_not_hold_its_rank_back(cluster, small_plan):
         assert service.status()["failure"] is None
 
 
+@pytest.mark.integration
 def test_labels_for_models_that_shift_do_not_fit_context_parallelism(cluster, small_plan):
     plan = small_plan(topology={"cp": 2})
     with Service.start(plan, cluster=cluster) as service:

@@ -60,7 +60,7 @@ def format_validation_error(err: ValidationError, where: str, data: Any = None) 
                 pass
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; allowed fields are listed in overlord_dask/plan/models.py)"
+            msg = "unknown field (check the spelling; `overlord schema` lists the fields a plan may have)"
         elif e["type"] == "missing":
             msg = "required field is missing"
         got = e.get("input")

@@ -4,7 +4,7 @@ A model is trained with one tokenizer, and its documents begin and end with that
 special tokens. So the plan names the tokenizer the way users have it (a folder as
 ``save_pretrained`` writes it, a ``tokenizer.json``, a tiktoken encoding, their own function) and
 the special ids come from the tokenizer's own config, with plan fields to override each one.
-Loading the files is the workers' business (``sources/tokenizers.py``); this module only
+Loading the files is the workers' business (``sources/tokenizers/``); this module only
 validates what the plan says.
 
 Written as a string in YAML, a tokenizer is a shorthand::

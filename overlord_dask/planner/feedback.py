@@ -52,7 +52,7 @@ class FeedbackLoop:
             OrderedDict()
         )  # step -> [dp, micro-batches] seconds (nan: not reported yet)
         self.imbalance: deque = deque(maxlen=HISTORY)  # (step, measured max/mean over ranks)
-        self.rank_seconds: dict[int, float] = {}  # each rank's latest step compute time
+        self.rank_seconds: dict[int, tuple[int, float]] = {}  # rank -> (its newest reported step, its compute time)
         self.metrics: deque = deque(maxlen=HISTORY)  # (step, rank, extra metrics) as reported
 
     # ---- reports ------------------------------------------------------------------------------
@@ -90,7 +90,9 @@ class FeedbackLoop:
         ok = (rank >= 0) & (rank < dp) & np.isfinite(secs).all(axis=1)
         rank, cp, step, per_mb, secs = rank[ok], cp[ok], step[ok], per_mb[ok], secs[ok]
         first = cp == 0
-        self.rank_seconds.update(zip(rank[first].tolist(), secs[first].sum(axis=1).tolist()))
+        for r, s, t in zip(rank[first].tolist(), step[first].tolist(), secs[first].sum(axis=1).tolist()):
+            if s >= self.rank_seconds.get(r, (-1, 0.0))[0]:  # the newest step wins, whatever the arrival order
+                self.rank_seconds[r] = (s, t)
         by_step = st.plan.balance.sync == "step"
         for s in np.unique(step).tolist():
             sel = step == s
@@ -191,7 +193,9 @@ class FeedbackLoop:
             "reports": self.reports,
             "newest_reported": self.newest,
             "measured_imbalance_p50": float(np.median(imb[-100:])) if imb else None,
-            "rank_compute_s": {str(r): round(s, 6) for r, s in sorted(self.rank_seconds.items())},
+            "rank_compute": {
+                str(r): {"step": s, "seconds": round(t, 6)} for r, (s, t) in sorted(self.rank_seconds.items())
+            },
             "decisions": [d.to_dict() | {"state": None} for d in st.timeline.decisions[-50:]],
             "decision_counts": {k: sum(d.kind == k for d in st.timeline.decisions) for k in ("cost", "weights")},
         }

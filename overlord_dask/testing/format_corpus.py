@@ -2,7 +2,7 @@
 with: pyarrow (parquet), ``json`` + ``gzip``/``zstandard`` (jsonl), HF ``datasets``
 (``save_to_disk`` Arrow folders), ``webdataset`` (tar shards) and megatron-core's indexed-dataset
 builder (``.bin/.idx``, token ids of the byte tokenizer; the published layout written by hand where
-megatron-core is not installed). ``benchmarks/formats.py`` and ``tests/test_formats.py`` use it.
+megatron-core is not installed). ``benchmarks/formats.py`` and the tests use it.
 
 Records: ``{"id", "text", "lang", "quality"}``. :func:`source_for` gives the plan's source entry
 for a written format.
