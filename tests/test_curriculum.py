@@ -49,7 +49,9 @@ def plan_dict(**over) -> dict:
         ],
         "topology": {"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 4096},
         "balance": {"policy": "none"},
-        "loading": {"prefetch_steps": 40, "units_ahead": 8},
+        # documents shuffled inside each unit, units one after another: the checks below rebuild
+        # that order from its seeds (test_shuffle.py checks shuffle blocks of many units)
+        "loading": {"prefetch_steps": 40, "units_ahead": 8, "shuffle_units": 1},
     }
     d.update(over)
     return d
@@ -449,9 +451,8 @@ def test_long_share_stage_reads_each_class_once_and_meets_the_share():
         s.finished_units()
         te, tp = s.trailing()[:2]
         lead = s.leading()[:2]
-        for e, u in s.lengths:
-            p = s.ordering.position(e, u)
-            assert (e, p) >= lead or e * s.n_units + p <= te * s.n_units + tp + max(
+        for e, p in s.lengths:  # (blocks of one unit: a block's position is its unit's)
+            assert (e, p) >= lead or e * s.n_blocks + p <= te * s.n_blocks + tp + max(
                 s.evict_after, s.loads.keep_units
             ), (s.name, e, p)
         assert s.loads.keep_units < 20

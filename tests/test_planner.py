@@ -17,13 +17,13 @@ from overlord_dask.planner.streams.stream import SourceStream
 
 
 def make_streams(
-    lengths: list[list[np.ndarray]], piece_tokens: int, epochs: int = 3, seed: int = 0
+    lengths: list[list[np.ndarray]], piece_tokens: int, epochs: int = 3, seed: int = 0, block_units: int = 1
 ) -> list[SourceStream]:
     """Streams whose every unit (for ``epochs`` epochs) is already loaded."""
     out = []
     for i, units in enumerate(lengths):
         first = np.concatenate([[0], np.cumsum([len(u) for u in units])[:-1]]).astype(np.int64)
-        s = SourceStream(f"s{i}", i, len(units), first, seed, piece_tokens)
+        s = SourceStream(f"s{i}", i, len(units), first, seed, piece_tokens, block_units=block_units)
         for e in range(epochs):
             for u, L in enumerate(units):
                 assert s.add_lengths(e, u, np.asarray(L, dtype=np.int64))
@@ -55,14 +55,15 @@ source_lengths = st.lists(  # units of a source, each a list of document lengths
     n_bins=st.integers(1, 6),
     capacity=st.sampled_from([256, 1024, 4096]),
     seed=st.integers(0, 2**32),
+    block_units=st.sampled_from([1, 2, 5]),  # loading.shuffle_units: units whose documents are shuffled together
 )
-def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
+def test_selection_properties(sources, raw_weights, n_bins, capacity, seed, block_units):
     # every source needs enough tokens per epoch for 40 epochs to cover 6 steps
     sources = [list(units) + [[3000] * 5] for units in sources]
     w = np.array(raw_weights[: len(sources)])
     w = w / w.sum()
     piece = capacity
-    streams = make_streams([[np.array(u) for u in units] for units in sources], piece, epochs=40, seed=seed)
+    streams = make_streams([[np.array(u) for u in units] for units in sources], piece, 40, seed, block_units)
     sels = run_steps(streams, w, n_bins, capacity, steps=6)
     per_source: dict[int, list] = {i: [] for i in range(len(sources))}
     for sel in sels:
@@ -72,12 +73,7 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
         assert err.max() <= 2 * sel.longest_piece + 1e-9  # per-step mix bound
         order = sorted(
             (p for b in sel.bins for p in b),
-            key=lambda p: (
-                p.epoch,
-                streams[p.source].ordering.position(p.epoch, p.unit),
-                streams[p.source].ordering.shuffled_doc((p.epoch, p.unit), p.doc),
-                p.start,
-            ),
+            key=lambda p: (*streams[p.source].order_key(p.epoch, p.unit, p.doc), p.start),
         )
         for p in order:
             per_source[p.source].append(p)
@@ -87,19 +83,19 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed):
         expect_e, expect_pos, expect_doc, expect_tok = 0, 0, 0, 0
         for p in pieces:
             assert p.length <= piece and p.length > 0
-            L = s.lengths[(p.epoch, p.unit)]  # in shuffled order
-            doc = s.ordering.shuffled_doc((p.epoch, p.unit), p.doc)
-            # skip empty documents and finished units between consecutive pieces
-            while (expect_e, expect_pos) != (p.epoch, s.ordering.position(p.epoch, p.unit)) or expect_doc != doc:
+            e, pos, doc = s.order_key(p.epoch, p.unit, p.doc)
+            L = s.lengths[(e, pos)]  # the block's lengths, in shuffled order
+            # skip empty documents and finished blocks between consecutive pieces
+            while (expect_e, expect_pos) != (e, pos) or expect_doc != doc:
                 assert expect_tok == 0, "a document was left half-delivered"
-                Lcur = s.lengths[(expect_e, int(s.ordering.units(expect_e)[expect_pos]))]
+                Lcur = s.lengths[(expect_e, expect_pos)]
                 if expect_doc < len(Lcur):
                     assert Lcur[expect_doc] == 0, "a non-empty document was skipped"
                     expect_doc += 1
                 else:
                     expect_doc = 0
                     expect_pos += 1
-                    if expect_pos == s.n_units:
+                    if expect_pos == s.n_blocks:
                         expect_e, expect_pos = expect_e + 1, 0
             assert p.start == expect_tok
             expect_tok = p.stop if p.stop < L[doc] else 0

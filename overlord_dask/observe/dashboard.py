@@ -44,7 +44,7 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
                 "declared_share": float(w_share[i]) if i < len(w_share) else 0.0,
                 "epoch": int(s.epoch),
                 "loads_pending": len(s.loads.requested),
-                "units_loaded": len(s.lengths),
+                "units_loaded": s.loaded_units(),
                 "seconds_per_token": signals.seconds_per_token(s.name),
                 "records_read": records.get(s.name, {}).get("read", 0),
                 "records_dropped": records.get(s.name, {}).get("dropped", 0),

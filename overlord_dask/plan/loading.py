@@ -46,6 +46,15 @@ class Loading(Strict):
     under a quarter of it are read together by one task. None: one task per unit. The stream never
     depends on it (units, not tasks, are the grain of the order). A ``transform`` must then be
     per document (it runs on each part)."""
+    shuffle_units: int = Field(default=1, ge=1, le=100_000)
+    """Load units whose documents are shuffled together (a *shuffle block*: ``planner/streams/order.py``).
+    Each epoch a source's units are permuted and cut into blocks of this many; the documents of a
+    block's units are permuted together, so neighbouring documents come from that many different
+    units (files are written in order: by dump, repository, language, date). What it costs: a
+    block's units are all loaded (and resident on the workers) before its first document is
+    planned, so a source holds up to about twice this many units at a time, and the first batch
+    waits for a block's worth of loading. 1: units one after another, documents shuffled inside
+    each (a shard shuffle). ``benchmarks/shuffle.py`` compares settings with a global shuffle."""
     prefetch_steps: int = Field(default=4, ge=1, le=1024)
     """Steps planned and built ahead of the slowest rank's acknowledged step."""
     units_ahead: int = Field(default=2, ge=1, le=1024)

@@ -95,7 +95,7 @@ def pool_signals(state, signals: LoadSignals, lead_s: float) -> dict:
             "block_bytes": signals.block_bytes(s.name),
             "loads": signals.loads.get(s.name, 0),
             "loads_pending": len(s.loads.requested),
-            "blocks_held": len(s.lengths)
+            "blocks_held": s.loaded_units()
             + len(s.loads.requested),  # loaded and not yet planned through, or on their way
             "tokens_ready": s.unplanned_tokens(),
         }

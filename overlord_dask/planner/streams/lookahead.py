@@ -2,9 +2,10 @@
 metadata it could have had, and what has arrived so far.
 
 Requests walk the source's order from their own cursor, ahead of the planning cursor, until
-about the tokens the planner asked for are loaded or on their way. While the source is read by
-length class (a stage's long share) each class cursor looks ahead on its own; units between the
-cursors are evicted and come back here when the trailing cursor gets near.
+about the tokens the planner asked for are loaded or on their way, and always to the end of a
+shuffle block (``order.py``): a block is planned once every one of its units arrived. While the
+source is read by length class (a stage's long share) each class cursor looks ahead on its own;
+blocks between the cursors are evicted and come back here when the trailing cursor gets near.
 
 A text source short of metadata asks for about ``REFILL_TOKENS`` worth of units at once, and
 then nothing until what is loaded and on its way falls below the target again: the submitter's
@@ -30,18 +31,18 @@ REFILL_TOKENS = 1 << 20  # a text source short of metadata asks for about this m
 @dataclass(slots=True)
 class LoadRequests:
     n_units: int
-    evict_after: int = 4  # units between the class cursors further than this past the trailing one are evicted
-    epoch: int = 0  # cursor of the next unit to request
+    evict_after: int = 4  # blocks between the class cursors further than this past the trailing one are evicted
+    epoch: int = 0  # cursor of the next unit to request (its position in the epoch's unit order)
     pos: int = 0
     requested: set = field(default_factory=set)  # (epoch, unit) requested, lengths not yet arrived
-    keep_units: int = 0  # the trailing class cursor's look-ahead in units, if longer than evict_after
+    keep_units: int = 0  # the trailing class cursor's look-ahead in blocks, if longer than evict_after
     loaded_units: int = 0  # units whose lengths arrived so far, and their tokens: the look-ahead's yardstick
     loaded_tokens: int = 0
     first_pass: dict = field(default_factory=dict)  # unit -> tokens, for the first epoch's units as they arrive
     images: bool = False  # a unit with images arrived: units are requested one at a time (see refill)
 
     def restart(self, epoch: int, pos: int) -> None:
-        """Request from the planning cursor on (a restore)."""
+        """Request from unit position ``pos`` of ``epoch`` on (a restore: where the planning cursor's block starts)."""
         self.epoch, self.pos = epoch, pos
 
     def arrived(self, epoch: int, unit: int, tokens: int, images: bool = False) -> None:
@@ -84,13 +85,15 @@ class LoadRequests:
         return min(MAX_INFLIGHT, len(self.requested) + math.ceil(REFILL_TOKENS / per_unit))
 
     def want(self, s: SourceStream, target_tokens: int, max_inflight: int) -> list[tuple[int, int]]:
-        """Next units of stream ``s`` to load so that about ``target_tokens`` unplanned tokens are at hand."""
+        """Next units of stream ``s`` to load so that about ``target_tokens`` unplanned tokens are
+        at hand, always to the end of the shuffle block the last one belongs to."""
         if s.split:
             return self._want_split(s, target_tokens, max_inflight)
         out = []
         # never request units behind the planning cursor (after a restore, say)
-        if (self.epoch, self.pos) < (s.epoch, s.pos):
-            self.epoch, self.pos = s.epoch, s.pos
+        here = s.ordering.first_unit_position(s.epoch, s.pos)
+        if (self.epoch, self.pos) < here:
+            self.epoch, self.pos = here
         have = s.unplanned_tokens()
         max_inflight = self.inflight_for(target_tokens - have, max_inflight)
         batch = self.refill(have, target_tokens)
@@ -98,39 +101,51 @@ class LoadRequests:
             return out  # what is on its way covers the target
         if batch is not None:
             max_inflight = max(max_inflight, batch)
-        while len(self.requested) < max_inflight and (have < target_tokens or not s.lengths and not self.requested):
+        block_end = None  # a block is requested whole: its first document waits for every unit
+        while (
+            len(self.requested) < max_inflight and (have < target_tokens or not s.lengths and not self.requested)
+        ) or (block_end is not None and (self.epoch, self.pos) < block_end):
+            if block_end is None or (self.epoch, self.pos) >= block_end:
+                b = self._block_at(s, self.epoch, self.pos)
+                block_end = s.ordering.first_unit_position(*s.ordering.next_block(self.epoch, b))
             key = (self.epoch, int(s.ordering.units(self.epoch)[self.pos]))
-            self.epoch, self.pos = s.ordering.next_unit(self.epoch, self.pos)
-            if key in s.lengths or key in self.requested:
+            self.epoch, self.pos = self._next_position(s, self.epoch, self.pos)
+            if s.has_unit(*key) or key in self.requested:
                 continue
             self.requested.add(key)
             out.append(key)
-            if have >= target_tokens:
-                break
         return out
 
+    @staticmethod
+    def _next_position(s: SourceStream, epoch: int, pos: int) -> tuple[int, int]:
+        return (epoch, pos + 1) if pos + 1 < s.n_units else (epoch + 1, 0)
+
+    @staticmethod
+    def _block_at(s: SourceStream, epoch: int, pos: int) -> int:
+        return s.ordering.block_of(epoch, int(s.ordering.units(epoch)[pos]))
+
     def _want_split(self, s: SourceStream, target_tokens: int, max_inflight: int) -> list[tuple[int, int]]:
-        """While reading by length class: the units after each class cursor until about
+        """While reading by length class: the blocks after each class cursor until about
         ``target_tokens`` of that class are at hand (the trailing cursor's may have been evicted
         and come back here). Remembers how far the trailing cursor looks, so eviction spares it."""
         out = []
         max_inflight = self.inflight_for(target_tokens, max_inflight)
         for cls in ("short", "long"):
-            e, p = s.class_cursor(cls)[:2]
+            e, b = s.class_cursor(cls)[:2]
             have, n = 0, 0
-            while have < target_tokens and n < max(64, 4 * self.n_units):
-                key = (e, int(s.ordering.units(e)[p]))
-                lens = s.lengths.get(key)
+            while have < target_tokens and n < max(64, 4 * s.n_blocks):
+                lens = s.lengths.get((e, b))
                 if lens is None:
-                    if key not in self.requested:
-                        if len(self.requested) >= max_inflight:
-                            break
-                        self.requested.add(key)
-                        out.append(key)
+                    missing = [(e, int(u)) for u in s.ordering.block_units_of(e, b) if not s.has_unit(e, int(u))]
+                    missing = [k for k in missing if k not in self.requested]
+                    if missing and len(self.requested) >= max_inflight:
+                        break
+                    self.requested.update(missing)
+                    out += missing
                 else:
                     have += int(lens[s.class_mask(lens, cls)].sum())
                 n += 1
-                e, p = s.ordering.next_unit(e, p)
+                e, b = s.ordering.next_block(e, b)
             if tuple(s.class_cursor(cls)) == s.trailing():
                 self.keep_units = max(self.evict_after, n)
         return out

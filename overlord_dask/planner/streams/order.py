@@ -1,10 +1,23 @@
-"""A source's order: a seeded permutation of its load units per epoch, and of the documents
-inside each unit.
+"""A source's order: each epoch a seeded permutation of its load units, cut into *shuffle blocks*
+of ``loading.shuffle_units`` consecutive units, and the documents of all of a block's units
+permuted together.
 
-Both are seeded from (plan seed, source name, epoch[, unit]) so they never depend on list
-position, worker count or dp size: the same plan and seed give the same order anywhere. Piece
-rows name documents by their index in the unit's *file* order (so a constructor needs no
-permutation); the stream walks them in *shuffled* order.
+Real corpora are written in order (a file per crawl dump, repository, language or date), so a
+stream that walks one unit at a time draws its neighbouring documents from one file. Permuting
+the documents of K units together makes neighbours come from K different units, as a global
+shuffle's would from a window of the same size (a neighbour shares a unit with probability about
+1/K; a window of W documents touches about ``K·(1 - (1 - 1/K)^W)`` units), at the cost of having
+the K units of a block loaded before its first document is planned. The grouping is a new one
+every epoch (the unit permutation is per epoch). ``benchmarks/shuffle.py`` measures it against a
+global permutation and MosaicML Streaming's shuffles.
+
+Everything is seeded from (plan seed, source name, epoch[, block]) so it never depends on list
+position, worker count or dp size: the same plan and seed give the same order anywhere. Blocks
+split an epoch's units into ``ceil(n / K)`` runs of near-equal length (the last block is not a
+remainder). With K = 1 a block is a unit and its documents are permuted with the unit's own
+seed, the order of a source read unit by unit. Piece rows name documents by their unit and their
+index in the unit's *file* order (so a constructor needs no permutation); the stream walks them
+in *shuffled* order, by block position and position in the block.
 """
 
 from __future__ import annotations
@@ -22,19 +35,36 @@ def stable_seed(*parts: object) -> int:
 
 
 @dataclass(slots=True)
+class BlockMap:
+    """Where each document of an assembled block comes from, in the block's shuffled order."""
+
+    units: np.ndarray  # the block's units, in epoch order
+    unit_of: np.ndarray  # int64 [docs]: the unit of the document at each shuffled position
+    doc_of: np.ndarray  # int64 [docs]: its index in the unit's file order
+    inverse: np.ndarray  # int64 [docs]: shuffled position of the concatenation's k-th document
+    starts: dict  # unit -> offset of its first document in the concatenation (epoch order)
+
+
+@dataclass(slots=True)
 class SourceOrder:
     name: str
     seed: int
     n_units: int
-    perms: dict = field(default_factory=dict)  # (epoch, unit) -> (document order, its inverse) of a loaded unit
+    block_units: int = 1  # K: units whose documents are permuted together
+    maps: dict = field(default_factory=dict)  # (epoch, block) -> BlockMap of an assembled block
     _epochs: dict = field(default_factory=dict)  # epoch -> (unit order, its inverse): the current and previous epoch
 
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.n_units // max(1, self.block_units))
+
+    # ---- units --------------------------------------------------------------------------------
     def units(self, epoch: int) -> np.ndarray:
         """The units of ``epoch`` in the order they are planned."""
         return self._order_and_rank(epoch)[0]
 
     def position(self, epoch: int, unit: int) -> int:
-        """Where ``unit`` stands in ``epoch``'s order."""
+        """Where ``unit`` stands in ``epoch``'s unit order."""
         return int(self._order_and_rank(epoch)[1][unit])
 
     def _order_and_rank(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,28 +76,71 @@ class SourceOrder:
             self._epochs[epoch] = o
         return o
 
-    def next_unit(self, epoch: int, pos: int) -> tuple[int, int]:
-        """The position after ``pos`` in ``epoch``'s order (the next epoch's first at the end)."""
-        return (epoch, pos + 1) if pos + 1 < self.n_units else (epoch + 1, 0)
+    # ---- blocks ---------------------------------------------------------------------------------
+    def block_bounds(self, block: int) -> tuple[int, int]:
+        """Unit positions ``[lo, hi)`` of ``block`` (near-equal runs of the epoch's order)."""
+        n, nb = self.n_units, self.n_blocks
+        return block * n // nb, (block + 1) * n // nb
 
-    def shuffle_docs(self, key: tuple[int, int], lengths: np.ndarray) -> np.ndarray:
-        """A loaded unit's document lengths in its shuffled order (the permutation is kept)."""
-        if len(lengths) <= 1:
-            return lengths
-        perm = np.random.default_rng(stable_seed(self.seed, "docs", self.name, *key)).permutation(len(lengths))
-        self.perms[key] = (perm, np.argsort(perm))
+    def block_units_of(self, epoch: int, block: int) -> np.ndarray:
+        """The units of ``block`` in ``epoch``, in epoch order."""
+        lo, hi = self.block_bounds(block)
+        return self.units(epoch)[lo:hi]
+
+    def block_of(self, epoch: int, unit: int) -> int:
+        """The block ``unit`` belongs to in ``epoch``."""
+        pos, n, nb = self.position(epoch, unit), self.n_units, self.n_blocks
+        b = pos * nb // n
+        while self.block_bounds(b)[1] <= pos:  # (integer rounding of the bounds)
+            b += 1
+        while self.block_bounds(b)[0] > pos:
+            b -= 1
+        return b
+
+    def next_block(self, epoch: int, block: int) -> tuple[int, int]:
+        """The block after ``block`` (the next epoch's first at the end)."""
+        return (epoch, block + 1) if block + 1 < self.n_blocks else (epoch + 1, 0)
+
+    def first_unit_position(self, epoch: int, block: int) -> tuple[int, int]:
+        """``(epoch, unit position)`` where ``block`` starts."""
+        return epoch, self.block_bounds(block)[0]
+
+    def assemble(self, key: tuple[int, int], unit_lengths: list[np.ndarray]) -> np.ndarray:
+        """The document lengths of block ``key`` (its units' lengths, in the block's epoch order)
+        in its shuffled order; the map from there to units and documents is kept."""
+        e, b = key
+        units = self.block_units_of(e, b)
+        counts = np.array([len(x) for x in unit_lengths], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        n = int(offsets[-1])
+        lengths = np.concatenate(unit_lengths).astype(np.int64) if n else np.zeros(0, np.int64)
+        if self.block_units == 1:  # a unit alone: its own documents' seed (the order read unit by unit)
+            seed = stable_seed(self.seed, "docs", self.name, e, int(units[0]))
+        else:
+            seed = stable_seed(self.seed, "block", self.name, self.block_units, e, b)
+        perm = np.random.default_rng(seed).permutation(n) if n > 1 else np.arange(n)
+        which = np.repeat(np.arange(len(units)), counts)  # unit index of each concatenated document
+        inverse = np.empty(n, dtype=np.int64)
+        inverse[perm] = np.arange(n)
+        self.maps[key] = BlockMap(
+            units=units,
+            unit_of=units[which[perm]].astype(np.int64),
+            doc_of=(perm - offsets[which[perm]]).astype(np.int64),
+            inverse=inverse,
+            starts={int(u): int(o) for u, o in zip(units, offsets[:-1])},
+        )
         return lengths[perm]
 
-    def file_doc(self, key: tuple[int, int], shuffled):
-        """Document index in the unit's file order from its position in the shuffled order."""
-        perm = self.perms.get(key)
-        return shuffled if perm is None else perm[0][shuffled]
+    def file_docs(self, key: tuple[int, int], shuffled) -> tuple[np.ndarray, np.ndarray]:
+        """``(units, documents in file order)`` of positions ``shuffled`` of block ``key``."""
+        m = self.maps[key]
+        return m.unit_of[shuffled], m.doc_of[shuffled]
 
-    def shuffled_doc(self, key: tuple[int, int], file_doc: int) -> int:
-        """The inverse of :meth:`file_doc`."""
-        perm = self.perms.get(key)
-        return file_doc if perm is None else int(perm[1][file_doc])
+    def shuffled_doc(self, key: tuple[int, int], unit: int, file_doc: int) -> int:
+        """The position in block ``key``'s shuffled order of ``unit``'s document ``file_doc``."""
+        m = self.maps[key]
+        return int(m.inverse[m.starts[int(unit)] + int(file_doc)])
 
     def forget(self, key: tuple[int, int]) -> None:
-        """A unit no longer loaded."""
-        self.perms.pop(key, None)
+        """A block no longer loaded."""
+        self.maps.pop(key, None)

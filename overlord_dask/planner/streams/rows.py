@@ -1,7 +1,7 @@
 """Reading a source as numpy rows: the balancing planner's view of a stream.
 
 Weighted fair queuing (``balance.wfq_select``) asks each stream for its upcoming pieces as int64
-rows ``[epoch, unit, doc, start, stop]`` (numpy per unit, no Python object per piece), takes a
+rows ``[epoch, unit, doc, start, stop]`` (numpy per block, no Python object per piece), takes a
 prefix of them, and moves the stream's cursor past what it took. While a source is read by
 length class, each class has its own cursor, and rows of "every class" come in the source's
 merged order. Documents a drop policy skips yield no rows; they are recorded as the cursor
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def pieces_ahead(s: SourceStream, min_tokens: int, cls: str | None = None) -> tuple[np.ndarray, bool]:
     """Upcoming pieces as int64 rows ``[epoch, unit, doc, start, stop]`` (of length class
     ``cls``, or every class in the source's order), covering at least ``min_tokens`` tokens
-    if that much metadata is loaded. Returns (rows, enough); numpy per unit."""
+    if that much metadata is loaded. Returns (rows, enough); numpy per block."""
     if not s.split or cls is not None:
         rows, _, total, enough = _scan(s, cls if s.split else None, min_tokens)
         return rows, enough
@@ -41,64 +41,44 @@ def pieces_ahead(s: SourceStream, min_tokens: int, cls: str | None = None) -> tu
     return rows[np.lexsort(keys.T[::-1])], True
 
 
+SCAN_DOCS = 4096  # documents of a block turned into rows at a time (doubling): work follows what is asked for
+
+
 def _scan(
     s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None = None
 ) -> tuple[np.ndarray, np.ndarray, int, bool]:
-    """Rows of class ``cls`` from its cursor, their order keys ``[epoch, pos, doc position,
-    start]``, their tokens, and whether ``min_tokens`` were reached (with ``until``, a key:
-    every unit up to that key's unit instead, and whether they were all loaded)."""
+    """Rows of class ``cls`` from its cursor, their order keys ``[epoch, block position, doc
+    position, start]``, their tokens, and whether ``min_tokens`` were reached (with ``until``, a
+    key: every block up to that key's block instead, and whether they were all loaded). A large
+    block is read a slice at a time, so a call costs what it returns, not what its block holds."""
     rows: list[np.ndarray] = []
     keys: list[np.ndarray] = []
     total = 0
     e, pos, doc, tok = s.class_cursor(cls)
-    empty_units = 0
-    while (total < min_tokens) if until is None else ((e, pos) <= tuple(until[:2])):
-        unit = int(s.ordering.units(e)[pos])
-        lens = s.lengths.get((e, unit))
+    empty_blocks, chunk = 0, SCAN_DOCS
+
+    def more() -> bool:
+        return (total < min_tokens) if until is None else ((e, pos) <= tuple(until[:2]))
+
+    while more():
+        lens = s.lengths.get((e, pos))
         if lens is None:
-            return (
-                np.concatenate(rows) if rows else np.zeros((0, 5), np.int64),
-                np.concatenate(keys) if keys else np.zeros((0, 4), np.int64),
-                total,
-                False,
-            )
-        L = lens[doc:]
-        if len(L):
-            rem = L.copy()
-            rem[0] -= tok
-            mask = s.class_mask(L, cls)
-            if mask is not None:
-                rem[~mask] = 0
-            if s.drop_over is not None:  # dropped documents yield no pieces (a started one finishes)
-                dropped = L > s.drop_over
-                dropped[0] &= tok == 0
-                rem[dropped] = 0
-            n = np.where(rem > 0, -(-rem // s.piece_tokens), 0)
-            k_total = int(n.sum())
-            if k_total:
-                d = np.repeat(np.arange(len(L)), n)
-                k = np.arange(k_total) - np.repeat(np.cumsum(n) - n, n)
-                start = k * s.piece_tokens + np.where(d == 0, tok, 0)
-                stop = np.minimum(start + s.piece_tokens, L[d])
-                block = np.empty((k_total, 5), dtype=np.int64)
-                block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = (
-                    e,
-                    unit,
-                    s.ordering.file_doc((e, unit), d + doc),
-                    start,
-                    stop,
-                )
-                rows.append(block)
-                key = np.empty((k_total, 4), dtype=np.int64)
-                key[:, 0], key[:, 1], key[:, 2], key[:, 3] = e, pos, d + doc, start
-                keys.append(key)
-                total += int((stop - start).sum())
-                empty_units = 0
-            else:
-                empty_units += 1
-        else:
-            empty_units += 1
-        if empty_units > s.n_units and until is None:
+            out = np.concatenate(rows) if rows else np.zeros((0, 5), np.int64)
+            return out, np.concatenate(keys) if keys else np.zeros((0, 4), np.int64), total, False
+        found = False
+        while doc < len(lens) and more():
+            hi = len(lens) if until is not None else min(len(lens), doc + chunk)
+            got = _slice_rows(s, cls, (e, pos), lens, doc, hi, tok)
+            if got is not None:
+                rows.append(got[0])
+                keys.append(got[1])
+                total += got[2]
+                found = True
+            doc, tok, chunk = hi, 0, 2 * chunk
+        if doc < len(lens):
+            break  # enough: the rest of this block waits for the next call
+        empty_blocks = 0 if found else empty_blocks + 1
+        if empty_blocks > s.n_blocks and until is None:
             if cls is not None and s.split:
                 raise SourceError(
                     f"source {s.name!r} has no {cls} documents (long: over long_tokens={s.split} tokens) "
@@ -106,10 +86,41 @@ def _scan(
                 )
             raise SourceError(f"source {s.name!r} is empty: a whole pass over its files found no tokens")
         doc, tok = 0, 0
-        e, pos = s.ordering.next_unit(e, pos)
+        e, pos = s.ordering.next_block(e, pos)
     out = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
     kout = np.concatenate(keys) if keys else np.zeros((0, 4), dtype=np.int64)
     return out, kout, total, (total >= min_tokens) if until is None else True
+
+
+def _slice_rows(s: SourceStream, cls: str | None, key: tuple[int, int], lens: np.ndarray, lo: int, hi: int, tok: int):
+    """Rows, order keys and tokens of block ``key``'s documents ``[lo, hi)`` (shuffled order; the
+    first from token ``tok`` on), or None if they yield no piece."""
+    L = lens[lo:hi]
+    if not len(L):
+        return None
+    rem = L.copy()
+    rem[0] -= tok
+    mask = s.class_mask(L, cls)
+    if mask is not None:
+        rem[~mask] = 0
+    if s.drop_over is not None:  # dropped documents yield no pieces (a started one finishes)
+        dropped = L > s.drop_over
+        dropped[0] &= tok == 0
+        rem[dropped] = 0
+    n = np.where(rem > 0, -(-rem // s.piece_tokens), 0)
+    k_total = int(n.sum())
+    if not k_total:
+        return None
+    d = np.repeat(np.arange(len(L)), n)
+    k = np.arange(k_total) - np.repeat(np.cumsum(n) - n, n)
+    start = k * s.piece_tokens + np.where(d == 0, tok, 0)
+    stop = np.minimum(start + s.piece_tokens, L[d])
+    units, docs = s.ordering.file_docs(key, d + lo)
+    block = np.empty((k_total, 5), dtype=np.int64)
+    block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = key[0], units, docs, start, stop
+    order = np.empty((k_total, 4), dtype=np.int64)
+    order[:, 0], order[:, 1], order[:, 2], order[:, 3] = key[0], key[1], d + lo, start
+    return block, order, int((stop - start).sum())
 
 
 def take(s: SourceStream, rows: np.ndarray, cls: str | None = None) -> None:
@@ -119,12 +130,7 @@ def take(s: SourceStream, rows: np.ndarray, cls: str | None = None) -> None:
     if not s.split or cls is not None:
         advance_past(s, rows[-1], cls if s.split else None)
         return
-    lens = np.array(
-        [
-            s.lengths[(int(e), int(u))][s.ordering.shuffled_doc((int(e), int(u)), int(d))]
-            for e, u, d in rows[:, :3].tolist()
-        ]
-    )
+    lens = np.array([s.lengths[k[:2]][k[2]] for k in (s.order_key(e, u, d) for e, u, d in rows[:, :3].tolist())])
     is_long = lens > s.split
     for c, sel in (("short", ~is_long), ("long", is_long)):
         if sel.any():
@@ -136,11 +142,11 @@ def advance_past(s: SourceStream, row: np.ndarray, cls: str | None = None) -> No
     """Move the cursor (of class ``cls``) just past piece ``row`` = [epoch, unit, doc, start,
     stop], recording the documents the drop policy skipped on the way."""
     e, unit, file_doc, _, stop = (int(x) for x in row)
-    doc = s.ordering.shuffled_doc((e, unit), file_doc)
+    _, pos, doc = s.order_key(e, unit, file_doc)
     if s.drop_over is not None:
-        _record_drops(s, e, s.ordering.position(e, unit), doc, cls)
-    L = int(s.lengths[(e, unit)][doc])
-    s.set_class_cursor(cls, e, s.ordering.position(e, unit), *((doc + 1, 0) if stop >= L else (doc, stop)))
+        _record_drops(s, e, pos, doc, cls)
+    L = int(s.lengths[(e, pos)][doc])
+    s.set_class_cursor(cls, e, pos, *((doc + 1, 0) if stop >= L else (doc, stop)))
     s.epoch_tokens = 1  # this epoch has tokens: the empty-source check is satisfied
 
 
@@ -149,8 +155,7 @@ def _record_drops(s: SourceStream, epoch: int, pos: int, doc: int, cls: str | No
     and (epoch, pos, doc)."""
     e, p, d, tok = s.class_cursor(cls)
     while (e, p) <= (epoch, pos):
-        unit = int(s.ordering.units(e)[p])
-        lens = s.lengths.get((e, unit))
+        lens = s.lengths.get((e, p))
         if lens is not None:
             hi = doc if (e, p) == (epoch, pos) else len(lens)
             idx = np.arange(d, hi)
@@ -158,7 +163,9 @@ def _record_drops(s: SourceStream, epoch: int, pos: int, doc: int, cls: str | No
                 idx = idx[1:]  # a started document is finished, never dropped
             over = lens[idx] > s.drop_over
             mask = s.class_mask(lens[idx], cls)
-            for k in idx[over if mask is None else over & mask].tolist():
-                s.drops[(e, unit, s.ordering.file_doc((e, unit), k))] = int(lens[k])
+            picked = idx[over if mask is None else over & mask]
+            units, docs = s.ordering.file_docs((e, p), picked)
+            for k, u, fd in zip(picked.tolist(), units.tolist(), docs.tolist()):
+                s.drops[(e, u, fd)] = int(lens[k])
         d, tok = 0, 0
-        e, p = s.ordering.next_unit(e, p)
+        e, p = s.ordering.next_block(e, p)

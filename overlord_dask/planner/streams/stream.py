@@ -1,22 +1,24 @@
 """Per-source streams: each source's own order, position and loaded metadata, inside the planner.
 
-A source's order is a seeded permutation of its load units per epoch and, inside each unit (a
-bounded window of documents), a seeded permutation of its documents; both are seeded from (plan
-seed, source name, epoch[, unit]) so they never depend on list position, worker count or dp size.
-The position is a small cursor ``(epoch, pos, doc, tok)``: the next piece is the ``tok``-th token
-onward of the ``doc``-th document (in shuffled order) of unit ``order[pos]``. Piece rows name
-documents by their index in the unit's file order, so the constructor needs no permutation.
-Documents longer than the piece size are cut into consecutive pieces, each a sample in its own
-right (same sample id, increasing chunk index).
+A source's order (``order.py``) is, per epoch, a seeded permutation of its load units cut into
+shuffle blocks of ``loading.shuffle_units`` units, and inside each block a seeded permutation of
+all its units' documents together; both are seeded from (plan seed, source name, epoch[, block])
+so they never depend on list position, worker count or dp size. The position is a small cursor
+``(epoch, pos, doc, tok)``: the next piece is the ``tok``-th token onward of the ``doc``-th
+document (in shuffled order) of block ``pos``. Piece rows name documents by their unit and their
+index in the unit's file order, so the constructor needs no permutation. Documents longer than
+the piece size are cut into consecutive pieces, each a sample in its own right (same sample id,
+increasing chunk index).
 
-The stream only knows lengths of units whose metadata arrived; ``peek()`` returns ``None`` when the
-next unit is not loaded yet, and the planner then waits instead of substituting another sample:
-that is what keeps the stream independent of load timing.
+The stream knows the lengths of a block once every one of its units' metadata arrived
+(``add_lengths`` keeps the units of a block that is not complete yet); ``peek()`` returns
+``None`` when the next block is not loaded yet, and the planner then waits instead of
+substituting another sample: that is what keeps the stream independent of load timing.
 
 Two readers share the cursor: ``peek()``/``advance()`` a piece at a time (policy ``none``'s exact
 per-step selection) and ``pieces_ahead()``/``take()`` as numpy rows (``rows.py``, the balancing
-planner). Parts: ``order.py`` (unit and document permutations), ``lookahead.py`` (which units
-to load next).
+planner). Parts: ``order.py`` (unit and document permutations, blocks), ``lookahead.py`` (which
+units to load next).
 """
 
 from __future__ import annotations
@@ -79,26 +81,32 @@ class SourceStream:
     first_ids: np.ndarray  # int64 [n_units]
     seed: int
     piece_tokens: int
+    block_units: int = 1  # loading.shuffle_units: units whose documents are shuffled together
     drop_over: int | None = None  # context policy 'drop': documents longer than this are skipped
     # cursor of the next piece to plan
     epoch: int = 0
     pos: int = 0
     doc: int = 0
     tok: int = 0
-    lengths: dict = field(default_factory=dict)  # (epoch, unit) -> int64 lengths, loaded and not yet fully planned
+    lengths: dict = field(default_factory=dict)  # (epoch, block) -> int64 lengths (shuffled), not yet fully planned
+    arrived: dict = field(default_factory=dict)  # (epoch, unit) -> lengths of a unit whose block is not complete
     epoch_tokens: int = 0  # tokens planned in the current epoch (to detect an all-empty source)
     vision: dict = field(default_factory=dict)  # (epoch, unit) -> (image tokens, length) per document in file order
     drops: dict = field(default_factory=dict)  # (epoch, unit, doc) -> tokens of a dropped document, until drained
     split: int = 0  # > 0: read by length class, documents over this many tokens are "long"
     long_cur: list | None = None  # [epoch, pos, doc, tok] of the long class while split
     split_wanted: bool = False
-    evict_after: int = 4  # units between the class cursors further than this past the trailing one are evicted
+    evict_after: int = 4  # blocks between the class cursors further than this past the trailing one are evicted
     ordering: SourceOrder = field(init=False)  # unit and document order (order.py)
     loads: LoadRequests = field(init=False)  # the loading look-ahead (lookahead.py)
 
     def __post_init__(self) -> None:
-        self.ordering = SourceOrder(self.name, self.seed, self.n_units)
+        self.ordering = SourceOrder(self.name, self.seed, self.n_units, self.block_units)
         self.loads = LoadRequests(self.n_units, self.evict_after)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.ordering.n_blocks
 
     # ---- cursor -------------------------------------------------------------------------------
     def cursor(self) -> tuple:
@@ -114,44 +122,41 @@ class SourceStream:
         else:
             self.split, self.long_cur, self.split_wanted = 0, None, False
 
-    def _unit_here(self) -> tuple[int, int]:
-        return self.epoch, int(self.ordering.units(self.epoch)[self.pos])
-
     def peek(self) -> Piece | None:
-        """The next piece, or None if its unit's lengths have not arrived yet."""
+        """The next piece, or None if its block's lengths have not all arrived yet."""
         while True:
-            key = self._unit_here()
+            key = (self.epoch, self.pos)
             lens = self.lengths.get(key)
             if lens is None:
                 return None
             if self.doc >= len(lens):
-                self._next_unit()
+                self._next_block()
                 continue
             L = int(lens[self.doc])
             if self.tok >= L:  # empty document (or fully consumed): nothing to deliver
                 self.doc += 1
                 self.tok = 0
                 continue
-            doc = self.ordering.file_doc(key, self.doc)
+            unit, doc = (int(x) for x in self.ordering.file_docs(key, self.doc))
             if self.tok == 0 and self.drop_over is not None and L > self.drop_over:
-                self.drops[(key[0], key[1], doc)] = L
+                self.drops[(self.epoch, unit, doc)] = L
                 self.doc += 1
                 continue
-            return Piece(self.index, key[0], key[1], doc, self.tok, min(L, self.tok + self.piece_tokens))
+            return Piece(self.index, self.epoch, unit, doc, self.tok, min(L, self.tok + self.piece_tokens))
 
     def advance(self, piece: Piece) -> None:
         self.epoch_tokens += piece.length
         self.tok = piece.stop
-        lens = self.lengths[(piece.epoch, piece.unit)]
+        lens = self.lengths[(self.epoch, self.pos)]
         if self.tok >= int(lens[self.doc]):
             self.doc += 1
             self.tok = 0
 
-    def _next_unit(self) -> None:
+    def _next_block(self) -> None:
         self.doc = 0
         self.tok = 0
         self.pos += 1
-        if self.pos >= self.n_units:
+        if self.pos >= self.n_blocks:
             if self.epoch_tokens == 0:
                 raise SourceError(f"source {self.name!r} is empty: a whole pass over its files found no tokens")
             self.epoch += 1
@@ -207,8 +212,7 @@ class SourceStream:
         lead, trail_cls = (tuple(self.long_cur), "short") if tuple(self.long_cur) >= main else (main, "long")
         e, pos, doc, _ = self.class_cursor(trail_cls)
         while (e, pos, doc) < lead[:3]:
-            unit = int(self.ordering.units(e)[pos])
-            lens = self.lengths.get((e, unit))
+            lens = self.lengths.get((e, pos))
             if lens is None:
                 return  # not loaded: cannot tell yet
             stop = lead[2] if (e, pos) == lead[:2] else len(lens)
@@ -217,7 +221,7 @@ class SourceStream:
             if first < stop:
                 return  # a document of the trailing class is still unconsumed before the leading cursor
             doc = 0
-            e, pos = self.ordering.next_unit(e, pos)
+            e, pos = self.ordering.next_block(e, pos)
             if (e, pos) > lead[:2]:
                 break
         self.epoch, self.pos, self.doc, self.tok = lead
@@ -243,34 +247,58 @@ class SourceStream:
         return out
 
     def finished_units(self) -> list[tuple[int, int]]:
-        """Loaded units no longer needed for planning: wholly behind the (trailing) cursor, or,
-        while reading by length class, between the cursors and far from the trailing one
-        (evicted: loaded again when the trailing cursor gets near)."""
-        done = [key for key in self.lengths if self.behind(*key)]
+        """Units no longer needed for planning: those of blocks wholly behind the (trailing)
+        cursor, or, while reading by length class, of blocks between the cursors and far from
+        the trailing one (evicted: loaded again when the trailing cursor gets near)."""
+        done = [key for key in self.lengths if self._behind(key)]
         if self.split:
             te, tp = self.trailing()[:2]
             le, lp = self.leading()[:2]
-            far = (te * self.n_units + tp) + max(self.evict_after, self.loads.keep_units)
-            for e, u in self.lengths:
-                p = self.ordering.position(e, u)
-                if (e, p) < (le, lp) and e * self.n_units + p > far:
-                    done.append((e, u))
+            far = (te * self.n_blocks + tp) + max(self.evict_after, self.loads.keep_units)
+            for e, b in self.lengths:
+                if (e, b) < (le, lp) and e * self.n_blocks + b > far:
+                    done.append((e, b))
+        out = []
         for key in done:
             del self.lengths[key]
             self.ordering.forget(key)
-        return done
+            out += [(key[0], int(u)) for u in self.ordering.block_units_of(*key)]
+        stale = [key for key in self.arrived if self.behind(*key)]  # (a unit reloaded for a block passed since)
+        for key in stale:
+            del self.arrived[key]
+        return out
+
+    def _behind(self, key: tuple[int, int]) -> bool:
+        """Whether the (trailing) cursor has passed block ``key``."""
+        te, tp = self.trailing()[:2]
+        return key < (te, tp)
 
     def behind(self, epoch: int, unit: int) -> bool:
-        """Whether the (trailing) cursor has passed the unit."""
+        """Whether the (trailing) cursor has passed the unit's block."""
         te, tp = self.trailing()[:2]
-        return epoch < te or (epoch == te and self.ordering.position(epoch, unit) < tp)
+        return epoch < te or (epoch == te and self.ordering.block_of(epoch, unit) < tp)
+
+    def loaded_units(self) -> int:
+        """Units whose metadata is here (in assembled blocks, or waiting for the rest of theirs)."""
+        return len(self.arrived) + sum(len(self.ordering.maps[k].units) for k in self.lengths)
+
+    def has_unit(self, epoch: int, unit: int) -> bool:
+        """Whether the unit's lengths are here (alone, or in its assembled block)."""
+        return (epoch, unit) in self.arrived or (epoch, self.ordering.block_of(epoch, unit)) in self.lengths
+
+    def order_key(self, epoch: int, unit: int, doc: int) -> tuple[int, int, int]:
+        """``(epoch, block position, position in the block)`` of a unit's document (file order):
+        where the stream walks it (its block must be assembled)."""
+        b = self.ordering.block_of(epoch, unit)
+        return epoch, b, self.ordering.shuffled_doc((epoch, b), unit, doc)
 
     # ---- loading -------------------------------------------------------------------------------
     def unplanned_tokens(self) -> int:
-        """Loaded tokens not planned yet (one cursor; while split, the look-ahead counts per class)."""
-        total = 0
-        for (e, u), lens in self.lengths.items():
-            if (e, u) == self._unit_here():
+        """Loaded tokens not planned yet (one cursor; while split, the look-ahead counts per class):
+        assembled blocks past the cursor, and the units of blocks not complete yet."""
+        total = sum(int(lens.sum()) for lens in self.arrived.values())
+        for key, lens in self.lengths.items():
+            if key == (self.epoch, self.pos):
                 total += int(lens[self.doc :].sum()) - self.tok
             else:
                 total += int(lens.sum())
@@ -278,15 +306,21 @@ class SourceStream:
 
     def add_lengths(self, epoch: int, unit: int, lengths: np.ndarray, vision: np.ndarray | None = None) -> bool:
         """Register a loaded unit's document lengths (and image tokens per document, for the
-        encoder cost); idempotent (a recomputed load is ignored)."""
+        encoder cost); its block is assembled once all its units arrived. Idempotent (a
+        recomputed load is ignored)."""
         key = (epoch, unit)
         self.loads.requested.discard(key)
-        if key in self.lengths or self.behind(epoch, unit):
+        if self.has_unit(epoch, unit) or self.behind(epoch, unit):
             return False  # a duplicate, or a unit the cursor has already passed
         lengths = np.asarray(lengths, dtype=np.int64)
         images = vision is not None and bool(np.any(vision))
         self.loads.arrived(epoch, unit, int(lengths.sum()), images)
         if images:
             self.vision[key] = (np.asarray(vision, dtype=np.int64), lengths)
-        self.lengths[key] = self.ordering.shuffle_docs(key, lengths)
+        self.arrived[key] = lengths
+        b = self.ordering.block_of(epoch, unit)
+        units = self.ordering.block_units_of(epoch, b)
+        if all((epoch, int(u)) in self.arrived for u in units):
+            parts = [self.arrived.pop((epoch, int(u))) for u in units]
+            self.lengths[(epoch, b)] = self.ordering.assemble((epoch, b), parts)
         return True

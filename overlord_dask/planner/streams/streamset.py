@@ -20,8 +20,9 @@ from .stream import SourceStream
 
 
 class StreamSet:
-    def __init__(self, seed: int, piece_tokens: int, evict_after: int):
+    def __init__(self, seed: int, piece_tokens: int, evict_after: int, shuffle_units: int = 1):
         self.seed, self.piece_tokens, self.evict_after = seed, piece_tokens, evict_after
+        self.shuffle_units = shuffle_units  # loading.shuffle_units: units per shuffle block (order.py)
         self.streams: list[SourceStream] = []
         self.names: list[str] = []
         self.dropped = np.zeros((0, 2), dtype=np.int64)  # documents, tokens skipped by a drop policy, per source
@@ -42,6 +43,7 @@ class StreamSet:
             seed=self.seed,
             piece_tokens=self.piece_tokens,
             evict_after=self.evict_after,
+            block_units=self.shuffle_units,
         )
         self.streams.append(s)
         self.names.append(name)
@@ -247,19 +249,32 @@ class StreamSet:
 
     # ---- state ----------------------------------------------------------------------------------
     def get_state(self) -> dict:
-        return {"cursors": [list(s.cursor()) for s in self.streams], "dropped": P.to_bytes(self.dropped)}
+        return {
+            "cursors": [list(s.cursor()) for s in self.streams],
+            "dropped": P.to_bytes(self.dropped),
+            "shuffle_units": self.shuffle_units,
+        }
 
     def set_state(self, state: dict) -> None:
-        """Cursors and drop counters of a snapshot (whose run may have had fewer sources then)."""
+        """Cursors and drop counters of a snapshot (whose run may have had fewer sources then).
+        The snapshot's documents were ordered in shuffle blocks of its ``shuffle_units`` (1 in a
+        snapshot that does not say): another setting would make its cursors point elsewhere."""
+        recorded = int(state.get("shuffle_units", 1))
+        if recorded != self.shuffle_units:
+            raise PlanError(
+                f"the snapshot's run orders its documents in shuffle blocks of loading.shuffle_units={recorded} "
+                f"units, the plan says {self.shuffle_units}: the order (and what was delivered) depends on it; "
+                f"resume with shuffle_units: {recorded}, or start a new run"
+            )
         for s, cur in zip(self.streams, state["cursors"]):
             s.restore(tuple(cur))
-            s.loads.restart(s.epoch, s.pos)
+            s.loads.restart(*s.ordering.first_unit_position(s.epoch, s.pos))
         d = P.from_bytes(state["dropped"], 2)
         self.dropped = np.concatenate([d, np.zeros((len(self.streams) - len(d), 2), np.int64)])
 
     def status(self) -> dict:
         return {
             "cursors": {s.name: list(s.cursor()[:4]) for s in self.streams},
-            "loaded_units": {s.name: len(s.lengths) for s in self.streams},
+            "loaded_units": {s.name: s.loaded_units() for s in self.streams},
             "dropped": {s.name: {"docs": int(d), "tokens": int(t)} for s, (d, t) in zip(self.streams, self.dropped)},
         }
