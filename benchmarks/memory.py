@@ -25,6 +25,10 @@ fixed + per_rank·R + per_rank_source·R·S (every rank holds every source). ``p
 evaluates both at ``--project`` (default 1,024 ranks × 100 sources).
 
 Targets (issue 14): ours no larger than the baseline from 8 × 16 up; ``projected_ratio`` ≥ 13.5.
+
+Shuffle blocks (``--shuffle-units 1 64``): ours is measured once per ``loading.shuffle_units``
+setting at every size (``ours_mb_kK``, ``ours_peak_mb_kK``, ``ours_tokens_per_s_kK``,
+``ours_first_batch_s_kK``); the other ``ours_*`` figures and the fits are the first setting's.
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ def _serve(
     workers: int,
     weights: list[float] | None = None,
     seed: int | None = None,
+    loading: dict | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """``overlord serve`` over the generated sources under ``root``, in its own process tree."""
     import yaml
@@ -145,6 +150,8 @@ def _serve(
     plan = text_sources_plan(names, weights, topology={"dp": dp, "micro_batches": 1, "tokens_per_micro_batch": tokens})
     if seed is not None:
         plan["seed"] = seed
+    if loading:
+        plan["loading"] = {**plan.get("loading", {}), **loading}
     path = os.path.join(root, f"plan-{len(names)}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(plan, f)
@@ -179,11 +186,15 @@ def measure(root: str, dp: int, n_sources: int, args) -> dict:
     }
     bare = _run("bare", dp, cfg, min(args.seconds, 3.0), args.interval)
     base = _run("baseline", dp, cfg, args.seconds, args.interval)
-    proc, address = _serve(data, names, dp, args.tokens, args.workers)
-    try:
-        ours = _run("ours", dp, {**cfg, "address": address}, args.seconds, args.interval, extra_pids=[proc.pid])
-    finally:
-        _stop(proc)
+    by_k = {}
+    for k in args.shuffle_units or [None]:
+        loading = {"shuffle_units": k} if k else None
+        proc, address = _serve(data, names, dp, args.tokens, args.workers, loading=loading)
+        try:
+            by_k[k] = _run("ours", dp, {**cfg, "address": address}, args.seconds, args.interval, extra_pids=[proc.pid])
+        finally:
+            _stop(proc)
+    ours = next(iter(by_k.values()))
     bare_mb = float(np.median(bare["pss_mb"]))
 
     def share(r: dict) -> tuple[float, float]:
@@ -204,6 +215,10 @@ def measure(root: str, dp: int, n_sources: int, args) -> dict:
         "ours_tokens_per_s": round(ours["tokens_per_s"]),
         "baseline_first_batch_s": round(base["first_batch_s"], 2),
         "ours_first_batch_s": round(ours["first_batch_s"], 2),
+        **{f"ours_mb_k{k}": share(r)[0] for k, r in by_k.items() if args.shuffle_units},
+        **{f"ours_peak_mb_k{k}": share(r)[1] for k, r in by_k.items() if args.shuffle_units},
+        **{f"ours_tokens_per_s_k{k}": round(r["tokens_per_s"]) for k, r in by_k.items() if args.shuffle_units},
+        **{f"ours_first_batch_s_k{k}": round(r["first_batch_s"], 2) for k, r in by_k.items() if args.shuffle_units},
     }
 
 
@@ -251,6 +266,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=int, default=2, help="the service's worker processes")
     ap.add_argument("--baseline-workers", type=int, default=2, help="DataLoader workers per rank")
     ap.add_argument("--data", default=None, help="folder for the generated sources (default: a temporary one)")
+    ap.add_argument("--shuffle-units", type=int, nargs="*", default=[], help="loading.shuffle_units settings, in turn")
     args = ap.parse_args(argv)
 
     R0, S0 = args.at
@@ -284,6 +300,7 @@ def main(argv=None) -> dict:
             "memory_ratio",
             "baseline_tokens_per_s",
             "ours_tokens_per_s",
+            *[f"ours_{m}_k{k}" for k in args.shuffle_units for m in ("mb", "peak_mb", "tokens_per_s")],
         ],
     )
     return out

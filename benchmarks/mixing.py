@@ -45,7 +45,7 @@ from output import emit  # noqa: E402  (benchmarks/output.py)
 from overlord_dask.observe.figures import window_mix_errors  # noqa: E402
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.state import PlannerState  # noqa: E402
-from overlord_dask.planner.streams.order import stable_seed  # noqa: E402
+from overlord_dask.planner.streams.order import SourceOrder, stable_seed  # noqa: E402
 
 SOURCES = {  # name: (lognormal mu, sigma) of document lengths
     "web": (6.6, 1.0),
@@ -152,15 +152,18 @@ def coverage(state: PlannerState, ledger: dict[int, dict]) -> tuple[int, int]:
         covered: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
         for _, e, u, d, a, b in mine.tolist():
             covered.setdefault((e, u, d), []).append((a, b))
-        # walk the source's order up to its cursor, re-deriving the shuffles from their seeds
+        # walk the source's order up to its cursor: each shuffle block (its units' documents
+        # permuted together) rebuilt from the lengths, by a fresh order of the same plan and seed
+        order = SourceOrder(s.name, s.seed, s.n_units, s.block_units)
         e, pos = 0, 0
         while (e, pos) <= (s.epoch, s.pos):
-            unit = int(s.ordering.units(e)[pos])
-            L = lengths(s.name, e, unit)
-            perm = np.random.default_rng(stable_seed(s.seed, "docs", s.name, e, unit)).permutation(len(L))
-            stop_doc = s.doc if (e, pos) == (s.epoch, s.pos) else len(L)
+            block_units = order.block_units_of(e, pos)
+            lens = {int(u): lengths(s.name, e, int(u)) for u in block_units}
+            L_block = order.assemble((e, pos), [lens[int(u)] for u in block_units])
+            stop_doc = s.doc if (e, pos) == (s.epoch, s.pos) else len(L_block)
             for k in range(stop_doc + (1 if (e, pos) == (s.epoch, s.pos) and s.tok else 0)):
-                d = int(perm[k])
+                unit, d = (int(x) for x in order.file_docs((e, pos), k))
+                L = lens[unit]
                 spans = sorted(covered.pop((e, unit, d), []))
                 end = s.tok if (e, pos, k) == (s.epoch, s.pos, s.doc) else int(L[d])
                 pos_tok = 0
@@ -172,9 +175,7 @@ def coverage(state: PlannerState, ledger: dict[int, dict]) -> tuple[int, int]:
                     pos_tok = max(pos_tok, b)
                 if pos_tok < end:
                     missing += 1
-            pos += 1
-            if pos >= s.n_units:
-                e, pos = e + 1, 0
+            e, pos = order.next_block(e, pos)
         duplicates += sum(len(v) for v in covered.values())  # pieces beyond the cursor: planned twice or out of order
     return duplicates, missing
 

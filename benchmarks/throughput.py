@@ -35,6 +35,13 @@ number of Dask worker processes, ``--repeats`` times in turn, for each tokenizer
 spare, more workers should deliver more; beyond the machine's cores extra workers can only share
 them, and must not slow the service down (the issue-13 measurement on 16 cores: 2 → 8 workers
 went 3.4M → 2.9M tokens/s).
+
+Shuffle blocks (``--shuffle-units 1 64``): the service run again with each
+``loading.shuffle_units``, in turn, on the demo plan and on the demo plan cut into ~1,000 load
+units per source (``unit_rows`` 12, ``unit_tokens`` 4,096), byte tokenizer (``"by_shuffle_units"``:
+tokens/s, trainer wait, time to the first batch and the most memory the loaded blocks held on the
+workers, ``blocks_mb_max``). What a larger setting costs: more units resident and loaded before the
+first step.
 """
 
 from __future__ import annotations
@@ -219,6 +226,50 @@ def per_rank_baseline(args, plan, steps: int) -> dict:
     }
 
 
+def shuffle_plan(data_dir: str, shuffle_units: int, small_units: bool) -> tuple[str, dict]:
+    """The demo plan with ``loading.shuffle_units`` (and, with ``small_units``, ~1,000 load units
+    per source) written next to the corpus; returns its path and each source's unit count."""
+    import yaml
+
+    from overlord_dask.planner.timeline import Timeline
+    from overlord_dask.service.demo import PLAN_FILE
+    from overlord_dask.service.indexing import index_timeline
+
+    data = yaml.safe_load(PLAN_FILE.read_text())
+    data["loading"]["shuffle_units"] = shuffle_units
+    if small_units:
+        data["loading"].update(unit_rows=12, unit_tokens=4096)
+    path = os.path.join(data_dir, f"demo-shuffle-{shuffle_units}{'-small' if small_units else ''}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    units = {k: len(v) for k, v in index_timeline(Timeline(demo_plan(data_dir, loading=data["loading"]))).items()}
+    return path, units
+
+
+def by_shuffle_units(args) -> list[dict]:
+    """The service with each ``--shuffle-units`` setting in turn, on both layouts, same steps."""
+    rows = []
+    for small in (False, True):
+        for k in args.shuffle_units:
+            path, units = shuffle_plan(args.data, k, small)
+            r = run_demo(
+                steps=args.steps, dp=args.dp, workers=args.workers, data=args.data, scale=args.scale,
+                plan_path=path, quiet=True,
+            )  # fmt: skip
+            keys = ("tokens_per_s", "wait_p50_ms", "wait_p99_ms", "time_to_first_batch_s", "blocks_mb_max")
+            rows.append(
+                {
+                    "layout": "demo, ~1,000 units per source" if small else "demo",
+                    "units": units,
+                    "shuffle_units": k,
+                    **{key: r[key] for key in keys},
+                    "duplicates": r["duplicates"],
+                    "missing": r["missing"],
+                }
+            )
+    return rows
+
+
 def measure(args, plan_path: str | None, steps: int) -> dict:
     from overlord_dask.plan import load_plan
 
@@ -271,7 +322,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--data", default="demo-data")
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--tokenizer", choices=["byte", "bpe", "both"], default="both")
+    ap.add_argument("--tokenizer", choices=["byte", "bpe", "both", "none"], default="both")
     ap.add_argument("--bpe-vocab", type=int, default=8192)
     ap.add_argument("--bpe-docs", type=int, default=5000, help="web documents the BPE is trained on")
     ap.add_argument(
@@ -291,18 +342,40 @@ def main(argv=None) -> dict:
         default=2,
         help="DataLoader workers per rank of the per-rank baseline (0: skip it)",
     )
+    ap.add_argument(
+        "--shuffle-units",
+        type=int,
+        nargs="*",
+        default=[],
+        help="loading.shuffle_units settings to run the service with, side by side (none: skip)",
+    )
     args = ap.parse_args(argv)
     generate_demo_corpus(args.data, scale=args.scale)
     out = {"benchmark": "throughput", "workers": args.workers, "cores": os.cpu_count()}
+    if args.shuffle_units:
+        out["by_shuffle_units"] = by_shuffle_units(args)
+        if args.tokenizer == "none":
+            return _print(out, args)
     if args.tokenizer in ("byte", "both"):
         out.update(measure(args, None, args.steps))
     if args.tokenizer in ("bpe", "both"):
         path, trained = bpe_plan(args.data, args.bpe_vocab, args.bpe_docs)
         out["bpe"] = {"vocab": args.bpe_vocab, "train_s": round(trained, 2), **measure(args, path, args.bpe_steps)}
+    return _print(out, args)
+
+
+def _print(out: dict, args) -> dict:
     if args.json:
         print(json.dumps(out))
-    else:
-        byte, bpe = ({k: v for k, v in out.items() if k != "bpe"}, dict(out.get("bpe", {})))
+        return out
+    for r in out.get("by_shuffle_units", []):
+        print(
+            f"{r['layout']:<32} shuffle_units={r['shuffle_units']:<4} {r['tokens_per_s']:>12} tok/s  "
+            f"wait p50/p99 {r['wait_p50_ms']}/{r['wait_p99_ms']} ms  first batch {r['time_to_first_batch_s']} s  "
+            f"blocks {r['blocks_mb_max']} MB"
+        )
+    if "tokens" in out or "bpe" in out:
+        byte, bpe = ({k: v for k, v in out.items() if k not in ("bpe", "by_shuffle_units")}, dict(out.get("bpe", {})))
         for row in (byte, bpe):
             for r in row.pop("by_workers", []):
                 row[f"tokens/s, {r['workers']} workers"] = r["tokens_per_s"]

@@ -35,6 +35,10 @@ trainer: ~45 ms per step)::
 
     python benchmarks/trainer_wait.py --model --compute-ms 45              # on a CUDA machine
     python benchmarks/trainer_wait.py --model --compute-ms 500             # CPU: one core trains
+
+Shuffle blocks (``--shuffle-units 1 64``): the service runs once per ``loading.shuffle_units``
+setting, in turn, for each compute time (the baseline once); ``--small-units`` cuts the demo's
+sources into ~1,000 load units each (``unit_rows`` 12, ``unit_tokens`` 4,096).
 """
 
 from __future__ import annotations
@@ -221,6 +225,30 @@ def _baseline_trainer(
     out.put((rank, res))
 
 
+def _baseline(ctx, files: list[str], args, compute_ms: float, model_spec: dict | None) -> dict:
+    """The per-rank DataLoader baseline at ``compute_ms``: its figures, prefixed ``baseline_``."""
+    base = _run_procs(
+        ctx,
+        _baseline_trainer,
+        lambda r: (
+            files,
+            r,
+            args.dp,
+            args.steps,
+            compute_ms / 1e3,
+            args.micro_batches,
+            args.tokens,
+            args.baseline_workers,
+        ),
+        args.dp,
+        model_spec=model_spec,
+    )
+    b = _summarise(base, args.warmup)
+    if model_spec:
+        b.update(_summarise_model(base, args.warmup))
+    return {f"baseline_{k}": v for k, v in b.items()}
+
+
 def _summarise(results: list[dict], warmup: int) -> dict:
     waits = np.concatenate([np.asarray(r["waits"][warmup:]) for r in results])
     # after the warm-up: time spent in next() over the wall time of the same steps
@@ -294,6 +322,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model-dim", type=int, default=None, help="model width (default 2048 on cuda, 64 on cpu)")
     ap.add_argument("--model-layers", type=int, default=None, help="MLP blocks (default 4 on cuda, 1 on cpu)")
     ap.add_argument("--vocab", type=int, default=512, help="the model's vocabulary (the demo's byte ids are below 260)")
+    ap.add_argument("--shuffle-units", type=int, nargs="*", default=[], help="loading.shuffle_units settings, in turn")
+    ap.add_argument("--small-units", action="store_true", help="~1,000 load units per source")
     args = ap.parse_args(argv)
     model_spec = None
     if args.model:
@@ -315,54 +345,40 @@ def main(argv=None) -> dict:
 
     if not os.path.exists(os.path.join(args.data, "CORPUS.json")):  # an existing corpus (any scale) is used as it is
         generate_demo_corpus(args.data)
-    plan = demo_plan(
-        args.data, topology={"dp": args.dp, "micro_batches": args.micro_batches, "tokens_per_micro_batch": args.tokens}
-    )
+    topology = {"dp": args.dp, "micro_batches": args.micro_batches, "tokens_per_micro_batch": args.tokens}
+    units = {"unit_rows": 12, "unit_tokens": 4096} if args.small_units else {}
+    plans = [
+        demo_plan(args.data, topology=topology, loading={**units, **({"shuffle_units": k} if k else {})})
+        for k in (args.shuffle_units or [None])
+    ]
     ctx = mp.get_context("spawn")
     files = sorted(glob.glob(os.path.join(os.path.abspath(args.data), "web", "*.parquet")))
     rows = []
     with local_cluster(n_workers=args.workers) as cluster:
         for compute_ms in args.compute_ms:
-            with Service.start(plan, cluster=cluster) as service:
-                res = _run_procs(
-                    ctx,
-                    _overlord_trainer,
-                    lambda r: (service.address, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches),
-                    args.dp,
-                    model_spec=model_spec,
-                    capacity=args.tokens,
-                )
-                loop = service.loop_stats()
-            row = {
-                "system": "overlord",
-                "compute_ms": compute_ms,
-                **_summarise(res, args.warmup),
-                "loop_block_max_ms": loop["block_max_ms"],
-            }
-            if model_spec:
-                row.update(_summarise_model(res, args.warmup))
-            if not args.no_baseline:
-                base = _run_procs(
-                    ctx,
-                    _baseline_trainer,
-                    lambda r: (
-                        files,
-                        r,
+            for n, plan in enumerate(plans):
+                with Service.start(plan, cluster=cluster) as service:
+                    res = _run_procs(
+                        ctx,
+                        _overlord_trainer,
+                        lambda r: (service.address, r, args.dp, args.steps, compute_ms / 1e3, args.micro_batches),
                         args.dp,
-                        args.steps,
-                        compute_ms / 1e3,
-                        args.micro_batches,
-                        args.tokens,
-                        args.baseline_workers,
-                    ),
-                    args.dp,
-                    model_spec=model_spec,
-                )
-                b = _summarise(base, args.warmup)
+                        model_spec=model_spec,
+                        capacity=args.tokens,
+                    )
+                    loop = service.loop_stats()
+                row = {
+                    "system": "overlord",
+                    "compute_ms": compute_ms,
+                    "shuffle_units": plan.loading.shuffle_units,
+                    **_summarise(res, args.warmup),
+                    "loop_block_max_ms": loop["block_max_ms"],
+                }
                 if model_spec:
-                    b.update(_summarise_model(base, args.warmup))
-                row.update({f"baseline_{k}": v for k, v in b.items()})
-            rows.append(row)
+                    row.update(_summarise_model(res, args.warmup))
+                if not args.no_baseline and n == 0:
+                    row.update(_baseline(ctx, files, args, compute_ms, model_spec))
+                rows.append(row)
     out = {
         "benchmark": "trainer_wait",
         "cores": os.cpu_count(),
@@ -403,6 +419,7 @@ def main(argv=None) -> dict:
             rows,
             [
                 "compute_ms",
+                "shuffle_units",
                 "wait_share",
                 "wait_p50_ms",
                 "wait_p99_ms",

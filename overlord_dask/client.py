@@ -81,6 +81,9 @@ class PlannerClient:
     async def request_stop(self) -> dict:
         return await self._route(Route.REQUEST_STOP)()
 
+    async def skip(self, start: int, stop: int, reason: str = "") -> dict:
+        return await self._route(Route.SKIP)(start=start, stop=stop, reason=reason)
+
     # ---- views -----------------------------------------------------------------------------------
     async def status(self) -> dict:
         return await self._route(Route.STATUS)()

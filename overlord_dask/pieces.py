@@ -12,10 +12,12 @@ balancer appends ``AGE`` (windows the piece has waited). A source's stream hands
 without the source column (``[epoch, unit, doc, start, stop]``, ``STREAM_*`` below), since it
 knows only itself.
 
-Rows are int64 (:data:`DTYPE`) wherever they are: in the planner, in snapshots and on the wire
-(planner → submitter → constructors) as little-endian bytes (:func:`to_bytes` /
-:func:`from_bytes`). A planned piece's ``[rank, micro_batch]`` slot is int32 (:data:`SLOT_DTYPE`,
-:func:`slot_bytes` / :func:`slot_from_bytes`).
+Rows are int64 (:data:`DTYPE`) wherever they are: in the planner, the ledger and snapshots
+(as little-endian bytes: :func:`to_bytes` / :func:`from_bytes`). On their way to a constructor
+(planner → submitter → scheduler → worker: a task's arguments cross the scheduler) they travel
+packed (:func:`pack` / :func:`unpack`): each column in the smallest integer type that holds it, as
+tokens travel on the wire, and come back int64. A planned piece's ``[rank, micro_batch]`` slot is
+int32 (:data:`SLOT_DTYPE`, :func:`slot_bytes` / :func:`slot_from_bytes`).
 """
 
 from __future__ import annotations
@@ -133,6 +135,34 @@ def to_bytes(rows: np.ndarray) -> bytes:
 def from_bytes(buf: bytes, width: int = WIDTH) -> np.ndarray:
     """The int64 rows :func:`to_bytes` wrote (a writable copy)."""
     return np.frombuffer(buf, dtype=WIRE).reshape(-1, width).astype(DTYPE)
+
+
+_PACKED = (np.uint8, np.uint16, np.uint32, np.int64)  # (pieces hold no negative value)
+
+
+def pack(rows: np.ndarray) -> bytes:
+    """Rows (any width) packed for a task's arguments: ``[width, n]`` then per column a type code
+    and its values in the smallest unsigned type that holds them (:func:`unpack` reverses it)."""
+    rows = np.asarray(rows, dtype=DTYPE)
+    n, width = rows.shape
+    parts = [np.array([width, n], "<u4").tobytes()]
+    for c in range(width):
+        col = rows[:, c]
+        hi, lo = (int(col.max()), int(col.min())) if n else (0, 0)
+        code = 3 if lo < 0 or hi >= 1 << 32 else 0 if hi < 1 << 8 else 1 if hi < 1 << 16 else 2
+        parts += [bytes([code]), col.astype(np.dtype(_PACKED[code]).newbyteorder("<")).tobytes()]
+    return b"".join(parts)
+
+
+def unpack(buf: bytes) -> np.ndarray:
+    """The int64 rows :func:`pack` packed."""
+    width, n = (int(x) for x in np.frombuffer(buf, "<u4", count=2))
+    out, pos = np.empty((n, width), DTYPE), 8
+    for c in range(width):
+        t = np.dtype(_PACKED[buf[pos]]).newbyteorder("<")
+        out[:, c] = np.frombuffer(buf, t, count=n, offset=pos + 1)
+        pos += 1 + n * t.itemsize
+    return out
 
 
 def slot_bytes(slot: np.ndarray) -> bytes:

@@ -51,6 +51,7 @@ class Route:
     LENGTHS = "overlord_lengths"  # one-way, on a worker's own stream to the scheduler
     FETCH = "overlord_fetch"  # on every worker: a trainer fetches built batches
     EVAL = "overlord_eval"  # where the run's evaluation batches are
+    SKIP = "overlord_skip"  # steps not to hand out (a decision in the run's timeline)
 
 
 def eval_key(run_id: str) -> str:

@@ -260,11 +260,12 @@ class SnapshotStore:
 
     def window_at(self, step: int) -> tuple[int, dict, dict] | None:
         """``(window step, window state, topology)`` of the newest stored window start at or
-        before ``step`` (a base's, or a later one a delta of it carries); None if none is."""
-        best = None
-        entries = self._entries()
+        before ``step`` (a base's, or a later one a delta of it carries); None if none is. A base
+        supersedes what older chains recorded past its committed step (a rewind may have planned
+        those steps again, on another dp or with steps skipped)."""
+        found: list[tuple[int, dict, dict]] = []
         chain_topology, chain_seq = None, None
-        for kind, seq, path in entries:
+        for kind, seq, path in self._entries():
             try:
                 payload = self._read(path)
             except SnapshotError:
@@ -275,13 +276,14 @@ class SnapshotStore:
             if kind == "base":
                 st = payload["state"]
                 chain_topology, chain_seq = st["topology"], seq
-                found = (int(st["window_step"]), st["window"], st["topology"])
+                found = [f for f in found if f[0] <= int(st["committed"])]
+                found.append((int(st["window_step"]), st["window"], st["topology"]))
             elif "window" in payload and payload.get("base") == chain_seq:
-                found = (int(payload["window_step"]), payload["window"], chain_topology)
-            else:
-                continue
-            if found[0] <= step and (best is None or found[0] >= best[0]):
-                best = found
+                found.append((int(payload["window_step"]), payload["window"], chain_topology))
+        best = None
+        for f in found:  # the newest at or before `step` (the later-recorded one of equal steps)
+            if f[0] <= step and (best is None or f[0] >= best[0]):
+                best = f
         return best
 
 

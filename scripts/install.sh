@@ -15,5 +15,10 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".${extras}" "torch==2.13.0"
+if [ "${1:-}" = "--test" ]; then
+  # benchmarks/shuffle.py compares with MosaicML Streaming's shuffles (pure numpy); without its
+  # dependencies, which would pull torchvision and another torch
+  .venv/bin/python -m pip install --quiet --no-deps "mosaicml-streaming==0.13.0"
+fi
 # compile the planner's numba kernels once now (cached beside the code), not in the first run
 .venv/bin/python -c "from overlord_dask.planner.policies.kernels import warm; warm()"

@@ -57,6 +57,22 @@ def test_balance_benchmark_runs():
     assert '"mixed_100k"' in stdout
 
 
+def test_shuffle_benchmark_runs():
+    """Ours at the default beats Mosaic's default block shuffle on the 64-file layout's figures
+    and reads nearly as many files per 256 documents as a global permutation."""
+    out, stdout = run_benchmark("shuffle", ["--small", "--planner-steps", "0", "--settings", "1", "--json"])
+    rows = {(r["layout"], r["order"]): r for r in out["rows"]}
+    ours = rows[("64x400", f"ours shuffle_units={out['default_shuffle_units']} (default)")]
+    one = rows[("64x400", "ours shuffle_units=1")]
+    glob = rows[("64x400", "global permutation")]
+    assert one["same_file"] > 0.9 and ours["same_file"] < 0.03
+    assert ours["files_per_256"] > 0.95 * glob["files_per_256"]
+    mosaic = rows[("64x400", "mosaic py1s")]
+    assert "note" not in mosaic, "mosaicml-streaming is in the test install (scripts/install.sh --test)"
+    assert mosaic["same_file"] > 0.9  # the shard-then-sample shuffle, as the issue measured it
+    assert "64x400" in stdout
+
+
 def test_mixing_benchmark_runs():
     out, stdout = run_benchmark("mixing", ["--steps", "150", "--micro-batches", "4", "--json"])
     assert {"mix_error_window_max", "mix_error_step_max", "duplicates", "missing", "replay_identical"} <= set(out)

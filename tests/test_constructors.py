@@ -79,7 +79,7 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
     blocks = {block_key(0, 0, 0): _block([5, 9, 3])}
     pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3]])
     slot = np.array([[0, 0], [1, 0], [1, 1]])  # (rank, micro-batch) of each piece
-    steps = [{"step": 4, "pieces": P.to_bytes(pieces), "slot": P.slot_bytes(slot), "piece_tokens": 16}]
+    steps = [{"step": 4, "pieces": P.pack(pieces), "slot": P.slot_bytes(slot), "piece_tokens": 16}]
     chunk = build_chunk(steps, (0, 2), BatchLayout(2, 16), blocks)
     arrays = sum(nbytes(chunk.batch(4, r)) for r in (0, 1))
     packed = sum(len(chunk.packed(4, r)) for r in (0, 1))  # held packed for the wire: the arrays and pickle's framing
@@ -122,7 +122,7 @@ def test_a_fetch_sends_the_batches_the_constructor_packed_as_frames():
     blocks = {block_key(0, 0, 0): _block([5, 9, 3, 7])}
     pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3], [0, 0, 0, 3, 0, 7]])
     slot = np.array([[0, 0], [1, 0], [1, 1], [0, 1]])
-    steps = [{"step": s, "pieces": P.to_bytes(pieces), "slot": P.slot_bytes(slot), "piece_tokens": 16} for s in (4, 5)]
+    steps = [{"step": s, "pieces": P.pack(pieces), "slot": P.slot_bytes(slot), "piece_tokens": 16} for s in (4, 5)]
     chunk = build_chunk(steps, (0, 2), BatchLayout(2, 16), blocks)
     for per_rank in chunk.batches.values():
         assert all(isinstance(b, bytes) for b in per_rank.values())

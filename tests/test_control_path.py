@@ -127,7 +127,7 @@ def test_a_chunk_built_at_once_decodes_to_the_packed_micro_batches(seed):
         rows, slots = np.array(rows), np.array(slots)
         order = rng.permutation(len(rows))  # the ledger need not list a step's pieces by rank
         rows, slots = rows[order], slots[order]
-        steps.append({"step": step, "pieces": P.to_bytes(rows), "slot": P.slot_bytes(slots), "piece_tokens": 64})
+        steps.append({"step": step, "pieces": P.pack(rows), "slot": P.slot_bytes(slots), "piece_tokens": 64})
         for rank in range(lo, hi):
             expected[step, rank] = [
                 pack_micro_batch(rows[(slots[:, 0] == rank) & (slots[:, 1] == m)].tolist(), blocks, capacity, 64)

@@ -377,7 +377,7 @@ def _long_plan(**over):
             },
             {"name": "after", "start_step": 50},
         ],
-        loading={"prefetch_steps": 40, "units_ahead": 2},
+        loading={"prefetch_steps": 40, "units_ahead": 2, "shuffle_units": 1},  # (see plan_dict)
     )
     d.update(over)
     return d

@@ -32,6 +32,12 @@ def test_piece_rows_recut_flatten_and_bytes():
     assert (
         np.array_equal(P.from_bytes(P.to_bytes(pieces)), pieces) and P.from_bytes(P.to_bytes(pieces)).dtype == P.DTYPE
     )
+    # on the way to a constructor: each column in the smallest type that holds it, back as int64
+    wide = np.array([[0, 1, 70_000, 3, 1 << 40, 5], [2, 0, 1, 300, 7, -1]], dtype=np.int64)
+    for rows in (pieces, wide, P.empty()):
+        back = P.unpack(P.pack(rows))
+        assert back.dtype == P.DTYPE and back.shape == rows.shape and np.array_equal(back, rows)
+    assert len(P.pack(pieces)) < len(P.to_bytes(pieces)) / 3
     assert P.stream_lengths(pieces[:, 1:]).tolist() == P.lengths(pieces).tolist()
 
 

@@ -46,7 +46,7 @@ class Loading(Strict):
     under a quarter of it are read together by one task. None: one task per unit. The stream never
     depends on it (units, not tasks, are the grain of the order). A ``transform`` must then be
     per document (it runs on each part)."""
-    shuffle_units: int = Field(default=1, ge=1, le=100_000)
+    shuffle_units: int = Field(default=64, ge=1, le=100_000)
     """Load units whose documents are shuffled together (a *shuffle block*: ``planner/streams/order.py``).
     Each epoch a source's units are permuted and cut into blocks of this many; the documents of a
     block's units are permuted together, so neighbouring documents come from that many different

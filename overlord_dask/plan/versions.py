@@ -64,8 +64,9 @@ class PlanVersions:
         self._keys: dict[str, tuple] = {}
         self.changes: list[set[str]] = [set(OVERRIDES)]  # per version, which of OVERRIDES it changes
         self._register(plan)
-        for at_step, new in updates:
-            self.add(new, at_step)
+        for at_step, new in updates:  # recorded ones: on this plan's topology (a rewind or a restart may change dp)
+            same = new.topology == plan.topology
+            self.add(new if same else new.model_copy(update={"topology": plan.topology}), at_step)
 
     def _register(self, plan: Plan) -> list[str]:
         new = []

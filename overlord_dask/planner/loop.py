@@ -30,8 +30,13 @@ class PlanningLoop:
         tokens), by the cost model in force there (declared, or learned: ``timeline.cost_at``)."""
         return self.streams.costs(rows, self.timeline.cost_at(step))
 
+    def steps_ahead(self) -> int:
+        """Steps handed out and not committed (skipped ones do not count: no rank acknowledges them)."""
+        return self.next_step - self.committed - self.timeline.skipped_between(self.committed, self.next_step)
+
     def can_plan(self) -> bool:
-        return self.next_step - self.committed < self.plan.loading.prefetch_steps
+        """Within the prefetch bound (``loading.prefetch_steps`` ahead of the committed step)."""
+        return self.steps_ahead() < self.plan.loading.prefetch_steps
 
     def plan_steps(self, max_steps: int) -> tuple[list[dict], list[list]]:
         """Plan as many steps as the bounds and loaded metadata allow.
@@ -39,11 +44,16 @@ class PlanningLoop:
         Returns (steps, finished_units): each step is ``{"step", "pieces", "slot", "piece_tokens",
         "loss_tokens"}`` with ``pieces`` the step's int64 piece rows (``pieces.py``) and ``slot``
         their int32 ``[rank, micro_batch]`` (both as the ledger holds them); finished units are
-        ``[source, epoch, unit]`` whose blocks no later step needs.
+        ``[source, epoch, unit]`` whose blocks no later step needs. A skipped step
+        (``timeline.skip_at``) is planned and recorded but not handed out; the steps returned are
+        consecutive (a skip ends them), and the first after a skip says so (``"after_skip"``).
         """
         steps = []
         t0 = time.perf_counter()
         while len(steps) < max_steps and self.can_plan():
+            skip = self.timeline.skip_at(self.next_step) if self.timeline.decisions else None
+            if skip is not None and steps:
+                break  # the steps handed out together are consecutive: the skip ends this chunk
             if self.next_step == self.replay_until and self.final_plan.topology != self.topology:
                 self.switch_topology()
             try:
@@ -58,15 +68,15 @@ class PlanningLoop:
                 continue  # delivered before the restore: only the planner state had to catch up
             entry = self._record(step, rows, slot, mb_costs, drops)
             m = self.ledger.metrics[step]
-            steps.append(
-                {
-                    "step": step,
-                    "pieces": entry["pieces"],
-                    "slot": entry["slot"],
-                    "piece_tokens": m["piece_tokens"],
-                    "loss_tokens": m["loss_tokens"],
-                }
-            )
+            if skip is not None:
+                m["skipped"] = True  # planned (its documents count as used), never handed out
+                continue
+            out = {"step": step, "pieces": entry["pieces"], "slot": entry["slot"], "piece_tokens": m["piece_tokens"]}
+            out["loss_tokens"] = m["loss_tokens"]
+            before = self.timeline.skip_at(step - 1) if step and self.timeline.decisions else None
+            if before is not None:
+                out["after_skip"] = [before.at, before.values["until"]]
+            steps.append(out)
         if steps:
             self.plan_seconds.append(time.perf_counter() - t0)
             del self.plan_seconds[:-10_000]
@@ -168,7 +178,7 @@ class PlanningLoop:
             dp=topo.dp,
             context=context,
         )
-        metrics["loss_tokens"] = self.streams.loss_tokens(pieces)
+        metrics["loss_tokens"] = self.streams.targets.loss_tokens(pieces)
         if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
             metrics["pool_workers"] = dict(self.pool_workers)
         return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)

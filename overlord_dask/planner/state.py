@@ -180,7 +180,7 @@ class PlannerState(PlanningLoop):
         before = s.loads.tokens_per_pass()
         added = s.add_lengths(epoch, unit, lengths, vision)
         if added or (s.index, epoch, unit) in self.streams.held:  # (a passed unit loaded again for its block)
-            self.streams.keep_lengths((s.index, epoch, unit), lengths, masked)
+            self.streams.targets.keep_lengths((s.index, epoch, unit), lengths, masked)
         if before is None and s.loads.tokens_per_pass() is not None:
             share = float(self._mix_ahead()[s.index])
             mb_tokens = self.topology.tokens_per_micro_batch

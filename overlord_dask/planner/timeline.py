@@ -8,9 +8,14 @@ updates, decisions): a resumed run and a replay deliver the identical stream. A 
 force until the next one of its kind, or until a plan version that changes what it overrides
 (the sources or stages for the mix, the cost model for a learned cost) starts after it.
 
+A **skip** (``kind="skip"``, ``values={"until": B}``, from step A) is a decision of the run's
+operator rather than the planner's: steps A..B are planned as they would be (the stream after them
+is unchanged) but not handed out, and a rank that reaches A goes on at B + 1 (the remedy PaLM
+used for loss spikes: ``Service.skip_steps``). Their documents count as used.
+
 Everything the planner asks of "the plan at a step" goes through here: the weights in force, the
 mix (with a stage's long-document share), the cost model in force, where planning windows must
-end.
+end, which steps are skipped.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from ..errors import PlanError
 from ..plan import CostModel, Plan
 from ..plan.versions import OVERRIDES, PlanVersions, decode_updates
 
-KINDS = OVERRIDES  # what a decision sets: the mix (shares by source name), the cost model's coefficients
+SKIP = "skip"  # steps not handed out: {"until": the last one}
+KINDS = (*OVERRIDES, SKIP)  # what a decision sets: the mix (shares by source name), the cost model, a skip
 
 
 class Decision(NamedTuple):
@@ -78,6 +84,13 @@ class Timeline(PlanVersions):
         """Record a decision of ``kind`` from ``at_step`` (not before the last one of its kind)."""
         if kind not in KINDS:
             raise ValueError(f"decision kind must be one of {KINDS}, got {kind!r}")
+        if kind == SKIP:
+            until = values.get("until")
+            if not isinstance(until, int) or isinstance(until, bool) or until < at_step or at_step < 0:
+                raise PlanError(f"skip from step {at_step}: 'until' must be a step >= {at_step}, got {until!r}")
+            d = Decision(int(at_step), kind, {"until": int(until)}, reason, len(self.versions), state)
+            self._append(d)
+            return d
         if kind == "weights":
             unknown = sorted(set(values) - set(self.source_names))
             if unknown:
@@ -164,12 +177,37 @@ class Timeline(PlanVersions):
             j = self.next_jump(j)
         return np.max([self.mix_at(t) for t in sorted(steps)], axis=0)
 
+    # ---- skipped steps -------------------------------------------------------------------------
+    def skip_at(self, step: int) -> Decision | None:
+        """The skip that covers ``step``, if any."""
+        for d in self._by_kind[SKIP]:
+            if d.at <= step <= d.values["until"]:
+                return d
+        return None
+
+    def first_delivered(self, step: int) -> int:
+        """``step``, or the first step after the skips that cover it."""
+        while (d := self.skip_at(step)) is not None:
+            step = d.values["until"] + 1
+        return step
+
+    def skipped_between(self, lo: int, hi: int) -> int:
+        """How many steps of ``[lo, hi)`` are skipped."""
+        n, end = 0, lo
+        for a, b in sorted((d.at, d.values["until"] + 1) for d in self._by_kind[SKIP]):
+            a, b = max(a, end), min(b, hi)
+            if b > a:
+                n, end = n + b - a, b
+        return n
+
     # ---- planning windows -----------------------------------------------------------------------
     def next_jump(self, step: int) -> int | None:
         """The first step after ``step`` where the mix or context changes abruptly (a planning
-        window ends there), or None."""
+        window ends there), or None. A skip is no jump: its steps are planned as they would be."""
         cands = self.declared_jumps_after(step)
-        for lst in self._by_kind.values():
+        for kind, lst in self._by_kind.items():
+            if kind == SKIP:
+                continue
             i = bisect_right(lst, step, key=lambda d: d.at)
             if i < len(lst):
                 cands.append(lst[i].at)

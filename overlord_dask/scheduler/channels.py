@@ -72,7 +72,11 @@ class RankChannels:
 
     # ---- descriptors ----------------------------------------------------------------------------
     def descriptor(self, key: str, task: dict) -> dict:
-        return {"key": key, "steps": task["steps"], "workers": task["workers"], "run_id": self.run_id}
+        """What a rank needs to fetch a chunk's steps (and, after skipped steps, which: it goes on past them)."""
+        desc = {"key": key, "steps": task["steps"], "workers": task["workers"], "run_id": self.run_id}
+        if task.get("skip"):
+            desc["skip"] = task["skip"]
+        return desc
 
     def put(self, rank: int, cp_rank: int, item: dict) -> None:
         """``item`` (a descriptor, or ``{"error": ...}``) into the rank's queue, and on to its

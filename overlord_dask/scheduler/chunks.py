@@ -8,7 +8,8 @@ instead: every group draws pieces from nearly every block, so each group's worke
 copy of each block, and a chunk split over ``G`` workers copies its blocks up to ``G`` times
 (``benchmarks/throughput.py --scaling`` compares worker counts). One queue item per rank then names the whole chunk, so
 queue items, constructor tasks and acks are per chunk, not per (step, rank). A task carries only
-its ranks' pieces (``pieces.to_bytes``), the units whose blocks it needs and the layout its
+its ranks' pieces (``pieces.pack``: each column narrowed, since a task's arguments cross the
+scheduler), the units whose blocks it needs and the layout its
 micro-batches are packed to (``batch_layout.BatchLayout``: the one the planner budgeted).
 
 How many steps a chunk holds (:func:`chunk_steps`, unless the plan sets ``loading.batch_steps``):
@@ -67,7 +68,7 @@ def chunk_tasks(
             parts.append(
                 {
                     "step": sp["step"],
-                    "pieces": P.to_bytes(pieces[mine]),
+                    "pieces": P.pack(pieces[mine]),
                     "slot": P.slot_bytes(slot[mine]),
                     "piece_tokens": sp["piece_tokens"],
                     "loss_tokens": sp.get("loss_tokens"),
@@ -82,6 +83,7 @@ def chunk_tasks(
                 "ranks": [lo, hi],
                 "layout": layout.to_dict(),
                 "units": used.tolist(),
+                "skip": steps[0].get("after_skip"),  # [first, last] skipped right before these steps
             }
         )
     return tasks

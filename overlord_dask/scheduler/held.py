@@ -39,8 +39,9 @@ class HeldBatches:
         self._built: dict[str, asyncio.Event] = {}  # keys someone waits on (where)
         self._copies: set = set()
 
-    def add(self, key: str, steps: list[int], lo: int, hi: int) -> None:
-        self.tasks[key] = {"steps": steps, "lo": lo, "hi": hi, "workers": None}
+    def add(self, key: str, steps: list[int], lo: int, hi: int, skip: list | None = None) -> None:
+        """A constructor task of ``steps`` for ranks ``[lo, hi)`` (``skip``: the steps skipped right before them)."""
+        self.tasks[key] = {"steps": steps, "lo": lo, "hi": hi, "workers": None, "skip": skip}
 
     def stored(self, key: str) -> bool:
         """A constructor task reached memory (again, after a rebuild): its holders are updated;

@@ -60,7 +60,7 @@ def _warm() -> None:
 
 
 class PlannerThread:
-    """Runs the planner state's work in its own thread; ``on_tasks(key, steps, lo, hi)`` learns
+    """Runs the planner state's work in its own thread; ``on_tasks(key, steps, lo, hi, skip)`` learns
     each constructor task handed out, ``observe()`` (called in the thread every
     ``OBSERVE_EVERY_S``) refreshes the dashboard's view, ``on_failure(message)`` stops the run,
     ``on_decisions(decisions)`` learns the planner's own decisions (``planner/feedback.py``:
@@ -166,7 +166,7 @@ class PlannerThread:
             if out["rewinds"] != self.rewinds:
                 continue  # planned by a state a rewind has replaced since (the rewind kicks a new round)
             for t in out["tasks"]:
-                self.on_tasks(t["key"], [p["step"] for p in t["steps"]], t["ranks"][0], t["ranks"][1])
+                self.on_tasks(t["key"], [p["step"] for p in t["steps"]], t["ranks"][0], t["ranks"][1], t.get("skip"))
             self.work.add(out)
             if out.get("decisions"):
                 self.on_decisions(out["decisions"])
@@ -188,13 +188,10 @@ class PlannerThread:
         if reports:
             self.feedback.take(st, reports)
             out["decisions"] = decided = self.feedback.decide(st)
-            if decided:
-                self.decided += len(decided)
-                if self.hold_decisions:  # a crash before the snapshot would otherwise lose what steps were planned by
-                    first = min(d.at for d in decided)
-                    self.held_from = first if self.held_from is None else min(self.held_from, first)
+            for d in decided:
+                self._hold(d)
         prefetch = st.plan.loading.prefetch_steps
-        while prefetch - (st.next_step - st.committed) >= self.chunk_steps:
+        while prefetch - st.steps_ahead() >= self.chunk_steps:
             if self.held_from is not None and st.next_step + self.chunk_steps > self.held_from:
                 break  # until the snapshot holding the decision is written (release_hold)
             steps, finished = st.plan_steps(self.chunk_steps)
@@ -219,6 +216,20 @@ class PlannerThread:
             except RuntimeError:  # a dict the event loop grew meanwhile (a rank's first ack): the next refresh reads it
                 logger.debug("refreshing the dashboard's view failed; it is refreshed again shortly", exc_info=True)
         return out
+
+    def record(self, kind: str, at: int, values: dict, reason: str):
+        """(planner thread) Record a decision of the run's operator (a skip) in the timeline, held
+        like the planner's own until a snapshot holds it."""
+        d = self.state.timeline.decide(kind, at, values, reason)
+        self._hold(d)
+        return d
+
+    def _hold(self, d) -> None:
+        """A decision was recorded: with snapshots, no step it governs goes out before a snapshot
+        holds it (a crash before would otherwise lose what those steps were planned by)."""
+        self.decided += 1
+        if self.hold_decisions:
+            self.held_from = d.at if self.held_from is None else min(self.held_from, d.at)
 
     def release_hold(self, decided: int) -> None:
         """(event loop) A snapshot holding the first ``decided`` decisions is written: the steps

@@ -30,8 +30,6 @@ from .. import logs
 from ..loading.partition import UnitParts
 from ..observe import dashboard, prometheus
 from ..plan.base import resolve_url
-from ..planner.rewind import memory_source as rewind_memory_source
-from ..planner.rewind import rebuild_at
 from ..protocol import Route, load_prefix
 from ..vocab import PAD_ID
 from . import heap
@@ -41,6 +39,7 @@ from .dropped import DroppedData
 from .held import HeldBatches
 from .load_signals import LoadSignals
 from .planner_thread import PlannerThread
+from .rewinder import Rewinder
 from .routes import Routes
 from .snapshot_loop import SnapshotLoop
 from .watchdog import LoopWatch
@@ -104,7 +103,7 @@ class PlannerPlugin(SchedulerPlugin):
             backlog=self.routes.trainers.backlog,
             on_leave=self.routes.trainers.leave,
         )
-        self._rewinding = asyncio.Lock()
+        self.rewinder = Rewinder(self)  # rewinds: a job restarted from an older checkpoint, a skip
         self.watch = LoopWatch(on_tick=self.thread.idle_tick)
         self._background = [planning, asyncio.create_task(self.watch.run())]
         self.snapshots_loop = None
@@ -238,61 +237,6 @@ class PlannerPlugin(SchedulerPlugin):
         for r, j in self.channels.names:
             self.channels.put(r, j, {"error": message})
         self.thread.work_ready.set()
-
-    # ---- a training job restarted from an older checkpoint ----------------------------------------
-    async def rewind(self, rank: int, cp_rank: int, step: int, dp: int) -> dict:
-        """Serve step ``step`` next for ``dp`` ranks if the service has handed out past it for
-        this rank (or runs another dp): the planner is rebuilt from the newest window state kept
-        at or before it, in memory or in the snapshots (``planner/rewind.py``), every attached
-        consumer's stream ends, and the batches built past it are released. Idempotent: the job's
-        other ranks, asking for the same step, find it done."""
-        if step < 0 or dp < 1:
-            return {"error": f"cannot resume at step {step} with dp={dp}: the step must be >= 0 and dp >= 1"}
-        async with self._rewinding:
-            st = self.thread.state
-            topo = st.final_plan.topology
-            if not 0 <= cp_rank < topo.cp or not 0 <= rank < dp:
-                return {"error": f"rank {rank} cp rank {cp_rank} does not exist for dp={dp}, cp={topo.cp}"}
-            i = rank * topo.cp + cp_rank
-            if dp == topo.dp and step >= max(st.replay_until, st.progress.acked[i] + 1):
-                return {"error": None, "rewound": False}
-            source = await self.thread.run(rewind_memory_source, st, step)
-            if source is None and self.snapshots_loop is not None:
-                source = await asyncio.to_thread(self.snapshots_loop.store.window_at, step)
-            if source is None:
-                return {"error": await self._too_old(st, step)}
-            new = await self.thread.run(rebuild_at, st, step, source, dp)
-            cps = chunk_steps(new.final_plan.loading, new.final_plan.topology)
-            dropped = await self.thread.run(self.thread.replace_state, new, cps)
-            self.plan, self.chunk_steps = new.final_plan, cps
-            release = list(self.held.tasks) + dropped
-            self.held.tasks.clear()
-            self.routes.trainers.replicas.clear()
-            self.routes.trainers.first_step.clear()
-            message = (
-                f"the run was rewound to step {step} (a training job restarted from its checkpoint); "
-                "this consumer's stream ended"
-            )
-            self.channels.end_all(message, *((dp, topo.cp) if dp != topo.dp else ()))
-            self.thread.restart_work(release)
-            logs.event("rewind", self.run_id, step, dp=dp, previous_dp=topo.dp, window=source[0])
-            if self.snapshots_loop is not None:
-                await self.snapshots_loop.write(force=True)  # a base at the new durable step
-            return {"error": None, "rewound": True}
-
-    async def _too_old(self, st, step: int) -> str:
-        oldest = [s for s in (st.windows.oldest, st.replay_until) if s is not None]
-        if self.snapshots_loop is not None:
-            stored = await asyncio.to_thread(self.snapshots_loop.store.oldest_window_step)
-            oldest += [stored] if stored is not None else []
-        keep = st.plan.checkpoint
-        where = "checkpoint.keep_steps" + (
-            " or checkpoint.keep_hours (bases in the snapshot location)" if self.snapshots_loop is not None else ""
-        )
-        return (
-            f"cannot resume at step {step}: the service can serve steps from {min(oldest)} on, not earlier "
-            f"(it keeps {keep.keep_steps} steps back); raise {where} to keep more"
-        )
 
 
 def _dispatch_lengths(scheduler, **msg) -> None:

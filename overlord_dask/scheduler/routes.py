@@ -36,6 +36,9 @@ unless noted:
 - ``overlord_lengths`` (one-way, on a worker's stream): a load task's unit lengths and cost.
 - ``overlord_update(plan, at_step, unit_first_ids)``: a live plan update (durable on return
   where the run snapshots).
+- ``overlord_skip(start, stop, reason)``: steps ``start..stop`` are not handed out (a skip
+  decision in the run's timeline: ``planner/timeline.py``; durable on return where the run
+  snapshots, and no step after it goes out before).
 - ``overlord_pools(lead_s, report)``: the autoscaler's inputs; with ``report`` its decisions.
 - ``overlord_request_stop()``: ask the serving process to stop cleanly.
 - ``overlord_fail(message)``: stop the run, telling every rank why.
@@ -74,6 +77,7 @@ class Routes:
             Route.EVAL: t.evaluation,
             Route.WORK: s.work,
             Route.UPDATE: s.update,
+            Route.SKIP: s.skip,
             Route.POOLS: s.pools,
             Route.REQUEST_STOP: s.request_stop,
             Route.FAIL: s.fail,

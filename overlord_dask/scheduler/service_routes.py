@@ -51,6 +51,39 @@ class ServiceRoutes:
             await self.p.snapshots_loop.write(force=True)
         return {"error": None, "at_step": at, "version": self.state.plan_version}
 
+    async def skip(self, start: int, stop: int, reason: str = "") -> dict:
+        """Record a skip of steps ``start..stop``; with snapshots, answer once one holds it (the
+        planner hands out nothing it governs before: ``PlannerThread.record``). Where the planner
+        planned ``start`` already (a job trained past it, or it was handed out ahead), the run
+        rewinds to ``start`` as for a job restarting from its checkpoint: the attached streams end,
+        and the job goes on from its checkpoint (``load_state_dict``) without the skipped steps."""
+        reason = reason or f"skip requested at step {self.state.committed}"
+        thread = self.p.thread
+
+        def record():
+            return thread.record("skip", start, {"until": stop}, reason), thread.decided
+
+        async with self.p.rewinder.lock:
+            source = None
+            if isinstance(start, int) and 0 <= start < self.state.next_step:  # planned already: plan it again
+                source = await self.p.rewinder.source(start)
+                if source is None:
+                    why = await self.p.rewinder.too_old(self.state, start)
+                    return {"error": f"cannot skip from step {start}: {why}"}
+            try:
+                d, decided = await thread.run(record)
+            except (PlanError, ValueError) as err:
+                return {"error": str(err)}
+            logs.event("decision", self.p.run_id, d.at, kind=d.kind, until=stop, reason=reason)
+            if source is not None:
+                dp = self.state.final_plan.topology.dp
+                await self.p.rewinder.rebuild(start, source, dp, f"steps {start}..{stop} are skipped")
+        if self.p.snapshots_loop is not None:
+            await self.p.snapshots_loop.write(force=True)
+        thread.release_hold(decided)
+        thread.wake()
+        return {"error": None, "skip": [d.at, stop]}
+
     async def pools(self, lead_s: float = 10.0, report: dict | None = None) -> dict:
         """The autoscaler's inputs: per-source demand over the schedule ahead and measured costs;
         with ``report``, the autoscaler's latest decisions (kept for ``Service.pools()``)."""

@@ -59,11 +59,13 @@ class TrainerRoutes:
         rank_durable = st.progress.durable[i] if i < len(st.progress.durable) else -1
         consumer = (rank, cp_rank, replica)
         first = max(st.replay_until, self.replicas.attach(consumer, rank_acked, rank_durable) + 1)
+        planned_first, first = first, st.timeline.first_delivered(first)  # a skipped step is never handed out
         self.first_step[consumer] = first
         gen = self.p.channels.reattach(consumer)
         if gen > 1:  # a consumer came back (or another replaced it): it goes on from `first`
             logs.event("rank_rewind", self.p.run_id, first, rank=rank, cp_rank=cp_rank, replica=replica, generation=gen)
-        return {"error": None, "first_step": first, "generation": gen}
+        skipped = [planned_first, first - 1] if first > planned_first else None
+        return {"error": None, "first_step": first, "generation": gen, "skipped": skipped}
 
     def backlog(self, consumer: Consumer) -> list[dict]:
         """What a newly subscribed consumer needs: every built batch of its rank from its first
@@ -85,7 +87,7 @@ class TrainerRoutes:
 
     async def rewind(self, rank: int, step: int, dp: int, cp_rank: int = 0, replica: int = 0) -> dict:
         """A training job restarted from its checkpoint at ``step`` with ``dp`` ranks."""
-        return await self.p.rewind(rank, cp_rank, step, dp)
+        return await self.p.rewinder.rewind(rank, cp_rank, step, dp)
 
     async def channel(self, comm, channel_id: str, run_id: str, **_) -> None:
         """A consumer process's stream (one per process and run, shared by its ranks)."""

@@ -128,9 +128,10 @@ def run_demo(
         with tqdm(
             total=steps, desc=f"steps (dp={dp})", unit="step", disable=quiet or not sys.stderr.isatty(), file=sys.stderr
         ) as bar:
-            done = 0
+            done, blocks_max = 0, 0
             while done < steps:
                 st = service.status()
+                blocks_max = max(blocks_max, st.get("block_bytes", 0))  # loaded blocks held on the workers
                 if st.get("failure"):
                     raise OverlordError(f"the service failed: {st['failure']}")
                 if any(p.exitcode not in (None, 0) for p in procs):
@@ -180,6 +181,7 @@ def run_demo(
         "mix_error_max": round(mix_error(src_tokens, weights), 5),
         "wait_p50_ms": round(percentile(waits, 50) * 1e3, 2),
         "wait_p99_ms": round(percentile(waits, 99) * 1e3, 2),
+        "blocks_mb_max": round(blocks_max / 2**20, 1),
         "duplicates": duplicates,
         "missing": missing,
         "digest": hashlib.sha256("".join(str(r["digest"]) for r in ranks).encode()).hexdigest()[:16],
@@ -341,8 +343,21 @@ def cmd_schema(args) -> int:
 
 
 def cmd_update(args) -> int:
+    if (args.plan is None) == (args.skip_steps is None):
+        raise PlanError("overlord update: give a plan, or --skip-steps A:B (one of them)")
+    skip = None
+    if args.skip_steps is not None:
+        try:
+            a, b = (int(x) for x in args.skip_steps.split(":"))
+        except ValueError:
+            raise PlanError(f"--skip-steps takes two steps as A:B, got {args.skip_steps!r}") from None
+        skip = (a, b)
     service = _attach(args.where)
     try:
+        if skip is not None:
+            first, last = service.skip_steps(*skip, reason=args.reason)
+            print(json.dumps({"skipped": [first, last], "reason": args.reason}), flush=True)
+            return 0
         dp = service.plan.topology.dp  # served with --dp: the running world size stays
         at = service.update_plan(
             _with_dp(_load(args.plan), dp, f"{args.plan} (dp {dp} of the running service)"), at_step=args.at_step
@@ -350,6 +365,40 @@ def cmd_update(args) -> int:
     finally:
         service.close()
     print(json.dumps({"updated": True, "at_step": at}), flush=True)
+    return 0
+
+
+def cmd_explain(args) -> int:
+    kw = {"rank": args.rank, "preview": args.preview}
+    if args.where.endswith((".yaml", ".yml")) and os.path.isfile(args.where):
+        from .explain import explain_offline
+
+        out = explain_offline(_load(args.where), args.step, **kw)
+    else:
+        service = _attach(args.where)
+        try:
+            out = service.explain(args.step, **kw)
+        finally:
+            service.close()
+    if args.json:
+        print(json.dumps(out), flush=True)
+        return 0
+    if out["skipped"]:
+        first, last = out["skipped"]["steps"]
+        print(
+            f"step {out['step']} was skipped (steps {first}..{last}: {out['skipped']['reason']});",
+            "it would have carried:",
+        )
+    for p in out["pieces"]:
+        where = ", ".join(
+            f"{k} {p[k]}" for k in ("row_group", "row", "document_in_file", "bytes", "line_in_range") if k in p
+        )
+        print(
+            f"rank {p['rank']} mb {p['micro_batch']}  {p['source']}  {p['file']} ({where})  sample {p['sample_id']}  "
+            f"tokens {p['start']}:{p['stop']} ({p['tokens']})"
+        )
+        if p.get("preview"):
+            print(f"    {p['preview']!r}")
     return 0
 
 
@@ -513,12 +562,27 @@ def main(argv: list[str] | None = None) -> int:
     pv.add_argument("-n", type=_positive, default=5)
     pv.add_argument("--json", action="store_true")
     sub.add_parser("schema", help="the JSON Schema of a plan (for editors and validators)")
-    u = sub.add_parser("update", help="change a running service's plan from a step on")
+    u = sub.add_parser("update", help="change a running service's plan from a step on, or skip steps")
     u.add_argument("where", help="scheduler address or scheduler file")
-    u.add_argument("plan")
+    u.add_argument("plan", nargs="?", default=None, help="the new plan (YAML)")
     u.add_argument(
         "--at-step", type=int, default=None, help="first step of the new plan (default: the first not planned yet)"
     )
+    u.add_argument(
+        "--skip-steps",
+        default=None,
+        metavar="A:B",
+        help="do not hand out steps A to B (inclusive): a job restarted from its checkpoint at A goes on at B + 1",
+    )
+    u.add_argument("--reason", default="", help="why the steps are skipped (recorded with the skip)")
+    ex = sub.add_parser("explain", help="which documents each rank trained on at a step (file, row, tokens, text)")
+    ex.add_argument(
+        "where", help="a running service (scheduler address or file) or a plan YAML (offline: its snapshots)"
+    )
+    ex.add_argument("--step", type=int, required=True)
+    ex.add_argument("--rank", type=int, default=None, help="one data-parallel rank (default: every rank)")
+    ex.add_argument("--preview", type=int, default=160, help="characters of text per piece (0: none, no file read)")
+    ex.add_argument("--json", action="store_true")
     sp = sub.add_parser("stop", help="stop a running service cleanly (last snapshot written, workers retired)")
     sp.add_argument("where", help="scheduler address or scheduler file")
     sp.add_argument("--timeout", type=float, default=60.0)
@@ -542,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             "serve": cmd_serve,
             "status": cmd_status,
             "update": cmd_update,
+            "explain": cmd_explain,
             "stop": cmd_stop,
             "validate": cmd_validate,
             "plan-report": cmd_plan_report,

@@ -16,21 +16,43 @@ be reachable from it; only their lengths are kept.
 from __future__ import annotations
 
 from ..plan import Plan
-from ..planner.state import PlannerState
+from ..planner.state import STATE_VERSION, PlannerState
 from ..planner.timeline import Timeline
 from ..sources import read_unit
 from . import holdout
 from .indexing import index_timeline
 
 
-def replay(plan: Plan, timeline: Timeline | None = None, steps: int = 100) -> dict[int, dict]:
+def replay(
+    plan: Plan,
+    timeline: Timeline | None = None,
+    steps: int = 100,
+    *,
+    start: tuple[int, dict, dict] | None = None,
+    units: dict | None = None,
+) -> dict[int, dict]:
     """Plan steps ``[0, steps)`` of ``plan`` with ``timeline``'s updates and decisions (default:
     none); returns ``{step: {"pieces": int64 rows, "slot": int32 [rank, micro_batch],
-    "sample_ids": each piece's document id}}``."""
+    "sample_ids": each piece's document id}}``. With ``start`` (``(window step, window state,
+    topology)``: a window start a snapshot kept, ``SnapshotStore.window_at``), planning starts
+    there, on that window's topology, and the steps from it on are returned. ``units``: the
+    sources' training units, if the caller has them indexed already."""
     timeline = timeline or Timeline(plan)
-    units = holdout.training(plan.seed, timeline.source, index_timeline(timeline))
+    units = units or training_units(plan, timeline)
     first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
-    st = PlannerState(plan, first_ids, updates=timeline.updates, decisions=timeline.decisions)
+    state, first = None, 0
+    if start is not None:
+        first, window, topology = start
+        plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=topology)})
+        state = {
+            "version": STATE_VERSION,
+            "sources": list(timeline.source_names),
+            "committed": first,
+            "window_step": first,
+            "window": window,
+            "topology": topology,
+        }
+    st = PlannerState(plan, first_ids, state=state, updates=timeline.updates, decisions=timeline.decisions)
     read: dict[tuple[str, int], tuple] = {}
     while st.next_step < steps:
         wanted = st.wanted()  # (asking marks them requested: ask once per round)
@@ -55,5 +77,10 @@ def replay(plan: Plan, timeline: Timeline | None = None, steps: int = 100) -> di
             "slot": st.ledger[s]["slot"],
             "sample_ids": st.streams.sample_ids(st.ledger[s]["pieces"]),
         }
-        for s in range(steps)
+        for s in range(first, steps)
     }
+
+
+def training_units(plan: Plan, timeline: Timeline) -> dict:
+    """Each source's units that reach training (held-out ones left out), indexed from metadata."""
+    return holdout.training(plan.seed, timeline.source, index_timeline(timeline))

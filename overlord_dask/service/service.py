@@ -190,6 +190,7 @@ class Service(ServiceViews):
         self.pooled = pooled  # the cluster object whose pools this service sizes (owned or not), if any
         self.adaptive = adaptive
         self.started_at = time.time()
+        self._explainer = None  # (explain: the run's units, indexed on first use)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @classmethod
@@ -353,6 +354,33 @@ class Service(ServiceViews):
         if resp["error"]:
             raise PlanError(resp["error"])
         return resp["at_step"]
+
+    def skip_steps(self, start: int, stop: int, reason: str = "") -> tuple[int, int]:
+        """Do not hand out steps ``start..stop`` (inclusive): the remedy for a loss spike. Restart
+        the training job from its checkpoint at or before ``start``; it goes on at ``stop + 1``
+        with what that step would have carried. Recorded in the run's timeline (``timeline()``,
+        snapshots, replays, ``explain``), durable when this returns where the run snapshots."""
+        resp = self.planner.skip(int(start), int(stop), reason)
+        if resp["error"]:
+            raise PlanError(resp["error"])
+        return tuple(resp["skip"])
+
+    def explain(self, step: int, rank: int | None = None, *, preview: int = 160, tokens: bool = False) -> dict:
+        """Which documents step ``step`` carried (``service/explain.py``): per piece its rank and
+        micro-batch, source, file and where in it, sample id, token range, tokens and a text
+        preview of ``preview`` characters; a skipped step says so. From the service's ledger while
+        it keeps the step, else planned again from the plan, the timeline and the snapshots."""
+        from .explain import Explainer, replayed_entry, window_start
+
+        timeline = self.timeline()
+        if self._explainer is None or self._explainer.timeline.versions != timeline.versions:
+            known = self.units if self.units and set(self.units) >= set(timeline.source_names) else None
+            self._explainer = Explainer(timeline.initial, timeline, known)
+        self._explainer.timeline = timeline  # (decisions made since)
+        entry = self.ledger(step, step + 1).get(step)
+        if entry is None:
+            entry = replayed_entry(self.plan, timeline, step, window_start(self.plan, step), self._explainer.units)
+        return self._explainer.entry(step, entry, rank=rank, preview=preview, tokens=tokens)
 
     def status(self) -> dict:
         st = self.planner.status()

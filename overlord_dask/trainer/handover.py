@@ -33,6 +33,7 @@ class HandOver:
         self._chunk_ends: set[int] = set()  # last step of each descriptor: acknowledged right away
         self.error: str | None = None
         self.floor = first_step  # nothing below this is fetched (skip_to moves it)
+        self._past_skip: dict[int, int] = {}  # first step of a skip the service made -> the step after it
         self.consumed = first_step - 1  # the trainer finished every step up to this one
         self.wait_total = 0.0  # seconds the trainer waited in take()
         self.t_created = time.perf_counter()
@@ -41,13 +42,15 @@ class HandOver:
     def take(
         self, step: int, timeout: float, chunk_done: bool, wake: Callable[[bool, bool], None]
     ) -> tuple[dict | None, float]:
-        """Step ``step``'s batch (None on an error or a timeout: ``error`` says which) and the
+        """Step ``step``'s batch, or that of the step after a skip that covers it (the batch says
+        its ``step``; None on an error or a timeout: ``error`` says which) and the
         seconds the trainer waited for it, at most ``timeout``. ``chunk_done``: the step finished before ended a chunk.
         ``wake(room, ack)`` (called holding the lock; it must only schedule) lets the IO side
         fetch into the room there is and, with ``ack``, acknowledge what the trainer finished."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         with self._cond:
+            step = self._past(step)
             for s in [s for s in self._ready if s < step]:  # skipped by skip_to
                 self._pop(s)
             if step not in self._ready:  # about to wait: the service must hear everything first
@@ -58,6 +61,7 @@ class HandOver:
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
+                step = self._past(step)  # (a skip may have become known meanwhile)
             batch = self._pop(step)
             if chunk_done or (self._want_room and not self._ready):
                 self._wake(wake, ack=chunk_done)
@@ -82,6 +86,26 @@ class HandOver:
         with self._cond:
             self.floor = step
             self.consumed = max(self.consumed, step - 1)
+
+    def skipped(self, steps: list[int] | None) -> None:
+        """(the IO side) The service skips steps ``first..last`` (a skip decision; None: no
+        skip): a take of ``first`` gets step ``last + 1``."""
+        if not steps:
+            return
+        first, last = steps
+        with self._cond:
+            self._past_skip[first] = last + 1
+            self._cond.notify_all()
+
+    def past_skips(self, step: int) -> int:
+        """``step``, or the first step after the skips that cover it."""
+        with self._cond:
+            return self._past(step)
+
+    def _past(self, step: int) -> int:
+        while step in self._past_skip:
+            step = self._past_skip[step]
+        return step
 
     def buffered(self) -> int:
         """Steps fetched ahead and waiting for the trainer."""

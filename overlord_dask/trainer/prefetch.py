@@ -90,7 +90,7 @@ class RankIO:
         h = self.hand
         try:
             while not self.closed:
-                self._fetch_next = max(self._fetch_next, h.floor)
+                self._fetch_next = h.past_skips(max(self._fetch_next, h.floor))
                 if self._fetch_next not in self._descs:
                     self._described.clear()
                     await self._described.wait()  # set by on_message when descriptors arrive
@@ -143,6 +143,7 @@ class RankIO:
             if "error" in desc:
                 self.hand.fail(f"the overlord service failed: {desc['error']}")
                 return
+            self.hand.skipped(desc.get("skip"))  # steps the service skips right before these, if any
             for s in desc["steps"]:
                 if s >= self._fetch_next:
                     self._descs[s] = desc
@@ -221,7 +222,8 @@ class RankIO:
             return  # closed meanwhile
         self.address, self.planner, info, att, channel = found
         first, consumed = int(att["first_step"]), self.hand.consumed
-        if first > consumed + 1:  # another consumer of this rank acknowledged further: never skip silently
+        self.hand.skipped(att.get("skipped"))  # steps the service skips from where this rank was, if any
+        if self.hand.past_skips(consumed + 1) < first:  # another consumer acknowledged further: never skip silently
             self.hand.fail(
                 f"rank {self.rank}: the restarted service resumes this rank at step {first}, but its trainer "
                 f"consumed only up to step {consumed}: steps {consumed + 1}..{first - 1} would be lost"
@@ -230,8 +232,7 @@ class RankIO:
         self.info, self.channel, self.generation = info, channel, int(att["generation"])
         self._descs.clear()
         self.hand.forget_chunks()
-        self._acked_sent = self._durable_sent = first - 1
-        self._max_seen = first - 1  # the new service has planned nothing yet: acks follow its descriptors
+        self._acked_sent = self._durable_sent = self._max_seen = first - 1  # (acks follow the new descriptors)
         self._subscribe()
         self._disconnected.clear()
         self.connected.set()

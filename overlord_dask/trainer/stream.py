@@ -194,10 +194,11 @@ class RankStream(Reporting, Checkpointing):
         batch, waited = self.hand.take(self.next_step, self.timeout, chunk_done, self._wake_io)
         if batch is None:
             raise ServiceError(self.hand.error or _why_stalled(self))
-        self._handed(self.next_step)
+        step = batch["step"]  # the next step, or the one after steps the service skips
+        self._handed(step)
         self.wait_s.append(waited)
-        self._unacked = self.next_step
-        self.next_step += 1
+        self._unacked = step
+        self.next_step = step + 1
         return batch
 
     def buffered(self) -> int:

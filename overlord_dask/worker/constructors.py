@@ -197,9 +197,9 @@ def build_rank_batch(
 
 
 def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> list[list[np.ndarray]]:
-    """Decode a task's step (``pieces.to_bytes`` of its piece rows, ``pieces.slot_bytes`` of their
+    """Decode a task's step (``pieces.pack`` of its piece rows, ``pieces.slot_bytes`` of their
     ``[rank, micro_batch]``) into ``[rank][micro_batch] -> piece rows`` for ``ranks``."""
-    rows = P.from_bytes(pieces)
+    rows = P.unpack(pieces)
     sl = P.slot_from_bytes(slot)
     flat = sl[:, 0].astype(np.int64) * micro_batches + sl[:, 1]
     order = np.argsort(flat, kind="stable")
@@ -301,7 +301,7 @@ def wire_chunk(steps: list[dict], ranks: range, layout: BatchLayout, blocks: dic
     micro_batches, capacity = layout.micro_batches, layout.capacity
     rows_l, mb_l, pt_l = [], [], []
     for i, sp in enumerate(steps):
-        rows = P.from_bytes(sp["pieces"])
+        rows = P.unpack(sp["pieces"])
         sl = P.slot_from_bytes(sp["slot"])
         mine = (sl[:, 0] >= lo) & (sl[:, 0] < ranks.stop)  # as split_step: other ranks' pieces are not this task's
         if not mine.all():

@@ -96,6 +96,7 @@ class LoadRequests:
             self.epoch, self.pos = here
         have = s.unplanned_tokens()
         max_inflight = self.inflight_for(target_tokens - have, max_inflight)
+        out += self._next_block_in_step(s)
         batch = self.refill(have, target_tokens)
         if batch == 0:
             return out  # what is on its way covers the target
@@ -114,6 +115,26 @@ class LoadRequests:
                 continue
             self.requested.add(key)
             out.append(key)
+        return out
+
+    def _next_block_in_step(self, s: SourceStream) -> list[tuple[int, int]]:
+        """With shuffle blocks of several units: the units of the block after the cursor's,
+        requested in step with how far planning is through the current one (a share ``f`` of its
+        documents planned: that share of the next block's units asked for), so the next block is
+        loaded while this one is planned, not in one burst at its start."""
+        lens = s.lengths.get((s.epoch, s.pos))
+        if s.block_units <= 1 or lens is None or not len(lens):
+            return []
+        e, b = s.ordering.next_block(s.epoch, s.pos)
+        lo, hi = s.ordering.block_bounds(b)
+        upto = (e, min(hi, lo + math.ceil((hi - lo) * (s.doc + 1) / len(lens))))
+        out = []
+        while (self.epoch, self.pos) < upto:
+            key = (self.epoch, int(s.ordering.units(self.epoch)[self.pos]))
+            self.epoch, self.pos = self._next_position(s, self.epoch, self.pos)
+            if not s.has_unit(*key) and key not in self.requested:
+                self.requested.add(key)
+                out.append(key)
         return out
 
     @staticmethod

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import masked_runs
 from ... import pieces as P
 from ...errors import PlanError
 from ...plan import CostModel
 from ...plan.schedule import Context
 from ..cost_model import doc_costs
+from .loss_targets import LossTargets
 from .stream import SourceStream
 
 
@@ -27,11 +27,7 @@ class StreamSet:
         self.names: list[str] = []
         self.dropped = np.zeros((0, 2), dtype=np.int64)  # documents, tokens skipped by a drop policy, per source
         self.held: set[tuple[int, int, int]] = set()  # passed units still referenced by planned pieces
-        # (source, epoch, unit) -> document lengths in file order, while planned pieces may reference the unit
-        self.doc_lengths: dict[tuple[int, int, int], np.ndarray] = {}
-        # (source, epoch, unit) -> masked runs (``masked_runs.py``) of units where the loss ignores some
-        # tokens, for as long
-        self.masked: dict[tuple[int, int, int], np.ndarray] = {}
+        self.targets = LossTargets()  # what a planned piece's labels hold (loss_targets.py)
 
     def add(self, name: str, first_ids) -> SourceStream:
         """A new source (at the next index), given its units' first sample ids."""
@@ -159,57 +155,6 @@ class StreamSet:
                 out.append([self.names[i], e, u])
         return out
 
-    def cut_pieces(self, rows: np.ndarray) -> int:
-        """How many of ``rows`` end before their document does (a split document's pieces but
-        its last): their last token's label is the document's next token."""
-        cut = 0
-        for key, mine in self._by_unit(rows):
-            cut += int(np.count_nonzero(mine[:, P.STOP] < self.doc_lengths[key][mine[:, P.DOC]]))
-        return cut
-
-    @staticmethod
-    def _by_unit(rows: np.ndarray):
-        """``((source, epoch, unit), its rows)`` for each unit ``rows`` reference: one sort, not a
-        scan of all rows per unit (a step at thousands of ranks holds pieces of hundreds of units)."""
-        if not len(rows):
-            return
-        units, inverse = P.unique_rows(P.units(rows), return_inverse=True)
-        order = np.argsort(inverse, kind="stable")
-        bounds = np.searchsorted(inverse[order], np.arange(len(units) + 1))
-        for k, key in enumerate(units.tolist()):
-            yield tuple(key), rows[order[bounds[k] : bounds[k + 1]]]
-
-    def keep_lengths(self, key: tuple[int, int, int], lengths: np.ndarray, masked: np.ndarray | None) -> None:
-        """A unit's document lengths (and masked runs) for as long as planned pieces may reference it."""
-        self.doc_lengths[key] = np.asarray(lengths, dtype=np.int64)
-        if masked is not None:
-            self.masked[key] = np.asarray(masked, dtype=np.int64)
-
-    def loss_tokens(self, rows: np.ndarray) -> tuple[int, int]:
-        """Labels of a step's pieces that are not -100, as (shifted, hf) labels count them: per
-        piece its length less one, plus its last token's where the document goes on (shifted; HF
-        models shift themselves: the length less one), less the targets the loss ignores."""
-        n_tokens, n_pieces = int(P.lengths(rows).sum()), len(rows)
-        m_shifted, m_hf = self.masked_targets(rows)
-        return n_tokens - n_pieces + self.cut_pieces(rows) - m_shifted, n_tokens - n_pieces - m_hf
-
-    def masked_targets(self, rows: np.ndarray) -> tuple[int, int]:
-        """How many of the pieces' label targets the loss ignores, as (shifted, hf) labels count
-        them: a piece's shifted labels target its positions ``start + 1`` up to its stop (and the
-        document's next token past it), HF's those of ``start + 1 .. stop - 1``."""
-        if not self.masked or not len(rows):
-            return 0, 0
-        shifted = hf = 0
-        for key, mine in self._by_unit(rows):
-            r = self.masked.get(key)
-            if r is None:
-                continue
-            lens = self.doc_lengths[key]
-            docs, start, stop = mine[:, P.DOC], mine[:, P.START], mine[:, P.STOP]
-            shifted += int(masked_runs.masked_in(r, len(lens), docs, start + 1, np.minimum(stop + 1, lens[docs])).sum())
-            hf += int(masked_runs.masked_in(r, len(lens), docs, start + 1, stop).sum())
-        return shifted, hf
-
     def finished_units(self, in_use: list[np.ndarray]) -> list[list]:
         """Units the cursors have passed that no piece in ``in_use`` (planned rows not handed out
         yet) references: ``[source name, epoch, unit]`` whose blocks no later step needs."""
@@ -223,8 +168,7 @@ class StreamSet:
         self.held.difference_update(done)
         for i, e, u in done:
             self.streams[i].vision.pop((e, u), None)
-            self.doc_lengths.pop((i, e, u), None)
-            self.masked.pop((i, e, u), None)
+            self.targets.forget((i, e, u))
         return [[self.names[i], e, u] for i, e, u in sorted(done)]
 
     # ---- ids ------------------------------------------------------------------------------------
