@@ -188,6 +188,8 @@ def main(argv=None) -> dict:
     default = Loading().shuffle_units
     settings = [default] + [int(x) for x in args.settings.split(",") if x and int(x) != default]
     get_shuffle = mosaic_shuffles()
+    if args.planner_steps:  # the first planner of the process pays for warming up: not a setting's cost
+        planner_ms_per_step(layouts(False)["64x400"], default, 20)
     rows = []
     for name, sizes in layouts(not args.small).items():
         n = len(sizes)
