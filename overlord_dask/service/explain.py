@@ -107,7 +107,10 @@ class Explainer:
         plan = self._plan_of(name)
         source = plan.source(name)
         spec = plan.tokenizer_of(source) if (source.text_field or source.messages_field) else plan.tokenizer
-        return load_tokenizer(spec, plan.base_dir).decode(ids.tolist())
+        try:
+            return load_tokenizer(spec, plan.base_dir).decode(ids.tolist())
+        except Exception as err:  # (image placeholders, ids past the vocabulary): say so, in the preview
+            return f"<not decodable with {name!r}'s tokenizer: {err}>"
 
 
 def replayed_entry(plan: Plan, timeline: Timeline, step: int, start=None, units=None) -> dict:

@@ -356,10 +356,10 @@ class Service(ServiceViews):
         return resp["at_step"]
 
     def skip_steps(self, start: int, stop: int, reason: str = "") -> tuple[int, int]:
-        """Do not hand out steps ``start..stop`` (inclusive): the remedy for a loss spike. Restart
-        the training job from its checkpoint at or before ``start``; it goes on at ``stop + 1``
-        with what that step would have carried. Recorded in the run's timeline (``timeline()``,
-        snapshots, replays, ``explain``), durable when this returns where the run snapshots."""
+        """Do not hand out steps ``start..stop`` (inclusive), the remedy for a loss spike: the run goes back to
+        ``start`` if it planned it already (attached streams end), the job restarts from its checkpoint at or
+        before ``start`` and goes on at ``stop + 1`` with what that step would have carried. Recorded in the
+        timeline (``timeline()``, snapshots, replays, ``explain``); durable on return where the run snapshots."""
         resp = self.planner.skip(int(start), int(stop), reason)
         if resp["error"]:
             raise PlanError(resp["error"])
