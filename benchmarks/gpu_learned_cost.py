@@ -227,6 +227,7 @@ def main(argv=None) -> dict:
         "learned_imbalance_p50": round(imb(lrn), 4),
         "speedup": round(float(d.max(axis=1).mean() / lrn.max(axis=1).mean()), 4),
         "settle_steps": fit["settled_at"],
+        "fits": fit["fits"],
         "fit_error": round(fit["error_fitted"], 4),
         "declared_fit_error": round(fit["error_declared"], 4),
         "fitted": {k: float(f"{v:.4g}") for k, v in f.items()},

@@ -486,4 +486,7 @@ def test_gpu_learned_cost_benchmark_runs_on_the_cpu():
 
     out, stdout = run_benchmark("gpu_learned_cost", ["--tiny", "--steps", "12", "--json"])
     assert out["attention"] == "sdpa dense mask" and out["declared_step_ms"] > 0 and out["learned_step_ms"] > 0
-    assert out["settle_steps"] is not None and set(out["fitted"]) >= {"attention", "linear", "constant", "fixed"}
+    # The fit runs on every step; whether two fits in a row agree within 2 % depends on how noisy
+    # the CPU's timings are (settling itself is checked on exact timings in test_feedback.py).
+    assert out["fits"] >= 5 and "settle_steps" in out
+    assert set(out["fitted"]) >= {"attention", "linear", "constant", "fixed"}

@@ -16,8 +16,11 @@ pieces ends steps ahead more often than behind, a bias that grows when a step ho
 pieces; a larger carry trades per-step exactness for long-run exactness.
 
 Guarantees (tested): no bin holds more than its capacity; every piece is selected once, in its
-source's order; per step, every source's share is within two pieces (and within one in almost
-every step: ``benchmarks/mixing.py`` reports ``mix_error_step_max`` and ``_p99``).
+source's order; per step, no source ends more than one piece (plus the carry's spread, half the
+previous step's longest piece) ahead of its share, so none ends further behind than the other
+sources' surpluses together: one piece (plus that spread) per other source, and at least one.
+In practice a step is within one piece in almost every step (``benchmarks/mixing.py`` reports
+``mix_error_step_max`` and ``_p99``).
 
 All of this is a pure function of the streams' state, their loaded lengths and the carry, so it
 depends neither on worker count nor on when loads finish: if a stream runs out of loaded metadata
