@@ -86,13 +86,16 @@ def block_key(source: int, epoch: int, unit: int) -> str:
     return f"s{source}-e{epoch}-u{unit}"
 
 
-def write_scheduler_file(path: str | os.PathLike, address: str, run_id: str, dp: int) -> None:
+def write_scheduler_file(
+    path: str | os.PathLike, address: str, run_id: str, dp: int, dashboard: str | None = None
+) -> None:
     """Where a service is, for trainers and tools that start elsewhere (``overlord serve
-    --scheduler-file``): Dask's scheduler-file shape (``address``) plus the run. Written whole
-    (temporary file, then rename), so a reader never sees half of it."""
+    --scheduler-file``): Dask's scheduler-file shape (``address``) plus the run and its
+    ``/overlord`` page. Written whole (temporary file, then rename), so a reader never sees half of it."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"type": "Scheduler", "address": address, "run_id": run_id, "dp": dp}))
+    body = {"type": "Scheduler", "address": address, "run_id": run_id, "dp": dp, "dashboard": dashboard}
+    tmp.write_text(json.dumps(body))
     os.replace(tmp, path)
 
 

@@ -232,3 +232,15 @@ def planner_stream(state, until: int, lengths: Callable, *, on_commit=None, hook
             if on_commit:
                 on_commit(state)
     return out
+
+
+def example_plan(name: str, corpus, **over):
+    """``pipelines/NAME.yaml`` reading the test corpus instead of ``../demo-data`` (top-level
+    sections in ``over`` replace the file's)."""
+    from overlord_dask.plan import plan_from_dict
+
+    data = yaml.safe_load((ROOT / "pipelines" / f"{name}.yaml").read_text())
+    for s in data["sources"]:
+        s["url"] = s["url"].replace("../demo-data/", f"{Path(corpus).resolve()}/")
+    data.update(over)
+    return plan_from_dict(data, where=f"pipelines/{name}.yaml")

@@ -124,21 +124,24 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
     plan = yaml.safe_load((ROOT / "overlord_dask" / "service" / "demo_plan.yaml").read_text())
     for s in plan["sources"]:
         s["url"] = str(Path(corpus) / s["url"])
-    plan["topology"].update(micro_batches=1, tokens_per_micro_batch=4096)
+    plan["topology"].update(tokens_per_micro_batch=4096)
     plan["checkpoint"] = {"url": str(tmp_path / "ck"), "base_every_steps": 1}
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump(plan))
     sf = tmp_path / "scheduler.json"
 
-    proc = _serve(plan_file, "--dp", "2", "--scheduler-file", str(sf))
+    proc = _serve(plan_file, "--dp", "2", "--scheduler-file", str(sf), "--set", "topology.micro_batches=1")
     try:
         hello = json.loads(proc.stdout.readline())
-        assert hello["dp"] == 2 and json.loads(sf.read_text())["address"] == hello["address"]
+        announced = json.loads(sf.read_text())
+        assert hello["dp"] == 2 and announced["address"] == hello["address"]
+        assert hello["dashboard"].endswith("/overlord") and announced["dashboard"] == hello["dashboard"]
         streams = [connect(str(sf), r, timeout=60) for r in range(2)]  # found through the file
         got = {}
         for _ in range(6):
             for r, s in enumerate(streams):
                 b = s.next_batch()
+                assert len(b["micro_batches"]) == 1  # --set topology.micro_batches=1
                 got[(r, b["step"])] = delivered_identities(delivered_record(b)).tolist()
         for s in streams:
             s.commit()
@@ -147,6 +150,11 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
         assert status["committed"] >= 5 and status["dp"] == 2 and set(status["rank_lag"]) == {"0", "1"}
         assert set(status["rank_wait_share"]) == {"0", "1"}  # each trainer's own count, sent with its acks
         assert status["imbalance"] >= 1.0 and status["mix_error"] is not None and status["failure"] is None
+        assert status["dashboard"] == hello["dashboard"] and status["tokens_committed"] > 0
+        assert status["status"]["committed"] == status["committed"]  # --json: Service.status() too
+        text = _cli("status", str(sf)).stdout  # for a person: labelled lines
+        assert f"dashboard   {hello['dashboard']}" in text and f"{status['committed']} committed" in text
+        assert "rank 0" in text and "imbalance" in text and "{" not in text
         update = dict(plan, sources=[{**s, "weight": 1.0 if s["name"] == "books" else 0.1} for s in plan["sources"]])
         (tmp_path / "update.yaml").write_text(yaml.safe_dump(update))
         out = _cli("update", str(sf), str(tmp_path / "update.yaml"))
@@ -154,8 +162,11 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
         at = json.loads(out.stdout)["at_step"]
         out = _cli("stop", str(sf))
         assert out.returncode == 0, out.stderr
-        assert proc.wait(timeout=60) == 0
-        assert "event=plan_update" in proc.stderr.read()
+        assert not sf.exists()  # stop returns once the service is gone: its file is the last thing it removes
+        assert proc.wait(timeout=10) == 0
+        err = proc.stderr.read()
+        assert "event=plan_update" in err
+        assert "Traceback" not in err and "No handler" not in err and "WARNING" not in err, err[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -174,6 +185,106 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
         _cli("stop", str(sf))
         if proc.wait(timeout=60) is None:
             proc.kill()
+
+
+def test_serve_set_overrides_a_plan_setting_and_names_a_bad_one():
+    from overlord_dask.errors import PlanError
+    from overlord_dask.plan import load_plan
+    from overlord_dask.service.cli import _with_settings
+
+    path = str(ROOT / "pipelines" / "demo.yaml")
+    plan = load_plan(path)
+    got = _with_settings(
+        plan, ["topology.tokens_per_micro_batch=1024", "sources.1.weight=0.4", "loading.prefetch_steps=8"], path
+    )
+    assert got.topology.tokens_per_micro_batch == 1024 and got.loading.prefetch_steps == 8
+    assert got.sources[1].weight == 0.4 and got.sources[0] == plan.sources[0] and got.base_dir == plan.base_dir
+    for bad, says in (
+        ("topology.tokens_per_micro_batch", "expected KEY=VALUE"),
+        ("topology.micro_batches=zero", "topology.micro_batches"),
+        ("topolgy.dp=2", "topolgy"),
+        ("sources.9.weight=1", "sources.9 is not in the plan"),
+        ("sources.weight=1", "sources is a list"),
+        ("name.x=1", "name is a value"),
+    ):
+        with pytest.raises(PlanError, match=says) as err:
+            _with_settings(plan, [bad], path)
+        assert "--set" in str(err.value)
+
+
+def test_the_anneal_example_is_an_update_the_demo_plan_accepts():
+    """pipelines/anneal.yaml is what the docs give `overlord update` for a run of demo.yaml."""
+    from overlord_dask.plan import load_plan
+    from overlord_dask.plan.versions import check_update
+
+    demo, anneal = (load_plan(str(ROOT / "pipelines" / f"{n}.yaml")) for n in ("demo", "anneal"))
+    check_update(demo, anneal, 5000)
+    assert [s.weight for s in anneal.sources] != [s.weight for s in demo.sources]
+    assert [s.model_copy(update={"weight": 0}) for s in anneal.sources] == [
+        s.model_copy(update={"weight": 0}) for s in demo.sources
+    ]
+
+
+def test_demo_dp_applies_to_a_plan_given_with_plan(corpus):
+    from overlord_dask.service.cli import demo_run_plan
+
+    path = str(ROOT / "pipelines" / "demo.yaml")
+    assert demo_run_plan(corpus, path, 8).topology.dp == 8  # was silently the plan's dp
+    assert demo_run_plan(corpus, path, None).topology.dp == 4
+    assert demo_run_plan(corpus, None, None).topology.dp == 4 and demo_run_plan(corpus, None, 3).topology.dp == 3
+
+
+def test_every_command_shows_its_defaults_in_help():
+    import re
+
+    for cmd in ("demo", "serve", "status", "update", "explain", "stop", "preview", "plan-report"):
+        out = _cli(cmd, "--help", timeout=60)
+        assert out.returncode == 0, out.stderr
+        text = " ".join(out.stdout.split())
+        for opt, default in re.findall(r"(--[\w-]+) \S+ .*?\(default: ([^)]*)\)", text):
+            assert default not in ("None", ""), (cmd, opt)
+    text = " ".join(_cli("serve", "--help").stdout.split())
+    assert "(default: 2)" in text and "(default: logfmt)" in text and "--dashboard-port" in text
+
+
+def test_status_text_reads_as_a_person_would():
+    from overlord_dask.service.status_text import render
+
+    s = {
+        "run_id": "demo-1",
+        "name": "demo",
+        "dp": 3,
+        "sources": ["web", "books"],
+        "dashboard": "http://127.0.0.1:8787/overlord",
+        "planned": 80,
+        "committed": 64,
+        "durable": 48,
+        "tokens_committed": 2_500_000,
+        "rank_lag": {0: 0, 1: 2, 2: 0},
+        "rank_wait_share": {"0": 0.01, "1": 0.4, "2": 0.02},
+        "imbalance": 1.0213,
+        "mb_imbalance": 1.05,
+        "mix_error": 0.0126,
+        "starved_on": None,
+        "pools": {},
+        "last_snapshot": {"kind": "delta", "bytes": 3300, "seconds": 0.01, "committed": 48, "time": 1000.0},
+        "snapshot_error": None,
+        "loop_block_max_ms": 4.1,
+        "failure": None,
+        "stop_requested": False,
+    }
+    text = render(s, previous=(1000.0, {**s, "committed": 44, "tokens_committed": 1_500_000}), now=1010.0)
+    lines = dict(line.split(None, 1) for line in text.splitlines())
+    assert lines["steps"].startswith("64 committed") and "80 planned" in lines["steps"]
+    assert lines["rate"].startswith("2.00 steps/s, 100k tokens/s")
+    assert lines["lag"] == "rank 1: 2 steps behind the leader"
+    assert lines["waiting"].startswith("rank 1 40.0%") and "starve" in lines["waiting"]
+    assert lines["mix"].startswith("error 1.26%") and "snapshot" in lines and "10 s ago" in lines["snapshot"]
+    assert lines["dashboard"] == s["dashboard"] and lines["tokens"].startswith("2.5M")
+    quiet = render(
+        {**s, "committed": 0, "imbalance": None, "mb_imbalance": None, "mix_error": None, "last_snapshot": None}
+    )
+    assert "no committed step yet" in quiet and "mix" not in dict(line.split(None, 1) for line in quiet.splitlines())
 
 
 @pytest.mark.integration

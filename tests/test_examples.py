@@ -16,8 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from overlord_dask import Service
+
+from .harness import example_plan
 
 pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
 
@@ -25,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def _plan(small_plan, dp: int):
-    return small_plan(
-        topology={"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": 1024}, loading={"prefetch_steps": 4}
-    )
+def _plan(corpus, dp: int):
+    """The plan the recipes' docs name (pipelines/small.yaml), on the test corpus."""
+    topology = yaml.safe_load((ROOT / "pipelines" / "small.yaml").read_text())["topology"]
+    return example_plan("small", corpus, topology={**topology, "dp": dp})
 
 
 def _torchrun(script: str, nproc: int, *args, wait: bool = True, timeout: float = 300):
@@ -107,8 +110,8 @@ def test_a_document_loses_the_same_packed_or_alone():
             assert torch.allclose(loss_packed, loss_alone, atol=1e-5), (k, loss_packed, loss_alone)
 
 
-def test_ddp_recipe_trains_a_hf_llama_on_every_rank(cluster, small_plan, tmp_path):
-    with Service.start(_plan(small_plan, 2), cluster=cluster) as service:
+def test_ddp_recipe_trains_a_hf_llama_on_every_rank(cluster, corpus, tmp_path):
+    with Service.start(_plan(corpus, 2), cluster=cluster) as service:
         _torchrun("ddp_hf_llama.py", 2, "--address", service.address, "--steps", 4, "--record", tmp_path / "rec")
         metrics = service.metrics(0, 4)
     recs = _records(tmp_path / "rec", 2)
@@ -118,11 +121,11 @@ def test_ddp_recipe_trains_a_hf_llama_on_every_rank(cluster, small_plan, tmp_pat
         assert a["tokens"] == b["tokens"] == m["loss_tokens"][1]  # the step's loss tokens, HF's convention
 
 
-def test_fsdp2_recipe_killed_mid_run_resumes_from_its_dcp_checkpoint_exactly(cluster, small_plan, tmp_path):
+def test_fsdp2_recipe_killed_mid_run_resumes_from_its_dcp_checkpoint_exactly(cluster, corpus, tmp_path):
     """The job is SIGKILLed (every process) after step 5, its last checkpoint at step 4; started
     again, it resumes from there while the service runs on (the service goes back to step 4): the
     loss and the batches of every step equal those of an uninterrupted run."""
-    plan = _plan(small_plan, 2)
+    plan = _plan(corpus, 2)
     args = ["--steps", 9, "--checkpoint-every", 4]
     with Service.start(plan, cluster=cluster) as service:
         _torchrun(
@@ -186,10 +189,10 @@ def test_fsdp2_recipe_killed_mid_run_resumes_from_its_dcp_checkpoint_exactly(clu
             )  # the same loss curve
 
 
-def test_tensor_parallel_replicas_receive_identical_batches(cluster, small_plan, tmp_path):
+def test_tensor_parallel_replicas_receive_identical_batches(cluster, corpus, tmp_path):
     """A 2-D mesh (dp 2 x tp 2, four processes): both tensor-parallel ranks of a data-parallel
     rank receive the same batches and train a column/row-parallel MLP on them."""
-    with Service.start(_plan(small_plan, 2), cluster=cluster) as service:
+    with Service.start(_plan(corpus, 2), cluster=cluster) as service:
         _torchrun("tp_replicas.py", 4, "--address", service.address, "--steps", 3, "--record", tmp_path / "rec")
         assert service.status()["failure"] is None
     recs = _records(tmp_path / "rec", 4)
@@ -199,11 +202,11 @@ def test_tensor_parallel_replicas_receive_identical_batches(cluster, small_plan,
     assert all(np.isfinite(x["loss"]) for r in recs for x in r)
 
 
-def test_hf_trainer_recipe_feeds_every_rank_its_own_stream(cluster, small_plan, tmp_path):
+def test_hf_trainer_recipe_feeds_every_rank_its_own_stream(cluster, corpus, tmp_path):
     """HF ``Trainer`` on two ranks with ``PerRankTrainerMixin``: each rank consumes its own
     stream whole (accelerate neither shards it nor dispatches rank 0's), one planned step per
     optimizer step."""
-    with Service.start(_plan(small_plan, 2), cluster=cluster) as service:
+    with Service.start(_plan(corpus, 2), cluster=cluster) as service:
         _torchrun(
             "hf_trainer.py",
             2,
@@ -222,20 +225,20 @@ def test_hf_trainer_recipe_feeds_every_rank_its_own_stream(cluster, small_plan, 
     assert list(acked) == [1, 1]  # each rank went through steps 0 and 1 of its own stream and holds step 2
 
 
-def test_lightning_recipe_feeds_every_rank_its_own_stream(cluster, small_plan, tmp_path):
-    with Service.start(_plan(small_plan, 2), cluster=cluster) as service:
+def test_lightning_recipe_feeds_every_rank_its_own_stream(cluster, corpus, tmp_path):
+    with Service.start(_plan(corpus, 2), cluster=cluster) as service:
         _torchrun("lightning_ddp.py", 2, "--address", service.address, "--steps", 3, "--record", tmp_path / "rec")
     recs = _records(tmp_path / "rec", 2)
     assert [(r["step"], r["rank"]) for r in recs[0]] == [(0, 0), (1, 0), (2, 0)]
     assert [(r["step"], r["rank"]) for r in recs[1]] == [(0, 1), (1, 1), (2, 1)]
 
 
-def test_titan_shaped_loader_iterates_inputs_and_labels_and_resumes(cluster, small_plan):
+def test_titan_shaped_loader_iterates_inputs_and_labels_and_resumes(cluster, corpus):
     """torchtitan's ``BaseDataLoader`` shape (torchtitan itself needs CUDA kernels to import):
     ``(input_dict, labels)`` per micro-batch, and a DCP-style state that resumes exactly."""
     from overlord_dask.trainer.integrations import TitanDataLoader
 
-    with Service.start(_plan(small_plan, 1), cluster=cluster) as service:
+    with Service.start(_plan(corpus, 1), cluster=cluster) as service:
         loader = TitanDataLoader(service.address, 0, 1)
         it = iter(loader)
         inputs, labels = next(it)

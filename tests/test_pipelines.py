@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 import zarr
 
 from overlord_dask import Service, SourceError, connect
@@ -24,17 +23,10 @@ from overlord_dask.sources import discover_units, load_unit
 from overlord_dask.sources.tokenizers import image_token_id
 from overlord_dask.worker.constructors import check_micro_batch, cp_slices
 
+from .harness import example_plan as pipeline
 from .harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def pipeline(name: str, corpus, **over):
-    data = yaml.safe_load((ROOT / "pipelines" / f"{name}.yaml").read_text())
-    for s in data["sources"]:
-        s["url"] = s["url"].replace("../demo-data/", f"{Path(corpus).resolve()}/")
-    data.update(over)
-    return plan_from_dict(data, where=f"pipelines/{name}.yaml")
 
 
 def run(plan, cluster, steps):

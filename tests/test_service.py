@@ -326,23 +326,27 @@ def _first_table(page: str) -> dict:
 
 
 def _check_grafana_dashboard(metrics: str) -> None:
-    """Every metric the shipped Grafana dashboard queries is one the service serves; the trainer
-    wait and step time histograms have observations."""
+    """Every metric the shipped Grafana dashboard queries is one the service serves, and every
+    panel not in a collapsed row (those are for plans with optional features) has data."""
     import re
     from importlib import resources
 
     dash = json.loads(resources.files("overlord_dask.observe").joinpath("grafana-dashboard.json").read_text())
-    served = set(re.findall(r"^(overlord_[a-z_]+)[{ ]", metrics, re.M))  # samples, and families that have none yet:
+    sampled = set(re.findall(r"^(overlord_[a-z_]+)[{ ]", metrics, re.M))
+    served = set(sampled)  # samples, and families that have none yet:
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     for name, kind in re.findall(r"^# TYPE (overlord_[a-z_]+) (\w+)$", metrics, re.M):
         served |= {name + s for s in suffixes.get(kind, ("",))}
-    queried = {
-        name for p in dash["panels"] for t in p["targets"] for name in re.findall(r"overlord_[a-z_]+", t["expr"])
-    }
+    panels = [q for p in dash["panels"] for q in (p.get("panels", []) if p["type"] == "row" else [p])]
+    queried = {name for p in panels for t in p["targets"] for name in re.findall(r"overlord_[a-z_]+", t["expr"])}
     queried |= set(re.findall(r"overlord_[a-z_]+", json.dumps(dash["templating"])))
     assert queried and queried <= served, (
         f"the dashboard queries metrics the service does not serve: {sorted(queried - served)}"
     )
+    for p in dash["panels"]:
+        names = {n for t in p.get("targets", []) for n in re.findall(r"overlord_[a-z_]+", t["expr"])}
+        if p["type"] != "row":
+            assert names & sampled, f"panel {p['title']!r} would be empty: no sample of {sorted(names)}"
     count = re.search(r'^overlord_trainer_wait_seconds_count\{run="[^"]+"\} (\S+)$', metrics, re.M)
     assert count and float(count.group(1)) > 0
     steps = re.search(r'^overlord_step_seconds_count\{run="[^"]+"\} (\S+)$', metrics, re.M)

@@ -27,7 +27,7 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
     steps.reverse()
     series = [state.metrics[s] for s in steps]
     names = list(state.source_names)
-    recent = [m for m in series if committed - MIX_WINDOW < m["step"] <= committed]
+    recent = [m for m in series if committed - MIX_WINDOW <= m["step"] < committed]  # committed steps only
     window = window_figures(recent, len(names))
     d_share, w_share = window["delivered_share"], window["declared_share"]
     acked = list(state.progress.acked)
@@ -39,7 +39,7 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
             {
                 "source": s.name,
                 "pool": state.timeline.source(s.name).pool_name,
-                "weight": float(state.timeline.mix_at(max(committed + 1, 0))[i]),
+                "weight": float(state.timeline.mix_at(committed)[i]),  # the next step every rank consumes
                 "delivered_share": float(d_share[i]) if i < len(d_share) else 0.0,
                 "declared_share": float(w_share[i]) if i < len(w_share) else 0.0,
                 "epoch": int(s.epoch),
@@ -58,6 +58,7 @@ def snapshot(state, signals, *, run_id: str, scaling: dict | None, snapshots: li
         "planned": state.next_step,
         "committed": committed,
         "durable": state.progress.durable_step,
+        "tokens_committed": state.tokens_committed,
         "starved_on": state.starved_on,
         "failure": state.failure,
         "rank_lag": rank_lag(acked),

@@ -52,9 +52,13 @@ class _Collector:
 
         # monotonic figures are counters (rate() works on them; a rewound run shows as a counter reset)
         yield family(CounterMetricFamily, "steps_planned", "Steps planned (handed out or about to be)", snap["planned"])
-        yield family(CounterMetricFamily, "steps_committed", "Steps every rank consumed", max(snap["committed"] + 1, 0))
+        yield family(CounterMetricFamily, "steps_committed", "Steps every rank consumed", snap["committed"])
+        yield family(CounterMetricFamily, "steps_durable", "Steps a snapshot can resume from", snap["durable"])
         yield family(
-            CounterMetricFamily, "steps_durable", "Steps a snapshot can resume from", max(snap["durable"] + 1, 0)
+            CounterMetricFamily,
+            "tokens_committed",
+            "Real (not padding) tokens of the steps every rank consumed, since this service started",
+            snap["tokens_committed"],
         )
         yield family(
             CounterMetricFamily,
@@ -88,6 +92,7 @@ class _Collector:
             for s in snap["sources"]:
                 c.add_metric(run + [s["source"]], float(s[key]))
             yield c
+        yield family(GaugeMetricFamily, "workers", "Workers on the scheduler (every pool)", len(self.scheduler.workers))
         pools = GaugeMetricFamily("overlord_pool_workers", "Workers of each loader pool", labels=["run", "pool"])
         for p, n in snap["arrived"].items():
             pools.add_metric(run + [p], n)

@@ -84,6 +84,7 @@ class PlannerState(PlanningLoop):
         self.windows = WindowStarts(lambda: {**self.streams.get_state(), **self.policy.get_state()})
         self.pool_workers: dict[str, int] = {}  # workers per loader pool, as the autoscaler last reported
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
+        self.tokens_committed = 0  # real tokens of the steps every rank consumed, since this planner started
         self.reload: list[list] = []  # units to load again only for their blocks (restore)
         if state is not None:
             self._restore(state)
@@ -240,13 +241,19 @@ class PlannerState(PlanningLoop):
     def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> int:
         """(``rank``, ``cp_rank``) consumed every step up to ``step`` (and, if ``durable``, saved
         them in its trainer checkpoint); idempotent. Returns ``committed``."""
-        return self.progress.ack(rank, step, cp_rank, durable, planned=self.next_step)
+        before = self.progress.committed
+        committed = self.progress.ack(rank, step, cp_rank, durable, planned=self.next_step)
+        for s in range(before, committed):  # a counter since this planner started (rewinds count again)
+            m = self.metrics.get(s)
+            self.tokens_committed += m["tokens"] if m is not None else 0
+        return committed
 
     def status(self) -> dict:
         return {
             "next_step": self.next_step,
             "committed": self.committed,
             "durable": self.progress.durable_step,
+            "tokens_committed": self.tokens_committed,
             "acked": list(self.progress.acked),
             "failure": self.failure,
             "starved_on": self.starved_on,

@@ -69,7 +69,13 @@ class SnapshotLoop:
             kind, n = await asyncio.to_thread(self.writer.write, st)
             self._written = st["committed"]
             self.stats.append(
-                {"kind": kind, "bytes": n, "seconds": time.perf_counter() - t0, "committed": st["committed"]}
+                {
+                    "kind": kind,
+                    "bytes": n,
+                    "seconds": time.perf_counter() - t0,
+                    "committed": st["committed"],
+                    "time": time.time(),  # when it was written (its age on `overlord status`)
+                }
             )
             del self.stats[:-1000]
             if kind == "base":

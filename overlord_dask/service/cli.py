@@ -1,9 +1,9 @@
 """The ``overlord`` command.
 
 overlord demo [--dp 4 --steps 100 --data demo-data]   service + trainer processes, JSON summary
-overlord serve PLAN.yaml [--workers 2 --dp N --scheduler-file F --host H --port P]
-                                                        run a service, print its address
-overlord status ADDRESS|FILE [--json]                   progress, lag, balance, mix, pools, snapshots
+overlord serve PLAN.yaml [--workers 2 --dp N --set KEY=VALUE --scheduler-file F --host H --port P
+               --dashboard-port P]                      run a service, print its address and page
+overlord status ADDRESS|FILE [--json] [--watch [S]]     progress, rates, lag, balance, mix, pools, snapshots
 overlord update ADDRESS|FILE PLAN.yaml [--at-step N]    change the plan of a running service
 overlord stop ADDRESS|FILE                              stop it cleanly (last snapshot, workers retired)
 overlord validate PLAN.yaml [PLAN.yaml ...]             check plans and index their sources
@@ -98,22 +98,23 @@ def _demo_trainer(address: str, rank: int, dp: int, steps: int, out: str) -> Non
 def run_demo(
     *,
     steps: int = 100,
-    dp: int = 4,
+    dp: int | None = None,
     workers: int = 2,
     data: str = "demo-data",
     scale: float = 1.0,
     plan_path: str | None = None,
     quiet: bool = False,
 ) -> dict:
-    """Run the service and ``dp`` trainer processes for ``steps`` steps; return the run summary."""
+    """Run the service and ``dp`` trainer processes (default: 4, or the plan's) for ``steps``
+    steps; return the run summary. The demo corpus is generated at ``data`` either way (the
+    example plans read it)."""
     from tqdm import tqdm
 
     from ..observe.figures import delivered_identities, exactly_once, mix_error, percentile, planned_identities
-    from .demo import demo_plan, generate_demo_corpus
+    from .demo import generate_demo_corpus
     from .service import Service
 
-    corpus = generate_demo_corpus(data, scale=scale)
-    plan = demo_plan(corpus, topology={"dp": dp}) if plan_path is None else _load(plan_path)
+    plan = demo_run_plan(generate_demo_corpus(data, scale=scale), plan_path, dp)
     dp = plan.topology.dp
     ctx = mp.get_context("spawn")
     with Service.start(plan, n_workers=workers) as service, tempfile.TemporaryDirectory() as tmp:
@@ -188,6 +189,17 @@ def run_demo(
     }
 
 
+def demo_run_plan(corpus, plan_path: str | None, dp: int | None):
+    """The plan ``overlord demo`` runs: the demo plan on ``corpus`` (dp 4 unless given), or the
+    plan at ``plan_path`` (its dp unless given)."""
+    from .demo import demo_plan
+
+    if plan_path is None:
+        return demo_plan(corpus, topology={"dp": dp or 4})
+    plan = _load(plan_path)
+    return plan if dp is None else _with_dp(plan, dp, f"{plan_path} (--dp {dp})")
+
+
 def steady_from(steps: int, prefetch_steps: int) -> int:
     """The first step of a run's steady-state window: past the first quarter of the run and past
     the steps prefetched before the trainers attached (as far as half the run allows); 0 (the
@@ -207,13 +219,16 @@ def cmd_serve(args) -> int:
     from .service import Service
 
     logs.setup(args.log_format, args.log_level)
-    plan = _load(args.plan)
+    plan = _with_settings(_load(args.plan), args.set or [], args.plan)
     if args.dp is not None:  # the trainers' world size decides, not the file
         plan = _with_dp(plan, args.dp, f"{args.plan} (--dp {args.dp})")
-    with Service.start(plan, n_workers=args.workers, scheduler_port=args.port, host=args.host) as service:
+    with Service.start(
+        plan, n_workers=args.workers, scheduler_port=args.port, host=args.host, dashboard_port=args.dashboard_port
+    ) as service:
         if args.scheduler_file:
-            write_scheduler_file(args.scheduler_file, service.address, service.run_id, plan.topology.dp)
-        link = service.client.dashboard_link or ""
+            write_scheduler_file(
+                args.scheduler_file, service.address, service.run_id, plan.topology.dp, service.dashboard
+            )
         print(
             json.dumps(
                 {
@@ -221,7 +236,7 @@ def cmd_serve(args) -> int:
                     "address": service.address,
                     "dp": plan.topology.dp,
                     "scheduler_file": args.scheduler_file,
-                    "dashboard": link.rsplit("/", 1)[0] + "/overlord" if link else None,
+                    "dashboard": service.dashboard,
                 }
             ),
             flush=True,
@@ -242,6 +257,36 @@ def cmd_serve(args) -> int:
                 os.remove(args.scheduler_file)  # a file naming a stopped service would send trainers to a dead address
 
 
+def _with_settings(plan, settings: list[str], where: str):
+    """``plan`` with ``--set KEY=VALUE`` overrides (``topology.tokens_per_micro_batch=1024``,
+    ``loading.prefetch_steps=8``, ``sources.0.weight=0.3``: dotted keys, list items by index,
+    values read as YAML), validated again with errors naming the option."""
+    import yaml
+
+    from ..plan import plan_from_dict, plan_to_dict
+
+    if not settings:
+        return plan
+    d = plan_to_dict(plan)
+    for setting in settings:
+        key, sep, raw = setting.partition("=")
+        if not sep or not key:
+            raise PlanError(f"--set {setting!r}: expected KEY=VALUE (e.g. topology.tokens_per_micro_batch=1024)")
+        *parents, last = key.split(".")
+        node = d
+        for i, part in enumerate(parents):
+            try:
+                node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+            except (ValueError, IndexError):
+                raise PlanError(f"--set {setting!r}: {'.'.join(parents[: i + 1])} is not in the plan") from None
+            if not isinstance(node, dict | list):
+                raise PlanError(f"--set {setting!r}: {'.'.join(parents[: i + 1])} is a value, not a section")
+        if isinstance(node, list):
+            raise PlanError(f"--set {setting!r}: {'.'.join(parents)} is a list: give an item's index first")
+        node[last] = yaml.safe_load(raw)
+    return plan_from_dict(d, where=f"{where} (--set {' '.join(settings)})")
+
+
 def _with_dp(plan, dp: int, where: str):
     """``plan`` with ``topology.dp`` set to ``dp`` (validated again, errors naming ``where``)."""
     from ..plan import plan_from_dict, plan_to_dict
@@ -260,16 +305,18 @@ def _attach(where: str):
 
 
 def cmd_status(args) -> int:
+    from .status_text import render
+
     service = _attach(args.where)
+    previous = None
     try:
         while True:
-            summary = service.summary()
+            summary, now = service.summary(), time.time()
             if args.json:
-                print(json.dumps(summary), flush=True)
+                print(json.dumps({**summary, "status": service.status()}), flush=True)
             else:
-                width = max(len(k) for k in summary) + 2
-                for k, v in summary.items():
-                    print(f"{k:<{width}}{v if not isinstance(v, dict) else json.dumps(v)}")
+                print(render(summary, previous, now), flush=True)
+            previous = (now, summary)
             if args.watch is None or summary["failure"]:
                 break
             if not args.json:
@@ -403,7 +450,9 @@ def cmd_explain(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    """Ask the serving process to stop, then wait until its scheduler is gone."""
+    """Ask the serving process to stop, then wait until it is gone: its scheduler no longer
+    listens and (given a scheduler file) the file it removes last is gone. The wait never calls
+    the service: a scheduler whose planner is already detached would log every such call."""
     from ..protocol import resolve_address
 
     address = resolve_address(args.where)
@@ -413,15 +462,28 @@ def cmd_stop(args) -> int:
         service.request_stop()
     finally:
         service.close()
+    file = args.where if "://" not in args.where and os.path.isfile(args.where) else None
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        try:
-            _attach(address).close()
-        except (ServiceError, OSError):
+        if not _listening(address) and (file is None or not os.path.exists(file)):
             print(json.dumps({"stopped": True, "address": address, "committed": committed}), flush=True)
             return 0
-        time.sleep(0.5)
-    raise ServiceError(f"the service at {address} was asked to stop but still answers after {args.timeout:.0f}s")
+        time.sleep(0.25)
+    raise ServiceError(f"the service at {address} was asked to stop but is still there after {args.timeout:.0f}s")
+
+
+def _listening(address: str) -> bool:
+    """Whether anything accepts TCP connections at a Dask address (``tcp://`` or ``tls://``)."""
+    import socket
+
+    from distributed.comm import parse_address, parse_host_port
+
+    host, port = parse_host_port(parse_address(address)[1])
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def cmd_validate(args) -> int:
@@ -470,6 +532,24 @@ def _layout_warnings(plan) -> list[str]:
     return [w for src in plan.sources for w in layout_warnings(src, plan)]
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """Help that shows each option's default, unless its text already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if (
+            "default" in text
+            or d is None
+            or d is False
+            or d == ""
+            or d == argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -495,26 +575,37 @@ def main(argv: list[str] | None = None) -> int:
         except OverlordError as err:
             print(f"overlord: error: {err}", file=sys.stderr)
             return 2
+    args = parser().parse_args(argv)
+    return _run(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``overlord`` command's options (``overlord slurm`` has its own: ``slurm_job.parser``)."""
     ap = argparse.ArgumentParser(
         prog="overlord", description="overlord-dask: a Dask data-loading service for LLM training"
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
+    add_parser = sub.add_parser
+
+    def command(name: str, **kwargs):  # every command's help shows its options' defaults
+        return add_parser(name, formatter_class=_ShowDefaults, **kwargs)
+
     sub.add_parser(
         "slurm",
         help="run the service as a Slurm job with Slurm worker jobs (see `overlord slurm --help`)",
         add_help=False,
     )
-    d = sub.add_parser(
-        "demo", help="run the service on an embedded LocalCluster with generated data and dp trainer processes"
+    d = command("demo", help="run the service on an embedded LocalCluster with generated data and dp trainer processes")
+    d.add_argument(
+        "--dp", type=_positive, default=None, help="trainer ranks, separate processes (default: 4, or the plan's)"
     )
-    d.add_argument("--dp", type=_positive, default=4, help="trainer ranks (separate processes)")
-    d.add_argument("--steps", type=_positive, default=100)
+    d.add_argument("--steps", type=_positive, default=100, help="steps every rank consumes")
     d.add_argument("--workers", type=_positive, default=2, help="Dask worker processes")
     d.add_argument("--data", default="demo-data", help="demo corpus folder (generated when missing)")
     d.add_argument("--scale", type=float, default=1.0, help="demo corpus size multiplier")
-    d.add_argument("--plan", default=None, help="a plan to run instead of the demo plan")
+    d.add_argument("--plan", default=None, help="a plan to run instead of the demo plan (its sources, its topology)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
-    s = sub.add_parser("serve", help="run a service for a plan and print its address")
+    s = command("serve", help="run a service for a plan and print its address")
     s.add_argument("plan")
     s.add_argument(
         "--workers", type=_non_negative, default=2, help="embedded worker processes (0: workers join from other hosts)"
@@ -525,6 +616,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default=None, help="interface the scheduler listens on (default: loopback only)")
     s.add_argument("--dp", type=_positive, default=None, help="data-parallel ranks (overrides the plan's topology.dp)")
     s.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a plan setting, e.g. --set topology.tokens_per_micro_batch=1024 (repeatable)",
+    )
+    s.add_argument(
+        "--dashboard-port",
+        type=_non_negative,
+        default=0,
+        help="port of the dashboard with the /overlord page (0: a free one; the URL is printed, "
+        "written to the scheduler file and shown by `overlord status`)",
+    )
+    s.add_argument(
         "--scheduler-file", default=None, help="write the address here (trainers and tools can be given the file)"
     )
     s.add_argument(
@@ -533,10 +637,10 @@ def main(argv: list[str] | None = None) -> int:
         default="logfmt",
         help="the service's event log on stderr (and its workers')",
     )
-    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    st = sub.add_parser("status", help="a running service's progress, lag, balance, mix, pools and snapshots")
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    st = command("status", help="a running service's progress, lag, balance, mix, pools and snapshots")
     st.add_argument("where", help="scheduler address or scheduler file")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="JSON instead of text")
     st.add_argument(
         "--watch",
         type=float,
@@ -546,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="print it again every SECONDS (default 5) until interrupted or the service is gone",
     )
-    pr = sub.add_parser("plan-report", help="tokens and epochs per source up to a step, stage boundaries (no cluster)")
+    pr = command("plan-report", help="tokens and epochs per source up to a step, stage boundaries (no cluster)")
     pr.add_argument("plan")
     pr.add_argument("--steps", type=_positive, default=None, help="up to this step (default: the plan's steps)")
     pr.add_argument(
@@ -555,14 +659,14 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument(
         "--plot", default=None, help="write a plot of cumulative tokens per source to this file (png, svg, pdf)"
     )
-    pr.add_argument("--json", action="store_true")
-    pv = sub.add_parser("preview", help="a source's first documents decoded, as trainers receive them (no cluster)")
+    pr.add_argument("--json", action="store_true", help="JSON instead of text")
+    pv = command("preview", help="a source's first documents decoded, as trainers receive them (no cluster)")
     pv.add_argument("plan")
-    pv.add_argument("--source", required=True)
-    pv.add_argument("-n", type=_positive, default=5)
-    pv.add_argument("--json", action="store_true")
-    sub.add_parser("schema", help="the JSON Schema of a plan (for editors and validators)")
-    u = sub.add_parser("update", help="change a running service's plan from a step on, or skip steps")
+    pv.add_argument("--source", required=True, help="the source's name in the plan")
+    pv.add_argument("-n", type=_positive, default=5, help="documents shown")
+    pv.add_argument("--json", action="store_true", help="JSON instead of text")
+    command("schema", help="the JSON Schema of a plan (for editors and validators)")
+    u = command("update", help="change a running service's plan from a step on, or skip steps")
     u.add_argument("where", help="scheduler address or scheduler file")
     u.add_argument("plan", nargs="?", default=None, help="the new plan (YAML)")
     u.add_argument(
@@ -575,20 +679,23 @@ def main(argv: list[str] | None = None) -> int:
         help="do not hand out steps A to B (inclusive): a job restarted from its checkpoint at A goes on at B + 1",
     )
     u.add_argument("--reason", default="", help="why the steps are skipped (recorded with the skip)")
-    ex = sub.add_parser("explain", help="which documents each rank trained on at a step (file, row, tokens, text)")
+    ex = command("explain", help="which documents each rank trained on at a step (file, row, tokens, text)")
     ex.add_argument(
         "where", help="a running service (scheduler address or file) or a plan YAML (offline: its snapshots)"
     )
-    ex.add_argument("--step", type=int, required=True)
+    ex.add_argument("--step", type=int, required=True, help="the global step")
     ex.add_argument("--rank", type=int, default=None, help="one data-parallel rank (default: every rank)")
     ex.add_argument("--preview", type=int, default=160, help="characters of text per piece (0: none, no file read)")
-    ex.add_argument("--json", action="store_true")
-    sp = sub.add_parser("stop", help="stop a running service cleanly (last snapshot written, workers retired)")
+    ex.add_argument("--json", action="store_true", help="JSON instead of text")
+    sp = command("stop", help="stop a running service cleanly (last snapshot written, workers retired)")
     sp.add_argument("where", help="scheduler address or scheduler file")
-    sp.add_argument("--timeout", type=float, default=60.0)
-    v = sub.add_parser("validate", help="validate a plan and index its sources")
+    sp.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the service to exit")
+    v = command("validate", help="validate a plan and index its sources")
     v.add_argument("plan", nargs="+")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _run(args) -> int:
     try:
         if args.cmd == "demo":
             summary = run_demo(

@@ -205,11 +205,13 @@ class Service(ServiceViews):
         run_id: str | None = None,
         scheduler_port: int = 0,
         host: str | None = None,
+        dashboard_port: int = 0,
     ) -> Service:
         """Start a run on ``cluster`` (any Dask cluster object), on a running scheduler at
         ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes (its
         scheduler on ``host`` (default: loopback only) and ``scheduler_port``: fixed, a restarted
-        service is found again by trainers)."""
+        service is found again by trainers; its dashboard, with the ``/overlord`` page, on
+        ``dashboard_port``: 0 picks a free one, :attr:`dashboard` says which)."""
         if cluster is None and address is None:
             _check_main_guard()  # before anything else: the worker processes would run this script again
         loaded, snap = _snapshots(plan)
@@ -226,7 +228,11 @@ class Service(ServiceViews):
 
             extra = {"host": host} if host else {}
             cluster = owned = local_cluster(
-                n_workers=n_workers, threads_per_worker=threads_per_worker, scheduler_port=scheduler_port, **extra
+                n_workers=n_workers,
+                threads_per_worker=threads_per_worker,
+                scheduler_port=scheduler_port,
+                dashboard_address=f"{host or '127.0.0.1'}:{dashboard_port}",
+                **extra,
             )
         client = Client(cluster if address is None else address, set_as_default=False)
         run_id = run_id or f"{plan.name}-{uuid.uuid4().hex[:8]}"
@@ -322,6 +328,13 @@ class Service(ServiceViews):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def dashboard(self) -> str | None:
+        """The run's ``/overlord`` page (on the scheduler's dashboard server), or None if the
+        scheduler serves no dashboard."""
+        link = self.client.dashboard_link
+        return link.rsplit("/", 1)[0] + "/overlord" if link else None
 
     @property
     def address(self) -> str:

@@ -29,12 +29,8 @@ from .. import logs
 from ..errors import PlanError
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..plan import load_plan
-    from ..protocol import write_scheduler_file
-    from .deploy import _seconds, slurm_cluster
-    from .service import Service
-
+def parser() -> argparse.ArgumentParser:
+    """``overlord slurm``'s options."""
     ap = argparse.ArgumentParser(
         prog="overlord slurm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -63,7 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--log-format", choices=["logfmt", "json"], default="logfmt")
     ap.add_argument("--print-job-script", action="store_true", help="print a worker job's sbatch script and exit")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..plan import load_plan
+    from ..protocol import write_scheduler_file
+    from .deploy import _seconds, slurm_cluster
+    from .service import Service
+
+    args = parser().parse_args(argv)
     t0 = time.monotonic()
     logs.setup(args.log_format)
     plan = load_plan(args.plan)
@@ -96,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.scale(jobs=args.jobs)
         with Service.start(plan, cluster=cluster) as service:
-            print(f"overlord service {service.run_id} at {service.address}", flush=True)
+            print(f"overlord service {service.run_id} at {service.address}, page {service.dashboard}", flush=True)
             if args.scheduler_file:
-                write_scheduler_file(args.scheduler_file, service.address, service.run_id, plan.topology.dp)
+                write_scheduler_file(
+                    args.scheduler_file, service.address, service.run_id, plan.topology.dp, service.dashboard
+                )
             try:
                 while not service.status().get("stop_requested"):  # `overlord stop FILE` ends it cleanly
                     service.check()

@@ -39,7 +39,7 @@ class ServiceViews:
         committed steps, the source planning waits on, pools, the last snapshot, the event loop."""
         st, info = self.status(), self.planner.info()
         acked = st["acked"]
-        recent = self.metrics(max(0, st["committed"] - window + 1), st["committed"] + 1)
+        recent = self.metrics(max(0, st["committed"] - window), st["committed"])  # committed steps only
         figures = window_figures(
             recent, len(info["sources"])
         )  # (steps from before a live update that added sources too)
@@ -49,9 +49,11 @@ class ServiceViews:
             "name": info["name"],
             "dp": info["dp"],
             "sources": info["sources"],
+            "dashboard": self.dashboard,
             "planned": st["next_step"],
             "committed": st["committed"],
             "durable": st["durable"],
+            "tokens_committed": st["tokens_committed"],
             "rank_lag": dict(enumerate(rank_lag(acked))),
             "rank_wait_share": st.get("rank_wait_share", {}),
             **{
