@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 class Strict(BaseModel):
     """Unknown fields are errors, models are immutable, defaults are validated."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True)
 
 
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

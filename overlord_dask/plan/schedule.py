@@ -133,7 +133,9 @@ class Stage(Strict):
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    """The stage's name (logs, ``event=stage`` lines, reports)."""
     start_step: int = Field(ge=0)
+    """The first step of the stage (it lasts until the next stage's ``start_step``)."""
     weights: dict[str, float] | None = None
     """The stage's whole mix by source name (unlisted sources get 0); None keeps each source's own
     ``weight`` (schedules included)."""

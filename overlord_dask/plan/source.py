@@ -164,6 +164,7 @@ class Source(Strict):
     image_mean: list[float] | None = Field(default=None, min_length=3, max_length=3)
     """Normalise pixels: ``(x / 255 - mean) / std`` per channel (float16 patches); None: raw uint8 patches."""
     image_std: list[float] | None = Field(default=None, min_length=3, max_length=3)
+    """Per-channel standard deviations of that normalisation (with ``image_mean``)."""
     image_processor: str | None = None
     """A Hugging Face image processor folder (``preprocessor_config.json``; local or relative to the
     plan's folder) that decodes, resizes, tiles and normalises instead; its tiles are cut into

@@ -48,17 +48,22 @@ class Tokenizer(Strict):
     to ``AutoTokenizer.from_pretrained``. ``tiktoken`` with a file: ``pattern`` (the split regex)
     and ``special_tokens`` (name -> id)."""
     bos_token: str | None = None
+    """The token that begins a document; default: the tokenizer config's ``bos_token``."""
     eos_token: str | None = None
     """The token that ends a document; default: the tokenizer config's ``eos_token``."""
     pad_token: str | None = None
+    """The padding token; default: the tokenizer config's ``pad_token`` (see ``pad_id``)."""
     image_token: str = "<image>"
     """The placeholder string of an image in the text, and its token (when the vocabulary has it)."""
     bos_id: int | None = Field(default=None, ge=0)
+    """The BOS token's id, where the tokenizer has no ``bos_token`` (or to override it)."""
     eos_id: int | None = Field(default=None, ge=0)
+    """The EOS token's id, where the tokenizer has no ``eos_token`` (or to override it)."""
     pad_id: int | None = Field(default=None, ge=0)
     """Padding of micro-batches; default: the config's ``pad_token``, else the EOS id (padding never
     reaches a loss: its labels are -100)."""
     image_token_id: int | None = Field(default=None, ge=0)
+    """The id of ``image_token``, where the vocabulary has no such token (or to override it)."""
     add_bos: bool | None = None
     """Begin every text document with BOS; default: what the tokenizer does itself (its config's
     ``add_bos_token``, or a BOS its post-processor adds). A source may override it."""

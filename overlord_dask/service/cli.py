@@ -373,10 +373,16 @@ def cmd_preview(args) -> int:
             continue
         extra = "".join(f", {k.replace('_', ' ')} {d[k]}" for k in ("trained_tokens", "image_tokens") if k in d)
         print(f"--- sample {d['sample_id']}: {d['tokens']} tokens{extra}")
-        print(d["text"])
+        print(_printable(d["text"]))
         if "trained_text" in d:
-            print(f"--- trained on: {d['trained_text']}")
+            print(f"--- trained on: {_printable(d['trained_text'])}")
     return 0
+
+
+def _printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (what token ids the plan's tokenizer does
+    not fit decode to, say) shown as escapes, not sent to the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
 def cmd_schema(args) -> int:

@@ -66,7 +66,9 @@ def _write_chat(root: Path, rng, n_docs: int, files: int = 2, row_group: int = 2
     (root / "chat").mkdir(parents=True, exist_ok=True)
     for f, idx in enumerate(np.array_split(np.arange(n_docs), files)):
         lens = _lengths(rng, "chat", len(idx))
-        toks = (rng.integers(0, 256, size=int(lens.sum()), dtype=np.int32) + BYTE_OFFSET).astype(np.int32)
+        # byte-tokenizer ids of readable text (`overlord preview` shows it), drawn as the corpus always was
+        draws = rng.integers(0, 256, size=int(lens.sum()), dtype=np.int32)
+        toks = (_ALPHABET[draws % len(_ALPHABET)].astype(np.int32) + BYTE_OFFSET).astype(np.int32)
         ends = np.cumsum(lens) - 1
         toks[ends] = EOS_ID
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

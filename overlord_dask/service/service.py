@@ -50,6 +50,21 @@ from .submitter import Submitter
 from .views import ServiceViews
 
 
+def _embedded_cluster(n_workers: int, threads_per_worker: int, port: int, host: str | None, dashboard_port: int):
+    """The default deployment: a LocalCluster whose scheduler and dashboard listen on ``host``
+    (default: loopback only)."""
+    from .deploy import local_cluster
+
+    extra = {"host": host} if host else {}
+    return local_cluster(
+        n_workers=n_workers,
+        threads_per_worker=threads_per_worker,
+        scheduler_port=port,
+        dashboard_address=f"{host or '127.0.0.1'}:{dashboard_port}",
+        **extra,
+    )
+
+
 def _check_main_guard() -> None:
     """Worker processes start by importing the main script again (Dask spawns them): a script
     that starts a service at module level, outside ``if __name__ == "__main__":``, would start
@@ -224,16 +239,7 @@ class Service(ServiceViews):
         pad_id = load_tokenizer(plan.tokenizer, plan.base_dir).pad_id  # every micro-batch is padded with it
         owned = None
         if cluster is None and address is None:
-            from .deploy import local_cluster  # the embedded default deployment
-
-            extra = {"host": host} if host else {}
-            cluster = owned = local_cluster(
-                n_workers=n_workers,
-                threads_per_worker=threads_per_worker,
-                scheduler_port=scheduler_port,
-                dashboard_address=f"{host or '127.0.0.1'}:{dashboard_port}",
-                **extra,
-            )
+            cluster = owned = _embedded_cluster(n_workers, threads_per_worker, scheduler_port, host, dashboard_port)
         client = Client(cluster if address is None else address, set_as_default=False)
         run_id = run_id or f"{plan.name}-{uuid.uuid4().hex[:8]}"
         first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
@@ -328,13 +334,6 @@ class Service(ServiceViews):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    @property
-    def dashboard(self) -> str | None:
-        """The run's ``/overlord`` page (on the scheduler's dashboard server), or None if the
-        scheduler serves no dashboard."""
-        link = self.client.dashboard_link
-        return link.rsplit("/", 1)[0] + "/overlord" if link else None
 
     @property
     def address(self) -> str:

@@ -32,6 +32,13 @@ class ServiceViews:
     Needs ``self.planner`` (a ``client.BlockingPlannerClient``), ``self.client``, ``self.plan``,
     ``self.run_id``, ``status()`` and ``timeline()``."""
 
+    @property
+    def dashboard(self) -> str | None:
+        """The run's ``/overlord`` page (on the scheduler's dashboard server), or None if the
+        scheduler serves no dashboard."""
+        link = self.client.dashboard_link
+        return link.rsplit("/", 1)[0] + "/overlord" if link else None
+
     def summary(self, window: int = 20) -> dict:
         """What an operator looks at (``overlord status``): steps planned and committed, each
         rank's lag behind the most advanced one and share of its time spent waiting for data, imbalance and mix error
