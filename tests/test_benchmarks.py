@@ -490,3 +490,10 @@ def test_gpu_learned_cost_benchmark_runs_on_the_cpu():
     # the CPU's timings are (settling itself is checked on exact timings in test_feedback.py).
     assert out["fits"] >= 5 and "settle_steps" in out
     assert set(out["fitted"]) >= {"attention", "linear", "constant", "fixed"}
+
+
+def test_page_benchmark_draws_the_page_in_a_browser_at_two_sizes():
+    out, stdout = run_benchmark("page", ["--dp", "4", "64", "--draws", "5", "--repeats", "1", "--json"])
+    rows = {r["dp"]: r for r in out["rows"]}
+    assert set(rows) == {4, 64} and rows[64]["json_kb"] > rows[4]["json_kb"]  # per-rank figures grow with dp
+    assert all(r["view_ms"] > 0 and r["draw_ms_p50"] >= 0 for r in rows.values())

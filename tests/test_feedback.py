@@ -21,6 +21,7 @@ from overlord_dask.planner.mixing import ODM, Controller, project
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.planner.streams.order import stable_seed
 from overlord_dask.planner.timeline import Timeline
+from overlord_dask.testing import browser
 
 UNITS, DOCS = 300, 64
 IDS = {n: list(range(0, UNITS * DOCS, DOCS)) for n in ("web", "books", "chat")}
@@ -368,7 +369,7 @@ def test_reports_reach_the_planner_and_a_controlled_run_replays(cluster, small_p
             if snap["feedback"]["decisions"]:
                 break
             time.sleep(0.2)
-        page = urllib.request.urlopen(f"{base}/overlord", timeout=10).read().decode()
+        page = browser.shown(browser.dom(f"{base}/overlord"))  # drawn by the page's script from /overlord.json
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
     assert fb["received"] >= dp * steps * 2 and fb["dropped"] == 0  # a time and a loss report per micro-batch's step
     # the measured compute of each rank's last reported step (the one before its last: that one ends with no
@@ -380,6 +381,7 @@ def test_reports_reach_the_planner_and_a_controlled_run_replays(cluster, small_p
     assert {d.kind for d in tl.decisions} == {"cost", "weights"}, fb
     # the page shows the fit and every decision with its reason; the gauges carry the fit
     assert 'id="decisions"' in page and "odm round" in page and 'id="cost-fit"' in page
+    assert "s per token² of attention" in page and "not learning" not in page  # the fit, in units a person reads
     assert (
         "overlord_cost_error" in metrics
         and "overlord_feedback_reports_total" in metrics

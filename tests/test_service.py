@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -251,12 +253,14 @@ def test_corrupt_shard_fails_the_run_with_the_file_named(cluster, tmp_path):
 
 
 @pytest.mark.integration
-def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
-    """/overlord (HTML with SVG charts, and .json) and overlord_* gauges on Dask's /metrics, fetched
-    over loopback HTTP from the scheduler's dashboard server while trainers stream."""
+def test_dashboard_page_in_a_browser_and_prometheus_gauges_over_http(cluster, small_plan, tmp_path):
+    """/overlord loaded in headless Chromium (its script fetches /overlord.json and draws the
+    page), checked against the JSON; overlord_* gauges on Dask's /metrics; all over loopback
+    HTTP from the scheduler's dashboard server while trainers stream."""
     import urllib.request
 
     from overlord_dask import connect
+    from overlord_dask.testing import browser
 
     plan = small_plan(topology={"dp": 2})
     with Service.start(plan, cluster=cluster) as service:
@@ -270,20 +274,26 @@ def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the view refreshes every half second
             snap = json.loads(urllib.request.urlopen(f"{base}/overlord.json", timeout=10).read())
-            if snap["committed"] >= 7:
+            if snap["committed"] >= 8 and snap["rates"]["tokens_per_s"] is not None:
                 break
             time.sleep(0.2)
-        page = urllib.request.urlopen(f"{base}/overlord", timeout=10).read().decode()
+        page = browser.shown(browser.dom(f"{base}/overlord"))  # what a person sees, once the page's script ran
+        shot = browser.screenshot(f"{base}/overlord", str(tmp_path / "page.png"))
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         for s in streams:
             s.close()
-    assert snap["run_id"] == service.run_id and snap["committed"] >= 7 and len(snap["rank_lag"]) == 2
+    assert snap["run_id"] == service.run_id and snap["committed"] == 8 and len(snap["rank_lag"]) == 2
     assert {s["source"] for s in snap["sources"]} == {"web", "chat", "books"} and snap["imbalance"] >= 1.0
-    assert page.count("<svg") == 2 and 'id="mix"' in page and 'id="balance"' in page and "Loader pools" in page
-    head = _first_table(page)  # what the page shows, against /overlord.json
-    assert head["run_id"] == service.run_id == snap["run_id"] and int(head["dp"]) == snap["dp"] == 2
-    assert int(head["committed"]) >= 7 and head["failure"] == ""
-    assert f'overlord_steps_committed_total{{run="{service.run_id}"}}' in metrics
+    cards = dict(re.findall(r'id="v-([\w-]+)">([^<]*)<', page))
+    assert re.search(rf'id="run-id">{service.run_id}<', page) and 'data-committed="8"' in page
+    assert cards["state"] == "running" and cards["mix-error"] == f"{100 * snap['mix_error']:.2f}%"
+    assert cards["imbalance"] == f"{snap['imbalance']:.3f}" and cards["max-lag"] == f"{max(snap['rank_lag'])} steps"
+    assert cards["tokens-s"] not in ("", "–") and cards["worst-wait-share"].endswith("%")
+    assert "8 committed" in page and all(f"<td>{n}</td>" in page for n in ("web", "chat", "books"))
+    assert page.count("<svg") >= 4 and "<path" in page  # the charts were drawn
+    assert os.path.getsize(shot) > 10_000
+    assert f'overlord_steps_committed_total{{run="{service.run_id}"}} 8.0' in metrics
+    assert f'overlord_tokens_committed_total{{run="{service.run_id}"}} {float(snap["tokens_committed"])}' in metrics
     _check_grafana_dashboard(metrics)
     assert f'overlord_source_weight{{run="{service.run_id}",source="books"}}' in metrics
     assert "overlord_rank_lag_steps" in metrics and "overlord_imbalance" in metrics
@@ -292,37 +302,6 @@ def test_dashboard_page_and_prometheus_gauges_over_http(cluster, small_plan):
         'overlord_rank_wait_share{rank="0",run=' in metrics
         or f'overlord_rank_wait_share{{run="{service.run_id}",rank="0"}}' in metrics
     )
-
-
-def _first_table(page: str) -> dict:
-    """The page's first table (header row and one data row) as a dict, read with html.parser."""
-    from html.parser import HTMLParser
-
-    class Cells(HTMLParser):
-        def __init__(self):
-            super().__init__()
-            self.rows, self.cell, self.tables = [], None, 0
-
-        def handle_starttag(self, tag, attrs):
-            if tag == "table":
-                self.tables += 1
-            elif tag == "tr" and self.tables == 1:
-                self.rows.append([])
-            elif tag in ("td", "th") and self.tables == 1:
-                self.cell = ""
-
-        def handle_endtag(self, tag):
-            if tag in ("td", "th") and self.cell is not None and self.tables == 1:
-                self.rows[-1].append(self.cell)
-                self.cell = None
-
-        def handle_data(self, data):
-            if self.cell is not None:
-                self.cell += data
-
-    p = Cells()
-    p.feed(page)
-    return dict(zip(p.rows[0], p.rows[1]))
 
 
 def _check_grafana_dashboard(metrics: str) -> None:

@@ -3,13 +3,12 @@ documented route extension: this module is listed in ``distributed.scheduler.htt
 The clusters ``service/deploy.py`` makes list it; for a scheduler started otherwise, add it to
 that setting (``DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES``, or the scheduler's config file).
 
-Both read the dashboard snapshot the planner thread refreshes (``dashboard.py``): a page view
-never touches the planner's state, and the page is rendered in a thread, off the event loop.
+The page is a static document whose script polls the JSON (``page.py``); the JSON is the
+dashboard snapshot the planner thread refreshes (``dashboard.py``): a view never touches the
+planner's state.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from distributed.http.utils import RequestHandler
 
@@ -22,17 +21,15 @@ def _snapshot(scheduler):
 
 
 class OverlordPage(RequestHandler):
-    async def get(self):
-        from .page import render
+    def get(self):
+        from .page import page
 
-        snap = _snapshot(self.server)
-        if snap is None:
+        if _snapshot(self.server) is None:
             self.set_status(404)
             self.write("no overlord run on this scheduler")
             return
-        page = await asyncio.get_running_loop().run_in_executor(None, render, snap)
         self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.write(page)
+        self.write(page())
 
 
 class OverlordJson(RequestHandler):

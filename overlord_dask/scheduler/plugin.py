@@ -82,6 +82,7 @@ class PlannerPlugin(SchedulerPlugin):
         self.signals = LoadSignals()  # measured load costs and step rate, for the pool autoscaler
         self.parts = UnitParts()  # lengths of units loaded in parts, until every part arrived
         self.dropped = DroppedData()  # records dropped by prepare steps, units quarantined
+        self.progress_history = dashboard.ProgressHistory()  # the page's tokens/s over time
         self.held = HeldBatches(scheduler, plan.loading.shadows, plan.loading.shadow_blocks, load_prefix(self.run_id))
         self.routes = Routes(self)
         self.thread = PlannerThread(
@@ -168,7 +169,10 @@ class PlannerPlugin(SchedulerPlugin):
             scaling=self.routes.service.scaling,
             snapshots=self.routes.service.snapshots(),
             loop={"block_max_ms": round(self.watch.block_max * 1e3, 3)},
+            history=self.progress_history,
             extra={
+                "stop_requested": self.routes.service.stop_requested,
+                "snapshot_error": self.snapshots_loop.error if self.snapshots_loop is not None else None,
                 "counters": self.routes.service.counters(),
                 "rank_wait_share": self.routes.trainers.wait_shares(),
                 "timings": self.routes.trainers.timings.snapshot(),
