@@ -157,7 +157,9 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
         assert "rank 0" in text and "imbalance" in text and "{" not in text
         update = dict(plan, sources=[{**s, "weight": 1.0 if s["name"] == "books" else 0.1} for s in plan["sources"]])
         (tmp_path / "update.yaml").write_text(yaml.safe_dump(update))
-        out = _cli("update", str(sf), str(tmp_path / "update.yaml"))
+        out = _cli("update", str(sf), str(tmp_path / "update.yaml"))  # the file lacks the service's --set
+        assert out.returncode == 2 and "'topology' differs" in out.stderr and "the same --set" in out.stderr
+        out = _cli("update", str(sf), str(tmp_path / "update.yaml"), "--set", "topology.micro_batches=1")
         assert out.returncode == 0, out.stderr
         at = json.loads(out.stdout)["at_step"]
         out = _cli("stop", str(sf))
@@ -171,7 +173,7 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
         if proc.poll() is None:
             proc.kill()
     # the same plan again: the snapshot brings back the committed position and the update
-    proc = _serve(plan_file, "--dp", "2", "--scheduler-file", str(sf))
+    proc = _serve(plan_file, "--dp", "2", "--scheduler-file", str(sf), "--set", "topology.micro_batches=1")
     try:
         json.loads(proc.stdout.readline())
         status = json.loads(_cli("status", str(sf), "--json").stdout)

@@ -412,9 +412,15 @@ def cmd_update(args) -> int:
             print(json.dumps({"skipped": [first, last], "reason": args.reason}), flush=True)
             return 0
         dp = service.plan.topology.dp  # served with --dp: the running world size stays
-        at = service.update_plan(
-            _with_dp(_load(args.plan), dp, f"{args.plan} (dp {dp} of the running service)"), at_step=args.at_step
-        )
+        new = _with_settings(_load(args.plan), args.set or [], args.plan)
+        try:
+            at = service.update_plan(
+                _with_dp(new, dp, f"{args.plan} (dp {dp} of the running service)"), at_step=args.at_step
+            )
+        except PlanError as err:
+            if "differs from the running plan" in str(err) and not args.set:
+                raise PlanError(f"{err}; a service started with --set needs the same --set here") from None
+            raise
     finally:
         service.close()
     print(json.dumps({"updated": True, "at_step": at}), flush=True)
@@ -685,6 +691,12 @@ def parser() -> argparse.ArgumentParser:
         help="do not hand out steps A to B (inclusive): a job restarted from its checkpoint at A goes on at B + 1",
     )
     u.add_argument("--reason", default="", help="why the steps are skipped (recorded with the skip)")
+    u.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a setting of the new plan, as `overlord serve --set` (repeatable)",
+    )
     ex = command("explain", help="which documents each rank trained on at a step (file, row, tokens, text)")
     ex.add_argument(
         "where", help="a running service (scheduler address or file) or a plan YAML (offline: its snapshots)"
