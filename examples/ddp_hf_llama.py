@@ -1,7 +1,7 @@
 """DDP training of a Hugging Face Llama-architecture model fed by an overlord-dask service.
 
     overlord serve pipelines/demo.yaml --dp 2 --scheduler-file run.json      # the service, elsewhere
-    torchrun --nproc_per_node 2 examples/ddp_hf_llama.py --address run.json --steps 50
+    torchrun --nproc_per_node 2 examples/ddp_hf_llama.py --address run.json --steps 50   # 50 steps
 
 What a script adds for overlord-dask (marked ``# overlord`` below): the dataset (rank and world
 size come from torchrun), HF-style labels in the ``[1, C]`` layout, a document mask so that packed
@@ -41,12 +41,22 @@ def tiny_llama(vocab: int, hidden: int = 64, layers: int = 2) -> LlamaForCausalL
     return LlamaForCausalLM(cfg)
 
 
+def where_it_starts(step: int) -> str:
+    """Why this job's first step is ``step`` (a job without a checkpoint takes the run's next step)."""
+    if step == 0:
+        return "step 0: the run's first"
+    return (
+        f"step {step}: the first step the ranks of the previous job had not all acknowledged "
+        "(a job without a checkpoint goes on where the run is; load a checkpoint's state_dict() to go back)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--address", default=os.environ.get("OVERLORD_ADDRESS", "run.json"), help="service address or scheduler file"
     )
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="steps this job trains, from where it starts")
     ap.add_argument("--vocab", type=int, default=512, help="the model's vocabulary (the demo's byte ids are below 260)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--record", default=None, help="write one JSON line per step (loss, tokens) to RECORD.rank<r>")
@@ -65,15 +75,17 @@ def main() -> None:
 
     ds = OverlordDataset(args.address, labels="hf", batch_dim=True, pin_memory=args.device == "cuda")  # overlord
     log = open(f"{args.record}.rank{rank}", "w") if args.record else None
-    step_loss = torch.zeros((), device=device)
+    step_loss, done = torch.zeros((), device=device), 0
     for mb in DataLoader(ds, batch_size=None, num_workers=0):
+        if done == 0 and mb["micro_batch"] == 0 and rank == 0:
+            print(f"this job starts at {where_it_starts(mb['step'])}", flush=True)
         capacity = mb["input_ids"].shape[-1]
         mask = document_mask(mb["cu_seqlens"], capacity).to(device)  # overlord: no attention across documents
-        sync = mb["last_in_step"]
+        sync = mb["last_in_step"]  # overlord: all-reduce on the step's last micro-batch
         with model.no_sync() if not sync else contextlib.nullcontext():  # DDP all-reduces once per step
             out = model(
                 input_ids=mb["input_ids"].to(device),
-                position_ids=mb["position_ids"].to(device),
+                position_ids=mb["position_ids"].to(device),  # overlord: positions restart per document
                 attention_mask=mask,
                 labels=mb["labels"].to(device),
                 num_items_in_batch=mb["step_loss_tokens"],
@@ -92,7 +104,8 @@ def main() -> None:
             if rank == 0:
                 print(f"step {mb['step']}: loss {step_loss.item():.4f}", flush=True)
             step_loss.zero_()
-            if mb["step"] + 1 >= args.steps:
+            done += 1
+            if done >= args.steps:
                 break
     ds.close()
     if log:

@@ -56,7 +56,9 @@ def main() -> None:
     ap.add_argument(
         "--address", default=os.environ.get("OVERLORD_ADDRESS", "run.json"), help="service address or scheduler file"
     )
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--steps", type=int, default=20, help="the run's last step + 1: a resumed job trains up to the same step"
+    )
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--checkpoint-dir", default="ckpt")
     ap.add_argument("--checkpoint-every", type=int, default=5)
@@ -91,17 +93,17 @@ def main() -> None:
     step_loss, step_ids = torch.zeros((), device=device), 0
     for mb in DataLoader(ds, batch_size=None, num_workers=0):
         step_ids += int(mb["input_ids"].sum())
-        mask = document_mask(mb["cu_seqlens"], mb["input_ids"].shape[-1]).to(device)
+        mask = document_mask(mb["cu_seqlens"], mb["input_ids"].shape[-1]).to(device)  # overlord: no cross-document
         out = model(
             input_ids=mb["input_ids"].to(device),
-            position_ids=mb["position_ids"].to(device),
+            position_ids=mb["position_ids"].to(device),  # overlord: positions restart per document
             attention_mask=mask,
             labels=mb["labels"].to(device),
             num_items_in_batch=mb["step_loss_tokens"],
         )  # overlord: the step's loss tokens
         (out.loss * dist.get_world_size()).backward()  # FSDP averages gradients over ranks
         step_loss += out.loss.detach()
-        if not mb["last_in_step"]:
+        if not mb["last_in_step"]:  # overlord: step on the step's last micro-batch
             continue
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -110,6 +112,8 @@ def main() -> None:
         if record:
             record.write(json.dumps({"step": mb["step"], "loss": step_loss.item(), "ids": step_ids}) + "\n")
             record.flush()
+        if rank == 0:
+            print(f"step {mb['step']}: loss {step_loss.item():.4f}", flush=True)
         step_loss.zero_()
         step_ids = 0
         if state.step % args.checkpoint_every == 0 or state.step >= args.steps:

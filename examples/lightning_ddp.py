@@ -39,9 +39,11 @@ class LitLM(L.LightningModule):
     def training_step(self, mb, batch_idx):
         out = self.model(
             input_ids=mb["input_ids"],
-            position_ids=mb["position_ids"],
+            position_ids=mb["position_ids"],  # overlord: positions restart per document
             labels=mb["labels"],
-            attention_mask=document_mask(mb["cu_seqlens"], mb["input_ids"].shape[-1]),
+            attention_mask=document_mask(
+                mb["cu_seqlens"], mb["input_ids"].shape[-1]
+            ),  # overlord: no attention across documents
             num_items_in_batch=mb["step_loss_tokens"],
         )  # overlord: the whole step's loss tokens
         if self.record and mb["last_in_step"]:

@@ -40,7 +40,7 @@ class MLP(torch.nn.Module):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--address", default=os.environ.get("OVERLORD_ADDRESS", "run.json"))
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="steps this job trains, from where it starts")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--record", default=None, help="write one JSON line per step to RECORD.rank<r>")
@@ -54,17 +54,17 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ds = OverlordDataset(args.address, device_mesh=mesh)  # overlord: dp rank from "dp", replica from "tp"
     record = open(f"{args.record}.rank{dist.get_rank()}", "w") if args.record else None
-    digest, step_loss = hashlib.sha256(), 0.0
+    digest, step_loss, done = hashlib.sha256(), 0.0, 0
     for mb in DataLoader(ds, batch_size=None, num_workers=0):
         digest.update(mb["input_ids"].numpy().tobytes())
         logits = model(mb["input_ids"])
         loss = (
             torch.nn.functional.cross_entropy(logits, mb["labels"], ignore_index=-100, reduction="sum")
-            / mb["step_loss_tokens"]
+            / mb["step_loss_tokens"]  # overlord: per-token loss of the whole step
         )
         loss.backward()
         step_loss += loss.item()
-        if mb["last_in_step"]:
+        if mb["last_in_step"]:  # overlord: step on the step's last micro-batch
             for p in model.parameters():  # data parallelism by hand: average the gradients over the dp ranks
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 dist.all_reduce(g, group=mesh["dp"].get_group())
@@ -83,8 +83,10 @@ def main() -> None:
                     )
                     + "\n"
                 )
-            digest, step_loss = hashlib.sha256(), 0.0
-            if mb["step"] + 1 >= args.steps:
+            if dist.get_rank() == 0:
+                print(f"step {mb['step']}: loss {step_loss:.4f}", flush=True)
+            digest, step_loss, done = hashlib.sha256(), 0.0, done + 1
+            if done >= args.steps:
                 break
     ds.close()
     dist.barrier()  # no collective of any rank still in flight when the process groups go
