@@ -107,6 +107,7 @@ def main() -> None:
             done += 1
             if done >= args.steps:
                 break
+    ds.commit()  # overlord: the last step is done; a next job starts after it
     ds.close()
     if log:
         log.close()

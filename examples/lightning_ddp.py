@@ -84,6 +84,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(LitLM(ds, args.vocab, record))
+    ds.commit()  # overlord: the last step is done; a next job starts after it
     ds.close()
 
 

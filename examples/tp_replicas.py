@@ -88,6 +88,7 @@ def main() -> None:
             digest, step_loss, done = hashlib.sha256(), 0.0, done + 1
             if done >= args.steps:
                 break
+    ds.commit()  # overlord: the last step is done; a next job starts after it
     ds.close()
     dist.barrier()  # no collective of any rank still in flight when the process groups go
     dist.destroy_process_group()

@@ -112,8 +112,13 @@ def test_a_document_loses_the_same_packed_or_alone():
 
 def test_ddp_recipe_trains_a_hf_llama_on_every_rank(cluster, corpus, tmp_path):
     with Service.start(_plan(corpus, 2), cluster=cluster) as service:
-        _torchrun("ddp_hf_llama.py", 2, "--address", service.address, "--steps", 4, "--record", tmp_path / "rec")
+        out = _torchrun("ddp_hf_llama.py", 2, "--address", service.address, "--steps", 4, "--record", tmp_path / "rec")
+        assert "this job starts at step 0: the run's first" in out.stdout and "step 3: loss" in out.stdout
         metrics = service.metrics(0, 4)
+        # a second job without a checkpoint: --steps counts its own steps, from where the run is
+        out = _torchrun("ddp_hf_llama.py", 2, "--address", service.address, "--steps", 3, "--record", tmp_path / "b")
+        assert "this job starts at step 4: the first step the ranks of the previous job had not" in out.stdout
+    assert [r["step"] for r in _records(tmp_path / "b", 2)[0]] == [4, 5, 6]
     recs = _records(tmp_path / "rec", 2)
     assert [r["step"] for r in recs[0]] == [r["step"] for r in recs[1]] == [0, 1, 2, 3]
     for a, b, m in zip(*recs, metrics):

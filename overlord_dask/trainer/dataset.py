@@ -105,6 +105,11 @@ class OverlordDataset(IterableDataset):
         """Per source ``(sum of token losses, tokens)`` of a micro-batch (``trainer/reporting.py``)."""
         return self.stream.loss_by_source(batch, token_losses)
 
+    def commit(self) -> None:
+        """Acknowledge every step yielded so far: a job that ends cleanly calls it after its last
+        step, so that the next job (without a checkpoint) starts after that step, not at it."""
+        self.stream.commit()
+
     def close(self) -> None:
         if self._stream is not None:
             self._stream.close()
