@@ -236,7 +236,10 @@ def test_autoscaled_pools_load_each_source_on_its_own_workers_and_keep_the_strea
             metrics = service.metrics()
     assert got == reference  # pools and scaling change where loads run, never what is delivered
     assert set(rows) == {"web", "chat", "photos"} and rows["photos"]["sources"] == ["photos"]
-    assert rows["photos"]["workers"] >= 2 and rows["photos"]["seconds_per_token"]["photos"] > 0
+    # the autoscaler asked for a second photo worker; when it arrives is how fast this machine
+    # starts a worker process (a busy CI machine may end the run first)
+    asked = max(h["to"] or 0 for h in history if h["pool"] == "photos") if history else 0
+    assert asked >= 2 and rows["photos"]["seconds_per_token"]["photos"] > 0, (history, rows)
     assert (
         rows["photos"]["target"] >= 1 and rows["photos"]["reason"]
     )  # (its last decision, after the run: may already shrink)
