@@ -280,8 +280,11 @@ def test_dashboard_page_in_a_browser_and_prometheus_gauges_over_http(cluster, sm
         page = browser.shown(browser.dom(f"{base}/overlord"))  # what a person sees, once the page's script ran
         shot = browser.screenshot(f"{base}/overlord", str(tmp_path / "page.png"))
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        dask_page = urllib.request.urlopen(f"{base}/status", timeout=30).read().decode()  # Dask's own, linked
         for s in streams:
             s.close()
+    assert "Dask needs bokeh" not in dask_page and "<html" in dask_page.lower()  # bokeh: the service extra
+    assert '<a href="status">status</a>' in page  # the page links to Dask's own dashboard
     assert snap["run_id"] == service.run_id and snap["committed"] == 8 and len(snap["rank_lag"]) == 2
     assert {s["source"] for s in snap["sources"]} == {"web", "chat", "books"} and snap["imbalance"] >= 1.0
     cards = dict(re.findall(r'id="v-([\w-]+)">([^<]*)<', page))
