@@ -463,8 +463,9 @@ def cmd_explain(args) -> int:
 
 def cmd_stop(args) -> int:
     """Ask the serving process to stop, then wait until it is gone: its scheduler no longer
-    listens and (given a scheduler file) the file it removes last is gone. The wait never calls
-    the service: a scheduler whose planner is already detached would log every such call."""
+    listens and (given a scheduler file) the file no longer names it (a stopped service removes
+    it last). The wait never calls the service: a scheduler whose planner is already detached
+    would log every such call."""
     from ..protocol import resolve_address
 
     address = resolve_address(args.where)
@@ -477,11 +478,21 @@ def cmd_stop(args) -> int:
     file = args.where if "://" not in args.where and os.path.isfile(args.where) else None
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        if not _listening(address) and (file is None or not os.path.exists(file)):
+        if not _listening(address) and (file is None or _named_in(file) != address):
             print(json.dumps({"stopped": True, "address": address, "committed": committed}), flush=True)
             return 0
         time.sleep(0.25)
     raise ServiceError(f"the service at {address} was asked to stop but is still there after {args.timeout:.0f}s")
+
+
+def _named_in(file: str) -> str | None:
+    """The address a scheduler file names now (None: gone, or being rewritten)."""
+    from ..protocol import resolve_address
+
+    try:
+        return resolve_address(file) if os.path.isfile(file) else None
+    except ValueError:
+        return None
 
 
 def _listening(address: str) -> bool:

@@ -20,6 +20,7 @@ a minute, and they continue where they were, no step lost or repeated.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -97,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         print(cluster.job_script())
         cluster.close()
         return 0
-    resubmit = False
+    resubmit, served_at = False, None
     try:
         cluster.scale(jobs=args.jobs)
         with Service.start(plan, cluster=cluster) as service:
+            served_at = service.address
             print(f"overlord service {service.run_id} at {service.address}, page {service.dashboard}", flush=True)
             if args.scheduler_file:
                 write_scheduler_file(
@@ -119,9 +121,22 @@ def main(argv: list[str] | None = None) -> int:
         # the service closed: its last snapshot is written, so the next job resumes from it
     finally:
         cluster.close()
+        if args.scheduler_file and not resubmit:  # stopped for good: the file must not send trainers to it
+            _remove_if_ours(args.scheduler_file, served_at)
     if resubmit:
         subprocess.run(shlex.split(args.resubmit), check=True)
     return 0
+
+
+def _remove_if_ours(path: str, address: str | None) -> None:
+    """Remove the scheduler file if it still names ``address`` (a newer job may have rewritten it)."""
+    from ..protocol import resolve_address
+
+    try:
+        if address is not None and resolve_address(path) == address:
+            os.remove(path)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":
