@@ -284,6 +284,7 @@ def test_dashboard_page_in_a_browser_and_prometheus_gauges_over_http(cluster, sm
         for s in streams:
             s.close()
     assert "Dask needs bokeh" not in dask_page and "<html" in dask_page.lower()  # bokeh: the service extra
+    assert '<a href="overlord">Overlord</a>' in dask_page  # and Dask's own pages link to the run's
     assert '<a href="status">status</a>' in page  # the page links to Dask's own dashboard
     assert snap["run_id"] == service.run_id and snap["committed"] == 8 and len(snap["rank_lag"]) == 2
     assert {s["source"] for s in snap["sources"]} == {"web", "chat", "books"} and snap["imbalance"] >= 1.0

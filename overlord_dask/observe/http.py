@@ -45,4 +45,20 @@ class OverlordJson(RequestHandler):
         self.write(as_json(snap))
 
 
+def link_from_dask_dashboard(scheduler) -> None:
+    """Add ``overlord`` to the navigation bar of Dask's own pages (``/status``, ``/workers``...),
+    so that a user who opens Dask's dashboard finds the run's page. Dask has no hook for this: the
+    bar lists ``template_variables(scheduler)["pages"]``, computed once per scheduler and shared
+    by every page, so the name is appended there. A Dask that renders its bar otherwise only loses
+    the link (``/overlord`` itself is a documented route)."""
+    try:
+        from distributed.dashboard.scheduler import template_variables
+
+        pages = template_variables(scheduler)["pages"]
+    except Exception:  # no bokeh (no Dask pages to link from), or another Dask layout
+        return
+    if isinstance(pages, list) and "overlord" not in pages:
+        pages.append("overlord")
+
+
 routes: list[tuple] = [("overlord", OverlordPage, {}), ("overlord.json", OverlordJson, {})]

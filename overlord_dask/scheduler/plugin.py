@@ -29,6 +29,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from .. import logs
 from ..loading.partition import UnitParts
 from ..observe import dashboard, prometheus
+from ..observe.http import link_from_dask_dashboard
 from ..plan.base import resolve_url
 from ..protocol import Route, load_prefix
 from ..vocab import PAD_ID
@@ -85,6 +86,7 @@ class PlannerPlugin(SchedulerPlugin):
         self.progress_history = dashboard.ProgressHistory()  # the page's tokens/s over time
         self.held = HeldBatches(scheduler, plan.loading.shadows, plan.loading.shadow_blocks, load_prefix(self.run_id))
         self.routes = Routes(self)
+        link_from_dask_dashboard(scheduler)  # Dask's own pages link to /overlord
         self.thread = PlannerThread(
             self.run_id,
             self.chunk_steps,
