@@ -24,14 +24,29 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def execute(path: Path, workdir: str, data: str):
-    """The notebook at ``path`` executed in ``workdir`` over the demo corpus in ``data``."""
+def execute(path: Path, workdir: str, data: str, run: str | None = None):
+    """The notebook at ``path`` executed in ``workdir`` over the demo corpus in ``data``: on a
+    demo run of its own, or attached to the service ``run`` names (its ``RUN`` cell reads
+    ``OVERLORD_RUN``). The committed outputs are always the demo run's."""
     import nbformat
     from nbclient import NotebookClient
 
-    os.environ["OVERLORD_DEMO_DATA"] = data
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": workdir}}).execute()
+    env = {"OVERLORD_DEMO_DATA": data, "OVERLORD_RUN": run}
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():  # the kernel inherits this process's environment
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        nb = nbformat.read(path, as_version=4)
+        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": workdir}}).execute()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return nb
 
 

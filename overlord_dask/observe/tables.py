@@ -215,7 +215,11 @@ def plot_mix(mix: pa.Table, window: int = 20, ax=None, schedule: pa.Table | None
 
 
 # ---- HTML ---------------------------------------------------------------------------------------
-def service_html(status: dict, timeline: Timeline, metrics: list[dict]) -> str:
+def service_html(
+    status: dict, timeline: Timeline, metrics: list[dict], run_id: str | None = None, dashboard: str | None = None
+) -> str:
+    """A service in a notebook: which run, its progress and page, plan versions, declared vs
+    delivered mix over the last 20 planned steps."""
     w = timeline.weights_in_force(status["next_step"])
     recent = metrics[-20:]
     toks = np.zeros(len(timeline.source_names))
@@ -223,7 +227,10 @@ def service_html(status: dict, timeline: Timeline, metrics: list[dict]) -> str:
         toks[: len(m["source_tokens"])] += m["source_tokens"]
     share = toks / max(toks.sum(), 1)
     head = (
-        f"<b>overlord service</b>: committed {status['committed']}, planned {status['next_step']}, "
+        "<b>overlord service</b>"
+        + (f" {html.escape(run_id)}" if run_id else "")
+        + (f' (<a href="{html.escape(dashboard)}" target="_blank">page</a>)' if dashboard else "")
+        + f": committed {status['committed']}, planned {status['next_step']}, "
         f"plan version {status['plan_version']}"
         + (f", <b>failed</b>: {html.escape(status['failure'])}" if status.get("failure") else "")
     )

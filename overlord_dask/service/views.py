@@ -194,6 +194,9 @@ class ServiceViews:
 
     def _repr_html_(self) -> str:
         try:
-            return service_html(self.status(), self.timeline(), self.metrics(max(0, self.status()["next_step"] - 20)))
+            st = self.status()
+            return service_html(
+                st, self.timeline(), self.metrics(max(0, st["next_step"] - 20)), self.run_id, self.dashboard
+            )
         except Exception as err:  # a notebook must still show something when the service is gone
             return f"<b>overlord service</b> {self.run_id}: unreachable ({err})"
