@@ -1,6 +1,6 @@
 """DDP training of a Hugging Face Llama-architecture model fed by an overlord-dask service.
 
-    overlord serve pipelines/demo.yaml --dp 2 --scheduler-file run.json      # the service, elsewhere
+    overlord serve pipelines/small.yaml --scheduler-file run.json      # the service, elsewhere
     torchrun --nproc_per_node 2 examples/ddp_hf_llama.py --address run.json --steps 50   # 50 steps
 
 What a script adds for overlord-dask (marked ``# overlord`` below): the dataset (rank and world

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) training with a DCP checkpoint of the model, the optimizer and the data
 stream; restarted, it goes on from its last checkpoint exactly.
 
-    overlord serve pipelines/demo.yaml --dp 2 --scheduler-file run.json      # the service, elsewhere
+    overlord serve pipelines/small.yaml --scheduler-file run.json      # the service, elsewhere
     torchrun --nproc_per_node 2 examples/fsdp2_dcp.py --address run.json --steps 100 --checkpoint-dir ckpt
 
 Kill the job at any point and run the same command again: it loads ``ckpt/latest``, and the
@@ -30,9 +30,9 @@ from overlord_dask import OverlordDataset  # overlord
 from overlord_dask.trainer.masks import document_mask  # overlord
 
 try:
-    from examples.ddp_hf_llama import tiny_llama
+    from examples.ddp_hf_llama import tiny_llama, where_it_starts
 except ImportError:  # run as a script from examples/
-    from ddp_hf_llama import tiny_llama
+    from ddp_hf_llama import tiny_llama, where_it_starts
 
 
 class TrainState(Stateful):
@@ -90,8 +90,20 @@ def main() -> None:
             print(f"resumed at step {state.step}", flush=True)
     record = open(f"{args.record}.rank{rank}", "a") if args.record else None
 
-    step_loss, step_ids = torch.zeros((), device=device), 0
+    step_loss, step_ids, first = torch.zeros((), device=device), 0, True
     for mb in DataLoader(ds, batch_size=None, num_workers=0):
+        if first:  # where this job starts, and whether the run still has steps for it
+            first = False
+            if rank == 0 and not latest.exists():
+                print(f"this job starts at {where_it_starts(mb['step'])}", flush=True)
+            if mb["step"] >= args.steps:
+                if rank == 0:
+                    print(
+                        f"the run is at step {mb['step']}, --steps is {args.steps} (the run's last step + 1): "
+                        "nothing to train",
+                        flush=True,
+                    )
+                break
         step_ids += int(mb["input_ids"].sum())
         mask = document_mask(mb["cu_seqlens"], mb["input_ids"].shape[-1]).to(device)  # overlord: no cross-document
         out = model(

@@ -1,6 +1,6 @@
 """Hugging Face ``Trainer`` fed by overlord-dask: every rank trains on its own stream.
 
-    overlord serve pipelines/demo.yaml --dp 2 --scheduler-file run.json
+    overlord serve pipelines/small.yaml --scheduler-file run.json
     torchrun --nproc_per_node 2 examples/hf_trainer.py --address run.json --steps 20
 
 ``Trainer`` hands an ``IterableDataset`` to ``accelerate``, which would read it on rank 0 only and

@@ -1,6 +1,6 @@
 """PyTorch Lightning (DDP) fed by overlord-dask.
 
-    overlord serve pipelines/demo.yaml --dp 2 --scheduler-file run.json
+    overlord serve pipelines/small.yaml --scheduler-file run.json
     torchrun --nproc_per_node 2 examples/lightning_ddp.py --address run.json --steps 20
 
 Lightning takes the ``DataLoader`` of ``train_dataloader()`` as it is for an ``IterableDataset``

@@ -2,7 +2,7 @@
 data-parallel rank are replicas that receive identical batches from overlord-dask, and the service
 builds each batch once.
 
-    overlord serve pipelines/demo.yaml --dp 2 --scheduler-file run.json
+    overlord serve pipelines/small.yaml --scheduler-file run.json
     torchrun --nproc_per_node 4 examples/tp_replicas.py --address run.json --steps 20
 
 The dataset takes the mesh and reads its place from it (``dp`` data-parallel; ``tp``, and ``pp``

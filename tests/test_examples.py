@@ -180,6 +180,11 @@ def test_fsdp2_recipe_killed_mid_run_resumes_from_its_dcp_checkpoint_exactly(clu
             "--record",
             tmp_path / "b.rec",
         )
+        again = _torchrun(  # the run is done: the same command again says so and trains nothing
+            "fsdp2_dcp.py", 2, "--address", service.address, *args, "--checkpoint-dir", tmp_path / "b"
+        )
+    assert "resumed at step 9" in again.stdout and "nothing to train" in again.stdout
+    assert "loss" not in again.stdout
     uninterrupted, resumed = _records(tmp_path / "a.rec", 2), _records(tmp_path / "b.rec", 2)
     for rank in range(2):
         assert [r["step"] for r in resumed[rank]] == list(range(killed_at[rank])) + list(
