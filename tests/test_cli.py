@@ -158,7 +158,7 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
         update = dict(plan, sources=[{**s, "weight": 1.0 if s["name"] == "books" else 0.1} for s in plan["sources"]])
         (tmp_path / "update.yaml").write_text(yaml.safe_dump(update))
         out = _cli("update", str(sf), str(tmp_path / "update.yaml"))  # the file lacks the service's --set
-        assert out.returncode == 2 and "'topology' differs" in out.stderr and "the same --set" in out.stderr
+        assert out.returncode == 2 and "topology differ(s)" in out.stderr and "the same --set" in out.stderr
         out = _cli("update", str(sf), str(tmp_path / "update.yaml"), "--set", "topology.micro_batches=1")
         assert out.returncode == 0, out.stderr
         at = json.loads(out.stdout)["at_step"]

@@ -19,7 +19,7 @@ RATE_WINDOW_S = 60.0  # the headline tokens/s and steps/s are over this much wal
 
 
 class ProgressHistory:
-    """``(time, committed, tokens committed, planned)`` samples, one every ``every_s`` seconds for
+    """``(time, committed, tokens committed)`` samples, one every ``every_s`` seconds for
     the last ``keep`` samples (30 minutes): the page's throughput over wall-clock time and the
     headline rates. A rewind (committed or tokens going down) starts the rates again."""
 
@@ -27,19 +27,19 @@ class ProgressHistory:
         self.every_s = every_s
         self.samples: deque = deque(maxlen=keep)
 
-    def add(self, now: float, committed: int, tokens: int, planned: int) -> None:
+    def add(self, now: float, committed: int, tokens: int) -> None:
         if self.samples and now - self.samples[-1][0] < self.every_s:
             return
         if self.samples and (committed < self.samples[-1][1] or tokens < self.samples[-1][2]):
             self.samples.clear()
-        self.samples.append((round(now, 3), committed, tokens, planned))
+        self.samples.append((round(now, 3), committed, tokens))
 
     def rates(self, now: float, window_s: float = RATE_WINDOW_S) -> dict:
         """Tokens and steps per second over the newest ``window_s`` seconds of samples."""
         recent = [s for s in self.samples if s[0] >= now - window_s]
         if len(recent) < 2 or recent[-1][0] <= recent[0][0]:
             return {"tokens_per_s": None, "steps_per_s": None, "seconds": 0.0}
-        (t0, c0, k0, _), (t1, c1, k1, _) = recent[0], recent[-1]
+        (t0, c0, k0), (t1, c1, k1) = recent[0], recent[-1]
         return {"tokens_per_s": (k1 - k0) / (t1 - t0), "steps_per_s": (c1 - c0) / (t1 - t0), "seconds": t1 - t0}
 
 
@@ -60,7 +60,7 @@ def snapshot(
     """(planner thread) What the page and the gauges show, as plain data."""
     committed, now = state.committed, time.time()
     if history is not None:
-        history.add(now, committed, state.tokens_committed, state.next_step)
+        history.add(now, committed, state.tokens_committed)
     steps = []
     for s in reversed(state.metrics):  # the newest HISTORY steps (the metrics keep up to 100,000)
         if s <= state.next_step - HISTORY:

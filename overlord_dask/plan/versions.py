@@ -42,16 +42,19 @@ def _data_key(source: Source, base_dir: str | None) -> tuple:
     return (source.format, url) + source.data_key[2:]
 
 
+def fixed_changes(current: Plan, new: Plan) -> list[str]:
+    """The fields ``new`` changes that an update may not change (empty: ``new`` may replace ``current``)."""
+    return [f for f in type(current).model_fields if f not in MUTABLE and getattr(current, f) != getattr(new, f)]
+
+
 def check_update(current: Plan, new: Plan, at_step: int) -> None:
     """Raise PlanError unless ``new`` may replace ``current`` from ``at_step``."""
-    for field in type(current).model_fields:
-        if field in MUTABLE:
-            continue
-        if getattr(current, field) != getattr(new, field):
-            raise PlanError(
-                f"plan update at step {at_step}: {field!r} differs from the running plan; an update may "
-                f"change only {', '.join(MUTABLE)} (start a new run to change {field!r})"
-            )
+    fixed = fixed_changes(current, new)
+    if fixed:
+        raise PlanError(
+            f"plan update at step {at_step}: {fixed[0]!r} differs from the running plan; an update may "
+            f"change only {', '.join(MUTABLE)} (start a new run to change {fixed[0]!r})"
+        )
 
 
 class PlanVersions:

@@ -396,6 +396,8 @@ def cmd_schema(args) -> int:
 
 
 def cmd_update(args) -> int:
+    from ..plan.versions import MUTABLE, fixed_changes
+
     if (args.plan is None) == (args.skip_steps is None):
         raise PlanError("overlord update: give a plan, or --skip-steps A:B (one of them)")
     skip = None
@@ -413,14 +415,15 @@ def cmd_update(args) -> int:
             return 0
         dp = service.plan.topology.dp  # served with --dp: the running world size stays
         new = _with_settings(_load(args.plan), args.set or [], args.plan)
-        try:
-            at = service.update_plan(
-                _with_dp(new, dp, f"{args.plan} (dp {dp} of the running service)"), at_step=args.at_step
+        new = _with_dp(new, dp, f"{args.plan} (dp {dp} of the running service)")
+        fixed = fixed_changes(service.plan, new)
+        if fixed:  # the service would refuse it: say which settings, and how a --set run is updated
+            raise PlanError(
+                f"{args.plan}: {', '.join(fixed)} differ(s) from the running plan, and an update may change only "
+                f"{', '.join(MUTABLE)}"
+                + ("" if args.set else "; a service started with --set needs the same --set here")
             )
-        except PlanError as err:
-            if "differs from the running plan" in str(err) and not args.set:
-                raise PlanError(f"{err}; a service started with --set needs the same --set here") from None
-            raise
+        at = service.update_plan(new, at_step=args.at_step)
     finally:
         service.close()
     print(json.dumps({"updated": True, "at_step": at}), flush=True)

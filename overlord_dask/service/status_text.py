@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+from dask.utils import format_bytes
+
 WAIT_WARN, WAIT_BAD = 0.05, 0.25  # a rank waiting this share of its time for data: worth a look / a problem
 TOP = 3  # ranks named on the lag and wait lines
 
@@ -21,12 +23,7 @@ def count(n: float | int | None) -> str:
 
 
 def nbytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return "-" if n is None else format_bytes(n)
 
 
 def ago(seconds: float) -> str:
