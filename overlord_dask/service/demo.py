@@ -28,7 +28,7 @@ from ..plan import Plan
 from ..plan.io import load_plan, plan_from_dict
 from ..sources.tokenizers import BYTE_OFFSET, EOS_ID
 
-CORPUS_VERSION = 5  # 4: books' tokens in 256k-token chunks; 5: captions' in 64k-token chunks
+CORPUS_VERSION = 6  # 4: books' tokens in 256k-token chunks; 5: captions' in 64k-token chunks; 6: readable chat
 _ALPHABET = np.frombuffer(b"etaoinshrdlucmfwypvbgkjqxz      ", dtype=np.uint8)
 PLAN_FILE = Path(__file__).parent / "demo_plan.yaml"
 
