@@ -176,6 +176,11 @@ def case_parquet_negative_token_ids(tmp_path, cluster):
     return _load_error(_plan(tmp_path, format="parquet", url="l.parquet", tokens_field="ids"))
 
 
+def case_jsonl_text_field_no_record_has(tmp_path, cluster):
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(300)))
+    return _load_error(_plan(tmp_path, format="jsonl", url="x.jsonl", text_field="body"))
+
+
 def case_all_empty_documents(tmp_path, cluster):
     plan = _text_source(tmp_path, texts=[""] * 30, topology={"dp": 2})
     return _run_until_error(plan, cluster)
@@ -472,6 +477,10 @@ CASES = {
     "token list column with a null row": (
         case_token_list_null_row,
         r"handled: null row loaded as an empty document, lengths \[2, 0, 1\]",
+    ),
+    "jsonl text_field that no record has": (
+        case_jsonl_text_field_no_record_has,
+        r"source 's': no record of .*x\.jsonl.* has text_field 'body' \(300 records read",
     ),
     "tokenizer yields negative ids": (
         _loading_text_with(tokenizer=U + "negative_ids", add_eos=False),

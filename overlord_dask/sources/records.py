@@ -120,6 +120,7 @@ def _to_block(source: Source, plan: SourcePlan, unit: LoadUnit, table: pa.Table)
     if text:
         col = table.column(source.text_field or source.messages_field).combine_chunks()
         if source.text_field:
+            _missing_text(source, unit, col)
             tokens, offsets = loaded.tok.encode_array(col.cast(pa.string()) if pa.types.is_null(col.type) else col)
         else:
             tokens, offsets, mask = chat_documents(source, loaded, plan.base_dir, col, bad)
@@ -177,6 +178,17 @@ def _to_block(source: Source, plan: SourcePlan, unit: LoadUnit, table: pa.Table)
         positions[good[pos_doc]],
         mask,
     ), dropped
+
+
+def _missing_text(source: Source, unit: LoadUnit, col: pa.Array) -> None:
+    """A unit where no record has the ``text_field`` (absent, or null everywhere) is an error
+    naming the field: a misspelt ``text_field`` would otherwise deliver nothing but boundary
+    tokens. A record here and there without it is an empty text, as an empty string is."""
+    if col.null_count and col.null_count == len(col):
+        raise SourceError(
+            f"source {source.name!r}: no record of {unit.describe()} has text_field {source.text_field!r} "
+            f"({len(col)} records read; is the field name right?)"
+        )
 
 
 def _bad_records(source: Source, plan: SourcePlan, unit: LoadUnit, bad: Bad, kept, ids) -> None:
