@@ -459,6 +459,22 @@ def case_autoscale_without_a_cluster(tmp_path, cluster):
     return str(exc.value)
 
 
+def _plan_error(**top) -> str:
+    """The PlanError of a two-source plan (``web`` holds 10 % out) with the top-level ``top``."""
+    with pytest.raises(PlanError) as exc:
+        plan_from_dict(
+            {
+                "sources": [
+                    {"name": "web", "format": "zarr", "url": "a.zarr", "holdout": 0.1},
+                    {"name": "books", "format": "zarr", "url": "b.zarr"},
+                ],
+                "topology": {"dp": 1, "tokens_per_micro_batch": 1024},
+                **top,
+            }
+        )
+    return str(exc.value)
+
+
 def case_pool_declared_twice(tmp_path, cluster):
     with pytest.raises(PlanError) as exc:
         plan_from_dict(
@@ -594,6 +610,24 @@ CASES = {
     "autoscaling with only a scheduler address": (
         case_autoscale_without_a_cluster,
         r"loading\.autoscale needs a cluster object .*--resources overlord-pool-<pool>",
+    ),
+    "evaluation weights with a misspelt source": (
+        lambda tmp_path, cluster: _plan_error(evaluation={"weights": {"nope": 1.0}}),
+        r"evaluation weights name unknown sources \['nope'\]; sources: \['books', 'web'\]",
+    ),
+    "evaluation weights for a source without a holdout": (
+        lambda tmp_path, cluster: _plan_error(evaluation={"weights": {"web": 1.0, "books": 1.0}}),
+        r"evaluation weights name sources without a holdout \['books'\].*with a holdout: \['web'\]",
+    ),
+    "evaluation weights all zero": (
+        lambda tmp_path, cluster: _plan_error(evaluation={"weights": {"web": 0.0}}),
+        r"evaluation weights must be finite, >= 0, and one of them > 0",
+    ),
+    "evaluation without any holdout": (
+        lambda tmp_path, cluster: _plan_error(
+            sources=[{"name": "web", "format": "zarr", "url": "a.zarr"}], evaluation={"tokens": 1000}
+        ),
+        r"evaluation is set, but no source has a holdout",
     ),
     "one pool declared two ways": (
         case_pool_declared_twice,

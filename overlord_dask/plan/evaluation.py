@@ -22,7 +22,8 @@ class Evaluation(Strict):
     """Tokens of the stream in all, shared between sources by ``weights`` (each source gives at
     most what it holds out); None: every held-out document."""
     weights: dict[str, float] | None = None
-    """Each source's share of ``tokens`` (normalised); default: the sources' weights at step 0."""
+    """Each source's share of ``tokens`` (normalised; only sources with a ``holdout``, finite and
+    >= 0, one of them > 0); default: the sources' weights at step 0."""
     micro_batches: int = Field(default=1, ge=1, le=4096)
     """Micro-batches per rank per evaluation step."""
     tokens_per_micro_batch: int | None = Field(default=None, ge=16, le=1 << 24)

@@ -135,6 +135,32 @@ class Plan(Strict):
         self.check_weights()
         return self
 
+    @model_validator(mode="after")
+    def _valid_evaluation(self) -> Plan:
+        ev, names = self.evaluation, {s.name for s in self.sources}
+        held = sorted(s.name for s in self.sources if s.holdout)
+        if ev != Evaluation() and not held:
+            raise ValueError(
+                "evaluation is set, but no source has a holdout: the evaluation stream is made of held-out units "
+                "(give a source `holdout: 0.01` or file patterns)"
+            )
+        if ev.weights is not None:
+            unknown = sorted(set(ev.weights) - names)
+            if unknown:
+                raise ValueError(f"evaluation weights name unknown sources {unknown}; sources: {sorted(names)}")
+            without = sorted(set(ev.weights) - set(held))
+            if without:
+                raise ValueError(
+                    f"evaluation weights name sources without a holdout {without}: they give the evaluation stream "
+                    f"nothing; sources with a holdout: {held}"
+                )
+            bad = {k: v for k, v in ev.weights.items() if not (math.isfinite(v) and v >= 0)}
+            if bad or not any(v > 0 for v in ev.weights.values()):
+                raise ValueError(
+                    f"evaluation weights must be finite, >= 0, and one of them > 0 (got {dict(ev.weights)})"
+                )
+        return self
+
     def check_weights(self, start: int = 0) -> None:
         """Raise ValueError naming the step (and source) where a weight is negative or where no
         source is active. Piecewise schedules are checked at their knots (linear in between);
