@@ -68,6 +68,13 @@ def two_d_in_place(block):
     return block
 
 
+class BrokenTokenizer:
+    """A tokenizer class whose constructor raises (a missing vocabulary file, say)."""
+
+    def __init__(self, **kwargs):
+        raise RuntimeError("tokenizer boom")
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 def _plan(tmp_path, topology=None, loading=None, checkpoint=None, **src):
     d = {
@@ -374,6 +381,24 @@ def case_cli_validate_many_plans(tmp_path, cluster):
     return lines[1]["error"]
 
 
+def case_cli_validate_catches_what_start_catches(tmp_path, cluster):
+    """Plans that passed ``validate`` and failed at start: one error line each, no traceback."""
+    good = json.loads(Path(_plan_file(tmp_path / "good.yaml", _text_source(tmp_path))).read_text())
+    variants = {
+        "tokenizer": {"tokenizer": {"path": f"{U}BrokenTokenizer"}},
+        "controller": {"mixing": {"controller": f"{U}Nope"}},
+        "holdout": {"sources": [{**good["sources"][0], "holdout": ["*nothing*"]}]},
+    }
+    files = []
+    for name, change in variants.items():
+        (tmp_path / f"{name}.yaml").write_text(json.dumps({**good, **change}))
+        files.append(str(tmp_path / f"{name}.yaml"))
+    out = _cli("validate", *files)
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert out.returncode == 2 and "Traceback" not in out.stderr and [x["ok"] for x in lines] == [False] * 3
+    return " | ".join(x["error"] for x in lines)
+
+
 def case_cli_validate_unreachable_store(tmp_path, cluster):
     out = _cli("validate", str(ROOT / "pipelines" / "pretrain_s3.yaml"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -635,6 +660,13 @@ CASES = {
     ),
     "overlord demo --workers 0": (case_cli_demo_zero_workers, r"argument --workers: must be at least 1, got 0"),
     "overlord validate with several plans": (case_cli_validate_many_plans, r"bad\.yaml"),
+    "overlord validate: tokenizer, controller, holdout": (
+        case_cli_validate_catches_what_start_catches,
+        r"source 's': tokenizer 'tests\.test_bad_inputs:BrokenTokenizer' could not be built: RuntimeError: "
+        r"tokenizer boom \| "
+        r"mixing controller 'tests\.test_bad_inputs:Nope' .*cannot import .* \| "
+        r"source 's': holdout patterns \['\*nothing\*'\] match none of its files",
+    ),
     "overlord validate on an unreachable store": (
         case_cli_validate_unreachable_store,
         r"overlord: error: source 'web': cannot read 's3://",

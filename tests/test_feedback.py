@@ -228,6 +228,57 @@ def test_controller_decisions_respect_lag_bounds_and_max_change_and_the_mix_foll
     assert tok / tok.sum() == pytest.approx(prev, abs=0.05)
 
 
+class OutOfRange(Fixed):
+    """Shares a controller must not propose (they used to be clipped without a word)."""
+
+    def __init__(self, sources):
+        super().__init__(sources, target=(2.0, -1.0, 0.0))
+
+
+class Raising(Fixed):
+    def propose(self, step, current):
+        raise RuntimeError("controller boom")
+
+
+@pytest.mark.parametrize(
+    "controller, error",
+    [
+        (
+            "OutOfRange",
+            r"mixing controller 'tests.test_feedback:OutOfRange' proposed shares outside \[0, 1\]: "
+            r"\{'web': 2.0, 'books': -1.0\}",
+        ),
+        (
+            "Raising",
+            r"mixing controller 'tests.test_feedback:Raising' raised in propose\(\) at step \d+: "
+            r"RuntimeError: controller boom",
+        ),
+    ],
+)
+def test_a_controller_that_misbehaves_stops_planning_naming_it(controller, error):
+    plan = plan_from_dict(plan_dict(mixing={"controller": f"tests.test_feedback:{controller}", "interval": 6}))
+    st = PlannerState(plan, IDS)
+    with pytest.raises(PlanError, match=error):
+        run(st, FeedbackLoop(st), 40)
+
+
+@pytest.mark.parametrize(
+    "mixing, error",
+    [
+        ({"controller": "odm", "options": {"eta": -1}}, r"odm: eta .* must be finite and > 0, got -1"),
+        ({"controller": "odm", "options": {"exploration": 0.5}}, r"odm: exploration must be in \[0, 1/3\]"),
+        (
+            {"controller": "odm", "bounds": {"web": [0.5, 1], "books": [0.5, 1]}, "min_share": 0.1},
+            r"mixing bounds cannot hold: the sources' minimum shares sum to 1.1",
+        ),
+    ],
+)
+def test_controller_options_and_bounds_out_of_range_are_plan_errors(mixing, error):
+    with pytest.raises(PlanError, match=error):
+        st = PlannerState(plan_from_dict(plan_dict(mixing=mixing)), IDS)
+        FeedbackLoop(st)
+
+
 def test_a_plan_update_that_changes_the_sources_overrides_the_controller_until_its_next_decision():
     plan = plan_from_dict(plan_dict(cost={"hidden": 8192}))
     tl = Timeline(plan)

@@ -10,6 +10,8 @@ time (``RankStream.eval_batches()``, ``OverlordDataset(split="eval")``).
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field
 
 from .base import Strict
@@ -28,3 +30,31 @@ class Evaluation(Strict):
     """Micro-batches per rank per evaluation step."""
     tokens_per_micro_batch: int | None = Field(default=None, ge=16, le=1 << 24)
     """Capacity of an evaluation micro-batch; default: the training topology's."""
+
+
+def check_evaluation(ev: Evaluation, sources) -> None:
+    """ValueError for evaluation settings that cannot take effect: set with no source holding
+    anything out; weights naming an unknown source or one without a holdout; weights that are not
+    finite, negative, or all zero (each was ignored, or failed only when the run started)."""
+    names = {s.name for s in sources}
+    held = sorted(s.name for s in sources if s.holdout)
+    if ev != Evaluation() and not held:
+        raise ValueError(
+            "evaluation is set, but no source has a holdout: the evaluation stream is made of held-out units "
+            "(give a source `holdout: 0.01` or file patterns)"
+        )
+    if ev.weights is None:
+        return
+    unknown = sorted(set(ev.weights) - names)
+    if unknown:
+        raise ValueError(f"evaluation weights name unknown sources {unknown}; sources: {sorted(names)}")
+    without = sorted(set(ev.weights) - set(held))
+    if without:
+        raise ValueError(
+            f"evaluation weights name sources without a holdout {without}: they give the evaluation stream "
+            f"nothing; sources with a holdout: {held}"
+        )
+    if any(not (math.isfinite(v) and v >= 0) for v in ev.weights.values()) or not any(
+        v > 0 for v in ev.weights.values()
+    ):
+        raise ValueError(f"evaluation weights must be finite, >= 0, and one of them > 0 (got {dict(ev.weights)})")

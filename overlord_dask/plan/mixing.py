@@ -54,4 +54,16 @@ class Mixing(Strict):
         return self
 
 
+def check_bounds(mixing: Mixing, names) -> None:
+    """ValueError where a controller's shares cannot sum to 1 within the bounds (each source's
+    ``bounds``, else ``[min_share, 1]``)."""
+    lo = sum(mixing.bounds.get(n, (mixing.min_share, 1.0))[0] for n in names)
+    hi = sum(mixing.bounds.get(n, (mixing.min_share, 1.0))[1] for n in names)
+    if mixing.controller and (lo > 1 + 1e-9 or hi < 1 - 1e-9):
+        raise ValueError(
+            f"mixing bounds cannot hold: the sources' minimum shares sum to {lo:.3g} and their maximum shares "
+            f"to {hi:.3g}; shares summing to 1 need min <= 1 <= max"
+        )
+
+
 CONTROLLERS = ("odm",)  # built-in controllers (planner/mixing.py)

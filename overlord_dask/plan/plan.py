@@ -27,9 +27,9 @@ from .balance import Balance
 from .base import Strict
 from .checkpoint import Checkpoint
 from .cost import CostModel
-from .evaluation import Evaluation
+from .evaluation import Evaluation, check_evaluation
 from .loading import Loading
-from .mixing import Mixing
+from .mixing import Mixing, check_bounds
 from .schedule import Context, Schedule, Stage
 from .source import Source
 from .source_plan import SourcePlan
@@ -126,6 +126,7 @@ class Plan(Strict):
         unknown = sorted(set(self.mixing.bounds) - names)
         if unknown:
             raise ValueError(f"mixing bounds name unknown sources {unknown}; sources: {sorted(names)}")
+        check_bounds(self.mixing, names)
         thresholds = {st.long_tokens for st in self.stages if st.long_tokens is not None}
         if len(thresholds) > 1:
             raise ValueError(
@@ -137,28 +138,7 @@ class Plan(Strict):
 
     @model_validator(mode="after")
     def _valid_evaluation(self) -> Plan:
-        ev, names = self.evaluation, {s.name for s in self.sources}
-        held = sorted(s.name for s in self.sources if s.holdout)
-        if ev != Evaluation() and not held:
-            raise ValueError(
-                "evaluation is set, but no source has a holdout: the evaluation stream is made of held-out units "
-                "(give a source `holdout: 0.01` or file patterns)"
-            )
-        if ev.weights is not None:
-            unknown = sorted(set(ev.weights) - names)
-            if unknown:
-                raise ValueError(f"evaluation weights name unknown sources {unknown}; sources: {sorted(names)}")
-            without = sorted(set(ev.weights) - set(held))
-            if without:
-                raise ValueError(
-                    f"evaluation weights name sources without a holdout {without}: they give the evaluation stream "
-                    f"nothing; sources with a holdout: {held}"
-                )
-            bad = {k: v for k, v in ev.weights.items() if not (math.isfinite(v) and v >= 0)}
-            if bad or not any(v > 0 for v in ev.weights.values()):
-                raise ValueError(
-                    f"evaluation weights must be finite, >= 0, and one of them > 0 (got {dict(ev.weights)})"
-                )
+        check_evaluation(self.evaluation, self.sources)
         return self
 
     def check_weights(self, start: int = 0) -> None:

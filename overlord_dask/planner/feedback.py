@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..errors import PlanError
 from .learn import CostLearner, step_features
-from .mixing import Controller, make_controller, project
+from .mixing import Controller, checked_proposal, make_controller, project
 
 if TYPE_CHECKING:
     from .state import PlannerState
@@ -70,7 +71,7 @@ class FeedbackLoop:
             if "loss" in item or "extra" in item:
                 losses = {k: (float(v[0]), float(v[1])) for k, v in (item.get("loss") or {}).items()}
                 if self.controller is not None:
-                    self.controller.observe(step, losses, item.get("extra") or {})
+                    self._controller("observe", step, losses, item.get("extra") or {})
                 if item.get("extra"):
                     self.metrics.append((step, rank, item["extra"]))
         self.reports += len(reports)
@@ -160,10 +161,9 @@ class FeedbackLoop:
             self.decided_at = self.newest
             at = max(self.newest + self.mixing.lag, st.frontier)
             current = st.timeline.weights_in_force(at)
-            got = self.controller.propose(self.newest, dict(zip(st.source_names, map(float, current))))
+            got = self._controller("propose", self.newest, dict(zip(st.source_names, map(float, current))))
             if got is not None:
-                shares, why = got
-                target = np.array([float(shares.get(n, 0.0)) for n in st.source_names])
+                target, why = checked_proposal(self.mixing.controller, got, st.source_names)
                 lo, hi = self._bounds(st.source_names)
                 new = project(target / max(target.sum(), 1e-300), current, lo, hi, self.mixing.max_change)
                 out.append(
@@ -172,6 +172,19 @@ class FeedbackLoop:
                     )
                 )
         return out
+
+    def _controller(self, method: str, step: int, *args):
+        """A call of the controller's ``method``; what it raises fails the run naming the controller,
+        the call and the step (not a bare "planning failed: RuntimeError")."""
+        try:
+            return getattr(self.controller, method)(step, *args)
+        except PlanError:
+            raise
+        except Exception as err:
+            raise PlanError(
+                f"mixing controller {self.mixing.controller!r} raised in {method}() at step {step}: "
+                f"{type(err).__name__}: {err}"
+            ) from None
 
     def _mixing_due(self) -> bool:
         return (

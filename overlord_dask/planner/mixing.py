@@ -20,6 +20,7 @@ Built in: :class:`ODM`.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -79,6 +80,13 @@ class ODM(Controller):
             raise PlanError(f"odm: reward must be 'progress' or 'loss', got {reward!r}")
         if not 0 <= smoothing < 1:
             raise PlanError(f"odm: smoothing must be in [0, 1), got {smoothing}")
+        if not (isinstance(eta, (int, float)) and math.isfinite(eta) and eta > 0):
+            raise PlanError(f"odm: eta (the softmax's inverse temperature) must be finite and > 0, got {eta!r}")
+        k = len(sources)
+        if exploration is not None and not (
+            isinstance(exploration, (int, float)) and 0 <= exploration <= 1 / max(k, 1)
+        ):
+            raise PlanError(f"odm: exploration must be in [0, 1/{k}] (one share per source), got {exploration!r}")
         self.eta, self.smoothing, self.exploration, self.reward = float(eta), float(smoothing), exploration, reward
         k = len(self.sources)
         self.rewards = np.zeros(k)  # smoothed (scaled) rewards
@@ -152,6 +160,29 @@ def make_controller(mixing: Mixing, sources: list[str]) -> Controller:
     if not isinstance(ctl, Controller):
         raise PlanError(f"mixing controller {name!r} is not a overlord_dask.planner.mixing.Controller")
     return ctl
+
+
+def checked_proposal(name: str, got, sources: list[str]) -> tuple[np.ndarray, str]:
+    """A controller's ``propose()`` result as shares over ``sources`` and its reason; a PlanError
+    naming the controller for anything else (a share outside [0, 1] or for an unknown source
+    would otherwise be clipped or dropped without a word)."""
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], dict)):
+        raise PlanError(f"mixing controller {name!r}: propose() must return (shares, reason) or None, got {got!r:.200}")
+    shares, why = got
+    unknown = sorted(set(shares) - set(sources))
+    if unknown:
+        raise PlanError(f"mixing controller {name!r} proposed shares for unknown sources {unknown}; sources: {sources}")
+    bad = {
+        k: v
+        for k, v in shares.items()
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and 0 <= v <= 1)
+    }
+    if bad:
+        raise PlanError(f"mixing controller {name!r} proposed shares outside [0, 1]: {bad}")
+    target = np.array([float(shares.get(n, 0.0)) for n in sources])
+    if target.sum() <= 0:
+        raise PlanError(f"mixing controller {name!r} proposed no positive share: {shares}")
+    return target, str(why)
 
 
 def project(target: np.ndarray, prev: np.ndarray, lo: np.ndarray, hi: np.ndarray, max_change: float) -> np.ndarray:

@@ -514,17 +514,21 @@ def _listening(address: str) -> bool:
 
 def cmd_validate(args) -> int:
     """One JSON line per plan; every plan is checked, the exit status says whether all were good."""
+    from ..plan.versions import PlanVersions
     from .indexing import index_sources
+    from .preflight import preflight
 
     failed = 0
     for path in args.plan:
         try:
             plan = _load(path)
             units = index_sources(plan)
-        except OverlordError as err:
+            preflight(plan, PlanVersions(plan), units)  # what start refuses short of a cluster
+        except Exception as err:  # every plan gets its line: an unexpected error too, named, not a traceback
             failed += 1
-            print(f"overlord: error: {err}", file=sys.stderr, flush=True)
-            print(json.dumps({"plan": path, "ok": False, "error": str(err)}), flush=True)
+            msg = str(err) if isinstance(err, OverlordError) else f"{type(err).__name__}: {err}"
+            print(f"overlord: error: {msg}", file=sys.stderr, flush=True)
+            print(json.dumps({"plan": path, "ok": False, "error": msg}), flush=True)
             continue
         warnings = _layout_warnings(plan)
         for w in warnings:

@@ -40,12 +40,12 @@ from ..plan.versions import PlanVersions, decode_updates
 from ..planner.timeline import Decision, Timeline
 from ..protocol import resolve_address
 from ..scheduler.plugin import PlannerPlugin
-from ..sources.tokenizers import load_tokenizer
 from ..sources.units import LoadUnit
 from ..worker.batch_server import BatchServer
 from . import holdout
 from .indexing import index_sources, index_timeline
 from .manifest import with_digests
+from .preflight import preflight
 from .submitter import Submitter
 from .views import ServiceViews
 
@@ -235,8 +235,8 @@ class Service(ServiceViews):
         if loaded:
             _check_code(plan, timeline, loaded[0])
         indexed = with_digests(timeline, index_timeline(timeline))  # loading.integrity: each unit's digest
-        units = holdout.training(plan.seed, timeline.source, indexed)  # held-out units never reach the planner
-        pad_id = load_tokenizer(plan.tokenizer, plan.base_dir).pad_id  # every micro-batch is padded with it
+        # held-out units never reach the planner; every micro-batch is padded with the tokenizer's pad id
+        units, pad_id = preflight(plan, timeline, indexed)
         owned = None
         if cluster is None and address is None:
             cluster = owned = _embedded_cluster(n_workers, threads_per_worker, scheduler_port, host, dashboard_port)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from ...errors import PlanError
 from ...plan.base import resolve_url
 from ...plan.text import Tokenizer, tokenizer_spec
 from ...vocab import PAD_ID
@@ -131,7 +132,12 @@ def backend_of(spec: Tokenizer, base_dir: str | None) -> str:
 @functools.lru_cache(maxsize=32)
 def _load(spec_json: str, base_dir: str | None) -> LoadedTokenizer:
     spec = Tokenizer.model_validate_json(spec_json)
-    tok = BACKENDS[backend_of(spec, base_dir)].from_spec(spec, base_dir)
+    try:
+        tok = BACKENDS[backend_of(spec, base_dir)].from_spec(spec, base_dir)
+    except (TokenizerError, PlanError):
+        raise
+    except Exception as err:  # a user's class whose constructor raised, a file its library cannot read
+        raise TokenizerError(f"tokenizer {spec.path!r} could not be built: {type(err).__name__}: {err}") from None
 
     def special(name: str) -> int | None:
         given_id, given = getattr(spec, f"{name}_id"), getattr(spec, f"{name}_token")
