@@ -381,6 +381,39 @@ def case_cli_validate_many_plans(tmp_path, cluster):
     return lines[1]["error"]
 
 
+def _reporting_rank():
+    """A rank's reporting side (``trainer/reporting.py``) of a run of sources web and books, handed steps 0 and 1."""
+    from overlord_dask.trainer.reporting import Reporting
+
+    class Rank(Reporting):
+        info = {"sources": ["web", "books"]}
+
+    r = Rank()
+    r._init_reports()
+    for step in (0, 1):
+        r._handed(step)
+    return r
+
+
+def _report_error(*args, **kwargs):
+    """A case: ``report(*args, **kwargs)`` on a rank handed steps 0 and 1; the error it raises."""
+
+    def case(tmp_path, cluster):
+        with pytest.raises(ValueError) as exc:
+            _reporting_rank().report(*args, **kwargs)
+        return str(exc.value)
+
+    return case
+
+
+def case_report_takes_tensors(tmp_path, cluster):
+    import torch
+
+    r = _reporting_rank()
+    r.report(1, {"web": (torch.tensor(6.0), 3), 1: np.float32(2.5)}, loss=torch.tensor(2.0))
+    return f"handled: {r._reports[-1]}"
+
+
 def case_cli_validate_catches_what_start_catches(tmp_path, cluster):
     """Plans that passed ``validate`` and failed at start: one error line each, no traceback."""
     good = json.loads(Path(_plan_file(tmp_path / "good.yaml", _text_source(tmp_path))).read_text())
@@ -660,6 +693,28 @@ CASES = {
     ),
     "overlord demo --workers 0": (case_cli_demo_zero_workers, r"argument --workers: must be at least 1, got 0"),
     "overlord validate with several plans": (case_cli_validate_many_plans, r"bad\.yaml"),
+    "report of a step far ahead of the stream": (
+        _report_error(10**9, {"web": 1.0}),
+        r"report: step must be a step this rank was handed \(steps 0\.\.1\), got 1000000000",
+    ),
+    "report of a negative step": (_report_error(-1, {"web": 1.0}), r"step must be a step this rank was handed"),
+    "report of a loss sum over no tokens": (
+        _report_error(1, {"web": (1.0, 0)}),
+        r"loss of source 'web': tokens must be a whole number >= 0, and a loss sum needs tokens",
+    ),
+    "report of a 3-tuple loss": (_report_error(1, {"web": (1.0, 2, 3)}), r"must be a mean or \(sum, tokens\)"),
+    "report of a loss for an unknown source": (
+        _report_error(1, {"nope": 1.0}),
+        r"unknown source 'nope'; the run's sources are \['web', 'books'\]",
+    ),
+    "report of a metric that is a whole tensor": (
+        lambda tmp_path, cluster: _report_error(1, loss=__import__("torch").ones(3))(tmp_path, cluster),
+        r"metric 'loss' must be a finite number",
+    ),
+    "report with 0-d tensors and numpy numbers": (
+        case_report_takes_tensors,
+        r"handled: \{'s': 1, 'loss': \{'web': \[6\.0, 3\.0\], 'books': \[2\.5, 1\.0\]\}, 'extra': \{'loss': 2\.0\}\}",
+    ),
     "overlord validate: tokenizer, controller, holdout": (
         case_cli_validate_catches_what_start_catches,
         r"source 's': tokenizer 'tests\.test_bad_inputs:BrokenTokenizer' could not be built: RuntimeError: "

@@ -21,6 +21,7 @@ that never reports costs nothing.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections import deque
 
@@ -56,6 +57,38 @@ def loss_by_source(batch: dict, token_losses, sources: list[str] | None = None) 
     return out
 
 
+def _number(v) -> float | None:
+    """A plain float from a Python or numpy number or a one-element tensor/array; None otherwise."""
+    if not isinstance(v, numbers.Real) and hasattr(v, "item"):
+        try:
+            v = v.item()  # a 0-d tensor (loss.detach()), a numpy scalar or one-element array
+        except (ValueError, RuntimeError):  # more than one element
+            return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    return float(v)
+
+
+def _loss(name: str, v) -> tuple[float, float]:
+    """A source's reported loss: a mean token loss, or ``(sum of token losses, tokens)``."""
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2:
+            raise ValueError(f"report: loss of source {name!r} must be a mean or (sum, tokens), got {v!r}")
+        total, n = _number(v[0]), _number(v[1])
+        if total is None or n is None or not (math.isfinite(total) and math.isfinite(n)):
+            raise ValueError(f"report: loss of source {name!r} must be finite numbers (sum, tokens), got {v!r}")
+        if n < 0 or n != int(n) or (n == 0 and total != 0):
+            raise ValueError(
+                f"report: loss of source {name!r}: tokens must be a whole number >= 0, and a loss sum needs tokens "
+                f"(got sum {total}, tokens {n})"
+            )
+        return total, n
+    x = _number(v)
+    if x is None or not math.isfinite(x):
+        raise ValueError(f"report: loss of source {name!r} must be a finite number, got {v!r}")
+    return x, 1.0
+
+
 def _numpy(x) -> np.ndarray:
     return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
@@ -71,6 +104,7 @@ class Reporting:
         self._mb_times: list[float] | None = None  # that step's micro-batch times (micro-batch iteration)
         self._excluded = 0.0  # seconds of that step spent in commit()/state_dict()
         self._explicit = False  # the trainer reports its own times (step_done)
+        self._newest_handed = -1  # the newest step this rank was handed: no report may be ahead of it
 
     def _requested(self) -> None:
         """The trainer asks for the next step: the one it held took this long."""
@@ -86,6 +120,7 @@ class Reporting:
         self._mb_times = times if self._excluded == 0 else None
 
     def _handed(self, step: int) -> None:
+        self._newest_handed = max(self._newest_handed, step)
         self._handed_step, self._handed_at, self._excluded, self._mb_times = step, time.perf_counter(), 0.0, None
 
     def _excluding(self, t0: float) -> None:
@@ -108,27 +143,27 @@ class Reporting:
     def report(self, step: int, loss_by_source: dict | None = None, **extra) -> None:
         """Report metrics of ``step`` (one-way): ``loss_by_source`` maps a source (name or index)
         to its mean token loss, or to ``(sum of token losses, tokens)`` (:func:`loss_by_source`);
-        ``extra`` any other numbers (``loss=2.1``, ``grad_norm=0.8``)."""
+        ``extra`` any other numbers (``loss=2.1``, ``grad_norm=0.8``; 0-d tensors and numpy
+        scalars too). Checked here, at the call: ``step`` is one this rank was handed (a report
+        ahead of the stream would schedule a decision for a step it may never reach), every value
+        is finite, and a loss sum comes with the tokens it is over."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or not 0 <= step <= self._newest_handed:
+            got = "no step yet" if self._newest_handed < 0 else f"steps 0..{self._newest_handed}"
+            raise ValueError(f"report: step must be a step this rank was handed ({got}), got {step!r}")
         names = list(self.info.get("sources", []))
         losses = {}
         for key, v in (loss_by_source or {}).items():
             name = names[key] if isinstance(key, (int, np.integer)) and 0 <= key < len(names) else key
             if name not in names:
                 raise ValueError(f"report: unknown source {key!r}; the run's sources are {names}")
-            total, n = (float(v[0]), float(v[1])) if isinstance(v, (tuple, list)) else (float(v), 1.0)
-            if not (math.isfinite(total) and math.isfinite(n) and n >= 0):
-                raise ValueError(f"report: loss of source {name!r} must be finite, got {v!r}")
-            losses[name] = (total, n)
-        bad = [k for k, v in extra.items() if not isinstance(v, (int, float)) or not math.isfinite(v)]
-        if bad:
-            raise ValueError(f"report: metrics {bad} must be finite numbers")
-        self._reports.append(
-            {
-                "s": int(step),
-                "loss": {k: [a, b] for k, (a, b) in losses.items()},
-                "extra": {k: float(v) for k, v in extra.items()},
-            }
-        )
+            losses[name] = _loss(name, v)
+        values = {}
+        for k, v in extra.items():
+            x = _number(v)
+            if x is None or not math.isfinite(x):
+                raise ValueError(f"report: metric {k!r} must be a finite number, got {v!r}")
+            values[k] = x
+        self._reports.append({"s": int(step), "loss": {k: [a, b] for k, (a, b) in losses.items()}, "extra": values})
 
     def loss_by_source(self, batch: dict, token_losses) -> dict:
         """:func:`loss_by_source` keyed by this run's source names."""
