@@ -188,6 +188,14 @@ def case_jsonl_text_field_no_record_has(tmp_path, cluster):
     return _load_error(_plan(tmp_path, format="jsonl", url="x.jsonl", text_field="body"))
 
 
+def case_megatron_prefix_without_idx(tmp_path, cluster):
+    from overlord_dask.testing.format_corpus import write_megatron
+
+    write_megatron(tmp_path / "corpus_text_document", [np.arange(5), np.arange(7)])
+    (tmp_path / "corpus_text_document.idx").unlink()
+    return _load_error(_plan(tmp_path, format="megatron", url="corpus_text_document"))
+
+
 def case_all_empty_documents(tmp_path, cluster):
     plan = _text_source(tmp_path, texts=[""] * 30, topology={"dp": 2})
     return _run_until_error(plan, cluster)
@@ -594,6 +602,10 @@ CASES = {
         r"source 's': 'tokens' has dtype float64, expected integers",
     ),
     "parquet token column with negative ids": (case_parquet_negative_token_ids, r"l\.parquet.*got min -1"),
+    "megatron prefix whose .idx is missing": (
+        case_megatron_prefix_without_idx,
+        r"source 's': .*corpus_text_document\.bin has no .*corpus_text_document\.idx beside it",
+    ),
     "text source of empty documents": (
         case_all_empty_documents,
         r"source 's' holds only 30 tokens in a whole pass over its files",

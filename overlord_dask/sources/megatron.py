@@ -84,6 +84,10 @@ def _pairs(source: Source, plan: SourcePlan) -> tuple[object, list[str]]:
             path = path[: -len(ext)]
     if fs.exists(path + ".idx"):
         prefixes = [path]
+    elif fs.exists(path + ".bin"):
+        raise SourceError(
+            f"source {source.name!r}: {path}.bin has no {path}.idx beside it (the index Megatron writes with the .bin)"
+        )
     else:
         fs, files = list_files(source, plan.base_dir, (".idx",))
         prefixes = [f[:-4] for f in files if f.endswith(".idx")]
