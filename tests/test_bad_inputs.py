@@ -51,6 +51,13 @@ def two_d_ids(texts):
     return [[[1, 2], [3, 4]] for _ in texts]
 
 
+def fails_late(step):
+    """A weight function that breaks mid-run (after the steps a plan's validation checks)."""
+    if step >= 50:
+        raise RuntimeError("schedule boom")
+    return 1.0
+
+
 def too_few_docs(texts):
     return [[1, 2]]
 
@@ -186,6 +193,14 @@ def case_parquet_negative_token_ids(tmp_path, cluster):
 def case_jsonl_text_field_no_record_has(tmp_path, cluster):
     (tmp_path / "x.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(300)))
     return _load_error(_plan(tmp_path, format="jsonl", url="x.jsonl", text_field="body"))
+
+
+def case_weight_function_failing_mid_run(tmp_path, cluster):
+    src = {"name": "s", "format": "zarr", "url": "z.zarr", "weight": {"function": f"{U}fails_late"}}
+    plan = plan_from_dict({"sources": [src], "topology": {"dp": 1, "tokens_per_micro_batch": 1024}, "steps": 10})
+    with pytest.raises(ValueError) as exc:
+        plan.declared_weights(60)  # what the planner asks when it plans step 60
+    return str(exc.value)
 
 
 def case_megatron_prefix_without_idx(tmp_path, cluster):
@@ -602,6 +617,11 @@ CASES = {
         r"source 's': 'tokens' has dtype float64, expected integers",
     ),
     "parquet token column with negative ids": (case_parquet_negative_token_ids, r"l\.parquet.*got min -1"),
+    "weight function that raises mid-run": (
+        case_weight_function_failing_mid_run,
+        r"source 's': weight function 'tests\.test_bad_inputs:fails_late' failed at step 60: RuntimeError: "
+        r"schedule boom",
+    ),
     "megatron prefix whose .idx is missing": (
         case_megatron_prefix_without_idx,
         r"source 's': .*corpus_text_document\.bin has no .*corpus_text_document\.idx beside it",

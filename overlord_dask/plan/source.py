@@ -242,7 +242,13 @@ class Source(Strict):
         """This source's own (unnormalised) weight at ``step``, 0 outside [start_step, stop_step)."""
         if step < self.start_step or (self.stop_step is not None and step >= self.stop_step):
             return 0.0
-        return weight_at(self.weight, step)
+        try:
+            return weight_at(self.weight, step)
+        except Exception as err:  # a user's weight function: the run's error must name the source and the step
+            fn = getattr(self.weight, "function", None)
+            raise ValueError(
+                f"source {self.name!r}: weight function {fn!r} failed at step {step}: {type(err).__name__}: {err}"
+            ) from None
 
     @property
     def data_key(self) -> tuple:
