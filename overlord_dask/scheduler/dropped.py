@@ -43,10 +43,15 @@ class DroppedData:
         return True
 
     def status(self) -> dict:
-        """``{"records": {source: {"read", "dropped"}}, "quarantined": [...], "quarantined_units": n}``."""
+        """``{"records": {source: {"read", "dropped"}}, "quarantined": [...], "quarantined_units": n}``.
+
+        Called on the planner thread (the dashboard's refresh) while the event loop adds sources
+        and units: each dict is copied by one C-level call (atomic under the GIL) before Python
+        code walks it; walking the live dicts raised "dictionary changed size during iteration"."""
+        records, dropped = list(self.records.items()), dict(self.dropped)
         per = {
-            s: {"read": sum(r.values()), "dropped": sum(self.dropped.get(s, {}).values())}
-            for s, r in sorted(self.records.items())
+            s: {"read": sum(r.copy().values()), "dropped": sum(dropped.get(s, {}).copy().values())}
+            for s, r in sorted(records)
         }
         return {
             "records": per,

@@ -213,8 +213,8 @@ class PlannerThread:
             self._observed_at = now
             try:
                 self.observed = self.observe()
-            except RuntimeError:  # a dict the event loop grew meanwhile (a rank's first ack): the next refresh reads it
-                logger.debug("refreshing the dashboard's view failed; it is refreshed again shortly", exc_info=True)
+            except RuntimeError:  # a view walked a dict the event loop grows: a bug (copy it first), not a stop
+                logger.warning("refreshing the dashboard's view failed; it is refreshed again shortly", exc_info=True)
         return out
 
     def record(self, kind: str, at: int, values: dict, reason: str):
