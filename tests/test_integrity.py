@@ -1,6 +1,8 @@
 """Integrity over weeks (issue "Run it for weeks"): with ``loading.integrity`` every unit's bytes
 are checked against the digest taken when its source was first indexed; the digests live with
-the snapshots, so a restart checks against what the run first saw."""
+the snapshots, so a restart checks against what the run first saw. Without it, every run with a
+checkpoint keeps its files' sizes and modification stamps, and a restart refuses files that
+changed or vanished (``checkpoint.on_data_change``)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import pytest
 
 from overlord_dask import Service, connect
 from overlord_dask.errors import SourceError
-from overlord_dask.plan import plan_from_dict
+from overlord_dask.plan import plan_from_dict, plan_to_dict
 from overlord_dask.plan.versions import PlanVersions
 from overlord_dask.service.indexing import index_sources
-from overlord_dask.service.manifest import with_digests
+from overlord_dask.service.manifest import check_files, with_digests
 from overlord_dask.sources import read_unit
 from overlord_dask.sources.formats import get_format
 
@@ -26,13 +28,13 @@ def _write(path):
     pq.write_table(pa.table({"text": TEXTS}), path, row_group_size=200, compression="NONE", write_page_checksum=False)
 
 
-def _plan(tmp_path, **loading):
+def _plan(tmp_path, checkpoint=None, **loading):
     return plan_from_dict(
         {
             "sources": [{"name": "s", "format": "parquet", "url": "t.parquet", "text_field": "text"}],
             "topology": {"dp": 1, "tokens_per_micro_batch": 2048},
             "loading": {"unit_rows": 100, "integrity": True, **loading},
-            "checkpoint": {"url": str(tmp_path / "ck")},
+            "checkpoint": {"url": str(tmp_path / "ck"), **(checkpoint or {})},
         },
         base_dir=tmp_path,
     )
@@ -87,3 +89,42 @@ def test_a_restart_checks_the_files_against_what_the_run_first_saw(cluster, tmp_
         quarantined = service.status()["quarantined"]
     assert sorted(q["unit"] for q in quarantined) == [4, 5]  # both units of the row group
     assert "bytes changed since the source was indexed" in quarantined[0]["reason"]
+
+
+def test_without_integrity_a_file_changed_between_starts_is_refused_naming_it(tmp_path):
+    """The identities kept at the first start (size, mtime) against the files at the next: a
+    rewritten file is refused, unless the plan accepts data changes (which keeps the new ones)."""
+    _write(tmp_path / "t.parquet")
+    plan = _plan(tmp_path, integrity=False)
+    check_files(PlanVersions(plan), index_sources(plan))  # the first start keeps them
+    assert (tmp_path / "ck" / "manifest" / "s.files.json").exists()
+    check_files(PlanVersions(plan), index_sources(plan))  # unchanged: nothing to say
+    _flip(tmp_path, plan, index_sources(plan)["s"][5])  # same size, rewritten
+    with pytest.raises(
+        SourceError,
+        match=r"source 's': files differ from when the run first indexed them \(changed \(size or modification "
+        r"stamp\): .*t\.parquet\).*checkpoint\.on_data_change: accept",
+    ):
+        check_files(PlanVersions(plan), index_sources(plan))
+    accepting = _plan(tmp_path, checkpoint={"on_data_change": "accept"}, integrity=False)
+    check_files(PlanVersions(accepting), index_sources(accepting))  # accepted: the new stamps are kept
+    check_files(PlanVersions(plan), index_sources(plan))  # so the next start goes on
+    (tmp_path / "t.parquet").unlink()
+    _write(tmp_path / "u.parquet")
+    moved = plan_from_dict(
+        {**plan_to_dict(plan), "sources": [{**plan_to_dict(plan)["sources"][0], "url": "*.parquet"}]}, base_dir=tmp_path
+    )
+    with pytest.raises(SourceError, match=r"gone: .*t\.parquet"):
+        check_files(PlanVersions(moved), index_sources(moved))
+
+
+@pytest.mark.integration
+def test_a_start_on_changed_files_fails_before_it_takes_a_worker(cluster, tmp_path):
+    _write(tmp_path / "t.parquet")
+    plan = _plan(tmp_path, integrity=False)
+    with Service.start(plan, cluster=cluster) as service, connect(service.address, 0, timeout=60) as s:
+        s.next_batch()
+        s.commit()
+    _flip(tmp_path, plan, index_sources(plan)["s"][0])
+    with pytest.raises(SourceError, match=r"source 's': files differ from when the run first indexed them"):
+        Service.start(plan, cluster=cluster)

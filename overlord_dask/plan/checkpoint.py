@@ -38,6 +38,12 @@ class Checkpoint(Strict):
     """A resumed run whose sources' ``prepare`` functions changed since the snapshot (their code,
     not only their names) would deliver other documents from the resume point on: ``refuse``
     stops the start, naming the function; ``accept`` goes on and logs ``event=code_changed``."""
+    on_data_change: Literal["refuse", "accept"] = "refuse"
+    """A source file whose size or modification stamp (mtime, or the object store's ETag) changed
+    since the run first indexed it, or that is gone, would deliver other documents than the run's
+    snapshots describe: ``refuse`` stops the start, naming the files; ``accept`` goes on, logs
+    ``event=data_changed`` and keeps the new stamps (a copy of the data to another disk changes
+    mtimes: accept it once). With ``loading.integrity`` the units' digests decide instead."""
     commit: Literal["ack", "checkpoint"] = "ack"
     """When a step is durable (what a snapshot resumes from): `ack`, once every rank has consumed
     it; `checkpoint`, once every rank's trainer has saved its state (``stream.state_dict()``).

@@ -1,6 +1,13 @@
-"""The run's integrity manifest: each load unit's digest (``sources/integrity.py``), computed when
-its source is first indexed and kept with the snapshots (``<checkpoint.url>/manifest/<source>.json``),
-so that every later start of the run checks the files against what the run first saw.
+"""The run's manifests, kept with the snapshots (``<checkpoint.url>/manifest/``), so that every
+later start of the run checks the files against what the run first saw:
+
+- always (a run with a checkpoint URL), each source file's cheap identity: size and modification
+  stamp (mtime, or the object store's ETag; a zarr group: those of every file in it), from file
+  metadata alone (``<source>.files.json``): a file rewritten or gone is refused on resume
+  (``checkpoint.on_data_change``) rather than delivered as if it were the data the snapshots
+  describe;
+- with ``loading.integrity``, each load unit's digest (``sources/integrity.py``, ``<source>.json``),
+  which also catches bytes that rot without the file's stamps changing.
 
 A kept manifest applies only to the same units: if a source's files now index to other units (a
 file added or removed), the start fails naming the source, since the run's sample ids and
@@ -13,6 +20,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from .. import logs
 from ..errors import SourceError
 from ..plan.base import resolve_url
 from ..plan.versions import PlanVersions
@@ -30,7 +38,7 @@ def with_digests(timeline: PlanVersions, units: dict[str, list[LoadUnit]]) -> di
     out = dict(units)
     for name, us in units.items():
         src = timeline.source(name)
-        plan = next(p for _, p in reversed(timeline.versions) if any(s.name == name for s in p.sources))
+        plan = _plan_of(timeline, name)
         if not plan.loading.integrity:
             continue
         store = _store(plan)
@@ -52,6 +60,58 @@ def with_digests(timeline: PlanVersions, units: dict[str, list[LoadUnit]]) -> di
         if store is not None:
             _write(store, name, {"units": [_key(u) for u in us], "digests": [u.digest for u in out[name]]})
     return out
+
+
+def _plan_of(timeline: PlanVersions, name: str):
+    """The newest plan version that defines source ``name``."""
+    return next(p for _, p in reversed(timeline.versions) if any(s.name == name for s in p.sources))
+
+
+def _stamp(info: dict):
+    return info.get("ETag") or info.get("etag") or info.get("mtime") or str(info.get("LastModified") or "")
+
+
+def identity(fs, path: str) -> list:
+    """A file's size and modification stamp; a folder's (a zarr group): those of each file in it."""
+    info = fs.info(path)
+    if info.get("type") == "directory":
+        found = fs.find(path, detail=True)
+        return sorted([k[len(path) :], v.get("size"), _stamp(v)] for k, v in found.items())
+    return [info.get("size"), _stamp(info)]
+
+
+def check_files(timeline: PlanVersions, units: dict[str, list[LoadUnit]]) -> None:
+    """Compare each source's files with the identities kept when the run first indexed them (and
+    keep them, the first time); a changed or vanished file stops the start, naming it, unless the
+    plan accepts data changes (``checkpoint.on_data_change``). Sources with ``loading.integrity``
+    are checked by their digests instead (``with_digests``)."""
+    for name, us in units.items():
+        plan = _plan_of(timeline, name)
+        store = _store(plan)
+        if store is None or plan.loading.integrity:
+            continue
+        fs, _ = source_fs(timeline.source(name), plan.base_dir)
+        paths = list(dict.fromkeys(u.path for u in us))
+        with ThreadPoolExecutor(max_workers=8) as pool:  # remote stores: requests overlap
+            now = dict(zip(paths, pool.map(lambda p, fs=fs: identity(fs, p), paths)))
+        kept = _read(store, f"{name}.files")
+        if kept is not None:
+            gone = [p for p in kept["files"] if p not in now]
+            changed = [p for p, ident in kept["files"].items() if p in now and now[p] != ident]
+            if not gone and not changed:
+                continue
+            what = "; ".join(
+                [f"changed (size or modification stamp): {', '.join(changed[:5])}"] * bool(changed)
+                + [f"gone: {', '.join(gone[:5])}"] * bool(gone)
+            )
+            if plan.checkpoint.on_data_change == "refuse":
+                raise SourceError(
+                    f"source {name!r}: files differ from when the run first indexed them ({what}): resuming would "
+                    "deliver other documents than the run's snapshots describe. Restore the files, start a new run "
+                    "(a new checkpoint url), or set checkpoint.on_data_change: accept"
+                )
+            logs.event("data_changed", plan.name, source=name, files=what)
+        _write(store, f"{name}.files", {"files": now})
 
 
 def _store(plan):

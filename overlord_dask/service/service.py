@@ -44,7 +44,7 @@ from ..sources.units import LoadUnit
 from ..worker.batch_server import BatchServer
 from . import holdout
 from .indexing import index_sources, index_timeline
-from .manifest import with_digests
+from .manifest import check_files, with_digests
 from .preflight import preflight
 from .submitter import Submitter
 from .views import ServiceViews
@@ -234,7 +234,9 @@ class Service(ServiceViews):
         timeline = PlanVersions(plan, decode_updates(loaded[0].get("updates")) if loaded else [])
         if loaded:
             _check_code(plan, timeline, loaded[0])
-        indexed = with_digests(timeline, index_timeline(timeline))  # loading.integrity: each unit's digest
+        indexed = index_timeline(timeline)
+        check_files(timeline, indexed)  # the files are those the run first indexed (cheap identity)
+        indexed = with_digests(timeline, indexed)  # loading.integrity: each unit's digest
         # held-out units never reach the planner; every micro-batch is padded with the tokenizer's pad id
         units, pad_id = preflight(plan, timeline, indexed)
         owned = None
