@@ -99,3 +99,23 @@ def test_every_worker_killed_at_once_loses_and_repeats_nothing(cluster, small_pl
     print(f"all workers killed: longest wait {max(waits):.3f}s")
     assert max(waits) < 20, max(waits)  # was 60 s: every rank waited out connect timeouts
     _wait_for_workers(cluster, 2)
+
+
+def test_a_rank_that_waits_is_told_why():
+    """The error after a rank's timeout names the cause its service's status shows, and the step."""
+    from overlord_dask.trainer.stalls import why_waiting
+
+    base = {"next_step": 72, "committed": 40, "acked": [45, 46]}
+    far = why_waiting(base, 0, 1_000_000, 600)
+    assert far.startswith("rank 0: no batch for step 1,000,000 within 600s: the service has planned steps up to 71")
+    assert "999,929 steps beyond them: a consumer state of another run" in far
+    slow = why_waiting({**base, "acked": [69, 12, 12]}, 0, 70, 30)
+    assert "ranks 1, 2 consumed only up to step 12: the service plans at most loading.prefetch_steps ahead" in slow
+    assert "planned steps up to" not in slow
+    starved = why_waiting({**base, "starved_on": "books"}, 1, 50, 30)
+    assert "planning waits on source 'books': its next units are still loading" in starved
+    quarantined = [{"source": "web", "unit": 7, "step": 44, "reason": "loading ...: ArrowInvalid: bad page"}]
+    told = why_waiting({**base, "quarantined": quarantined}, 0, 50, 30)
+    assert "unit 7 of source 'web' was quarantined at step 44 (loading ...: ArrowInvalid: bad page)" in told
+    assert why_waiting({**base, "failure": "boom"}, 0, 50, 30) == "the overlord service failed: boom"
+    assert "its status shows no cause" in why_waiting(base, 0, 50, 30)

@@ -80,11 +80,12 @@ def identity(fs, path: str) -> list:
     return [info.get("size"), _stamp(info)]
 
 
-def check_files(timeline: PlanVersions, units: dict[str, list[LoadUnit]]) -> None:
-    """Compare each source's files with the identities kept when the run first indexed them (and
-    keep them, the first time); a changed or vanished file stops the start, naming it, unless the
-    plan accepts data changes (``checkpoint.on_data_change``). Sources with ``loading.integrity``
-    are checked by their digests instead (``with_digests``)."""
+def check_files(timeline: PlanVersions, units: dict[str, list[LoadUnit]], resuming: bool = True) -> None:
+    """On a resume, compare each source's files with the identities kept when the run first
+    indexed them; a changed or vanished file stops the start, naming it, unless the plan accepts
+    data changes (``checkpoint.on_data_change``). A fresh run (``resuming`` False: no snapshot to
+    resume from) keeps its own. Sources with ``loading.integrity`` are checked by their digests
+    instead (``with_digests``)."""
     for name, us in units.items():
         plan = _plan_of(timeline, name)
         store = _store(plan)
@@ -94,7 +95,7 @@ def check_files(timeline: PlanVersions, units: dict[str, list[LoadUnit]]) -> Non
         paths = list(dict.fromkeys(u.path for u in us))
         with ThreadPoolExecutor(max_workers=8) as pool:  # remote stores: requests overlap
             now = dict(zip(paths, pool.map(lambda p, fs=fs: identity(fs, p), paths)))
-        kept = _read(store, f"{name}.files")
+        kept = _read(store, f"{name}.files") if resuming else None
         if kept is not None:
             gone = [p for p in kept["files"] if p not in now]
             changed = [p for p, ident in kept["files"].items() if p in now and now[p] != ident]

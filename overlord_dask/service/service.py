@@ -235,7 +235,7 @@ class Service(ServiceViews):
         if loaded:
             _check_code(plan, timeline, loaded[0])
         indexed = index_timeline(timeline)
-        check_files(timeline, indexed)  # the files are those the run first indexed (cheap identity)
+        check_files(timeline, indexed, bool(loaded))  # a resume: the files the run first indexed (cheap identity)
         indexed = with_digests(timeline, indexed)  # loading.integrity: each unit's digest
         # held-out units never reach the planner; every micro-batch is padded with the tokenizer's pad id
         units, pad_id = preflight(plan, timeline, indexed)

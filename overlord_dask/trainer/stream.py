@@ -59,6 +59,7 @@ from .handover import HandOver
 from .options import StreamOptions
 from .prefetch import RankIO
 from .reporting import Reporting
+from .stalls import why_waiting
 
 
 class RankStream(Reporting, Checkpointing):
@@ -294,9 +295,7 @@ def _why_stalled(s: RankStream) -> str:
         return (
             f"rank {s.rank}: no batch for step {s.next_step} within {s.timeout}s and the service does not answer: {err}"
         )
-    if st.get("failure"):
-        return f"the overlord service failed: {st['failure']}"
-    return f"rank {s.rank}: no batch for step {s.next_step} within {s.timeout}s (service status: {st})"
+    return why_waiting(st, s.rank, s.next_step, s.timeout)
 
 
 def connect(address: str, rank: int, dp: int | None = None, **kwargs) -> RankStream:

@@ -1,0 +1,53 @@
+"""Why a rank waits: the error a trainer gets when no batch came within its timeout names the
+cause the service's status shows (a failure, a step not planned yet, a source whose units are
+still loading, a rank that holds planning back, a quarantined unit, a snapshot that cannot be
+written) and the step, instead of the status as a raw dict."""
+
+from __future__ import annotations
+
+FAR = 1000  # steps beyond the planned ones: not a service catching up, a state from elsewhere
+
+
+def why_waiting(status: dict, rank: int, step: int, timeout: float) -> str:
+    """The message for rank ``rank`` that waited ``timeout`` seconds for ``step``."""
+    if status.get("failure"):
+        return f"the overlord service failed: {status['failure']}"
+    planned, committed = int(status.get("next_step", 0)), int(status.get("committed", 0))
+    causes = []
+    if step >= planned:
+        far = step - planned >= FAR
+        causes.append(
+            f"the service has planned steps up to {planned - 1:,} (committed {committed:,})"
+            + (
+                f"; step {step:,} is {step - planned + 1:,} steps beyond them: a consumer state of another run, or a "
+                "service restarted from an older snapshot than the trainer's checkpoint?"
+                if far
+                else ""
+            )
+        )
+    if status.get("starved_on"):
+        causes.append(f"planning waits on source {status['starved_on']!r}: its next units are still loading")
+    acked = list(status.get("acked") or [])
+    if acked and min(acked) + 1 < step - 1:
+        low = min(acked)
+        slow = [i for i, a in enumerate(acked) if a == low]
+        causes.append(
+            f"rank{'s' if len(slow) > 1 else ''} {', '.join(map(str, slow[:8]))}{' ...' if len(slow) > 8 else ''} "
+            f"consumed only up to step {low:,}: the service plans at most loading.prefetch_steps ahead of the "
+            "slowest rank"
+        )
+    quarantined = status.get("quarantined") or []
+    if quarantined:
+        q = quarantined[-1]
+        causes.append(
+            f"unit {q.get('unit')} of source {q.get('source')!r} was quarantined at step {q.get('step')} "
+            f"({str(q.get('reason'))[:300]})"
+        )
+    if status.get("snapshot_error"):
+        causes.append(status["snapshot_error"])
+    if not causes:
+        causes.append(
+            f"the service has planned up to step {planned - 1:,} and committed {committed:,}; its status shows no "
+            "cause (a load or build task may be retrying: see the service's log)"
+        )
+    return f"rank {rank}: no batch for step {step:,} within {timeout:g}s: " + "; ".join(causes)
