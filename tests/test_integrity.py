@@ -97,7 +97,7 @@ def test_without_integrity_a_file_changed_between_starts_is_refused_naming_it(tm
     _write(tmp_path / "t.parquet")
     plan = _plan(tmp_path, integrity=False)
     check_files(PlanVersions(plan), index_sources(plan))  # the first start keeps them
-    assert (tmp_path / "ck" / "manifest" / "s.files.json").exists()
+    assert (tmp_path / "ck" / "manifest" / "files" / "s.json").exists()
     check_files(PlanVersions(plan), index_sources(plan))  # unchanged: nothing to say
     _flip(tmp_path, plan, index_sources(plan)["s"][5])  # same size, rewritten
     with pytest.raises(

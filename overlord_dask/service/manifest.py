@@ -3,7 +3,7 @@ later start of the run checks the files against what the run first saw:
 
 - always (a run with a checkpoint URL), each source file's cheap identity: size and modification
   stamp (mtime, or the object store's ETag; a zarr group: those of every file in it), from file
-  metadata alone (``<source>.files.json``): a file rewritten or gone is refused on resume
+  metadata alone (``files/<source>.json``): a file rewritten or gone is refused on resume
   (``checkpoint.on_data_change``) rather than delivered as if it were the data the snapshots
   describe;
 - with ``loading.integrity``, each load unit's digest (``sources/integrity.py``, ``<source>.json``),
@@ -95,7 +95,7 @@ def check_files(timeline: PlanVersions, units: dict[str, list[LoadUnit]], resumi
         paths = list(dict.fromkeys(u.path for u in us))
         with ThreadPoolExecutor(max_workers=8) as pool:  # remote stores: requests overlap
             now = dict(zip(paths, pool.map(lambda p, fs=fs: identity(fs, p), paths)))
-        kept = _read(store, f"{name}.files") if resuming else None
+        kept = _read(store, f"files/{name}") if resuming else None
         if kept is not None:
             gone = [p for p in kept["files"] if p not in now]
             changed = [p for p, ident in kept["files"].items() if p in now and now[p] != ident]
@@ -112,7 +112,7 @@ def check_files(timeline: PlanVersions, units: dict[str, list[LoadUnit]], resumi
                     "(a new checkpoint url), or set checkpoint.on_data_change: accept"
                 )
             logs.event("data_changed", plan.name, source=name, files=what)
-        _write(store, f"{name}.files", {"files": now})
+        _write(store, f"files/{name}", {"files": now})
 
 
 def _store(plan):
@@ -135,6 +135,7 @@ def _read(store, name: str) -> dict | None:
 
 def _write(store, name: str, payload: dict) -> None:
     fs, root = store
-    fs.makedirs(root, exist_ok=True)
-    with fs.open(f"{root}/{name}.json", "w") as f:
+    path = f"{root}/{name}.json"
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "w") as f:
         json.dump(payload, f)
