@@ -6,7 +6,6 @@ user points it at their own run."""
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from refresh_notebooks import execute, source_hash  # noqa: E402
+
+from .harness import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
 
@@ -78,11 +79,7 @@ def _serve_run(plan, cluster, steps: int, scheduler_file: Path, pace_s: float = 
                 time.sleep(pace_s)
             stream.commit()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(plan.topology.dp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_ranks(rank, range(plan.topology.dp))  # a rank's error fails the test, in its thread
     write_scheduler_file(scheduler_file, service.address, service.run_id, plan.topology.dp, service.dashboard)
     return service
 
