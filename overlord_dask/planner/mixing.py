@@ -152,11 +152,17 @@ BUILT_IN = {"odm": ODM}
 def make_controller(mixing: Mixing, sources: list[str]) -> Controller:
     """The plan's controller over ``sources`` (a clear error naming it if it cannot be made)."""
     name = mixing.controller
-    cls = BUILT_IN.get(name) or import_callable(name)
     try:
+        cls = BUILT_IN.get(name) or import_callable(name)
         ctl = cls(sources, **mixing.options)
+    except PlanError:
+        raise
     except TypeError as err:
         raise PlanError(f"mixing controller {name!r} cannot be made with options {mixing.options}: {err}") from None
+    except Exception as err:  # its module cannot be imported, or its constructor raised
+        raise PlanError(
+            f"mixing controller {name!r} cannot be made with options {mixing.options}: {type(err).__name__}: {err}"
+        ) from None
     if not isinstance(ctl, Controller):
         raise PlanError(f"mixing controller {name!r} is not a overlord_dask.planner.mixing.Controller")
     return ctl

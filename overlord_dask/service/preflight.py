@@ -16,12 +16,10 @@ from . import holdout
 
 
 def _tokenizer(plan: Plan, spec, whose: str):
-    try:
+    try:  # a constructor that raised, a file its library cannot read: a TokenizerError naming it
         return load_tokenizer(spec, plan.base_dir)
-    except TokenizerError as err:
+    except (TokenizerError, PlanError) as err:
         raise PlanError(f"{whose}: {err}") from None
-    except Exception as err:  # a user's tokenizer class whose constructor raised, a broken file
-        raise PlanError(f"{whose}: tokenizer {spec!r} could not be built: {type(err).__name__}: {err}") from None
 
 
 def preflight(plan: Plan, timeline: PlanVersions, indexed: dict[str, list[LoadUnit]]) -> tuple[dict, int]:
@@ -32,13 +30,5 @@ def preflight(plan: Plan, timeline: PlanVersions, indexed: dict[str, list[LoadUn
         if s.text_field or s.messages_field or s.image_placeholders:
             _tokenizer(plan, plan.tokenizer_of(s), f"source {s.name!r}")
     if plan.mixing.controller:
-        try:
-            make_controller(plan.mixing, timeline.source_names)
-        except PlanError:
-            raise
-        except Exception as err:  # its module, or its constructor, raised
-            raise PlanError(
-                f"mixing controller {plan.mixing.controller!r} could not be made with options "
-                f"{plan.mixing.options}: {type(err).__name__}: {err}"
-            ) from None
+        make_controller(plan.mixing, timeline.source_names)  # import, construction, options
     return units, pad_id
