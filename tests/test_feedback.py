@@ -164,11 +164,15 @@ def test_decisions_survive_a_snapshot_restore_and_a_rewind_to_another_dp():
     # the controller of a resumed run continues from its state in the last decision
     fb2 = FeedbackLoop(restored)
     assert fb2.controller.state_dict() == [d for d in st.timeline.decisions if d.kind == "weights"][-1].state
-    # a rewind (another dp) keeps them: the rebuilt planner weighs and costs the same steps alike
+    # a rewind (another dp) keeps them (the rebuilt planner weighs and costs the same steps alike)
+    # and records the dp change after them
     from overlord_dask.planner.rewind import memory_source, rebuild_at
 
     back = rebuild_at(st, 20, memory_source(st, 20), dp=2)
-    assert back.timeline.decisions == st.timeline.decisions
+    assert back.timeline.decisions[:-1] == st.timeline.decisions
+    assert back.timeline.dp_changes() == [(20, 2)] and st.timeline.dp_changes() == []
+    again = rebuild_at(back, 12, memory_source(back, 12), dp=plan.topology.dp)  # back further, to the first dp
+    assert again.timeline.decisions == st.timeline.decisions
 
 
 class Fixed(Controller):

@@ -5,11 +5,13 @@ step, exactly once; beyond the retention the error names the oldest step and the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from overlord_dask import Service, connect
 from overlord_dask.errors import ServiceError
 from overlord_dask.observe.figures import exactly_once, planned_identities
+from overlord_dask.service.replay import replay
 
 from .harness import assert_same_stream, consume
 
@@ -51,6 +53,32 @@ def test_a_job_back_with_another_dp_is_replanned_from_its_checkpoint_exactly_onc
     planned = [planned_identities(ledger[s]) for s in range(24)]
     assert exactly_once(planned, delivered) == (0, 0)
     assert {s for (_, s) in two.ids} == set(range(9, 24))
+
+
+def test_a_dp_change_is_in_the_timeline_replayed_and_kept_across_a_service_restart(cluster, small_plan, tmp_path):
+    """dp 3 to step 20, the job back with dp 2 from its checkpoint at 9, to 24: the timeline
+    records the change, ``replay`` of it equals the service's ledger piece for piece; the service
+    stops and starts again from its snapshot still planning for 2 ranks, and the job goes on from
+    its last state to step 30, every planned piece delivered exactly once."""
+    plan = small_plan(checkpoint={"url": str(tmp_path / "ck"), "base_every_steps": 4})
+    with Service.start(plan, cluster=cluster) as service:
+        three = _run(service.address, 3, 20, save_at=(9,))
+        two = consume(service.address, range(2), until=24, dp=2, states={r: three.saved[(r, 9)] for r in range(2)})
+        tl = service.timeline()
+        ledger = service.ledger(0, 24)
+    assert tl.dp_changes() == [(9, 2)]
+    replayed = replay(plan, tl, 24)
+    for s in range(24):
+        assert np.array_equal(replayed[s]["pieces"], ledger[s]["pieces"]), s
+        assert np.array_equal(replayed[s]["slot"], ledger[s]["slot"]), s
+    with Service.start(plan, cluster=cluster) as service:
+        assert service.summary()["dp"] == 2 and service.status()["committed"] == 24
+        more = consume(service.address, range(2), until=30, dp=2, states=two.states)
+        assert service.status()["failure"] is None
+        ledger |= service.ledger(24, 30)
+    planned = [planned_identities(ledger[s]) for s in range(30)]
+    assert exactly_once(planned, three.delivered(before=9) + two.delivered() + more.delivered()) == (0, 0)
+    assert {s for (_, s) in more.ids} == set(range(24, 30))
 
 
 def test_a_checkpoint_older_than_the_retention_is_refused_naming_the_oldest_step(cluster, small_plan):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..plan import Plan
 from .state import PlannerState
+from .timeline import Timeline
 
 
 def with_dp(plan: Plan, dp: int) -> Plan:
@@ -31,7 +32,12 @@ def rebuild_at(st: PlannerState, step: int, source: tuple[int, dict, dict], dp: 
     window_step, window, topology = source
     if window_step > step:
         raise ValueError(f"cannot rebuild step {step} from the window at step {window_step}")
-    plan = with_dp(st.final_plan, dp or st.final_plan.topology.dp)
+    dp = dp or st.final_plan.topology.dp
+    plan = with_dp(st.final_plan, dp)
+    timeline = Timeline(st.final_plan, st.timeline.updates, st.timeline.decisions)
+    # the dp change is part of the run's record: a replay and a restarted service switch there too
+    # (the window's topology is the one in force at `step`: a rewind starts a new window)
+    timeline.set_dp(step, dp, topology["dp"], "a training job restarted from its checkpoint with this dp")
     state = st.state_at(step, window_step, window, topology)
     first_ids = {s.name: s.first_ids for s in st.streams}
     new = PlannerState(
@@ -40,7 +46,7 @@ def rebuild_at(st: PlannerState, step: int, source: tuple[int, dict, dict], dp: 
         history_steps=st.ledger.history_steps,
         state=state,
         updates=st.timeline.updates,
-        decisions=st.timeline.decisions,
+        decisions=timeline.decisions,
     )
     new.ledger.keep_before(step, st.ledger)
     new.windows.keep_before(window_step, st.windows)

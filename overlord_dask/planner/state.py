@@ -59,11 +59,14 @@ class PlannerState(PlanningLoop):
         updates: list[tuple[int, Plan]] = (),
         decisions: list | None = None,
     ):
-        self.final_plan = plan
         recorded = Timeline.from_state(plan, state)
         self.timeline = Timeline(
             plan, list(updates) or recorded.updates, recorded.decisions if decisions is None else decisions
         )
+        dp = self.timeline.dp_at(int(state["committed"]) if state is not None else 0)
+        if dp is not None and dp != plan.topology.dp:  # a job came back with another dp (timeline.py)
+            plan = plan.model_copy(update={"topology": plan.topology.model_copy(update={"dp": dp})})
+        self.final_plan = plan
         if state is not None:  # replay on the topology the snapshot was planned with, switch at `committed`
             plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
         first = self.timeline.initial

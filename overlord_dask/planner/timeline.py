@@ -8,6 +8,12 @@ updates, decisions): a resumed run and a replay deliver the identical stream. A 
 force until the next one of its kind, or until a plan version that changes what it overrides
 (the sources or stages for the mix, the cost model for a learned cost) starts after it.
 
+A **dp change** (``kind="dp"``, ``values={"dp": n}``, from step A) records that a training job
+came back from its checkpoint at step A with another number of data-parallel ranks
+(``rewind.py``): the steps from A on are planned for ``n`` ranks, switching mid-window as the
+rewind did (the pieces planned for the old ranks and not delivered go back to the queue). A later
+dp change at or before A replaces the ones from its step on (the job went back further).
+
 A **skip** (``kind="skip"``, ``values={"until": B}``, from step A) is a decision of the run's
 operator rather than the planner's: steps A..B are planned as they would be (the stream after them
 is unchanged) but not handed out, and a rank that reaches A goes on at B + 1 (the remedy PaLM
@@ -30,7 +36,8 @@ from ..plan import CostModel, Plan
 from ..plan.versions import OVERRIDES, PlanVersions, decode_updates
 
 SKIP = "skip"  # steps not handed out: {"until": the last one}
-KINDS = (*OVERRIDES, SKIP)  # what a decision sets: the mix (shares by source name), the cost model, a skip
+DP = "dp"  # data-parallel ranks from this step on: {"dp": n}
+KINDS = (*OVERRIDES, SKIP, DP)  # what a decision sets: the mix (shares by source name), the cost model, a skip, a dp
 
 
 class Decision(NamedTuple):
@@ -82,8 +89,8 @@ class Timeline(PlanVersions):
     # ---- decisions ------------------------------------------------------------------------------
     def decide(self, kind: str, at_step: int, values: dict, reason: str, state: dict | None = None) -> Decision:
         """Record a decision of ``kind`` from ``at_step`` (not before the last one of its kind)."""
-        if kind not in KINDS:
-            raise ValueError(f"decision kind must be one of {KINDS}, got {kind!r}")
+        if kind not in KINDS or kind == DP:
+            raise ValueError(f"decision kind must be one of {KINDS[:-1]}, got {kind!r} (a dp change: set_dp)")
         if kind == SKIP:
             until = values.get("until")
             if not isinstance(until, int) or isinstance(until, bool) or until < at_step or at_step < 0:
@@ -105,6 +112,29 @@ class Timeline(PlanVersions):
         d = Decision(int(at_step), kind, {k: float(v) for k, v in values.items()}, reason, len(self.versions), state)
         self._append(d)
         return d
+
+    def set_dp(self, at_step: int, dp: int, before: int, reason: str) -> None:
+        """From ``at_step`` on, ``dp`` ranks (``before``: the ranks there until now). The dp changes
+        from ``at_step`` on are dropped first (a job that went back to ``at_step`` re-plans them);
+        nothing is recorded when ``dp`` is what is in force there anyway."""
+        if dp < 1 or at_step < 0:
+            raise ValueError(f"a dp change needs dp >= 1 and a step >= 0, got dp={dp} at step {at_step}")
+        dropped = [id(d) for d in self._by_kind[DP] if d.at >= at_step]
+        if dropped:
+            self.decisions = [d for d in self.decisions if id(d) not in dropped]
+            self._by_kind[DP] = [d for d in self._by_kind[DP] if d.at < at_step]
+        if dp != before:
+            self._append(Decision(int(at_step), DP, {"dp": int(dp)}, reason, len(self.versions)))
+
+    def dp_changes(self) -> list[tuple[int, int]]:
+        """``(step, dp)`` of each dp change, in step order."""
+        return [(d.at, int(d.values["dp"])) for d in self._by_kind[DP]]
+
+    def dp_at(self, step: int) -> int | None:
+        """The ranks a dp change set for ``step``, or None (the plan's)."""
+        lst = self._by_kind[DP]
+        i = bisect_right(lst, step, key=lambda d: d.at) - 1
+        return int(lst[i].values["dp"]) if i >= 0 else None
 
     def _append(self, d: Decision) -> None:
         self.decisions.append(d)
@@ -203,10 +233,10 @@ class Timeline(PlanVersions):
     # ---- planning windows -----------------------------------------------------------------------
     def next_jump(self, step: int) -> int | None:
         """The first step after ``step`` where the mix or context changes abruptly (a planning
-        window ends there), or None. A skip is no jump: its steps are planned as they would be."""
+        window ends there), or None. A skip is no jump: its steps are planned as they would be; nor is a dp change."""
         cands = self.declared_jumps_after(step)
         for kind, lst in self._by_kind.items():
-            if kind == SKIP:
+            if kind in (SKIP, DP):  # a dp change switches mid-window, as the rewind that made it did
                 continue
             i = bisect_right(lst, step, key=lambda d: d.at)
             if i < len(lst):

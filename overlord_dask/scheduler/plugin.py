@@ -97,6 +97,9 @@ class PlannerPlugin(SchedulerPlugin):
             on_decisions=self._decided,
         )
         planning = await self.thread.start(plan, self.unit_first_ids, self.restore_state)
+        if self.thread.state.final_plan.topology != plan.topology:  # the snapshot's run changed dp
+            plan = self.plan = self.thread.state.final_plan
+            self.chunk_steps = self.thread.chunk_steps = chunk_steps(plan.loading, plan.topology)
         self.channels = RankChannels(
             scheduler.extensions["queues"],
             self.name,

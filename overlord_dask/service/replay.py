@@ -9,6 +9,9 @@ decisions would deliver::
     tl = service.timeline()                    # versions and decisions of a running service
     ledger = replay(plan, tl, steps=500)       # {step: {"pieces", "slot"}}, read on this machine
 
+A training job that came back with another dp is in the timeline (a ``dp`` change): the replay
+switches there as the service did.
+
 The units are read here, in this process (``read_unit``, as a worker would), so the sources must
 be reachable from it; only their lengths are kept.
 """
@@ -16,6 +19,7 @@ be reachable from it; only their lengths are kept.
 from __future__ import annotations
 
 from ..plan import Plan
+from ..planner.rewind import with_dp
 from ..planner.state import STATE_VERSION, PlannerState
 from ..planner.timeline import Timeline
 from ..sources import read_unit
@@ -53,8 +57,12 @@ def replay(
             "topology": topology,
         }
     st = PlannerState(plan, first_ids, state=state, updates=timeline.updates, decisions=timeline.decisions)
+    switches = [(at, dp) for at, dp in timeline.dp_changes() if at > first]  # (as the rewinds made them)
     read: dict[tuple[str, int], tuple] = {}
     while st.next_step < steps:
+        if switches and st.next_step == switches[0][0]:
+            at, dp = switches.pop(0)  # the job came back here with dp ranks: switch mid-window
+            st.final_plan, st.replay_until = with_dp(st.final_plan, dp), at
         wanted = st.wanted()  # (asking marks them requested: ask once per round)
         for name, epoch, unit in wanted:
             if (name, unit) not in read:
@@ -64,7 +72,7 @@ def replay(
                 read[(name, unit)] = (block.lengths(), block.vision_tokens(), block.masked_runs())
             lens, vision, masked = read[(name, unit)]
             st.add_lengths(name, epoch, unit, lens, vision, masked)
-        planned, _ = st.plan_steps(steps - st.next_step)
+        planned, _ = st.plan_steps(min(steps, switches[0][0] if switches else steps) - st.next_step)
         if not planned and not wanted:
             raise RuntimeError(f"replay stalled at step {st.next_step} (starved on {st.starved_on!r})")
         for p in planned:
