@@ -39,20 +39,22 @@ def test_a_job_restarts_from_older_checkpoints_while_the_service_runs_on(cluster
         assert service.status()["failure"] is None
 
 
-def test_a_job_back_with_another_dp_is_replanned_from_its_checkpoint_exactly_once(cluster, small_plan):
-    """dp 3 runs to step 20 (checkpoint at 9); the job comes back with dp 2 from step 9: the
-    service re-plans from there for 2 ranks; every planned piece is delivered exactly once."""
-    plan = small_plan()
+@pytest.mark.parametrize("before,after", [(3, 2), (2, 3)])
+def test_a_job_back_with_another_dp_is_replanned_from_its_checkpoint_exactly_once(cluster, small_plan, before, after):
+    """dp ``before`` runs to step 20 (checkpoint at 9); the job comes back with dp ``after`` from
+    step 9 (a rank it adds loads rank 0's state: the state is topology-free): the service
+    re-plans from there for the new ranks; every planned piece is delivered exactly once."""
+    plan = small_plan(topology={"dp": before})
     with Service.start(plan, cluster=cluster) as service:
-        three = _run(service.address, 3, 20, save_at=(9,))
-        two = _run(service.address, 2, 24, states={r: three.saved[(r, 9)] for r in range(2)})
+        first = _run(service.address, before, 20, save_at=(9,))
+        second = _run(service.address, after, 24, states={r: first.saved[(0, 9)] for r in range(after)})
 
-        assert service.status()["failure"] is None and service.summary()["dp"] == 2
+        assert service.status()["failure"] is None and service.summary()["dp"] == after
         ledger = service.ledger(0, 24)
-    delivered = three.delivered(before=9) + two.delivered()
+    delivered = first.delivered(before=9) + second.delivered()
     planned = [planned_identities(ledger[s]) for s in range(24)]
     assert exactly_once(planned, delivered) == (0, 0)
-    assert {s for (_, s) in two.ids} == set(range(9, 24))
+    assert {s for (_, s) in second.ids} == set(range(9, 24))
 
 
 def test_a_dp_change_is_in_the_timeline_replayed_and_kept_across_a_service_restart(cluster, small_plan, tmp_path):

@@ -39,7 +39,10 @@ class Rewinder:
             if not 0 <= cp_rank < topo.cp or not 0 <= rank < dp:
                 return {"error": f"rank {rank} cp rank {cp_rank} does not exist for dp={dp}, cp={topo.cp}"}
             i = rank * topo.cp + cp_rank
-            if dp == topo.dp and step >= max(st.replay_until, st.progress.acked[i] + 1):
+            # (until the planner reaches a switch to another dp a rewind set up, its progress counts
+            # the old ranks: a rank the switch adds has acknowledged nothing)
+            acked = st.progress.acked[i] if i < len(st.progress.acked) else -1
+            if dp == topo.dp and step >= max(st.replay_until, acked + 1):
                 return {"error": None, "rewound": False}
             source = await self.source(step)
             if source is None:
