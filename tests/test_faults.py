@@ -119,3 +119,86 @@ def test_a_rank_that_waits_is_told_why():
     assert "unit 7 of source 'web' was quarantined at step 44 (loading ...: ArrowInvalid: bad page)" in told
     assert why_waiting({**base, "failure": "boom"}, 0, 50, 30) == "the overlord service failed: boom"
     assert "its status shows no cause" in why_waiting(base, 1, 47, 30)
+
+
+def test_what_the_next_step_waits_on_is_named_in_words():
+    """``HeldBatches.blocker``: the load a step's batches wait for (its unit and source, where it
+    runs, the retries it used, the workers that died running it), or the build itself."""
+    from types import SimpleNamespace as NS
+
+    from overlord_dask.scheduler.held import HeldBatches
+
+    w = NS(address="tcp://10.0.0.7:4000")
+    load = NS(key="overlord-load-r1-web-main-e0-u12-n40", state="processing", processing_on=w, retries=0, suspicious=1)
+    build = NS(key="b1", state="waiting", processing_on=None, retries=0, suspicious=0, dependencies=[load])
+    done = NS(key="b0", state="memory", who_has=[w], dependencies=[])
+    sched = NS(tasks={"b0": done, "b1": build}, workers={})
+    held = HeldBatches(sched, 0, False, "overlord-load-r1-", retries=2)
+    held.add("b0", [10, 11], 0, 2)
+    held.add("b1", [12, 13], 0, 2)
+    held.stored("b0")
+    assert held.blocker(11) is None  # built
+    assert held.blocker(20) is None  # not handed out yet: the planner's causes apply
+    assert held.blocker(13) == (
+        "the batches of step 13 (ranks 0-1) wait for unit 12 of source 'web-main' (epoch 0), on "
+        "tcp://10.0.0.7:4000; retried 2 of 2 times after errors, 1 worker died running it"
+    )
+    w.processing = [build, load]  # the build waits on the worker behind a load (of another step)
+    load.state = "memory"
+    build.state, build.processing_on = "processing", w
+    assert held.blocker(12) == (
+        "the batches of step 12 (ranks 0-1) are on tcp://10.0.0.7:4000, behind the load of unit 12 of source "
+        "'web-main' (epoch 0) there"
+    )
+    build.state = "no-worker"
+    assert "waiting for a worker that can run it" in held.blocker(12)
+
+
+def hold_while(table, flag: str):
+    """A batch prepare step (``tests.test_faults:hold_while``) that holds a load while ``flag`` exists."""
+    while os.path.exists(flag):
+        time.sleep(0.05)
+    return table
+
+
+def test_a_stalled_step_is_named_in_status_summary_and_the_trainers_error(cluster, small_plan, tmp_path):
+    """The web source's loads hang (a prepare step held by a flag file) while a rank runs:
+    ``status()["waiting"]`` names the step it needs, the source and unit planning waits for and
+    the worker loading it; ``overlord status`` shows it, and the rank that times out is told the
+    same; all of it gone once the loads go on."""
+    from overlord_dask import connect
+    from overlord_dask.errors import ServiceError
+    from overlord_dask.service.status_text import render
+
+    flag = tmp_path / "hold"
+    from overlord_dask.plan import plan_from_dict, plan_to_dict
+
+    base = small_plan(topology={"dp": 1}, loading={"prefetch_steps": 2})
+    d = plan_to_dict(base)
+    d["sources"][0]["prepare"] = [{"batch": "tests.test_faults:hold_while", "kwargs": {"flag": str(flag)}}]
+    plan = plan_from_dict(d, base_dir=base.base_dir)
+    with Service.start(plan, cluster=cluster) as service:
+        told = None
+        with connect(service.address, 0, timeout=8) as s:
+            s.next_batch()
+            flag.touch()
+            try:
+                for _ in range(500):
+                    s.next_batch()
+            except ServiceError as err:
+                told = str(err)
+            w = service.status()["waiting"]
+            step = s.next_step
+        flag.unlink()
+        assert told is not None and w is not None and w["step"] == step, (told, w)
+        # (planning starved on web's loads, or a build queued behind one on its worker: either way, named)
+        assert "unit " in w["cause"] and "of source 'web' (epoch " in w["cause"], w
+        assert f"step {step}" in w["cause"] and " on tcp://127.0.0.1:" in w["cause"], w
+        # the rank was told at its timeout (what it waited on then: the same source's loads)
+        assert f"no batch for step {step} within 8s" in told and "of source 'web' (epoch " in told, told
+        assert f"blocked    step {step}" in render(service.summary()).replace("blocked     ", "blocked    ")
+        with connect(service.address, 0, timeout=60) as s:
+            s.load_state_dict({"version": 1, "next_step": step})
+            s.next_batch()
+            s.commit()
+        assert service.status()["waiting"] is None

@@ -47,7 +47,7 @@ def test_a_job_back_with_another_dp_is_replanned_from_its_checkpoint_exactly_onc
     plan = small_plan(topology={"dp": before})
     with Service.start(plan, cluster=cluster) as service:
         first = _run(service.address, before, 20, save_at=(9,))
-        second = _run(service.address, after, 24, states={r: first.saved[(0, 9)] for r in range(after)})
+        second = _run(service.address, after, 24, states=dict.fromkeys(range(after), first.saved[0, 9]))
 
         assert service.status()["failure"] is None and service.summary()["dp"] == after
         ledger = service.ledger(0, 24)

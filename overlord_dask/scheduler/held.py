@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 logger = logging.getLogger(__name__)
+
+LOAD_KEY = re.compile(r"^(?P<source>.+)-e(?P<epoch>\d+)-u(?P<unit>\d+)-n\d+")  # after the run's load prefix
 
 
 def holders(ts) -> list[str]:
@@ -29,8 +32,9 @@ def held_bytes(tasks: list, name: str, shadow_name: str) -> dict:
 
 
 class HeldBatches:
-    def __init__(self, scheduler, shadows: int, shadow_blocks: bool, load_prefix: str):
+    def __init__(self, scheduler, shadows: int, shadow_blocks: bool, load_prefix: str, retries: int | None = None):
         self.scheduler = scheduler
+        self.retries = retries  # loading.retries: what a task's remaining retries are counted from
         self.load_prefix = load_prefix  # the run's load tasks' keys start with it
         self.shadows = shadows  # extra copies of each built batch
         self.shadow_blocks = shadows if shadow_blocks else 0  # ... and of each loaded block
@@ -99,6 +103,62 @@ class HeldBatches:
                 pass
             ts = self.scheduler.tasks.get(key)
         return {"error": None, "workers": holders(ts)}
+
+    def blocker(self, step: int) -> str | None:
+        """Why the batches of ``step`` are not built (what a rank that needs it waits on): the
+        load of a unit they read, or their own build, with where it runs, its retries and the
+        workers that died running it; None when they are built or not handed out yet."""
+        for key, t in self.tasks.items():
+            if not t["steps"][0] <= step <= t["steps"][-1]:
+                continue
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and ts.state == "memory":
+                continue
+            ranks = f"ranks {t['lo']}-{t['hi'] - 1}" if t["hi"] - t["lo"] > 1 else f"rank {t['lo']}"
+            if ts is None:
+                return f"the batches of step {step} ({ranks}) are being submitted again"
+            loads = [d for d in ts.dependencies if d.state != "memory" and self.is_load(d.key)]
+            if loads:
+                return f"the batches of step {step} ({ranks}) wait for {self._load_text(loads[0])}"
+            return f"the batches of step {step} ({ranks}) are {self._state_text(ts)}"
+        return None
+
+    def loading(self, source: str) -> str | None:
+        """The first load of ``source`` not finished (the unit planning waits for), in words."""
+        prefix = f"{self.load_prefix}{source}-e"
+        for key, ts in list(self.scheduler.tasks.items()):
+            if isinstance(key, str) and key.startswith(prefix) and ts.state != "memory":
+                return self._load_text(ts)
+        return None
+
+    def _load_text(self, ts) -> str:
+        return f"{self._unit(ts)}, {self._state_text(ts, self.retries)}"
+
+    def _unit(self, ts) -> str:
+        """A load task's unit and source, in words."""
+        m = LOAD_KEY.match(ts.key[len(self.load_prefix) :])
+        return f"unit {m['unit']} of source {m['source']!r} (epoch {m['epoch']})" if m else f"load {ts.key}"
+
+    def _state_text(self, ts, retries_of: int | None = None) -> str:
+        """A task's state in words: running where, or why not; the retries used of ``retries_of``
+        (a load's), the workers that died running it."""
+        if ts.state == "processing" and ts.processing_on is not None:
+            ws = ts.processing_on  # (assigned there: running, or queued behind the worker's other tasks)
+            ahead = [t for t in getattr(ws, "processing", ()) if t is not ts and self.is_load(t.key)]
+            text = f"on {ws.address}" + (f", behind the load of {self._unit(ahead[0])} there" if ahead else "")
+        elif ts.state == "no-worker":
+            text = "waiting for a worker that can run it (none has its resources)"
+        elif ts.state == "erred":
+            text = f"failed: {str(getattr(ts, 'exception_text', '') or 'unknown error')[:300]}"
+        else:
+            text = f"{ts.state} (not started)"
+        extra = []
+        left = getattr(ts, "retries", 0) or 0
+        if retries_of is not None and left < retries_of:
+            extra.append(f"retried {retries_of - left} of {retries_of} times after errors")
+        if getattr(ts, "suspicious", 0):
+            extra.append(f"{ts.suspicious} worker{'s' if ts.suspicious > 1 else ''} died running it")
+        return text + (f"; {', '.join(extra)}" if extra else "")
 
     def is_load(self, key) -> bool:
         return isinstance(key, str) and key.startswith(self.load_prefix)

@@ -84,7 +84,9 @@ class PlannerPlugin(SchedulerPlugin):
         self.parts = UnitParts()  # lengths of units loaded in parts, until every part arrived
         self.dropped = DroppedData()  # records dropped by prepare steps, units quarantined
         self.progress_history = dashboard.ProgressHistory()  # the page's tokens/s over time
-        self.held = HeldBatches(scheduler, plan.loading.shadows, plan.loading.shadow_blocks, load_prefix(self.run_id))
+        self.held = HeldBatches(
+            scheduler, plan.loading.shadows, plan.loading.shadow_blocks, load_prefix(self.run_id), plan.loading.retries
+        )
         self.routes = Routes(self)
         link_from_dask_dashboard(scheduler)  # Dask's own pages link to /overlord
         self.thread = PlannerThread(
@@ -110,7 +112,7 @@ class PlannerPlugin(SchedulerPlugin):
             on_leave=self.routes.trainers.leave,
         )
         self.rewinder = Rewinder(self)  # rewinds: a job restarted from an older checkpoint, a skip
-        self.watch = LoopWatch(on_tick=self.thread.idle_tick)
+        self.watch = LoopWatch(on_tick=self._tick)
         self._background = [planning, asyncio.create_task(self.watch.run())]
         self.snapshots_loop = None
         if self.checkpoint_url:
@@ -165,6 +167,14 @@ class PlannerPlugin(SchedulerPlugin):
         """The run as the dashboard and the gauges show it (refreshed by the planner thread)."""
         return self.thread.observed if self.thread is not None else None
 
+    def _tick(self) -> None:
+        """(event loop, every watchdog tick) An idle run's view refreshed; what a step waits on;
+        acknowledgements a restored planner was not ready for."""
+        self.thread.idle_tick()
+        self.routes.service.refresh_waiting()
+        if self.routes.trainers.early:
+            self.routes.trainers.catch_up()
+
     def _observe(self) -> dict:
         """(planner thread) The dashboard's view of the run."""
         return dashboard.snapshot(
@@ -183,6 +193,7 @@ class PlannerPlugin(SchedulerPlugin):
                 "timings": self.routes.trainers.timings.snapshot(),
                 "dropped": self.dropped.status(),
                 "feedback": self.thread.feedback_status(),
+                "waiting": self.routes.service.blocked_view,
             },
         )
 

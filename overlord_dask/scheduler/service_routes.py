@@ -4,6 +4,8 @@ unit lengths."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .. import logs
@@ -11,6 +13,8 @@ from .. import pieces as P
 from ..errors import PlanError
 from ..plan.io import plan_from_dict, plan_to_dict
 from .load_signals import pool_signals
+
+WAITING_EVERY_S = 0.5  # how often the watchdog looks at what the next step waits on (for the page)
 
 
 class ServiceRoutes:
@@ -21,6 +25,9 @@ class ServiceRoutes:
         self.p, self.trainers = plugin, trainers
         self.scaling: dict | None = None  # the autoscaler's last decisions and history, as it reported them
         self.stop_requested = False
+        self._blocked: tuple[int, str, float] | None = None  # (step, cause, since): what `waiting` reports
+        self.blocked_view: dict | None = None
+        self._waiting_at = 0.0
 
     @property
     def state(self):
@@ -114,6 +121,7 @@ class ServiceRoutes:
         snaps = self.p.snapshots_loop
         return {
             **st,
+            "waiting": self.waiting(st),
             **self.p.dropped.status(),
             "loop": self.loop(),
             "chunk_steps": self.p.chunk_steps,
@@ -126,6 +134,38 @@ class ServiceRoutes:
             "rank_wait_share": self.trainers.wait_shares(),
             **self.counters(),
         }
+
+    def waiting(self, st: dict) -> dict | None:
+        """(event loop) What the step every rank needs next waits on, while its batches are not
+        built: the load of a unit (running where, retried how often, workers lost under it) or
+        the build itself; while it is not planned because planning starved on a source, that
+        source's load in flight; ``since_s``: for how long that same cause has been seen. Kept in
+        ``blocked_view`` for the page (the planner thread reads it; it never scans the
+        scheduler's tasks itself)."""
+        acked = st.get("acked") or []
+        step = min(acked) + 1 if acked else st.get("committed", 0)
+        cause = self.p.held.blocker(step)
+        starved = self.state.starved_on
+        if cause is None and starved is not None and step >= self.state.next_step:
+            load = self.p.held.loading(starved)
+            if load is not None:
+                cause = f"step {step} is not planned yet: planning waits for {load}"
+        if cause is None:
+            self._blocked = self.blocked_view = None
+            return None
+        now = time.time()
+        if self._blocked is None or self._blocked[:2] != (step, cause):
+            self._blocked = (step, cause, now)
+        self.blocked_view = {"step": step, "cause": cause, "since_s": round(now - self._blocked[2], 1)}
+        return self.blocked_view
+
+    def refresh_waiting(self) -> None:
+        """(event loop, every watchdog tick) :meth:`waiting` at most every ``WAITING_EVERY_S``."""
+        now = time.monotonic()
+        if now - self._waiting_at >= WAITING_EVERY_S:
+            self._waiting_at = now
+            progress = self.state.progress
+            self.waiting({"acked": list(progress.acked), "committed": progress.committed})
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
         return await self.p.thread.run(

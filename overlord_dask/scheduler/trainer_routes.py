@@ -26,6 +26,9 @@ class TrainerRoutes:
         self.rank_wait: dict[tuple[int, int], tuple[float, float]] = {}
         self.timings = Timings()  # trainer wait and step time histograms (the metrics)
         self.first_step: dict[Consumer, int] = {}  # each attached consumer's first step (its backlog starts there)
+        # acknowledgements of steps a restored planner has not planned again yet: consumer ->
+        # (step, durable, generation); applied as planning catches up (catch_up)
+        self.early: dict[Consumer, tuple[int, bool, int | None]] = {}
 
     @property
     def state(self):
@@ -153,6 +156,15 @@ class TrainerRoutes:
             }
         if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
             self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
+        if step >= st.next_step and st.replay_until > 0 and step >= 0:
+            # A consumer that reconnected to a service restarted from its snapshot took steps the
+            # restored planner has not planned again yet: they count as far as it has planned, the
+            # rest as it catches up (it plans ahead of what every rank has acknowledged).
+            old = self.early.get(consumer)
+            self.early[consumer] = (max(step, old[0] if old else -1), durable or bool(old and old[1]), generation)
+            step = st.next_step - 1
+            if step < 0:
+                return {"committed": st.committed, "error": None}
         before, before_durable = st.committed, st.progress.durable_step
         try:
             st.progress.check(rank, step, cp_rank, st.next_step)
@@ -169,6 +181,19 @@ class TrainerRoutes:
             self.timings.committed(committed)
             self.p.thread.release(self.p.held.release_before(committed))
         return {"committed": committed, "error": None}
+
+    def catch_up(self) -> None:
+        """(event loop) Apply the early acknowledgements as far as the planner has planned."""
+        st = self.state
+        for consumer, (step, durable, generation) in list(self.early.items()):
+            if generation is not None and not self.p.channels.current(consumer, generation):
+                del self.early[consumer]  # the consumer reattached (or the run was rewound) since
+                continue
+            if st.next_step == 0:
+                continue
+            del self.early[consumer]
+            rank, cp_rank, replica = consumer
+            self.ack(rank, step, cp_rank, durable, replica=replica, generation=generation)  # (clipped again if need be)
 
     async def where(self, key: str, timeout: float = 5.0, run_id: str | None = None) -> dict:
         """Workers holding built batch ``key``. A descriptor of another run (a consumer that has

@@ -85,6 +85,9 @@ def render(s: dict, previous: tuple[float, dict] | None = None, now: float | Non
         lines.append(("mix", f"error {s['mix_error']:.2%} of tokens off the declared shares, last 20 committed steps"))
     if s.get("starved_on"):
         lines.append(("waiting on", f"source {s['starved_on']!r} (its loads are behind the planner)"))
+    w = s.get("waiting")
+    if w:
+        lines.append(("blocked", f"step {w['step']:,} for {w['since_s']:g} s: {w['cause']}"))
     for pool, p in (s.get("pools") or {}).items():
         lines.append(("pool", f"{pool}: {p['workers']} workers (target {p['target']})"))
     snap = s.get("last_snapshot")

@@ -68,6 +68,7 @@ class ServiceViews:
                 for k in ("imbalance", "mb_imbalance", "mix_error")
             },
             "starved_on": st["starved_on"],
+            "waiting": st.get("waiting"),
             "pools": {p["pool"]: {"workers": p["workers"], "target": p["target"]} for p in self.pools()}
             if uses_pools(self.plan)
             else {},

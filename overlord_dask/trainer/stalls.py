@@ -1,7 +1,7 @@
 """Why a rank waits: the error a trainer gets when no batch came within its timeout names the
-cause the service's status shows (a failure, a step not planned yet, a source whose units are
-still loading, a rank that holds planning back, a quarantined unit, a snapshot that cannot be
-written) and the step, instead of the status as a raw dict."""
+cause the service's status shows (a failure, the load or build the step's batches wait on, a
+step not planned yet, a source whose units are still loading, a rank that holds planning back, a
+quarantined unit, a snapshot that cannot be written) and the step, instead of the status as a raw dict."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ def why_waiting(status: dict, rank: int, step: int, timeout: float) -> str:
         return f"the overlord service failed: {status['failure']}"
     planned, committed = int(status.get("next_step", 0)), int(status.get("committed", 0))
     causes = []
+    w = status.get("waiting")
+    if w and w.get("step") == step:  # the service sees what the step's batches wait on
+        causes.append(f"{w['cause']} (for {w['since_s']:g} s)")
     if step >= planned:
         far = step - planned >= FAR
         causes.append(
