@@ -57,7 +57,7 @@ class FaultyStore:
         with self.lock:
             self.error_rate, self.latency_s, self.bucket = float(error_rate), float(latency_s), bucket
 
-    def _fault(self, path: str) -> tuple[bool, float]:
+    def fault(self, path: str) -> tuple[bool, float]:
         """(answer 503?, seconds to wait) for a request to ``path``."""
         with self.lock:
             if self.bucket is not None and path.lstrip("/").split("/", 1)[0].split("?")[0] != self.bucket:
@@ -79,7 +79,7 @@ class FaultyStore:
             def _proxy(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
-                fail, wait = store._fault(self.path)
+                fail, wait = store.fault(self.path)
                 if wait:
                     time.sleep(wait)
                 if fail:
