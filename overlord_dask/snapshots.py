@@ -16,6 +16,15 @@ topology or the plan versions change (:class:`SnapshotWriter`). Sequence numbers
 strictly across bases and deltas; ``load`` takes the newest readable base and applies its deltas
 in order, and a missing delta in the middle is an error (never a silent skip).
 
+The planner's decisions (``planner/timeline.py``: a controller's shares, a learned cost, a skip,
+a dp change) are part of the state, and a run steered every few dozen steps makes thousands. A
+base holds only those that can still govern a step the service can re-plan (from the oldest window
+start it keeps, in memory or here): the **rule** is that a decision followed by another of its
+kind that applies at or before that step, or a skip that ended before it, is *settled*
+(``Timeline.settled``). Settled decisions are written once, in the order they were made, to
+``decisions-<seq>.msgpack`` (never collected: a replay of the whole run reads them,
+``archived_decisions``) and dropped from the planner, so bases stay bounded however long the run.
+
 Writes are atomic: a local file is written under a temporary name and renamed; an object store
 PUT is atomic per object. ``gc`` keeps the newest ``keep_bases`` bases and their deltas, and the
 bases a training job may still restart from (``checkpoint.keep_steps``, ``keep_hours``):
@@ -44,6 +53,7 @@ from .errors import OverlordError
 logger = logging.getLogger(__name__)
 SNAPSHOT_VERSION = 2  # 2: body + CRC-32; 1 (no checksum) is still read
 _NAME = re.compile(r"^(base|delta)-(\d{12})\.msgpack$")
+_ARCHIVE = re.compile(r"^decisions-(\d{12})\.msgpack$")
 
 
 class SnapshotError(OverlordError):
@@ -115,21 +125,36 @@ class SnapshotStore:
             payload.update(decisions_from=decisions[0], decisions=decisions[1])
         return self._put(f"delta-{seq:012d}.msgpack", payload)
 
+    def write_archive(self, seq: int, decisions: list[dict]) -> int:  # settled decisions, in the order made
+        return self._put(f"decisions-{seq:012d}.msgpack", {"kind": "decisions", "seq": seq, "decisions": decisions})
+
+    def archived_decisions(self) -> list[dict]:
+        """Every archived decision, in the order made (a damaged archive is an error: a replay of
+        the whole run would be wrong without it)."""
+        names = sorted(n for n in self._names() if _ARCHIVE.match(n))
+        try:
+            return [d for n in names for d in self._read(f"{self.root}/{n}", kinds=("decisions",))["decisions"]]
+        except _Unreadable as err:
+            raise SnapshotError(f"archived decisions are unreadable: {err}") from None
+
     # ---- reading ------------------------------------------------------------------------------
-    def _entries(self) -> list[tuple[str, int, str]]:
+    def _names(self) -> list[str]:
         try:
             names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
             return []
         self.fs.invalidate_cache(self.root)
+        return names
+
+    def _entries(self) -> list[tuple[str, int, str]]:
         out = []
-        for n in names:
+        for n in self._names():
             m = _NAME.match(n)
             if m:
                 out.append((m.group(1), int(m.group(2)), f"{self.root}/{n}"))
         return sorted(out, key=lambda e: e[1])
 
-    def _read(self, path: str) -> dict:
+    def _read(self, path: str, kinds: tuple[str, ...] = ("base", "delta")) -> dict:
         """A snapshot's payload; SnapshotError for a version this code cannot read, _Unreadable
         for a damaged file (checksum, framing or decoding)."""
         data = self.fs.cat_file(path)
@@ -153,8 +178,8 @@ class SnapshotStore:
             payload = _unpack(body)
         except Exception as err:
             raise _Unreadable(f"{path}: body does not decode ({type(err).__name__}: {err})") from None
-        if not isinstance(payload, dict) or payload.get("kind") not in ("base", "delta"):
-            raise _Unreadable(f"{path}: not a base or delta")
+        if not isinstance(payload, dict) or payload.get("kind") not in kinds:
+            raise _Unreadable(f"{path}: not a {' or '.join(kinds)}")
         return payload
 
     def exists(self) -> bool:

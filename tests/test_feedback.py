@@ -523,3 +523,84 @@ def test_with_snapshots_no_step_a_decision_governs_goes_out_before_a_snapshot_ho
     rounds(4)
     assert max(handed) >= held  # released: the decision's steps go out
     thread.stop()
+
+
+@pytest.mark.integration
+def test_settled_decisions_are_archived_bases_stay_bounded_and_replays_still_see_them(
+    tmp_path, small_plan, cluster, monkeypatch
+):
+    """A controller decides every 2 steps; with a low archive threshold the settled decisions
+    (followed by another of their kind before the oldest window the service keeps) leave the
+    planner for ``decisions-*.msgpack``: the newest base holds fewer than were made, every one it
+    dropped is settled, the service's timeline still holds them all (a replay from step 0 equals
+    the ledger), and a service restarted from the compacted base delivers what a replay of the
+    whole timeline plans."""
+    from overlord_dask.observe.figures import planned_identities
+    from overlord_dask.planner.timeline import Decision, Timeline
+    from overlord_dask.scheduler import snapshot_loop
+    from overlord_dask.service.replay import replay
+    from overlord_dask.snapshots import SnapshotStore
+
+    from .harness import consume
+
+    monkeypatch.setattr(snapshot_loop, "ARCHIVE_AT", 6)
+    ck = str(tmp_path / "ck")
+    plan = small_plan(
+        topology={"dp": 2},
+        mixing={"controller": "tests.test_feedback:Fixed", "interval": 2, "lag": 1, "max_change": 0.2},
+        checkpoint={"url": ck, "base_every_steps": 4, "keep_steps": 4},
+    )
+    k, m = 40, 10
+    with Service.start(plan, cluster=cluster) as service:
+        first = consume(service.address, [0, 1], steps=k)
+        tl = service.timeline()
+        ledger = service.ledger(0, k)
+    store = SnapshotStore(ck)
+    archived = [Decision.from_dict(d) for d in store.archived_decisions()]
+    state, _ = store.load()
+    assert archived and len(state["decisions"]) < len(tl.decisions), (len(archived), len(tl.decisions))
+    held = Timeline.from_state(plan, state)
+    assert tl.decisions == archived + [d for d in held.decisions if d not in archived]  # nothing lost, in order
+    settled = Timeline(plan, [], tl.decisions).settled(store.oldest_window_step())
+    assert all(d in settled for d in archived)
+    again = replay(plan, tl, k)
+    for s in range(k):
+        np.testing.assert_array_equal(again[s]["pieces"], ledger[s]["pieces"])
+    with Service.start(plan, cluster=cluster) as service:
+        after = consume(service.address, [0, 1], steps=m, states=first.states)
+        tl2 = service.timeline()
+        later = service.ledger(k, k + m)
+    assert tl2.decisions[: len(tl.decisions)] == tl.decisions
+    again = replay(plan, tl2, k + m)
+    for (rank, step), ids in after.ids.items():
+        entry = again[step]
+        mine = entry["slot"][:, 0] == rank
+        assert sorted(map(tuple, planned_identities(entry)[mine].tolist())) == sorted(map(tuple, ids)), (rank, step)
+        np.testing.assert_array_equal(entry["pieces"], later[step]["pieces"])
+
+
+def test_settled_decisions_are_those_no_step_from_then_on_reads():
+    """Of each kind, the decisions before the one in force at the step; skips that ended before it;
+    dp changes alike. Dropping them changes nothing any step from there on reads."""
+    from overlord_dask.planner.timeline import Timeline
+
+    plan = plan_from_dict(plan_dict())
+    tl = Timeline(plan)
+    names = tl.source_names
+    for at in (10, 20, 30, 40):
+        tl.decide("weights", at, dict.fromkeys(names, at), f"w{at}")
+    tl.decide("cost", 5, {"attention": 2.0}, "c5")
+    tl.decide("skip", 12, {"until": 14}, "s12")
+    tl.decide("skip", 33, {"until": 36}, "s33")
+    tl.set_dp(15, 3, plan.topology.dp, "dp15")
+    tl.set_dp(25, 2, 3, "dp25")
+    settled = tl.settled(34)
+    assert [d.reason for d in settled] == ["w10", "w20", "s12", "dp15"]
+    before = {
+        s: (tl.mix_at(s).tolist(), tl.cost_at(s), tl.skip_at(s), tl.dp_at(s), tl.next_jump(s)) for s in range(34, 50)
+    }
+    tl.drop(settled)
+    assert [d.reason for d in tl.decisions] == ["w30", "w40", "c5", "s33", "dp25"]
+    assert before == {
+        s: (tl.mix_at(s).tolist(), tl.cost_at(s), tl.skip_at(s), tl.dp_at(s), tl.next_jump(s)) for s in range(34, 50)
+    }

@@ -136,6 +136,27 @@ class Timeline(PlanVersions):
         i = bisect_right(lst, step, key=lambda d: d.at) - 1
         return int(lst[i].values["dp"]) if i >= 0 else None
 
+    def settled(self, step: int) -> list[Decision]:
+        """The decisions that govern no step from ``step`` on, in the order they were made: of
+        each kind, those before the one in force at ``step`` (only the last one at or before a
+        step can be in force there), and the skips that end before it. A planner restored or
+        rewound to ``step`` or later never reads them; a replay of the whole run does."""
+        out: set[int] = set()
+        for kind, lst in self._by_kind.items():
+            if kind == SKIP:
+                out |= {id(d) for d in lst if d.values["until"] < step}
+            else:
+                i = bisect_right(lst, step, key=lambda d: d.at) - 1
+                out |= {id(d) for d in lst[: max(i, 0)]}
+        return [d for d in self.decisions if id(d) in out]
+
+    def drop(self, decisions: list[Decision]) -> None:
+        """Forget ``decisions`` (settled ones, archived elsewhere: ``settled``)."""
+        gone = {id(d) for d in decisions}
+        self.decisions = [d for d in self.decisions if id(d) not in gone]
+        self._by_kind = {k: [d for d in lst if id(d) not in gone] for k, lst in self._by_kind.items()}
+        self._costs = {}
+
     def _append(self, d: Decision) -> None:
         self.decisions.append(d)
         self._by_kind[d.kind].append(d)

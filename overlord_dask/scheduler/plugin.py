@@ -120,7 +120,20 @@ class PlannerPlugin(SchedulerPlugin):
             async def capture() -> dict:  # the planner state now (a rewind may have replaced it)
                 return await self.thread.run(self.thread.state.get_state)
 
-            self.snapshots_loop = SnapshotLoop(self.checkpoint_url, plan.checkpoint, capture, self.run_id, seq=self.seq)
+            async def settled(stored: int | None) -> list:  # what no restore or rewind can need any more
+                def find():
+                    st = self.thread.state
+                    oldest = [s for s in (stored, st.windows.oldest) if s is not None]
+                    return st.timeline.settled(min(oldest)) if oldest else []
+
+                return await self.thread.run(find)
+
+            async def drop(decisions: list) -> None:
+                await self.thread.run(lambda: self.thread.state.timeline.drop(decisions))
+
+            self.snapshots_loop = SnapshotLoop(
+                self.checkpoint_url, plan.checkpoint, capture, self.run_id, seq=self.seq, settled=settled, drop=drop
+            )
             self._background.append(asyncio.create_task(self.snapshots_loop.run()))
             self.thread.hold_decisions = True
         scheduler.handlers.update(self.routes.table())

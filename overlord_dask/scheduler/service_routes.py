@@ -4,6 +4,7 @@ unit lengths."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -13,6 +14,12 @@ from .. import pieces as P
 from ..errors import PlanError
 from ..plan.io import plan_from_dict, plan_to_dict
 from .load_signals import pool_signals
+
+
+def _decision_key(d: dict) -> tuple:
+    """What identifies a decision (one archived just before a crash is also in the restored base)."""
+    return (d["at"], d["kind"], repr(sorted(d["values"].items())), d["after"], d["reason"])
+
 
 WAITING_EVERY_S = 0.5  # how often the watchdog looks at what the next step waits on (for the page)
 
@@ -199,7 +206,13 @@ class ServiceRoutes:
             versions = [[at, plan_to_dict(p)] for at, p in tl.versions]
             return {"versions": versions, "decisions": [d.to_dict() for d in tl.decisions]} if decisions else versions
 
-        return await self.p.thread.run(view)
+        out = await self.p.thread.run(view)
+        snaps = self.p.snapshots_loop
+        if decisions and snaps is not None:  # the settled ones the planner archived (snapshots.py), first
+            archived = await asyncio.to_thread(snaps.store.archived_decisions)
+            seen = {_decision_key(d) for d in archived}
+            out["decisions"] = archived + [d for d in out["decisions"] if _decision_key(d) not in seen]
+        return out
 
     def snapshots(self) -> list[dict]:
         return list(self.p.snapshots_loop.stats) if self.p.snapshots_loop is not None else []

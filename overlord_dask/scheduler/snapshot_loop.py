@@ -5,6 +5,9 @@ and writes it in another thread (``snapshots.SnapshotWriter``: a base every ``ba
 steps or ``base_every_seconds`` and when the topology or the plan versions change, else a
 delta), so neither the event loop nor planning waits on storage. A failed write is reported in
 the status and retried at the next commit; a live update waits for a base that holds it.
+
+Every ``ARCHIVE_AT`` decisions the planner made, the settled ones (``snapshots.py``: the rule)
+are archived and dropped from the planner before the state is captured, so bases stay bounded.
 """
 
 from __future__ import annotations
@@ -17,12 +20,25 @@ from collections.abc import Awaitable, Callable
 from .. import logs
 
 logger = logging.getLogger(__name__)
+ARCHIVE_AT = 256  # decisions held before the settled ones are archived (then again this many later)
 
 
 class SnapshotLoop:
-    def __init__(self, url: str, checkpoint, capture: Callable[[], Awaitable[dict]], run_id: str, *, seq: int):
+    def __init__(
+        self,
+        url: str,
+        checkpoint,
+        capture: Callable[[], Awaitable[dict]],
+        run_id: str,
+        *,
+        seq: int,
+        settled: Callable[[int | None], Awaitable[list]] | None = None,
+        drop: Callable[[list], Awaitable[None]] | None = None,
+    ):
         """Snapshots to ``url`` (the plan's ``checkpoint.url``, resolved) with the plan's
-        ``checkpoint`` settings (``plan.Checkpoint``); ``capture()`` takes the planner's state."""
+        ``checkpoint`` settings (``plan.Checkpoint``); ``capture()`` takes the planner's state;
+        ``settled(oldest stored window step)`` the planner's settled decisions, ``drop(them)``
+        forgets them once archived."""
         from ..snapshots import SnapshotStore, SnapshotWriter
 
         ck = checkpoint
@@ -43,6 +59,9 @@ class SnapshotLoop:
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # the loop and a plan update both write; sequence numbers must not race
         self._wake.set()  # a first base right away
+        self.settled, self.drop = settled, drop
+        self._archive_at = ARCHIVE_AT
+        self.archived = 0  # decisions archived by this loop
 
     def wake(self) -> None:
         self._wake.set()
@@ -65,6 +84,10 @@ class SnapshotLoop:
             st = await self.capture()
             if st["committed"] == self._written and not force:
                 return
+            if self.settled is not None and len(st.get("decisions", ())) >= self._archive_at:
+                if await self._archive():
+                    st = await self.capture()
+                self._archive_at = len(st.get("decisions", ())) + ARCHIVE_AT
             t0 = time.perf_counter()
             kind, n = await asyncio.to_thread(self.writer.write, st)
             self._written = st["committed"]
@@ -80,3 +103,16 @@ class SnapshotLoop:
             del self.stats[:-1000]
             if kind == "base":
                 logs.event("snapshot_base", self.run_id, st["committed"], bytes=n)
+
+    async def _archive(self) -> bool:
+        """Archive the settled decisions (written before they are dropped: a crash in between
+        leaves them in both places, which a reader dedupes); True if some were."""
+        stored = await asyncio.to_thread(self.store.oldest_window_step)
+        decisions = await self.settled(stored)
+        if not decisions:
+            return False
+        await asyncio.to_thread(self.store.write_archive, self.writer.seq + 1, [d.to_dict() for d in decisions])
+        await self.drop(decisions)
+        self.archived += len(decisions)
+        logs.event("decisions_archived", self.run_id, decisions[-1].at, count=len(decisions))
+        return True

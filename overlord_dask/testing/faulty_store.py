@@ -33,6 +33,15 @@ SLOW_DOWN = (
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade", "trailer"}
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away mid-request (a killed service) is no error of the store's."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
 class FaultyStore:
     """The proxy: ``start()`` it, read ``endpoint``, ``set()`` faults, ``stop()`` it."""
 
@@ -111,7 +120,7 @@ class FaultyStore:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _proxy
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="faulty-store", daemon=True).start()
         return self
