@@ -17,6 +17,7 @@ drawn around ``--gap-s`` seconds, so that faults that last overlap those that fo
 
 - ``worker_kill``: SIGKILL a worker process (its nanny starts another);
 - ``worker_stop``: SIGSTOP a worker for a few seconds, then SIGCONT (a hung host that comes back);
+- ``host_cut``: the loader host's network link goes down for a while, then up (below);
 - ``service_kill``: SIGKILL the whole service and start it again on the same port from its
   snapshots (the trainers' streams reconnect);
 - ``job_restart``: SIGKILL the training job and start it again from one of its recent
@@ -25,8 +26,11 @@ drawn around ``--gap-s`` seconds, so that faults that last overlap those that fo
   ``503 SlowDown``, or delays each, for a while (sources, and snapshots with ``--snapshots s3``);
 - ``disk_full``: the snapshot location's file system is filled for a while (``--snapshots disk``).
 
-Not injected here: a loader host cut off from the network (``tests/test_hosts.py`` does that with
-network namespaces, one fault at a time).
+Where root may make network namespaces (``ip netns``, as ``tests/test_hosts.py`` does), a third
+worker runs as a loader host of its own behind a virtual bridge (the service, the store and the
+job listen on the bridge's address), and ``host_cut`` takes its link down for a while and up again
+(its worker, if the scheduler dropped it meanwhile, is started again, as a cluster's supervisor
+would). Without them ``host_cut`` is left out, as ``disk_full`` is without a tmpfs.
 
 The checker shares no code with the service beyond ``replay``: at the end it asks the service for
 its timeline (plan versions, decisions, dp changes) and plans the run again offline
@@ -63,10 +67,20 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.output import print_rows  # noqa: E402
 
-KINDS = ("worker_kill", "worker_stop", "service_kill", "job_restart", "store_errors", "store_latency", "disk_full")
+KINDS = (
+    "worker_kill",
+    "worker_stop",
+    "host_cut",
+    "service_kill",
+    "job_restart",
+    "store_errors",
+    "store_latency",
+    "disk_full",
+)
 WEIGHTS = {
     "worker_kill": 3,
     "worker_stop": 2,
+    "host_cut": 2,
     "service_kill": 2,
     "job_restart": 3,
     "store_errors": 2,
@@ -90,6 +104,8 @@ def schedule(seed: int, seconds: float, gap_s: float, kinds: tuple[str, ...]) ->
         f = {"at": round(t, 2), "kind": kind}
         if kind == "worker_stop":
             f["seconds"] = round(rng.uniform(2, 12), 1)
+        elif kind == "host_cut":
+            f["seconds"] = round(rng.uniform(5, 30), 1)
         elif kind == "job_restart":
             f["back"] = rng.choice((0, 0, 1, 2))  # which recent checkpoint: 0 the newest
             f["dp_change"] = rng.random() < 0.4
@@ -254,20 +270,21 @@ class Job:
 class Served:
     """``overlord serve`` on a fixed port; SIGKILLed and started again from its snapshots."""
 
-    def __init__(self, plan_file: Path, port: int, out: Path):
-        self.plan_file, self.port, self.out, self.starts = plan_file, port, out, 0
+    def __init__(self, plan_file: Path, port: int, out: Path, host: str = "127.0.0.1"):
+        self.plan_file, self.port, self.out, self.starts, self.host = plan_file, port, out, 0, host
         self.proc: subprocess.Popen | None = None
         self.start()
 
     @property
     def address(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        return f"tcp://{self.host}:{self.port}"
 
     def start(self) -> None:
         err = open(self.out / f"service{self.starts}.stderr", "w")
         self.starts += 1
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "overlord_dask", "serve", str(self.plan_file), "--port", str(self.port)],
+            [sys.executable, "-m", "overlord_dask", "serve", str(self.plan_file), "--port", str(self.port)]
+            + (["--host", self.host] if self.host != "127.0.0.1" else []),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
@@ -310,12 +327,83 @@ def _drain(pipe, into) -> None:
         into.flush()
 
 
+class Host:
+    """A loader host in a network namespace of its own, joined to this machine by a bridge: one
+    Dask worker process group that ``cut()`` cuts off and ``heal()`` reconnects."""
+
+    NET = "10.232.0"  # the bridge (this side: .1) and the host (.2)
+
+    def __init__(self, tag: str):
+        self.tag, self.ns, self.proc, self.starts = tag, f"{tag}h", None, 0
+        self.out: Path | None = None
+        self.address: str | None = None
+        cmds = [
+            ("ip", "link", "add", f"{tag}br", "type", "bridge"),
+            ("ip", "addr", "add", f"{self.NET}.1/24", "dev", f"{tag}br"),
+            ("ip", "link", "set", f"{tag}br", "up"),
+            ("ip", "netns", "add", self.ns),
+            ("ip", "link", "add", f"{tag}v0", "type", "veth", "peer", "name", f"{tag}v1"),
+            ("ip", "link", "set", f"{tag}v0", "master", f"{tag}br", "up"),
+            ("ip", "link", "set", f"{tag}v1", "netns", self.ns),
+            ("ip", "-n", self.ns, "addr", "add", f"{self.NET}.2/24", "dev", f"{tag}v1"),
+            ("ip", "-n", self.ns, "link", "set", f"{tag}v1", "up"),
+            ("ip", "-n", self.ns, "link", "set", "lo", "up"),
+        ]
+        try:
+            for c in cmds:
+                subprocess.run(c, check=True, capture_output=True, timeout=30)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
+            self.remove()
+            raise
+
+    @property
+    def here(self) -> str:
+        """This machine's address on the bridge (what the service and the store listen on)."""
+        return f"{self.NET}.1"
+
+    def start(self, address: str, out: Path) -> None:
+        self.address, self.out = address, out
+        err = open(out / f"host{self.starts}.stderr", "w")
+        self.starts += 1
+        cmd = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "1", "--nthreads", "1"]
+        cmd += ["--name", "host-c", "--no-dashboard", "--host", f"{self.NET}.2"]
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, *cmd],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+
+    def supervise(self) -> None:
+        """Start the host's worker again if it ended (dropped by the scheduler, or its service restarted)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self.start(self.address, self.out)
+
+    def cut(self) -> None:
+        subprocess.run(["ip", "link", "set", f"{self.tag}v0", "down"], check=True, capture_output=True)
+
+    def heal(self) -> None:
+        subprocess.run(["ip", "link", "set", f"{self.tag}v0", "up"], check=True, capture_output=True)
+
+    def remove(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{self.tag}br"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{self.tag}v0"], capture_output=True)
+
+
 # ---- the faults -----------------------------------------------------------------------------------
 class Injector:
     """Runs a schedule against a service, a job, a store and a snapshot disk; records what ran."""
 
-    def __init__(self, served: Served, job: Job, store, disk: Path | None, rng: random.Random, dp_choices):
-        self.served, self.job, self.store, self.disk, self.rng = served, job, store, disk, rng
+    def __init__(
+        self, served: Served, job: Job, store, disk: Path | None, rng: random.Random, dp_choices, host: Host | None
+    ):
+        self.served, self.job, self.store, self.disk, self.rng, self.host = served, job, store, disk, rng, host
         self.dp_choices = dp_choices
         self.done: list[dict] = []
         self.lock = threading.Lock()  # one fault changes the service or the job at a time
@@ -351,6 +439,9 @@ class Injector:
                     os.kill(pid, signal.SIGSTOP)
                     self.stopped.add(pid)
                     self._later(f["seconds"], self._cont, pid)
+            elif kind == "host_cut":
+                self.host.cut()
+                self._later(f["seconds"], self.host.heal)
             elif kind == "service_kill":
                 self.stopped.clear()  # (its processes die with it)
                 self.served.kill()
@@ -489,8 +580,15 @@ def run(args) -> dict:
         mounted = args.snapshots == "disk" and _mount_tmpfs(disk, 48)
         if not mounted:
             kinds = tuple(k for k in kinds if k != "disk_full")  # no file system of its own to fill
+        host = None
+        if "host_cut" in kinds:
+            try:
+                host = Host(f"ovc{os.getpid() % 10000}")
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
+                kinds = tuple(k for k in kinds if k != "host_cut")  # no network namespaces here
+        here = host.here if host is not None else "127.0.0.1"
         moto, upstream = start_moto()
-        store = FaultyStore(upstream, seed=args.seed).start()
+        store = FaultyStore(upstream, seed=args.seed, host=here).start()
         served = job = injector = None
         stop = threading.Event()
         try:
@@ -498,14 +596,18 @@ def run(args) -> dict:
             checkpoint = str(disk / "run") if args.snapshots == "disk" else "s3://snapshots/run"
             plan_file = _plan_file(data, tmp, store.endpoint, checkpoint, args.dp, args.seed)
             with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
+                sock.bind((here, 0))
                 port = sock.getsockname()[1]
             logs = tmp / "job"
             logs.mkdir()
-            served = Served(plan_file, port, tmp)
+            served = Served(plan_file, port, tmp, here)
+            if host is not None:
+                host.start(served.address, tmp)
             job = Job(served.address, logs, args.dp, args.compute_ms / 1e3, args.checkpoint_every)
             faults = schedule(args.seed, args.seconds, args.gap_s, kinds)
-            injector = Injector(served, job, store, disk if mounted else None, random.Random(args.seed + 1), (2, 3))
+            injector = Injector(
+                served, job, store, disk if mounted else None, random.Random(args.seed + 1), (2, 3), host
+            )
             t0 = time.time()
             thread = threading.Thread(target=injector.run, args=(faults, t0, stop), daemon=True)
             thread.start()
@@ -513,6 +615,8 @@ def run(args) -> dict:
                 time.sleep(1.0)
                 with injector.lock:
                     job.watch()
+                    if host is not None:
+                        host.supervise()
             stop.set()
             thread.join(timeout=600)
             injector.heal()
@@ -547,6 +651,7 @@ def run(args) -> dict:
                 "stall_p50_s": round(float(np.nanmedian(st)), 3) if st else 0.0,
                 "stall_max_s": round(float(np.nanmax(st)), 3) if st else 0.0,
                 "store_requests": dict(store.counts),
+                "host_starts": host.starts if host is not None else 0,
                 "snapshots": args.snapshots if mounted or args.snapshots == "s3" else "disk (no tmpfs: no disk_full)",
                 "schedule": faults,
                 "fault_stalls": [
@@ -564,6 +669,8 @@ def run(args) -> dict:
                 served.kill()
             store.stop()
             moto.kill()
+            if host is not None:
+                host.remove()
             if mounted:
                 subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 

@@ -45,7 +45,8 @@ class _Server(ThreadingHTTPServer):
 class FaultyStore:
     """The proxy: ``start()`` it, read ``endpoint``, ``set()`` faults, ``stop()`` it."""
 
-    def __init__(self, upstream: str, seed: int = 0):
+    def __init__(self, upstream: str, seed: int = 0, host: str = "127.0.0.1"):
+        self.host = host  # the address it listens on (loopback; a test's bridge address for a network namespace)
         u = urlsplit(upstream)
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.rng = random.Random(seed)
@@ -56,7 +57,7 @@ class FaultyStore:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return f"http://{self.host}:{self.server.server_address[1]}"
 
     def set(self, error_rate: float = 0.0, latency_s: float = 0.0, bucket: str | None = None) -> None:
         """Answer ``error_rate`` of the requests (to ``bucket`` only, if given) with a 503 and
@@ -120,7 +121,7 @@ class FaultyStore:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _proxy
 
-        self.server = _Server(("127.0.0.1", 0), Handler)
+        self.server = _Server((self.host, 0), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="faulty-store", daemon=True).start()
         return self
