@@ -29,6 +29,7 @@ class TrainerRoutes:
         # acknowledgements of steps a restored planner has not planned again yet: consumer ->
         # (step, durable, generation); applied as planning catches up (catch_up)
         self.early: dict[Consumer, tuple[int, bool, int | None]] = {}
+        self._early_at = -1  # the planner's next step when they were last applied
 
     @property
     def state(self):
@@ -185,6 +186,9 @@ class TrainerRoutes:
     def catch_up(self) -> None:
         """(event loop) Apply the early acknowledgements as far as the planner has planned."""
         st = self.state
+        if st.next_step == self._early_at:
+            return  # nothing planned since the last look
+        self._early_at = st.next_step
         for consumer, (step, durable, generation) in list(self.early.items()):
             if generation is not None and not self.p.channels.current(consumer, generation):
                 del self.early[consumer]  # the consumer reattached (or the run was rewound) since
