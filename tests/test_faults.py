@@ -202,3 +202,45 @@ def test_a_stalled_step_is_named_in_status_summary_and_the_trainers_error(cluste
             s.next_batch()
             s.commit()
         assert service.status()["waiting"] is None
+
+
+def test_an_acknowledgement_cut_by_a_service_restart_is_sent_again_for_the_new_attachment():
+    """``state_dict()`` or ``commit()`` while the service is killed: the request breaks under it
+    (the chaos run's job died of it at a checkpoint); it waits for the stream to find the service
+    again and sends it anew, under the new attachment's generation."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from distributed.comm import CommClosedError
+
+    from overlord_dask.trainer.prefetch import RankIO
+
+    async def scenario():
+        io = object.__new__(RankIO)
+        io.hand, io._max_seen = NS(consumed=41), 45
+        io.options = NS(reconnect_timeout=5)
+        io.rank, io.cp_rank, io.replica, io.generation = 1, None, 0, 3
+        io.connected = asyncio.Event()
+        io.connected.set()
+        sent = []
+
+        async def reconnect():
+            await asyncio.sleep(0.5)
+            io.generation, io.hand.consumed = 4, 42
+            io.connected.set()
+
+        async def ack(**msg):
+            sent.append(dict(msg))
+            if len(sent) == 1:  # the service dies under the request; the channel notices
+                io.connected.clear()
+                asyncio.ensure_future(reconnect())
+                raise CommClosedError("in <TCP (closed) ConnectionPool.overlord_ack>: ConnectionResetError")
+            return {"error": None, "committed": 40}
+
+        io.planner = NS(ack=ack)
+        resp = await io._ack_request({"step": 41, "durable": True})
+        return resp, sent
+
+    resp, sent = asyncio.run(scenario())
+    assert resp == {"error": None, "committed": 40}
+    assert [(m["generation"], m["step"]) for m in sent] == [(3, 41), (4, 42)]

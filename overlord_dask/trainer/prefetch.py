@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from distributed.comm import CommClosedError
 
 from ..errors import ServiceError
 from ..wire import nbytes
+from .acking import Acknowledging
 from .connection import ProcessIO
 from .fetch import fetch_batches
 from .handover import HandOver
@@ -24,8 +24,8 @@ from .reconnect import find_service
 from .tensors import for_trainer
 
 
-class RankIO:
-    """(IO loop) The background side of one rank's stream."""
+class RankIO(Acknowledging):
+    """(IO loop) The background side of one rank's stream (its acknowledgements: ``acking.py``)."""
 
     def __init__(
         self,
@@ -153,48 +153,6 @@ class RankIO:
                 self._ack_wake.set()
 
     # ---- acknowledgements ---------------------------------------------------------------------
-    def wake_acks(self) -> None:
-        self._ack_wake.set()
-
-    async def _acker(self) -> None:
-        while not self.closed:
-            await self._ack_wake.wait()
-            self._ack_wake.clear()
-            if not self.connected.is_set():
-                continue  # acked again after reconnecting
-            try:
-                await self.send_ack(wait=False)
-            except Exception as err:
-                self.hand.fail(f"rank {self.rank}: acknowledging failed: {type(err).__name__}: {err}")
-
-    async def send_ack(self, durable: bool | None = None, wait: bool = True) -> None:
-        """Acknowledge every consumed step. ``wait``: as a request whose answer says the service
-        has it (``commit``, ``state_dict``, ``close``); else one-way on the channel (the
-        background acks at chunk ends; a refusal comes back as an error message)."""
-        h = self.hand
-        async with self._ack_lock:
-            step = min(h.consumed, self._max_seen)  # never acknowledge a step not planned yet
-            if durable is None:  # with commit 'ack' every consumed step is durable
-                durable = self.info.get("commit", "ack") == "ack"
-            if step <= self._acked_sent and not (durable and step > self._durable_sent):
-                return
-            since = time.perf_counter() - h.t_created
-            msg = {**self._ident(), "step": step, "durable": durable, "wait_s": round(h.wait_total, 4)}
-            msg["since_s"] = round(since, 4)
-            if wait:
-                if not self.connected.is_set():  # commit() or state_dict() while the service restarts
-                    await asyncio.wait_for(self.connected.wait(), self.options.reconnect_timeout + 10)
-                    msg["step"] = step = min(h.consumed, self._max_seen)
-                    msg["generation"] = self.generation
-                resp = await self.planner.ack(**msg)
-                if resp.get("error"):
-                    raise ServiceError(resp["error"])
-            else:
-                self.channel.send({"op": "ack", **msg})
-            self._acked_sent = max(self._acked_sent, step)
-            if durable:
-                self._durable_sent = max(self._durable_sent, step)
-
     # ---- losing and finding the service --------------------------------------------------------
     def lost(self, why: str) -> None:
         """The channel to the scheduler broke: reconnect (in the background), or fail."""
