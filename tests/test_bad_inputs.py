@@ -570,7 +570,24 @@ def case_pool_declared_twice(tmp_path, cluster):
     return str(exc.value)
 
 
+def case_plan_key_given_twice(tmp_path, cluster):
+    from overlord_dask.plan import load_plan
+
+    f = tmp_path / "plan.yaml"
+    f.write_text(
+        "sources:\n  - {name: web, format: zarr, url: a.zarr}\ntopology: {dp: 1, tokens_per_micro_batch: 1024}\n"
+        "sources:\n  - {name: books, format: zarr, url: b.zarr}\n"
+    )
+    with pytest.raises(PlanError) as exc:
+        load_plan(f)
+    return str(exc.value)
+
+
 CASES = {
+    "a plan key given twice (YAML keeps the last)": (
+        case_plan_key_given_twice,
+        r"plan\.yaml:4:1: not valid YAML: key 'sources' given twice \(first at line 1\)",
+    ),
     "token list column with a null row": (
         case_token_list_null_row,
         r"handled: null row loaded as an empty document, lengths \[2, 0, 1\]",

@@ -126,6 +126,19 @@ def test_malformed_yaml_names_line(tmp_path):
     assert "broken.yaml:" in msg and "not valid YAML" in msg
 
 
+def test_a_key_given_twice_names_it_and_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys: a second ``sources:`` would drop the first list."""
+    text = "sources:\n  - {name: web, url: a.parquet}\ntopology: {dp: 1}\nsources:\n  - {name: b, url: b.parquet}\n"
+    msg = _error(text, tmp_path, "twice.yaml")
+    assert "twice.yaml:4:1: not valid YAML: key 'sources' given twice (first at line 1)" in msg, msg
+    nested = "sources:\n  - name: web\n    weight: 1\n    url: a.parquet\n    weight: 2\ntopology: {dp: 1}\n"
+    assert "twice.yaml:5:5: not valid YAML: key 'weight' given twice (first at line 3)" in _error(
+        nested, tmp_path, "twice.yaml"
+    )
+    merged = "base: &b {format: parquet, weight: 1}\nsources:\n  - {<<: *b, name: web, url: a.parquet, weight: 2}\n"
+    assert "given twice" not in _error(merged + "topology: {dp: 0}\n", tmp_path, "ok.yaml")  # a merge may repeat keys
+
+
 def test_not_a_mapping_and_missing_file(tmp_path):
     assert "a plan must be a mapping" in _error("- just\n- a list\n", tmp_path)
     with pytest.raises(PlanError, match="plan file not found"):

@@ -88,6 +88,28 @@ def plan_from_dict(data: Any, *, where: str = "<dict>", base_dir: str | os.PathL
         raise PlanError(format_validation_error(err, where, data)) from None
 
 
+class _PlanLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML itself keeps the last
+    one, so a second ``sources:`` or ``weight:`` would silently drop the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *anchor` merges are meant to repeat keys
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line)
+                except TypeError:  # an unhashable key: the constructor names it
+                    continue
+                if first != key_node.start_mark.line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice (first at line {first + 1})", key_node.start_mark
+                    )
+        return super().construct_mapping(node, deep)
+
+
 def load_plan(path: str | os.PathLike) -> Plan:
     """Read and validate a YAML plan. Relative source URLs resolve against the file's folder."""
     p = Path(path)
@@ -96,7 +118,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
     except FileNotFoundError:
         raise PlanError(f"plan file not found: {p}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_PlanLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
