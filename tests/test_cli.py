@@ -90,6 +90,14 @@ def test_validate_and_bad_plan_exit_codes(tmp_path, corpus):
     assert "source 'books'" in warning and "chunks of 262,144 tokens" in warning and "up to 4x" in warning
     assert warning in out.stderr
 
+    copied = {**plan, "sources": [*plan["sources"], {**plan["sources"][0], "name": "web2"}]}  # a copied block
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(yaml.safe_dump(copied))
+    out = subprocess.run([*OVERLORD, "validate", str(twice)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    shared = [w for w in json.loads(out.stdout)["warnings"] if "same files" in w]
+    assert len(shared) == 1 and "sources 'web' and 'web2' read " in shared[0] and "once per source" in shared[0]
+
     plan["topology"]["dp"] = "four"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(plan))

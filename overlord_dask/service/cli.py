@@ -530,7 +530,7 @@ def cmd_validate(args) -> int:
             print(f"overlord: error: {msg}", file=sys.stderr, flush=True)
             print(json.dumps({"plan": path, "ok": False, "error": msg}), flush=True)
             continue
-        warnings = _layout_warnings(plan)
+        warnings = _layout_warnings(plan) + _shared_file_warnings(units)
         for w in warnings:
             print(f"overlord: warning: {w}", file=sys.stderr, flush=True)
         print(
@@ -560,6 +560,23 @@ def _layout_warnings(plan) -> list[str]:
     from ..sources import layout_warnings
 
     return [w for src in plan.sources for w in layout_warnings(src, plan)]
+
+
+def _shared_file_warnings(units: dict) -> list[str]:
+    """Sources that read the same files (a copied source block, most often): each of their
+    documents is delivered once per source. Valid (a deliberate upsampling), so a warning."""
+    files = {name: {u.path for u in us} for name, us in units.items()}
+    names = list(files)
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            common = files[a] & files[b]
+            if common:
+                out.append(
+                    f"sources {a!r} and {b!r} read {len(common)} of the same files (e.g. {sorted(common)[0]}): "
+                    "their documents are delivered once per source"
+                )
+    return out
 
 
 class _ShowDefaults(argparse.HelpFormatter):
