@@ -4,14 +4,17 @@ told at once that the worker is gone (no fetch waits out a connect timeout on a 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 from dask.utils import parse_timedelta
 
 from overlord_dask import Service
+from overlord_dask.testing import browser
 from overlord_dask.service.deploy import WORKER_CONFIG
 
 from .harness import consume
@@ -164,8 +167,8 @@ def hold_while(table, flag: str):
 def test_a_stalled_step_is_named_in_status_summary_and_the_trainers_error(cluster, small_plan, tmp_path):
     """The web source's loads hang (a prepare step held by a flag file) while a rank runs:
     ``status()["waiting"]`` names the step it needs, the source and unit planning waits for and
-    the worker loading it; ``overlord status`` shows it, and the rank that times out is told the
-    same; all of it gone once the loads go on."""
+    the worker loading it; ``overlord status`` shows it, the page's state card says "blocked"
+    with it, and the rank that times out is told the same; all of it gone once the loads go on."""
     from overlord_dask import connect
     from overlord_dask.errors import ServiceError
     from overlord_dask.service.status_text import render
@@ -189,7 +192,17 @@ def test_a_stalled_step_is_named_in_status_summary_and_the_trainers_error(cluste
                 told = str(err)
             w = service.status()["waiting"]
             step = s.next_step
+            base = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the page's view refreshes every half second
+                snap = json.loads(urllib.request.urlopen(f"{base}/overlord.json", timeout=10).read())
+                if (snap.get("waiting") or {}).get("since_s", 0) >= 2:
+                    break
+                time.sleep(0.2)
+            page = browser.shown(browser.dom(f"{base}/overlord"))
         flag.unlink()
+        assert snap["waiting"]["step"] == step and "of source 'web'" in snap["waiting"]["cause"], snap["waiting"]
+        assert "blocked" in page and f"step {step} for " in page, page[:2000]
         assert told is not None and w is not None and w["step"] == step, (told, w)
         # (planning starved on web's loads, or a build queued behind one on its worker: either way, named)
         assert "unit " in w["cause"] and "of source 'web' (epoch " in w["cause"], w
