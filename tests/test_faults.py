@@ -14,8 +14,8 @@ import pytest
 from dask.utils import parse_timedelta
 
 from overlord_dask import Service
-from overlord_dask.testing import browser
 from overlord_dask.service.deploy import WORKER_CONFIG
+from overlord_dask.testing import browser
 
 from .harness import consume
 
