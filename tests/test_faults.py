@@ -257,3 +257,45 @@ def test_an_acknowledgement_cut_by_a_service_restart_is_sent_again_for_the_new_a
     resp, sent = asyncio.run(scenario())
     assert resp == {"error": None, "committed": 40}
     assert [(m["generation"], m["step"]) for m in sent] == [(3, 41), (4, 42)]
+
+
+def test_a_fetch_given_up_for_a_shadow_leaves_no_unretrieved_error():
+    """A hung holder's fetch is abandoned for a shadow after the hedge time; when it fails later
+    (the connect timed out), nothing logs "Task exception was never retrieved" in the trainer."""
+    import asyncio
+    import gc
+    import logging
+
+    from overlord_dask.trainer.fetch import fetch_shared
+
+    records = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("asyncio").addHandler(handler)
+    try:
+
+        async def scenario():
+            class IO:
+                inflight, fetches_shared = {}, 0
+
+                async def call_worker(self, address, call, abort=None):
+                    await asyncio.sleep(0.2)
+                    raise OSError(f"Timed out trying to connect to {address} after 5 s")
+
+            io = IO()
+            try:
+                await asyncio.wait_for(fetch_shared(io, "tcp://10.0.0.2:1", ("k",), None), 0.05)
+            except asyncio.TimeoutError:
+                pass  # gone to the shadow
+            await asyncio.sleep(0.4)  # the abandoned fetch fails meanwhile
+            assert io.inflight == {}
+
+        asyncio.run(scenario())
+        gc.collect()
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
+    assert not [r for r in records if "never retrieved" in r], records

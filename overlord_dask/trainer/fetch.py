@@ -29,10 +29,19 @@ async def fetch_shared(io, address: str, request: tuple, call, abort: asyncio.Ev
     shared = io.inflight.get(key)
     if shared is None:
         shared = io.inflight[key] = asyncio.ensure_future(io.call_worker(address, call, abort=abort))
-        shared.add_done_callback(lambda _: io.inflight.pop(key, None))
+        shared.add_done_callback(lambda f: _settled(f, io.inflight, key))
     else:
         io.fetches_shared += 1
     return await asyncio.shield(shared)  # one waiter giving up (a hedge) leaves the others theirs
+
+
+def _settled(fut: asyncio.Future, inflight: dict, key: tuple) -> None:
+    """A shared fetch ended: forget it, and take its error (every waiter may have gone to a
+    shadow meanwhile: asyncio would otherwise log "Task exception was never retrieved" with a
+    traceback in the trainer's output for a worker that was merely unreachable)."""
+    inflight.pop(key, None)
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def fetch_batches(
