@@ -299,3 +299,36 @@ def test_a_fetch_given_up_for_a_shadow_leaves_no_unretrieved_error():
     finally:
         logging.getLogger("asyncio").removeHandler(handler)
     assert not [r for r in records if "never retrieved" in r], records
+
+
+def test_a_rank_back_on_a_restored_service_acknowledges_steps_it_is_still_replaying():
+    """A service restored from its snapshot at step R replays from its window start up to R;
+    meanwhile a reconnected rank (its replica entry starts at R - 1, as the restore says) sends
+    what it consumed: no "only steps < N were planned" (the chaos run's job died of it), and
+    steps beyond R count as planning catches up."""
+    from types import SimpleNamespace as NS
+
+    from overlord_dask.plan import plan_from_dict
+    from overlord_dask.planner.state import PlannerState
+    from overlord_dask.scheduler.trainer_routes import TrainerRoutes
+
+    from .test_feedback import IDS, plan_dict, run
+
+    plan = plan_from_dict(plan_dict())
+    first = PlannerState(plan, IDS)
+    run(first, None, 30)
+    state = first.get_state()
+    st = PlannerState(plan, IDS, state=state)  # restored: nothing re-planned yet
+    r = st.replay_until
+    assert r > 0 and st.next_step < r
+    p = NS(
+        thread=NS(state=st, release=lambda keys: None),
+        channels=NS(current=lambda consumer, gen: True),
+        snapshots_loop=None,
+        held=NS(release_before=lambda committed: []),
+    )
+    routes = TrainerRoutes(p)
+    routes.replicas.attach((0, 0, 0), r - 1, r - 1)
+    assert routes.ack(0, r - 1, durable=True)["error"] is None  # consumed before the restore
+    assert routes.ack(0, r + 2, durable=True)["error"] is None  # ... and beyond: counted as planning goes
+    assert routes.early[(0, 0, 0)][0] == r + 2

@@ -245,7 +245,9 @@ class PlannerState(PlanningLoop):
         """(``rank``, ``cp_rank``) consumed every step up to ``step`` (and, if ``durable``, saved
         them in its trainer checkpoint); idempotent. Returns ``committed``."""
         before = self.progress.committed
-        committed = self.progress.ack(rank, step, cp_rank, durable, planned=self.next_step)
+        # (steps before replay_until were handed out before a restore: consumed, even while the
+        # restored planner is still catching up to them)
+        committed = self.progress.ack(rank, step, cp_rank, durable, planned=max(self.next_step, self.replay_until))
         for s in range(before, committed):  # a counter since this planner started (rewinds count again)
             m = self.metrics.get(s)
             self.tokens_committed += m["tokens"] if m is not None else 0

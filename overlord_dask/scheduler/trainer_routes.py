@@ -157,18 +157,19 @@ class TrainerRoutes:
             }
         if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
             self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
-        if step >= st.next_step and st.replay_until > 0 and step >= 0:
+        planned = max(st.next_step, st.replay_until)  # (steps before replay_until were handed out before a restore)
+        if step >= planned and st.replay_until > 0 and step >= 0:
             # A consumer that reconnected to a service restarted from its snapshot took steps the
             # restored planner has not planned again yet: they count as far as it has planned, the
             # rest as it catches up (it plans ahead of what every rank has acknowledged).
             old = self.early.get(consumer)
             self.early[consumer] = (max(step, old[0] if old else -1), durable or bool(old and old[1]), generation)
-            step = st.next_step - 1
+            step = planned - 1
             if step < 0:
                 return {"committed": st.committed, "error": None}
         before, before_durable = st.committed, st.progress.durable_step
         try:
-            st.progress.check(rank, step, cp_rank, st.next_step)
+            st.progress.check(rank, step, cp_rank, planned)
             acked, saved = self.replicas.ack(consumer, step, durable)
             committed = st.ack(rank, acked, cp_rank)
             if saved >= 0:
