@@ -85,6 +85,22 @@ def test_embedded_workers_yield_the_cores_to_the_scheduler_and_the_trainers(clus
         assert worker_nice() == 0
 
 
+def test_a_trainer_probing_a_service_still_starting_is_told_not_yet_without_a_logged_traceback(caplog):
+    """While a restarted service indexes its sources, reconnecting trainers ask its scheduler for
+    the planner: the answer is "none yet" (they try again), not a KeyError traceback in the
+    service's log per try."""
+    import logging
+
+    from overlord_dask import Service
+    from overlord_dask.errors import ServiceError
+    from overlord_dask.service.deploy import local_cluster
+
+    with local_cluster(n_workers=0) as c, caplog.at_level(logging.WARNING, logger="distributed.core"):
+        with pytest.raises(ServiceError, match="runs no overlord planner"):
+            Service.attach(c.scheduler_address)
+    assert not [r for r in caplog.records if "No handler" in r.getMessage()], caplog.text
+
+
 def test_a_users_dask_settings_win_over_the_quiet_defaults():
     import dask
 

@@ -30,6 +30,7 @@ import dask
 from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster
 
+from ..protocol import Route
 from .priority import WorkerPriority
 from .priority import worker_nice as worker_nice_default
 
@@ -133,7 +134,14 @@ def local_cluster(
         except BaseException:
             cluster.close()
             raise
+    # A trainer that looks for a service still starting (a restart at the same address) is told
+    # "no planner yet" and tries again, instead of the scheduler logging a KeyError traceback.
+    cluster.scheduler.handlers.setdefault(Route.INFO, _no_planner_yet)
     return cluster
+
+
+def _no_planner_yet(*args, **kwargs) -> None:
+    return None
 
 
 def slurm_cluster(
