@@ -281,3 +281,42 @@ def test_decisions_travel_in_deltas_and_come_back_whole(tmp_path):
     assert w.write({**state, "committed": 6, "decisions": d})[0] == "delta"
     loaded, _ = store.load()
     assert loaded["decisions"] == d and loaded["committed"] == 6
+
+
+def test_a_location_that_keeps_failing_is_logged_once_per_cause_and_its_recovery_once(tmp_path, caplog):
+    """A full disk fails every commit's snapshot: one error with its traceback (status shows it
+    meanwhile), not one per step; a warning when writes work again."""
+    import asyncio
+    import logging
+
+    from overlord_dask.plan.checkpoint import Checkpoint
+    from overlord_dask.scheduler.snapshot_loop import SnapshotLoop
+
+    async def scenario():
+        async def capture():
+            return {}
+
+        loop = SnapshotLoop(str(tmp_path / "ck"), Checkpoint(), capture, "r1", seq=-1)
+        outcomes = iter([OSError(28, "No space left on device")] * 5 + [None])
+        seen = []
+
+        async def write(force=False):
+            seen.append(loop.error)
+            err = next(outcomes)
+            if err is not None:
+                raise err
+
+        loop.write = write
+        task = asyncio.ensure_future(loop.run())
+        for _ in range(6):
+            loop.wake()
+            await asyncio.sleep(0.01)
+        task.cancel()
+        return loop, seen
+
+    with caplog.at_level(logging.WARNING, logger="overlord_dask.scheduler.snapshot_loop"):
+        loop, seen = asyncio.run(scenario())
+    assert len(seen) == 6 and loop.error is None
+    assert "No space left on device" in seen[-1]  # what status showed while it lasted
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("failed" in m for m in messages) == 1 and sum("works again" in m for m in messages) == 1, messages

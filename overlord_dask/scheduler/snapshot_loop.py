@@ -73,9 +73,13 @@ class SnapshotLoop:
             try:
                 await self.write()
             except Exception as err:  # storage hiccups must not kill the planner; the next commit retries
-                logger.exception("writing a planner snapshot to %s failed", self.url)
-                self.error = f"writing a snapshot to {self.url} failed: {type(err).__name__}: {err}"
+                error = f"writing a snapshot to {self.url} failed: {type(err).__name__}: {err}"
+                if error != self.error:  # once per cause, not once per committed step while it lasts
+                    logger.exception("writing a planner snapshot to %s failed (retried at every commit)", self.url)
+                self.error = error
             else:
+                if self.error is not None:
+                    logger.warning("writing planner snapshots to %s works again", self.url)
                 self.error = None
 
     async def write(self, force: bool = False) -> None:

@@ -113,6 +113,7 @@ def local_cluster(
     given). Its workers, new ones included, run at ``worker_nice`` (default ``overlord.worker-nice``,
     5: ``priority.py``) so that they leave the cores to the scheduler and the trainers first."""
     kwargs.setdefault("config", worker_config())
+    kwargs["scheduler_kwargs"] = {"preload": [__name__], **kwargs.get("scheduler_kwargs", {})}
     if tls_configured() and "security" not in kwargs:
         from distributed.security import Security
 
@@ -134,10 +135,15 @@ def local_cluster(
         except BaseException:
             cluster.close()
             raise
-    # A trainer that looks for a service still starting (a restart at the same address) is told
-    # "no planner yet" and tries again, instead of the scheduler logging a KeyError traceback.
-    cluster.scheduler.handlers.setdefault(Route.INFO, _no_planner_yet)
     return cluster
+
+
+def dask_setup(scheduler) -> None:
+    """(Dask preload of the embedded scheduler, run as it starts) Trainers that look for a
+    service still starting (a restart at the same address) are told "no planner yet" and try
+    again, instead of the scheduler logging a KeyError traceback for every try; the plugin's
+    routes replace these once the run starts."""
+    scheduler.handlers.setdefault(Route.INFO, _no_planner_yet)
 
 
 def _no_planner_yet(*args, **kwargs) -> None:
