@@ -144,8 +144,13 @@ class HeldBatches:
         (a load's), the workers that died running it."""
         if ts.state == "processing" and ts.processing_on is not None:
             ws = ts.processing_on  # (assigned there: running, or queued behind the worker's other tasks)
-            ahead = [t for t in getattr(ws, "processing", ()) if t is not ts and self.is_load(t.key)]
-            text = f"on {ws.address}" + (f", behind the load of {self._unit(ahead[0])} there" if ahead else "")
+            # the load it waits behind: one running there (task -> seconds, from heartbeats), the longest
+            # (the text must not change while the wait lasts: `since_s` counts how long it has held)
+            running = dict(getattr(ws, "executing", None) or {})
+            ahead = sorted((t for t in running if t is not ts and self.is_load(t.key)), key=lambda t: -running[t])
+            text = f"on {ws.address}"
+            if ahead:
+                text += f", behind the load of {self._unit(ahead[0])} running there"
         elif ts.state == "no-worker":
             text = "waiting for a worker that can run it (none has its resources)"
         elif ts.state == "erred":
