@@ -692,6 +692,9 @@ def main(argv=None) -> dict:
     if args.job:
         job_main(json.loads(args.job))
         return {}
+    # a benchmark stopped with SIGTERM (a CI timeout, `kill`) still unmounts its tmpfs, deletes its
+    # namespace and stops its processes (run's `finally`)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = run(args)
     if args.json:
         print(json.dumps(out))
