@@ -494,9 +494,8 @@ class Injector:
                 fn(*args)
 
 
-def stalls(done: list[dict], job: Job) -> list[float]:
-    """Each injected fault's stall (module docstring)."""
-    recs = job.records()
+def stalls(done: list[dict], job: Job, recs: dict[int, list[dict]]) -> list[float]:
+    """Each injected fault's stall (module docstring); ``recs``: ``job.records()``."""
     rows = [x for v in recs.values() for x in v]
     out = []
     for f in done:
@@ -633,7 +632,7 @@ def run(args) -> dict:
             replayed = replay(load_plan(plan_file), timeline, target)
             lives = job.records()
             result = check(replayed, kept([(lf["from"], lives[lf["life"]]) for lf in job.lives]), target)
-            st = stalls(injector.done, job)
+            st = stalls(injector.done, job, lives)
             ran = [f for f in injector.done if not f.get("skipped")]
             return {
                 "benchmark": "chaos",

@@ -51,6 +51,11 @@ class Progress:
         self.commit_mode, self.dp, self.cp = commit_mode, dp, cp
         self.restart_at(acked_through + 1)
 
+    def last(self, i: int) -> tuple[int, int]:
+        """(last step consumed, last saved) of (rank, cp rank) index ``i``; ``(-1, -1)`` for one
+        these counts do not cover (a rank that a dp switch still ahead of the planner adds)."""
+        return (self.acked[i], self.durable[i]) if i < len(self.acked) else (-1, -1)
+
     @property
     def committed(self) -> int:
         """Number of steps every rank has acknowledged (steps 0..committed-1 are done)."""

@@ -12,16 +12,8 @@ steps come out token-identical to the first time.
 
 from __future__ import annotations
 
-from ..plan import Plan
 from .state import PlannerState
-from .timeline import Timeline
-
-
-def with_dp(plan: Plan, dp: int) -> Plan:
-    """``plan`` for ``dp`` data-parallel ranks (the rest of the topology as it is)."""
-    if plan.topology.dp == dp:
-        return plan
-    return plan.model_copy(update={"topology": plan.topology.model_copy(update={"dp": dp})})
+from .timeline import Timeline, with_dp
 
 
 def rebuild_at(st: PlannerState, step: int, source: tuple[int, dict, dict], dp: int | None = None) -> PlannerState:

@@ -42,7 +42,7 @@ from .loop import PlanningLoop
 from .policies import POLICIES
 from .progress import Progress
 from .streams import StreamSet
-from .timeline import Timeline
+from .timeline import Timeline, with_dp
 from .windows import WindowStarts
 
 STATE_VERSION = 3  # 2: every policy's counters in every snapshot (still read)
@@ -64,8 +64,8 @@ class PlannerState(PlanningLoop):
             plan, list(updates) or recorded.updates, recorded.decisions if decisions is None else decisions
         )
         dp = self.timeline.dp_at(int(state["committed"]) if state is not None else 0)
-        if dp is not None and dp != plan.topology.dp:  # a job came back with another dp (timeline.py)
-            plan = plan.model_copy(update={"topology": plan.topology.model_copy(update={"dp": dp})})
+        if dp is not None:  # a job came back with another dp (timeline.py)
+            plan = with_dp(plan, dp)
         self.final_plan = plan
         if state is not None:  # replay on the topology the snapshot was planned with, switch at `committed`
             plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
@@ -124,6 +124,13 @@ class PlannerState(PlanningLoop):
     def planned_until(self) -> int:
         """The first step whose pieces are not chosen yet (where the next window starts)."""
         return self.next_step + len(self.ready)
+
+    @property
+    def handed_out(self) -> int:
+        """The first step not handed out yet, by this planner or, before a restore, by the one
+        it was restored from (a restored planner replays up to ``replay_until``: the steps before
+        it reached the trainers already, and their acknowledgements count while it catches up)."""
+        return max(self.next_step, self.replay_until)
 
     @property
     def frontier(self) -> int:
@@ -245,9 +252,7 @@ class PlannerState(PlanningLoop):
         """(``rank``, ``cp_rank``) consumed every step up to ``step`` (and, if ``durable``, saved
         them in its trainer checkpoint); idempotent. Returns ``committed``."""
         before = self.progress.committed
-        # (steps before replay_until were handed out before a restore: consumed, even while the
-        # restored planner is still catching up to them)
-        committed = self.progress.ack(rank, step, cp_rank, durable, planned=max(self.next_step, self.replay_until))
+        committed = self.progress.ack(rank, step, cp_rank, durable, planned=self.handed_out)
         for s in range(before, committed):  # a counter since this planner started (rewinds count again)
             m = self.metrics.get(s)
             self.tokens_committed += m["tokens"] if m is not None else 0

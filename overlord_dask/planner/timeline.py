@@ -40,6 +40,13 @@ DP = "dp"  # data-parallel ranks from this step on: {"dp": n}
 KINDS = (*OVERRIDES, SKIP, DP)  # what a decision sets: the mix (shares by source name), the cost model, a skip, a dp
 
 
+def with_dp(plan: Plan, dp: int) -> Plan:
+    """``plan`` for ``dp`` data-parallel ranks (the rest of the topology as it is)."""
+    if plan.topology.dp == dp:
+        return plan
+    return plan.model_copy(update={"topology": plan.topology.model_copy(update={"dp": dp})})
+
+
 class Decision(NamedTuple):
     """A decision of the planner's own, in force from step ``at``."""
 
@@ -119,10 +126,7 @@ class Timeline(PlanVersions):
         nothing is recorded when ``dp`` is what is in force there anyway."""
         if dp < 1 or at_step < 0:
             raise ValueError(f"a dp change needs dp >= 1 and a step >= 0, got dp={dp} at step {at_step}")
-        dropped = [id(d) for d in self._by_kind[DP] if d.at >= at_step]
-        if dropped:
-            self.decisions = [d for d in self.decisions if id(d) not in dropped]
-            self._by_kind[DP] = [d for d in self._by_kind[DP] if d.at < at_step]
+        self.drop([d for d in self._by_kind[DP] if d.at >= at_step])
         if dp != before:
             self._append(Decision(int(at_step), DP, {"dp": int(dp)}, reason, len(self.versions)))
 
@@ -132,9 +136,8 @@ class Timeline(PlanVersions):
 
     def dp_at(self, step: int) -> int | None:
         """The ranks a dp change set for ``step``, or None (the plan's)."""
-        lst = self._by_kind[DP]
-        i = bisect_right(lst, step, key=lambda d: d.at) - 1
-        return int(lst[i].values["dp"]) if i >= 0 else None
+        d = self.in_force(DP, step)  # (no plan version changes the dp: the last one at or before)
+        return int(d.values["dp"]) if d is not None else None
 
     def settled(self, step: int) -> list[Decision]:
         """The decisions that govern no step from ``step`` on, in the order they were made: of

@@ -41,7 +41,7 @@ class Rewinder:
             i = rank * topo.cp + cp_rank
             # (until the planner reaches a switch to another dp a rewind set up, its progress counts
             # the old ranks: a rank the switch adds has acknowledged nothing)
-            acked = st.progress.acked[i] if i < len(st.progress.acked) else -1
+            acked, _ = st.progress.last(i)
             if dp == topo.dp and step >= max(st.replay_until, acked + 1):
                 return {"error": None, "rewound": False}
             source = await self.source(step)

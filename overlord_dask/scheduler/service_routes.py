@@ -128,7 +128,7 @@ class ServiceRoutes:
         snaps = self.p.snapshots_loop
         return {
             **st,
-            "waiting": self.waiting(st),
+            "waiting": self.waiting(st["committed"]),
             **self.p.dropped.status(),
             "loop": self.loop(),
             "chunk_steps": self.p.chunk_steps,
@@ -142,15 +142,13 @@ class ServiceRoutes:
             **self.counters(),
         }
 
-    def waiting(self, st: dict) -> dict | None:
-        """(event loop) What the step every rank needs next waits on, while its batches are not
-        built: the load of a unit (running where, retried how often, workers lost under it) or
+    def waiting(self, step: int) -> dict | None:
+        """(event loop) What ``step`` (the committed step: the one every rank needs next) waits on
+        while its batches are not built: the load of a unit (running where, retried how often, workers lost under it) or
         the build itself; while it is not planned because planning starved on a source, that
         source's load in flight; ``since_s``: for how long that same cause has been seen. Kept in
         ``blocked_view`` for the page (the planner thread reads it; it never scans the
         scheduler's tasks itself)."""
-        acked = st.get("acked") or []
-        step = min(acked) + 1 if acked else st.get("committed", 0)
         cause = self.p.held.blocker(step)
         starved = self.state.starved_on
         if cause is None and starved is not None and step >= self.state.next_step:
@@ -171,8 +169,7 @@ class ServiceRoutes:
         now = time.monotonic()
         if now - self._waiting_at >= WAITING_EVERY_S:
             self._waiting_at = now
-            progress = self.state.progress
-            self.waiting({"acked": list(progress.acked), "committed": progress.committed})
+            self.waiting(self.state.committed)
 
     async def metrics(self, start: int = 0, stop: int | None = None) -> list[dict]:
         return await self.p.thread.run(

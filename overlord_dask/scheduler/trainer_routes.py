@@ -59,8 +59,7 @@ class TrainerRoutes:
         if not 0 <= rank < topo.dp or not 0 <= cp_rank < topo.cp or replica < 0:
             return {"error": f"rank {rank} cp rank {cp_rank} does not exist: the plan has dp={topo.dp}, cp={topo.cp}"}
         i = rank * st.topology.cp + cp_rank
-        rank_acked = st.progress.acked[i] if i < len(st.progress.acked) else -1
-        rank_durable = st.progress.durable[i] if i < len(st.progress.durable) else -1
+        rank_acked, rank_durable = st.progress.last(i)
         consumer = (rank, cp_rank, replica)
         first = max(st.replay_until, self.replicas.attach(consumer, rank_acked, rank_durable) + 1)
         planned_first, first = first, st.timeline.first_delivered(first)  # a skipped step is never handed out
@@ -157,16 +156,14 @@ class TrainerRoutes:
             }
         if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
             self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
-        planned = max(st.next_step, st.replay_until)  # (steps before replay_until were handed out before a restore)
-        if step >= planned and st.replay_until > 0 and step >= 0:
+        planned = st.handed_out
+        if step >= planned and st.replay_until > 0:
             # A consumer that reconnected to a service restarted from its snapshot took steps the
             # restored planner has not planned again yet: they count as far as it has planned, the
             # rest as it catches up (it plans ahead of what every rank has acknowledged).
             old = self.early.get(consumer)
             self.early[consumer] = (max(step, old[0] if old else -1), durable or bool(old and old[1]), generation)
-            step = planned - 1
-            if step < 0:
-                return {"committed": st.committed, "error": None}
+            step = planned - 1  # (>= 0: planned >= replay_until > 0)
         before, before_durable = st.committed, st.progress.durable_step
         try:
             st.progress.check(rank, step, cp_rank, planned)
@@ -193,8 +190,6 @@ class TrainerRoutes:
         for consumer, (step, durable, generation) in list(self.early.items()):
             if generation is not None and not self.p.channels.current(consumer, generation):
                 del self.early[consumer]  # the consumer reattached (or the run was rewound) since
-                continue
-            if st.next_step == 0:
                 continue
             del self.early[consumer]
             rank, cp_rank, replica = consumer

@@ -19,9 +19,8 @@ be reachable from it; only their lengths are kept.
 from __future__ import annotations
 
 from ..plan import Plan
-from ..planner.rewind import with_dp
 from ..planner.state import STATE_VERSION, PlannerState
-from ..planner.timeline import Timeline
+from ..planner.timeline import Timeline, with_dp
 from ..sources import read_unit
 from . import holdout
 from .indexing import index_timeline
