@@ -416,3 +416,69 @@ def test_polish_lowers_the_costliest_container_keeps_capacity_and_steps(monkeypa
         assert ids_p == ids  # the same pieces in each step
         assert imb_p <= imb + 1e-12
     assert np.mean([i for _, i in polished]) < np.mean([i for _, i in placed])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(["cost", "none"]),
+    dp=st.integers(1, 5),
+    mbs=st.integers(1, 3),
+    cap=st.sampled_from([512, 2048]),
+    window=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+)
+def test_cut_packing_fills_every_bin_and_tiles_every_document(policy, dp, mbs, cap, window, seed):
+    """``packing: cut``: every micro-batch holds exactly its capacity; the pieces of each document
+    follow one another without gap or overlap (a cut piece's rest comes later, never lost); the
+    same plan and seed plan the same cuts."""
+    rng = np.random.default_rng(seed)
+    gens = [
+        lambda r, n: np.clip(r.lognormal(5.5, 1.2, n), 1, 4 * cap).astype(np.int64),
+        lambda r, n: np.clip((r.pareto(1.0, n) + 1) * 100, 1, 4 * cap).astype(np.int64),
+    ]
+    weights = list(rng.dirichlet(np.ones(2)) + 0.05)
+    topo = {"dp": dp, "micro_batches": mbs, "tokens_per_micro_batch": cap}
+    balance = {"policy": policy, "window": window, "packing": "cut"}
+    state = make_state(weights, topo, balance, seed=seed)
+    steps = drive(state, gens, 3 * window, seed)
+    planned = []
+    for s in steps:
+        e = state.ledger[s]
+        lens = e["pieces"][:, 5] - e["pieces"][:, 4]
+        tok = np.zeros((dp, mbs), dtype=np.int64)
+        np.add.at(tok, (e["slot"][:, 0], e["slot"][:, 1]), lens)
+        assert np.all(tok == cap) and np.all(lens > 0)
+        planned.append(e["pieces"])
+    planned += [state.pending[:, :6]] + [rows[:, :6] for rows, *_ in state.ready]  # selected, not yet in a step
+    spans: dict = {}
+    for row in np.concatenate(planned).tolist():
+        spans.setdefault(tuple(row[:4]), []).append((row[4], row[5]))
+    for doc, got in spans.items():
+        got.sort()
+        assert got[0][0] == 0, (doc, got)  # every document from its first token ...
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:])), (doc, got)  # ... never a token skipped or twice
+    again = make_state(weights, topo, balance, seed=seed)
+    drive(again, gens, 3 * window, seed)
+    for s in steps:
+        np.testing.assert_array_equal(again.ledger[s]["pieces"], state.ledger[s]["pieces"])
+
+
+def test_cut_packing_keeps_the_balancers_gains_and_the_mix():
+    gens = [
+        lambda r, n: np.clip((r.pareto(0.9, n) + 1) * 700, 16, 16_384).astype(np.int64),
+        lambda r, n: np.clip(r.lognormal(5.5, 1.0, n), 1, 40_000).astype(np.int64),
+    ]
+    topo = {"dp": 8, "micro_batches": 2, "tokens_per_micro_batch": 16_384}
+    w = np.array([0.6, 0.4])
+    got = {}
+    for policy in ("none", "cost"):
+        for packing in ("whole", "cut"):
+            st_ = make_state(list(w), topo, {"policy": policy, "window": 8, "packing": packing})
+            steps = drive(st_, gens, 48)
+            tok = np.sum([st_.metrics[s]["source_tokens"] for s in steps], axis=0)
+            fill = np.mean([st_.metrics[s]["fill"] for s in steps])
+            got[policy, packing] = (np.median([st_.metrics[s]["imbalance"] for s in steps]), fill, tok / tok.sum())
+    assert got["cost", "cut"][1] == 1.0 and got["none", "cut"][1] == 1.0 and got["cost", "whole"][1] < 0.98
+    assert got["cost", "cut"][0] < 1.02 < got["none", "cut"][0]  # balancing still pays with every bin full
+    for key, (_, _, mix) in got.items():
+        assert np.abs(mix - w).max() < 0.005, key

@@ -41,16 +41,16 @@ def consume(address: str, ranks: list[int], steps: int) -> dict[int, list[dict]]
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("policy", ["cost", "none"])
-def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, small_plan, policy):
-    plan = small_plan(balance={"policy": policy, "window": 3})
+@pytest.mark.parametrize("policy,packing", [("cost", "whole"), ("none", "whole"), ("cost", "cut"), ("none", "cut")])
+def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, small_plan, policy, packing):
+    plan = small_plan(balance={"policy": policy, "window": 3, "packing": packing})
     steps, dp = 25, plan.topology.dp
     with Service.start(plan, cluster=cluster) as service:
         got = consume(service.address, list(range(dp)), steps)
         service.wait_for_step(steps, timeout=60)
         ledger = service.ledger(0, steps)
         metrics = service.metrics(0, steps)
-    cap, piece = plan.topology.tokens_per_micro_batch, plan.topology.piece_tokens
+    cap = plan.topology.tokens_per_micro_batch
     reference = {i: read_source(plan, s.name) for i, s in enumerate(plan.sources)}
     delivered = []
     for rank, batches in got.items():
@@ -59,12 +59,16 @@ def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, s
             assert len(batch["micro_batches"]) == plan.topology.micro_batches
             for mb in batch["micro_batches"]:
                 check_micro_batch(mb, cap)
-                # tokens equal the files, read directly
+                if packing == "cut":
+                    assert mb["num_tokens"] == cap  # no padding
+                # tokens equal the files, read directly; a piece's last label is its document's next token
                 for k in range(len(mb["sample_ids"])):
                     a, b = mb["cu_seqlens"][k], mb["cu_seqlens"][k + 1]
                     doc = reference[mb["source_ids"][k]][mb["sample_ids"][k]]
-                    start = mb["chunk_ids"][k] * piece
+                    start = int(mb["piece_starts"][k])
                     np.testing.assert_array_equal(mb["input_ids"][a:b], doc[start : start + (b - a)])
+                    after = start + (b - a)
+                    assert mb["labels"][b - 1] == (doc[after] if after < len(doc) else -100)
             rec = delivered_record(batch)
             # what this rank got in this step is exactly what the planner assigned to it
             entry = ledger[step]
@@ -85,6 +89,7 @@ def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, s
         assert np.abs(tokens - w * tokens.sum()).max() <= waiting + plan.topology.tokens_per_micro_batch
     for m in metrics:
         assert m["imbalance"] >= 1.0 and m["fill"] > 0.8, m
+        assert packing == "whole" or m["fill"] == 1.0, m
 
 
 CONSUMER_SCRIPT = """

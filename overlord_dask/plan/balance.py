@@ -23,7 +23,15 @@ class Balance(Strict):
     window: int = Field(default=16, ge=1, le=256)
     """Steps planned together; long documents move between these steps (mix is exact per window)."""
     fill: float = Field(default=0.97, gt=0.0, le=1.0)
-    """Token budget of a step as a fraction of its capacity (slack for balancing)."""
+    """Token budget of a step as a fraction of its capacity (slack for balancing); with
+    `packing: cut` the slack the balancer leaves is filled with cut pieces afterwards."""
+    packing: Literal["whole", "cut"] = "whole"
+    """`whole`: pieces go into micro-batches whole (documents over `max_doc_tokens` are still
+    split), and the room no piece fits stays padding. `cut`: every micro-batch is filled to its
+    capacity, and the piece that does not fit is cut at its end, the rest of the document coming
+    next (the way Megatron's and MosaicML Streaming's concatenated samples are cut). A cut piece
+    keeps its sample id, its offset in the document (`piece_starts`), its loss mask and its true
+    next token as the last label; attention does not cross the cut."""
     heavy_tokens: int | None = Field(default=None, ge=1)
     """Pieces at least this long are balanced as outliers; default tokens_per_micro_batch // 16."""
     max_delay: int = Field(default=2, ge=0, le=64)

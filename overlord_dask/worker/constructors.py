@@ -13,7 +13,8 @@ to the token capacity so every micro-batch has the same shape:
 - ``cu_seqlens``  int32 [n+1] piece boundaries over the real tokens (flash-attn varlen layout)
 - ``sample_ids``  int64 [n]  source-wide document ids; ``source_ids`` int32 [n] plan source index;
   ``chunk_ids`` int32 [n] piece index inside a split document (``piece_starts`` int64 [n]: its
-  first token's offset in the document, exact even when the piece size changed between stages);
+  first token's offset in the document, exact even when the piece size changed between stages
+  or ``balance.packing: cut`` cut the document where a micro-batch ends);
   ``epochs`` int32 [n]
 - ``num_tokens``  int        real (non-padding) tokens
 - a plan with loss masks (chat turns, masked labels): ``labels`` are also ``-100`` where the

@@ -36,18 +36,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...pieces import AGE, SOURCE, WIDTH, lengths, stream_lengths
+from ...pieces import AGE, SOURCE, START, STOP, WIDTH, lengths, stream_lengths
 from ..streams.stream import SourceStream
 from . import kernels
 from .base import Starved
 from .polish import polish
 
 
-def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, surplus: np.ndarray) -> np.ndarray:
+def wfq_select(
+    streams: list[SourceStream], weights: np.ndarray, budget: int, surplus: np.ndarray, cut: bool = False
+) -> np.ndarray:
     """The next ``budget`` tokens of pieces across sources, in weighted-fair-queuing order.
 
     Returns rows ``[source, epoch, unit, doc, start, stop]`` (selection order) and advances each
-    stream past what it took. Raises ``Starved`` (streams untouched) if metadata is missing.
+    stream past what it took. With ``cut`` the rows hold exactly ``budget`` tokens: the first
+    piece that does not fit is cut, and its source's cursor stops inside the document. Raises
+    ``Starved`` (streams untouched) if metadata is missing.
     """
     active = np.flatnonzero(weights > 0)
     cand: dict[int, np.ndarray] = {}
@@ -80,15 +84,22 @@ def wfq_select(streams: list[SourceStream], weights: np.ndarray, budget: int, su
             break
         for i in short:
             need[i] *= 2
-    out = np.empty((n_take, WIDTH), dtype=np.int64)
+    rest = budget - (int(lens_all[:n_take].sum()) if n_take else 0)
+    if cut and rest > 0 and n_take < len(order):
+        taken = order[: n_take + 1]  # the next piece, cut to the tokens left (it is longer)
+    out = np.empty((len(taken), WIDTH), dtype=np.int64)
     out[:, SOURCE] = src_a[taken]
     for i in active:
         i = int(i)
         sel = src_a[taken] == i
         if sel.any():
-            rows = cand[i][idx_a[taken][sel]]
-            out[sel, 1:] = rows
-            streams[i].take(rows)
+            out[sel, 1:] = cand[i][idx_a[taken][sel]]
+    if len(taken) > n_take:
+        out[-1, STOP] = out[-1, START] + rest
+    for i in active:
+        sel = out[:, SOURCE] == int(i)
+        if sel.any():
+            streams[int(i)].take(out[sel, 1:])
     return out
 
 

@@ -15,6 +15,10 @@ metadata not loaded yet) a policy leaves its counters and the streams as they we
   ``kernels.py``); counters: tokens selected and asked for per source (and per length class in
   stages with a long share), and the pieces deferred to the next window.
 
+Either policy packs whole pieces (``balance.packing: whole``) or fills every bin to capacity,
+cutting the piece at a bin's end (``cut``: ``cut.py``; a stream's cursor may then stop inside a
+document, and the rest of it is the source's next piece).
+
 This module holds what every policy shares: the :class:`Window` a policy sees, the
 :class:`Policy` interface and :class:`Starved`.
 """

@@ -10,6 +10,7 @@ from ...plan import Balance
 from ..streams import ClassView
 from .balance import balance_window, wfq_select
 from .base import Planned, Policy, Starved, Window, as_floats, grown
+from .cut import bin_room, fill_steps
 
 
 class CostBalanced(Policy):
@@ -82,17 +83,35 @@ class CostBalanced(Policy):
                 need = target - (P.tokens(rows) - P.tokens(wp.pending))  # room left by deferred pieces
                 if need <= slack:
                     break
+            planned = list(zip(wp.steps, wp.bin_costs))
+            if bal.packing == "cut":
+                planned = self._fill(w, planned)
         except Starved:
             for s, cur in zip(w.streams, saved[0]):
                 s.restore(cur)
             self.selected, self.declared, self.cls_selected, self.cls_declared = saved[1:]
             raise
         self.pending = wp.pending
-        return [(rows, slot, costs) for (rows, slot), costs in zip(wp.steps, wp.bin_costs)]
+        return [(rows, slot, costs) for (rows, slot), costs in planned]
 
-    def _select_steps(self, w: Window, budgets: np.ndarray) -> np.ndarray:
+    def _fill(self, w: Window, planned: list) -> list:
+        """Packing ``cut`` (``cut.py``): each step's room selected with its weights and laid
+        over its bins; each bin's cost grows by its filler's."""
+        topo = w.topology
+        budgets = np.array([int(bin_room(slot, rows, topo).sum()) for (rows, slot), _ in planned], dtype=np.int64)
+        filler = self._select_steps(w, budgets, cut=True)
+        steps, flat_bins = fill_steps([s for s, _ in planned], filler, topo)
+        out = []
+        for (rows, slot), (_, costs), b in zip(steps, planned, flat_bins):
+            if len(b):
+                added = w.costs(rows[len(rows) - len(b) :])
+                costs = costs + np.bincount(b, weights=added, minlength=costs.size).reshape(costs.shape)
+            out.append(((rows, slot), costs))
+        return out
+
+    def _select_steps(self, w: Window, budgets: np.ndarray, cut: bool = False) -> np.ndarray:
         """Select ``budgets[k]`` tokens with the weights of step ``start + k`` (runs of steps with
-        equal weights in one call)."""
+        equal weights in one call; ``cut``: exactly that many, the last piece cut)."""
         groups: list[list] = []  # [first step of the run, budget, weights]
         for k, b in enumerate(budgets):
             weights = w.mix_at(w.start + k)
@@ -100,19 +119,19 @@ class CostBalanced(Policy):
                 groups[-1][1] += int(b)
             else:
                 groups.append([w.start + k, int(b), weights])
-        parts = [self._select(w, b, step) for step, b, _ in groups]
+        parts = [self._select(w, b, step, cut) for step, b, _ in groups]
         return np.concatenate(parts) if parts else P.empty()
 
-    def _select(self, w: Window, budget: int, step: int) -> np.ndarray:
+    def _select(self, w: Window, budget: int, step: int, cut: bool = False) -> np.ndarray:
         if budget <= 0:
             return P.empty()
         weights = w.mix_at(step)
         cw = w.class_weights_at(step)
         if cw is None:
-            rows = wfq_select(w.streams, weights, budget, self.selected - self.declared)
+            rows = wfq_select(w.streams, weights, budget, self.selected - self.declared, cut)
         else:  # each (source, length class) is a source of its own, with its own cursor
             views = [ClassView(s, c) for s in w.streams for c in ("short", "long")]
-            rows = wfq_select(views, cw.ravel(), budget, (self.cls_selected - self.cls_declared).ravel())
+            rows = wfq_select(views, cw.ravel(), budget, (self.cls_selected - self.cls_declared).ravel(), cut)
             got_cls = P.source_tokens(rows, cw.size)
             self.cls_selected += got_cls.reshape(-1, 2)
             self.cls_declared += cw * got_cls.sum()

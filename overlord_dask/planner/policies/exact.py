@@ -7,7 +7,9 @@ next piece comes from the source with the largest deficit ``w_s·T − D_s − c
 into the bin where it fits most tightly (best fit keeps empty bins for long pieces). A piece that
 fits nowhere *blocks* its source for the rest of the step; other sources go on only while every
 blocked source stays short by no more than the piece it could not place. Then the step closes, and
-the blocked piece is the first of its source in the next step.
+the blocked piece is the first of its source in the next step. With ``balance.packing: cut``
+nothing blocks: a piece that fits no bin fills the emptiest one and its rest comes next, until
+every bin is full.
 
 ``carry_s`` is the run's cumulative surplus of source ``s`` so far (tokens delivered minus the
 sum over past steps of that step's weight times its tokens, so weight schedules are followed),
@@ -49,12 +51,18 @@ class StepSelection:
 
 
 def select_step(
-    streams: list[SourceStream], weights: np.ndarray, n_bins: int, capacity: int, carry: np.ndarray | None = None
+    streams: list[SourceStream],
+    weights: np.ndarray,
+    n_bins: int,
+    capacity: int,
+    carry: np.ndarray | None = None,
+    cut: bool = False,
 ) -> StepSelection:
-    """Choose and pack the next step's pieces. Raises ``Starved`` (with every stream restored)."""
+    """Choose and pack the next step's pieces (``cut``: a piece that fits no bin fills the
+    emptiest one and the rest of it comes next). Raises ``Starved`` (with every stream restored)."""
     saved = [s.cursor() for s in streams]
     try:
-        return _select(streams, weights, n_bins, capacity, np.zeros(len(streams)) if carry is None else carry)
+        return _select(streams, weights, n_bins, capacity, np.zeros(len(streams)) if carry is None else carry, cut)
     except Starved:
         for s, cur in zip(streams, saved):
             s.restore(cur)
@@ -69,7 +77,7 @@ def next_carry(cum_source_tokens: np.ndarray, cum_declared: np.ndarray, longest_
     return np.clip(surplus, -lim, lim)
 
 
-def _select(streams, weights, n_bins, capacity, carry) -> StepSelection:
+def _select(streams, weights, n_bins, capacity, carry, cut) -> StepSelection:
     n = len(streams)
     active = [i for i in range(n) if weights[i] > 0]
     free = np.full(n_bins, capacity, dtype=np.int64)
@@ -94,10 +102,19 @@ def _select(streams, weights, n_bins, capacity, carry) -> StepSelection:
         slack = free - L
         fits = np.flatnonzero(slack >= 0)
         longest = max(longest, L)
-        if len(fits) == 0:
+        if len(fits) == 0 and cut:
+            b = int(np.argmax(free))  # ties: lowest bin
+            if free[b] == 0:
+                break  # every bin is full
+            piece, L = (
+                Piece(piece.source, piece.epoch, piece.unit, piece.doc, piece.start, piece.start + int(free[b])),
+                int(free[b]),
+            )
+        elif len(fits) == 0:
             blocked[i] = L
             continue
-        b = int(fits[np.argmin(slack[fits])])  # best fit; ties: lowest bin
+        else:
+            b = int(fits[np.argmin(slack[fits])])  # best fit; ties: lowest bin
         bins[b].append(piece)
         free[b] -= L
         streams[i].advance(piece)
@@ -153,7 +170,8 @@ class ExactStep(Policy):
     def plan(self, w: Window) -> list[Planned]:
         topo = w.topology
         weights = w.mix_at(w.start)
-        sel = select_step(w.streams, weights, topo.dp * topo.micro_batches, topo.tokens_per_micro_batch, self.carry)
+        n_bins, cut = topo.dp * topo.micro_batches, w.balance.packing == "cut"
+        sel = select_step(w.streams, weights, n_bins, topo.tokens_per_micro_batch, self.carry, cut)
         self.cum_tokens += sel.source_tokens
         self.cum_declared += weights * sel.total_tokens
         self.carry = next_carry(self.cum_tokens, self.cum_declared, sel.longest_piece)
