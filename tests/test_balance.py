@@ -224,7 +224,7 @@ def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacit
     grouping programme keeps skip states for (it skips in blocks there)."""
     from overlord_dask.planner.policies import kernels
 
-    assert kernels.COMPILED and kernels.warm()  # numba is installed with the package
+    assert kernels.warm()  # numba is installed with the package
     shapes = [(0.9, 700), (None, 6.0), (1.2, 300), (None, 5.0)]
     gens = []
     for k in range(n_sources):
@@ -251,6 +251,7 @@ def test_kernel_sums_and_sorts_follow_numpy(compiled):
     stable argsort, compiled and as plain Python, at every length that changes their path."""
     from overlord_dask.planner.policies import kernels
 
+    assert kernels.warm()
     np_sum = kernels.np_sum if compiled else kernels.np_sum.py_func
     argsort = kernels._argsort if compiled else kernels._argsort.py_func
     rng = np.random.default_rng(0)
@@ -290,6 +291,20 @@ def test_a_windows_light_quotas_at_once_are_each_steps_bit_for_bit(dp, micro_bat
         assert q.shape == alone.shape and q.tobytes() == alone.tobytes()
 
 
+def test_kernels_compile_only_for_large_steps_and_then_plan_as_before():
+    """Where a step has few micro-batches the planner leaves numba unimported (its process is
+    smaller by numba and the compiled code); from ``COMPILE_FROM_BINS`` on it compiles."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from overlord_dask.planner.policies import kernels as k; "
+        "small = k.warm(k.COMPILE_FROM_BINS - 1); print(small, 'numba' in sys.modules, k.warm(k.COMPILE_FROM_BINS))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True"]
+
+
 def test_kernels_compile_where_no_cache_is_writable(monkeypatch):
     """numba refuses ``cache=True`` where neither the package's folder nor the home is writable
     (a read-only container): the kernels then compile without a cache instead of failing."""
@@ -309,7 +324,7 @@ def test_kernels_compile_where_no_cache_is_writable(monkeypatch):
     monkeypatch.setattr(numba, "njit", njit)
     try:
         k = importlib.reload(kernels)
-        assert k.COMPILED and isinstance(k.np_sum, numba.core.registry.CPUDispatcher)
+        assert not k.COMPILED and k.warm() and isinstance(k.np_sum, numba.core.registry.CPUDispatcher)
         assert k.np_sum(np.array([1.0, 2.0, 3.5])) == 6.5
     finally:
         monkeypatch.undo()

@@ -52,10 +52,11 @@ class Work:
         return {"loads": self.loads, "tasks": self.tasks, "release": self.release, "finished": self.finished}
 
 
-def _warm() -> None:
-    """Load (or compile) the balancer's kernels, then freeze the objects that brought
-    (``heap.py``): numba's registries are most of a full collection's walk otherwise."""
-    kernels.warm()
+def _warm(bins: int | None) -> None:
+    """Load (or compile) the balancer's kernels where steps are large enough to be worth it
+    (``kernels.warm``), then freeze the objects that brought (``heap.py``): numba's registries
+    are most of a full collection's walk otherwise."""
+    kernels.warm(bins)
     heap.freeze()
 
 
@@ -64,7 +65,8 @@ class PlannerThread:
     each constructor task handed out, ``observe()`` (called in the thread every
     ``OBSERVE_EVERY_S``) refreshes the dashboard's view, ``on_failure(message)`` stops the run,
     ``on_decisions(decisions)`` learns the planner's own decisions (``planner/feedback.py``:
-    from the trainers' reports, which ``feedback_in`` queues)."""
+    from the trainers' reports, which ``feedback_in`` queues). ``bins`` (dp × micro-batches)
+    decides whether the balancer's kernels are compiled (``kernels.warm``)."""
 
     def __init__(
         self,
@@ -76,6 +78,7 @@ class PlannerThread:
         observe: Callable[[], dict],
         on_failure: Callable[[str], None],
         on_decisions: Callable[[list], None] = lambda d: None,
+        bins: int | None = None,
     ):
         self.run_id, self.chunk_steps, self.pad_id = run_id, chunk_steps, pad_id
         self.on_tasks, self.observe, self.on_failure, self.on_decisions = on_tasks, observe, on_failure, on_decisions
@@ -85,7 +88,9 @@ class PlannerThread:
         self.held_from: int | None = None  # the earliest step of decisions no snapshot holds yet
         self.decided = 0  # decisions made so far (what a snapshot written since holds)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
-        self.executor.submit(_warm)  # the balancer's compiled loops, ready (or compiling) while the first units load
+        self.executor.submit(
+            _warm, bins
+        )  # the balancer's compiled loops, ready (or compiling) while the first units load
         self.state: PlannerState | None = None
         self.rewinds = 0  # times the run was rewound (a new planner state each time)
         self.observed: dict | None = None  # what /overlord and the Prometheus gauges show (observe.dashboard)

@@ -97,6 +97,7 @@ class PlannerPlugin(SchedulerPlugin):
             observe=self._observe,
             on_failure=self.fail,
             on_decisions=self._decided,
+            bins=plan.topology.dp * plan.topology.micro_batches,
         )
         planning = await self.thread.start(plan, self.unit_first_ids, self.restore_state)
         if self.thread.state.final_plan.topology != plan.topology:  # the snapshot's run changed dp

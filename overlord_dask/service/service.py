@@ -25,7 +25,7 @@ import os
 import time
 import uuid
 
-from distributed import Client, WorkerPlugin
+from distributed import Client
 
 from .. import logs
 from ..allocator import KeepFreedMemory
@@ -42,6 +42,7 @@ from ..protocol import resolve_address
 from ..scheduler.plugin import PlannerPlugin
 from ..sources.units import LoadUnit
 from ..worker.batch_server import BatchServer
+from ..worker.log_setup import LogSetup
 from . import holdout
 from .indexing import index_sources, index_timeline
 from .manifest import check_files, with_digests
@@ -446,18 +447,3 @@ def upload_plan_code(client, plan) -> None:
         client.upload_file(
             path, load=True
         )  # a zip goes onto sys.path only when loaded; a module is imported once, here
-
-
-class LogSetup(WorkerPlugin):
-    """``logs.setup`` in every worker process (present and future), as this process has it."""
-
-    name = "overlord-log-setup"
-
-    def __init__(self, fmt: str, level):
-        self.fmt, self.level = fmt, level
-
-    def setup(self, worker) -> None:
-        logs.setup(self.fmt, self.level)
-
-    def teardown(self, worker) -> None:
-        logs.reset()

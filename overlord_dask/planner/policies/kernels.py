@@ -10,10 +10,15 @@ Each kernel makes exactly the choices of the numpy code in ``balance.py`` that i
 (the same IEEE operations in the same order, the same tie-breaks; sums over a few values are
 :func:`np_sum`, numpy's own pairwise order), so a plan is the same bit for bit with or without
 numba: a run resumed where numba is missing re-plans what the first run planned (tested with both
-paths). ``COMPILED`` is False where numba cannot be imported (a Python it has no wheel for yet)
-or cannot compile (:func:`warm`), and ``balance.py`` then runs its numpy code. Compiled once per
-install: ``cache=True`` keeps the machine code next to this file (or in numba's cache directory);
-compiling takes seconds, so ``scripts/install.sh`` does it once, and a new process only loads it.
+paths). Compiling is worth it for large steps only (at a few ranks the loops are short, and the
+numpy code costs little more per step), while numba and its compiled
+kernels cost the planner's process about 100 MB: so the kernels are plain Python functions
+until :func:`warm` compiles them, which the planner does where a step has at least
+``COMPILE_FROM_BINS`` micro-batches. ``COMPILED`` is False until then, and stays False where
+numba cannot be imported (a Python it has no wheel for yet) or cannot compile; ``balance.py``
+then runs its numpy code. Compiled once per install: ``cache=True`` keeps the machine code next
+to this file (or in numba's cache directory); compiling takes seconds, so
+``scripts/install.sh`` does it once, and a process that compiles only loads it.
 """
 
 from __future__ import annotations
@@ -24,24 +29,31 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-try:
-    from numba import njit
-except ImportError:  # pragma: no cover - the install has numba; this keeps a Python without its wheels working
-    njit = None
-    logger.info("numba is not importable: the planner balances with its numpy code (the same plans, slower)")
+COMPILE_FROM_BINS = 64  # dp × micro_batches from which the planner compiles the kernels
+COMPILED = False
+_KERNELS: dict = {}  # name -> the Python function
 
 
 def _jit(f):
-    """Compiled where numba is at hand (``f.py_func`` is then the Python original). Where no
-    cache location is writable (a read-only install and home: numba refuses ``cache=True``), the
-    kernels compile in every process that plans instead (seconds, at the planner's start)."""
-    if njit is None:
-        return f
+    """A kernel: the Python function until :func:`warm` swaps in its compiled form (``f.py_func``
+    is then the Python original)."""
+    _KERNELS[f.__name__] = f
+    return f
+
+
+def _compile() -> None:
+    """Rebind every kernel to its numba dispatcher (calls between kernels go through these
+    globals, so a compiled kernel calls compiled ones). Where no cache location is writable (a
+    read-only install and home: numba refuses ``cache=True``), they compile in every process
+    that plans instead (seconds, at the planner's start)."""
+    from numba import njit
+
     try:
-        return njit(cache=True, nogil=True)(f)
+        compiled = {name: njit(cache=True, nogil=True)(f) for name, f in _KERNELS.items()}
     except RuntimeError:
         logger.warning("no writable cache for the planner's compiled kernels: compiling them in this process")
-        return njit(nogil=True)(f)
+        compiled = {name: njit(nogil=True)(f) for name, f in _KERNELS.items()}
+    globals().update(compiled)
 
 
 @_jit
@@ -352,21 +364,25 @@ def repair_bins(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity):
                 where[p] = -1
 
 
-COMPILED = njit is not None
-
-
-def warm() -> bool:
-    """Compile (or load from the cache) every kernel for the argument types the balancer passes,
-    on a toy window; True if compiled. The planner calls this first thing on its thread, so that
-    compiling overlaps the first loads; ``scripts/install.sh`` calls it to fill the cache."""
+def warm(bins: int | None = None) -> bool:
+    """Compile (or load from the cache) every kernel and run it once for the argument types the
+    balancer passes, on a toy window, where a step has ``bins`` (dp × micro-batches) of at least
+    ``COMPILE_FROM_BINS``, or always when ``bins`` is None; True if the kernels are compiled.
+    The planner calls this first thing on its thread, so that compiling overlaps the first
+    loads; ``scripts/install.sh`` calls it to fill the cache."""
     global COMPILED
-    if not COMPILED:
-        return False
+    if COMPILED or (bins is not None and bins < COMPILE_FROM_BINS):
+        return COMPILED
     try:
+        _compile()
         _warm()
+        COMPILED = True
+    except ImportError:  # pragma: no cover - the install has numba; a Python without its wheels plans with numpy
+        logger.info("numba is not importable: the planner balances with its numpy code (the same plans, slower)")
     except Exception:  # a platform where numba imports but cannot compile: plan with numpy (the same plans)
         logger.warning("compiling the planner's kernels failed: balancing with numpy instead", exc_info=True)
-        COMPILED = False
+    if not COMPILED:
+        globals().update(_KERNELS)
     return COMPILED
 
 
