@@ -141,8 +141,11 @@ def _serve(
     weights: list[float] | None = None,
     seed: int | None = None,
     loading: dict | None = None,
+    in_process: bool = False,
+    balance: dict | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """``overlord serve`` over the generated sources under ``root``, in its own process tree."""
+    """``overlord serve`` over the generated sources under ``root``, in its own process tree
+    (``--in-process``: its workers are threads of the service's process)."""
     import yaml
 
     from overlord_dask.service.demo import text_sources_plan
@@ -152,11 +155,14 @@ def _serve(
         plan["seed"] = seed
     if loading:
         plan["loading"] = {**plan.get("loading", {}), **loading}
+    if balance:
+        plan["balance"] = {**plan.get("balance", {}), **balance}
     path = os.path.join(root, f"plan-{len(names)}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(plan, f)
     exe = os.path.join(os.path.dirname(sys.executable), "overlord")
-    proc = subprocess.Popen([exe, "serve", path, "--workers", str(workers)], stdout=subprocess.PIPE, text=True)
+    cmd = [exe, "serve", path, "--workers", str(workers)] + (["--in-process"] if in_process else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line:
         raise RuntimeError(f"overlord serve exited with {proc.wait()}")
@@ -189,7 +195,7 @@ def measure(root: str, dp: int, n_sources: int, args) -> dict:
     by_k = {}
     for k in args.shuffle_units or [None]:
         loading = {"shuffle_units": k} if k else None
-        proc, address = _serve(data, names, dp, args.tokens, args.workers, loading=loading)
+        proc, address = _serve(data, names, dp, args.tokens, args.workers, loading=loading, in_process=args.in_process)
         try:
             by_k[k] = _run("ours", dp, {**cfg, "address": address}, args.seconds, args.interval, extra_pids=[proc.pid])
         finally:
@@ -264,6 +270,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seconds", type=float, default=8.0, help="sampling time per size and system")
     ap.add_argument("--interval", type=float, default=0.5)
     ap.add_argument("--workers", type=int, default=2, help="the service's worker processes")
+    ap.add_argument(
+        "--in-process", action="store_true", help="the service's workers as threads of its process (serve --in-process)"
+    )
     ap.add_argument("--baseline-workers", type=int, default=2, help="DataLoader workers per rank")
     ap.add_argument("--data", default=None, help="folder for the generated sources (default: a temporary one)")
     ap.add_argument("--shuffle-units", type=int, nargs="*", default=[], help="loading.shuffle_units settings, in turn")
@@ -279,6 +288,7 @@ def main(argv=None) -> dict:
         "benchmark": "memory",
         "cores": os.cpu_count(),
         "workers": args.workers,
+        "in_process": args.in_process,
         "baseline_workers": args.baseline_workers,
         "tokens_per_rank_step": args.tokens,
         "compute_ms": args.compute_ms,

@@ -92,6 +92,25 @@ def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, s
         assert packing == "whole" or m["fill"] == 1.0, m
 
 
+@pytest.mark.integration
+def test_an_in_process_service_runs_its_loaders_as_threads_and_plans_the_same_stream(cluster, small_plan):
+    """``in_process``: the scheduler, the planner and the loader workers in this one process
+    (threads, no worker process), reached by trainers over TCP as usual; the same plan gives the
+    same pieces to the same ranks as on worker processes, cut packing included."""
+    plan = small_plan(balance={"packing": "cut"})
+    steps, dp = 8, plan.topology.dp
+    runs = []
+    for kwargs in ({"in_process": True, "n_workers": 2}, {"cluster": cluster}):
+        with Service.start(plan, **kwargs) as service:
+            got = consume(service.address, list(range(dp)), steps)
+            if kwargs.get("in_process"):
+                pids = service.client.run(os.getpid)
+                assert len(pids) == 2 and set(pids.values()) == {os.getpid()}
+                assert service.address.startswith("tcp://")
+            runs.append({r: [delivered_identities(delivered_record(b)).tolist() for b in got[r]] for r in got})
+    assert runs[0] == runs[1]
+
+
 CONSUMER_SCRIPT = """
 import json, sys
 from overlord_dask import connect

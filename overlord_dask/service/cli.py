@@ -1,8 +1,8 @@
 """The ``overlord`` command.
 
 overlord demo [--dp 4 --steps 100 --data demo-data]   service + trainer processes, JSON summary
-overlord serve PLAN.yaml [--workers 2 --dp N --set KEY=VALUE --scheduler-file F --host H --port P
-               --dashboard-port P]                      run a service, print its address and page
+overlord serve PLAN.yaml [--workers 2 --in-process --dp N --set KEY=VALUE --scheduler-file F --host H
+               --port P --dashboard-port P]             run a service, print its address and page
 overlord status ADDRESS|FILE [--json] [--watch [S]]     progress, rates, lag, balance, mix, pools, snapshots
 overlord update ADDRESS|FILE PLAN.yaml [--at-step N]    change the plan of a running service
 overlord stop ADDRESS|FILE                              stop it cleanly (last snapshot, workers retired)
@@ -223,7 +223,12 @@ def cmd_serve(args) -> int:
     if args.dp is not None:  # the trainers' world size decides, not the file
         plan = _with_dp(plan, args.dp, f"{args.plan} (--dp {args.dp})")
     with Service.start(
-        plan, n_workers=args.workers, scheduler_port=args.port, host=args.host, dashboard_port=args.dashboard_port
+        plan,
+        n_workers=args.workers,
+        scheduler_port=args.port,
+        host=args.host,
+        dashboard_port=args.dashboard_port,
+        in_process=args.in_process,
     ) as service:
         if args.scheduler_file:
             write_scheduler_file(
@@ -656,6 +661,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("plan")
     s.add_argument(
         "--workers", type=_non_negative, default=2, help="embedded worker processes (0: workers join from other hosts)"
+    )
+    s.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the embedded workers as threads of the service's process: one process, the least memory "
+        "(a single node with a few ranks; a Python tokenizer or prepare step then shares the scheduler's GIL)",
     )
     s.add_argument(
         "--port", type=int, default=0, help="scheduler port (fixed, so that trainers reconnect to a restarted service)"

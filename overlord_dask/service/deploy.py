@@ -106,29 +106,42 @@ def local_cluster(
     threads_per_worker: int = 1,
     memory_limit: str | int = "auto",
     worker_nice: int | None = None,
+    processes: bool = True,
     **kwargs,
 ) -> LocalCluster:
     """A LocalCluster of worker processes with the service's settings; TLS for every connection
     when Dask's config holds certificates (the scheduler listens on loopback unless ``host`` is
     given). Its workers, new ones included, run at ``worker_nice`` (default ``overlord.worker-nice``,
-    5: ``priority.py``) so that they leave the cores to the scheduler and the trainers first."""
-    kwargs.setdefault("config", worker_config())
+    5: ``priority.py``) so that they leave the cores to the scheduler and the trainers first.
+
+    ``processes=False`` runs the workers as threads of this process (the scheduler's, where the
+    planner runs too): one process instead of ``1 + n_workers``, each of which holds its own
+    Python, Dask and Arrow (the fixed cost that decides a single node's loading memory). The
+    loaders then share this process's GIL with the scheduler; reading Parquet and Arrow, the byte
+    tokenizer and Hugging Face's fast tokenizers release it, a Python tokenizer or ``prepare``
+    step does not. Trainers still connect over TCP, and no priority is lowered (it would lower
+    the scheduler's)."""
+    if processes:
+        kwargs.setdefault("config", worker_config())
     kwargs["scheduler_kwargs"] = {"preload": [__name__], **kwargs.get("scheduler_kwargs", {})}
     if tls_configured() and "security" not in kwargs:
         from distributed.security import Security
 
         kwargs.update(security=Security(), protocol="tls://")
-    with dask.config.set(service_config()):
+    in_process = {} if processes else {**quiet_defaults(), "distributed.comm.timeouts.connect": "10s"}
+    with dask.config.set({**service_config(), **in_process}):  # (worker threads read it as they start)
+        if not processes:
+            kwargs.setdefault("protocol", "tcp://")  # not Dask's in-process transport: trainers connect from outside
         cluster = LocalCluster(
             n_workers=n_workers,
             threads_per_worker=threads_per_worker,
-            processes=True,
+            processes=processes,
             memory_limit=memory_limit,
             dashboard_address=kwargs.pop("dashboard_address", ":0"),
             **kwargs,
         )
     nice = worker_nice_default() if worker_nice is None else worker_nice
-    if nice > 0:
+    if nice > 0 and processes:
         try:
             with Client(cluster, set_as_default=False) as client:
                 client.register_plugin(WorkerPriority(nice))  # kept by the scheduler for workers that join later

@@ -51,15 +51,18 @@ from .submitter import Submitter
 from .views import ServiceViews
 
 
-def _embedded_cluster(n_workers: int, threads_per_worker: int, port: int, host: str | None, dashboard_port: int):
+def _embedded_cluster(
+    n_workers: int, threads_per_worker: int, port: int, host: str | None, dashboard_port: int, processes: bool = True
+):
     """The default deployment: a LocalCluster whose scheduler and dashboard listen on ``host``
-    (default: loopback only)."""
+    (default: loopback only); its workers are threads of this process with ``processes=False``."""
     from .deploy import local_cluster
 
     extra = {"host": host} if host else {}
     return local_cluster(
         n_workers=n_workers,
         threads_per_worker=threads_per_worker,
+        processes=processes,
         scheduler_port=port,
         dashboard_address=f"{host or '127.0.0.1'}:{dashboard_port}",
         **extra,
@@ -222,13 +225,17 @@ class Service(ServiceViews):
         scheduler_port: int = 0,
         host: str | None = None,
         dashboard_port: int = 0,
+        in_process: bool = False,
     ) -> Service:
         """Start a run on ``cluster`` (any Dask cluster object), on a running scheduler at
         ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes (its
         scheduler on ``host`` (default: loopback only) and ``scheduler_port``: fixed, a restarted
         service is found again by trainers; its dashboard, with the ``/overlord`` page, on
-        ``dashboard_port``: 0 picks a free one, :attr:`dashboard` says which)."""
-        if cluster is None and address is None:
+        ``dashboard_port``: 0 picks a free one, :attr:`dashboard` says which). ``in_process``: the
+        new LocalCluster's workers are threads of this process (``deploy.local_cluster``: the
+        least memory, for a single node)."""
+        embedded = cluster is None and address is None
+        if embedded and not in_process:
             _check_main_guard()  # before anything else: the worker processes would run this script again
         loaded, snap = _snapshots(plan)
         # every plan version in the snapshot (live updates before a restart), and their sources
@@ -241,8 +248,10 @@ class Service(ServiceViews):
         # held-out units never reach the planner; every micro-batch is padded with the tokenizer's pad id
         units, pad_id = preflight(plan, timeline, indexed)
         owned = None
-        if cluster is None and address is None:
-            cluster = owned = _embedded_cluster(n_workers, threads_per_worker, scheduler_port, host, dashboard_port)
+        if embedded:
+            cluster = owned = _embedded_cluster(
+                n_workers, threads_per_worker, scheduler_port, host, dashboard_port, processes=not in_process
+            )
         client = Client(cluster if address is None else address, set_as_default=False)
         run_id = run_id or f"{plan.name}-{uuid.uuid4().hex[:8]}"
         first_ids = {name: [u.first_id for u in us] for name, us in units.items()}
@@ -250,7 +259,7 @@ class Service(ServiceViews):
         try:
             pooled = _start_pools(plan, cluster if address is None else None)
             upload_plan_code(client, plan)
-            if logs.settings() is not None:  # the workers log their events (bad records, ...) the same way
+            if logs.settings() is not None and not (embedded and in_process):  # workers log their events the same way
                 client.register_plugin(LogSetup(**logs.settings()))
             client.register_plugin(KeepFreedMemory())
             client.register_plugin(BatchServer())
