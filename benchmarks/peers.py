@@ -1,38 +1,50 @@
-"""The service next to a loader users run today, on the same files: torchdata ``nodes``.
+"""The service next to the loaders users run today, on the same files, in one run.
 
-    python benchmarks/peers.py                       # readable table
-    python benchmarks/peers.py --json --dp 4 --steps 120 --compute-ms 50
+    python benchmarks/peers.py                                 # readable table
+    python benchmarks/peers.py --json --dp 2 --steps 300 --compute-ms 25
+    .venv-peers/bin/python benchmarks/peers.py --json          # every peer (benchmarks/install_peers.sh)
 
-Same sources (``--sources`` generated text parquet sources, weights 4:3:2:1...), same tokens per
-step (``--tokens`` per rank, one micro-batch), same byte tokenizer, ``--dp`` trainer *processes*
-computing ``--compute-ms`` per step (sleep). Two systems:
+One generated corpus: ``--sources`` text parquet sources (16 files each) weighted 5:3:2 (then
+1s), with different document lengths (web-like, chat-like, book-like: a book can fill several
+micro-batches), byte tokens. ``--dp`` trainer *processes*, each a fresh interpreter as torchrun
+starts them (multiprocessing's ``spawn``), whose DataLoader workers start as they would under
+torchrun: forked (``--worker-start``), one micro-batch of ``--tokens`` per rank and step, each computing
+``--compute-ms`` per step (sleep). Systems (``benchmarks/peer_pipelines.py``, each composed as
+its documentation shows, at its defaults, the doc named there):
 
-- **torchdata** 0.11, as its documentation composes it: per source a resumable ``BaseNode``
-  reading the rank's share of the row groups, ``MultiNodeWeightedSampler`` (weights, rank,
-  world size, seed; ``CYCLE_FOREVER``), ``ParallelMapper`` tokenizing in 2 worker processes
-  (``method="process"``, in order), a packer node (first-fit into the micro-batch, its carry-over
-  in its state), ``Prefetcher`` (factor 2) and ``Loader`` (``state_dict()`` /
-  ``load_state_dict()``). Its documented settings; nothing tuned down.
-- **ours**: ``overlord serve`` (2 workers) and ``OverlordDataset`` in a ``DataLoader``.
+- **torchdata** ``nodes``; **mosaic_streaming** (LLM Foundry's pre-concatenated MDS samples,
+  ``Stream`` proportions); **litdata** (``optimize`` + ``CombinedStreamingDataset`` weights);
+- **ours**: ``overlord serve`` (2 worker processes) and ``OverlordDataset`` in a ``DataLoader``;
+  **ours_in_process**: ``overlord serve --in-process``, its loaders threads of its one process.
+  Both with ``balance.packing: cut`` (``--packing``).
 
-Figures per system: delivered tokens/s (all ranks, documents' tokens, padding excluded, after the
-warm-up), the mean time to a rank's first batch (its process started, torch imported), trainer
-wait share and p99 after ``--warmup`` steps, the loading path's memory (PSS of every process
-minus as many bare trainers, as in ``benchmarks/memory.py``), the mix error (largest gap between a
-source's token share and its weight over any 20 consecutive steps, all ranks), and resume
-exactness: every rank stops at step ``--kill-at``, saves ``state_dict()``, its process exits, a new
-process loads the state and runs to the end; the (source, sample id) stream of every rank and step
-must equal an uninterrupted run's.
+A peer that cannot run here (not installed) gets a row saying so, never a number.
+
+Figures per system: delivered tokens/s (all ranks, documents' tokens, padding excluded, after
+the warm-up); fill (documents' tokens over the micro-batches' capacity); ``prepare_s`` (a peer's
+own conversion of the corpus, before any loading); the mean time to a rank's first batch (its
+process started, torch imported; for ours the service's own start is ``service_start_s``);
+trainer wait share and p99 after ``--warmup`` steps; the loading path's memory (PSS of every
+process minus as many bare trainers, as in ``benchmarks/memory.py``); the mix error (largest gap
+between a source's token share and its weight over any ``--window`` consecutive steps, all
+ranks); shuffle quality per rank and source: the share of consecutive documents that come from
+the same file (1/16 for a perfect shuffle of 16 equal files) and the distinct files among 256
+consecutive documents (16 at best); and resume exactness: every rank stops at step
+``--kill-at``, saves ``state_dict()``, its process exits, a new process loads the state and runs
+to the end; the (source, document) stream of every rank and step must equal an uninterrupted
+run's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import socket
 import sys
 import tempfile
 import time
@@ -43,100 +55,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.memory import _pss, _serve, _stop  # noqa: E402
 from benchmarks.output import emit_rows  # noqa: E402
+from benchmarks.peer_pipelines import PEERS  # noqa: E402
+
+OURS = ("ours", "ours_in_process")
+FILES, DOCS_PER_FILE = 16, 250
+KINDS = ("web", "chat", "books")
 
 
-# ---- torchdata: the peer pipeline ----------------------------------------------------------
-def _torchdata_loader(files: dict, weights: dict, capacity: int, rank: int, world: int, seed: int):
-    from torchdata.nodes import BaseNode, Loader, MultiNodeWeightedSampler, ParallelMapper, Prefetcher
-
-    class ParquetDocs(BaseNode):
-        """One source's documents for one rank (its share of the row groups), resumable."""
-
-        def __init__(self, source: int, paths: list[str]):
-            super().__init__()
-            import pyarrow.parquet as pq
-
-            groups = [(p, g) for p in paths for g in range(pq.ParquetFile(p).num_row_groups)]
-            self.source, self.groups = source, groups[rank::world]
-
-        def reset(self, initial_state=None):
-            super().reset(initial_state)
-            st = initial_state or {"group": 0, "row": 0}
-            self.group, self.row, self.table = st["group"], st["row"], None
-
-        def next(self):
-            import pyarrow.parquet as pq
-
-            if self.table is None:
-                path, g = self.groups[self.group]
-                self.table = pq.ParquetFile(path).read_row_group(g, columns=["id", "text"])
-            doc = {
-                "source": self.source,
-                "id": self.table.column(0)[self.row].as_py(),
-                "text": self.table.column(1)[self.row].as_py(),
-            }
-            self.row += 1
-            if self.row == self.table.num_rows:
-                self.group, self.row, self.table = (self.group + 1) % len(self.groups), 0, None
-            return doc
-
-        def get_state(self):
-            return {"group": self.group, "row": self.row}
-
-    class Packer(BaseNode):
-        """Tokenized documents packed first-fit into micro-batches; the carried-over document is state."""
-
-        def __init__(self, source):
-            super().__init__()
-            self.src = source
-
-        def reset(self, initial_state=None):
-            super().reset(initial_state)
-            if initial_state:
-                self.src.reset(initial_state["src"])
-                self.carry = initial_state["carry"]
-            else:
-                self.src.reset()
-                self.carry = None
-
-        def next(self):
-            from benchmarks.per_rank import as_batch
-
-            ids, pos, cu, docs = np.zeros(capacity, np.int64), 0, [0], []
-            while True:
-                doc = self.carry if self.carry is not None else self.src.next()
-                self.carry = None
-                toks = np.asarray(doc["tokens"][:capacity], np.int64)
-                if pos + len(toks) > capacity:
-                    self.carry = doc
-                    break
-                ids[pos : pos + len(toks)] = toks
-                pos += len(toks)
-                cu.append(pos)
-                docs.append((doc["source"], doc["id"]))
-            batch = as_batch(ids, cu, capacity)
-            import torch
-
-            batch["source_ids"] = torch.tensor([d[0] for d in docs], dtype=torch.int32)
-            batch["sample_ids"] = torch.tensor([d[1] for d in docs], dtype=torch.int64)
-            return batch
-
-        def get_state(self):
-            return {"src": self.src.state_dict(), "carry": self.carry}
-
-    names = sorted(files)
-    nodes = {n: ParquetDocs(i, files[n]) for i, n in enumerate(names)}
-    mixed = MultiNodeWeightedSampler(
-        nodes, weights, stop_criteria="CYCLE_FOREVER", rank=rank, world_size=world, seed=seed
-    )
-    tokenized = ParallelMapper(mixed, map_fn=_tokenize_doc, num_workers=2, method="process", in_order=True)
-    return Loader(Prefetcher(Packer(tokenized), prefetch_factor=2))
-
-
-def _tokenize_doc(doc: dict) -> dict:
-    from benchmarks.per_rank import _tokens
-
-    return {"source": doc["source"], "id": doc["id"], "tokens": _tokens(doc["text"])}
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ---- trainer processes -----------------------------------------------------------------------
@@ -144,34 +73,45 @@ def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, 
     """Steps [first, last) of one rank: per step the wait, the documents (source, id, tokens)."""
     import torch
 
+    mp.set_start_method(cfg["worker_start"], force=True)  # its DataLoader workers, as under torchrun
     if system == "bare":
         ready.put(os.getpid())
         stop.wait()
         return
-    if system == "ours":
+    if system in OURS:
         from overlord_dask import OverlordDataset
 
         ds = OverlordDataset(cfg["address"], rank=rank, dp=dp)
         if state is not None:
             ds.load_state_dict(state)
         loader, holder = torch.utils.data.DataLoader(ds, batch_size=None), ds
+        record = PEERS["torchdata"].record  # the same packed-batch fields
     else:
-        loader = _torchdata_loader(cfg["files"], cfg["weights"], cfg["tokens"], rank, dp, cfg["seed"])
+        # as torchrun sets a rank up: its environment and a process group
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(dp), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(dp), NODE_RANK="0"
+        )
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=dp)
+        peer = PEERS[system]
+        loader, holder = peer.loader(cfg, rank, dp)
         if state is not None:
-            loader.load_state_dict(state)
-        holder = loader
+            holder.load_state_dict(state)
+        record = peer.record
     it = iter(loader)
     waits, ends, steps, t_start = [], [], [], time.perf_counter()
     for step in range(first, last):
         t0 = time.perf_counter()
-        mb = next(it)
+        try:
+            mb = next(it)
+        except StopIteration:  # the end of an epoch: the training loop's next epoch
+            it = iter(loader)
+            mb = next(it)
         waits.append(time.perf_counter() - t0)
         if step == first:
             ready.put(os.getpid())
-        lens = np.diff(mb["cu_seqlens"].numpy().astype(np.int64))
-        steps.append(
-            {"source_ids": mb["source_ids"].tolist(), "sample_ids": mb["sample_ids"].tolist(), "lengths": lens.tolist()}
-        )
+        src, ids, lens, capacity = record(mb)
+        steps.append({"source_ids": src, "sample_ids": ids, "lengths": lens, "capacity": capacity})
         time.sleep(cfg["compute_s"])
         ends.append(time.perf_counter())
     wall = time.perf_counter() - t_start
@@ -187,13 +127,16 @@ def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, 
         )
     )
     stop.wait()  # alive (and measured) until every rank is done
-    if system == "ours":
+    if system in OURS:
         ds.close()
+    elif torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, extra_pids=(), sample=True) -> dict:
     ctx = mp.get_context("spawn")
     ready, out, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    cfg = {**cfg, "port": _free_port()}
     ps = [
         ctx.Process(
             target=_trainer, args=(system, r, dp, cfg, first, last, states[r] if states else None, ready, stop, out)
@@ -202,7 +145,13 @@ def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, ex
     ]
     for p in ps:
         p.start()
-    pids = [ready.get(timeout=600) for _ in range(dp)]
+    pids = []
+    while len(pids) < dp:
+        try:
+            pids.append(ready.get(timeout=5))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in ps):
+                raise RuntimeError(f"a {system} trainer died: exit codes {[p.exitcode for p in ps]}") from None
     samples = []
     res: dict = {}
     while len(res) < dp:
@@ -225,28 +174,51 @@ def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, ex
 
 
 def _stream(ranks: list[dict]) -> list:
-    return [[list(zip(s["source_ids"], s["sample_ids"])) for s in r["steps"]] for r in ranks]
+    return [[list(zip(s["source_ids"], s["sample_ids"], s["lengths"])) for s in r["steps"]] for r in ranks]
 
 
-def _figures(
-    system: str, full: dict, bare_mb: float, n_sources: int, weights: np.ndarray, warmup: int, window: int
-) -> dict:
+def shuffle_quality(ranks: list[dict], n_sources: int) -> tuple[float, float]:
+    """(share of consecutive documents of a source, on a rank, from the same file; mean distinct
+    files among 256 consecutive documents of a source), over every rank and source. A document
+    split over several pieces counts once, where it first appears."""
+    same, pairs, distinct = 0, 0, []
+    for r in ranks:
+        seen: set = set()
+        per_source: list[list[int]] = [[] for _ in range(n_sources)]
+        for s in r["steps"]:
+            for src, doc in zip(s["source_ids"], s["sample_ids"]):
+                if (src, doc) not in seen:
+                    seen.add((src, doc))
+                    per_source[src].append(doc // DOCS_PER_FILE)
+        for files in per_source:
+            f = np.asarray(files)
+            same += int((f[1:] == f[:-1]).sum())
+            pairs += max(len(f) - 1, 0)
+            distinct += [len(set(f[i : i + 256].tolist())) for i in range(0, len(f) - 255, 256)]
+    return (same / pairs if pairs else float("nan")), (float(np.mean(distinct)) if distinct else float("nan"))
+
+
+def _figures(system: str, full: dict, bare_mb: float, weights: np.ndarray, warmup: int, window: int) -> dict:
     from overlord_dask.observe.figures import window_mix_errors
 
     ranks = full["ranks"]
     steps = len(ranks[0]["steps"])
-    per_step = np.zeros((steps, n_sources))
+    per_step = np.zeros((steps, len(weights)))
+    capacity = 0
     for r in ranks:
         for k, s in enumerate(r["steps"]):
             np.add.at(per_step[k], np.asarray(s["source_ids"], int), np.asarray(s["lengths"], float))
+            capacity += s["capacity"]
     tokens = per_step[warmup:].sum()
     waits = np.concatenate([np.asarray(r["waits"][warmup:]) for r in ranks])
     share = np.mean([sum(r["waits"][warmup:]) / max(r["ends"][-1] - r["ends"][warmup - 1], 1e-9) for r in ranks])
     wall = max(r["ends"][-1] for r in ranks) - min(r["ends"][warmup - 1] for r in ranks)  # after the warm-up, all ranks
     mem = np.asarray(full["pss_mb"][len(full["pss_mb"]) // 4 :] or full["pss_mb"]) - bare_mb
+    same_file, files_256 = shuffle_quality(ranks, len(weights))
     return {
         "system": system,
         "tokens_per_s": round(tokens / wall),
+        "fill": round(float(per_step.sum() / max(capacity, 1)), 4),
         "wait_share": round(float(share), 4),
         "wait_p99_ms": round(float(np.percentile(waits, 99)) * 1e3, 2),
         "time_to_first_batch_s": round(float(np.mean([r["first_s"] for r in ranks])), 2),
@@ -254,15 +226,18 @@ def _figures(
         "mix_error_window_max": round(
             float(window_mix_errors(per_step, np.tile(weights, (steps, 1)), window).max()), 4
         ),
+        "same_file_neighbours": round(same_file, 3),
+        "files_per_256_docs": round(files_256, 1),
     }
 
 
 def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weights: np.ndarray, serve=None) -> dict:
     def started():
-        if system != "ours":
+        if system not in OURS:
             return None, cfg
-        proc, address = serve()
-        return proc, {**cfg, "address": address}
+        t0 = time.perf_counter()
+        proc, address = serve(system == "ours_in_process")
+        return proc, {**cfg, "address": address, "service_start_s": time.perf_counter() - t0}
 
     proc, c = started()
     try:
@@ -270,10 +245,10 @@ def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weight
     finally:
         if proc:
             _stop(proc)
-    proc, c = started()
+    proc, c2 = started()
     try:
-        head = _run(system, dp, c, 0, args.kill_at, sample=False)
-        tail = _run(system, dp, c, args.kill_at, args.steps, states=[r["state"] for r in head["ranks"]], sample=False)
+        head = _run(system, dp, c2, 0, args.kill_at, sample=False)
+        tail = _run(system, dp, c2, args.kill_at, args.steps, states=[r["state"] for r in head["ranks"]], sample=False)
     finally:
         if proc:
             _stop(proc)
@@ -281,33 +256,50 @@ def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weight
     reference = _stream(full["ranks"])
     mismatched = sum(a != b for ra, rb in zip(reference, resumed) for a, b in zip(ra, rb))
     return {
-        **_figures(system, full, bare_mb, len(weights), weights, args.warmup, args.window),
+        **_figures(system, full, bare_mb, weights, args.warmup, args.window),
+        "prepare_s": round(cfg.get("prepare_s", {}).get(system, 0.0), 2),
+        "service_start_s": round(c.get("service_start_s", 0.0), 2),
         "resume_identical": mismatched == 0,
         "resume_steps_differing": mismatched,
     }
 
 
+def generate_corpus(root: str, n_sources: int) -> list[str]:
+    """``n_sources`` text sources of ``FILES`` files each, lengths web-, chat- and book-like in turn."""
+    from overlord_dask.service.demo import generate_text_sources
+
+    return generate_text_sources(
+        root, n_sources, files=FILES, docs_per_file=DOCS_PER_FILE, row_group=DOCS_PER_FILE, kinds=KINDS
+    )
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--dp", type=int, default=4)
-    ap.add_argument("--sources", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=16384, help="tokens per rank and step (one micro-batch)")
-    ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--kill-at", type=int, default=50)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--sources", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank and step (one micro-batch)")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--kill-at", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--window", type=int, default=20)
     ap.add_argument("--compute-ms", type=float, default=50.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--packing", choices=["whole", "cut"], default="cut", help="ours: balance.packing")
+    ap.add_argument("--systems", nargs="+", default=[*PEERS, *OURS], choices=[*PEERS, *OURS])
+    ap.add_argument(
+        "--worker-start",
+        choices=["fork", "spawn"],
+        default="fork",
+        help="how the trainers' DataLoader workers start (torchrun's trainers fork theirs)",
+    )
     ap.add_argument("--data", default=None, help="folder for the generated sources (default: a temporary one)")
     args = ap.parse_args(argv)
 
-    from overlord_dask.service.demo import generate_text_sources
-
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data or tmp
-        names = generate_text_sources(root, args.sources)
-        raw = np.arange(args.sources, 0, -1, dtype=float)
+        names = generate_corpus(root, args.sources)
+        raw = np.array([5.0, 3.0, 2.0] + [1.0] * max(args.sources - 3, 0))[: args.sources]
         weights = raw / raw.sum()
         cfg = {
             "tokens": args.tokens,
@@ -315,24 +307,56 @@ def main(argv=None) -> dict:
             "seed": args.seed,
             "files": {n: sorted(glob.glob(os.path.join(root, n, "*.parquet"))) for n in names},
             "weights": {n: float(w) for n, w in zip(names, weights)},
+            "prepare_s": {},
         }
+        rows, skipped = [], []
+        for system in args.systems:
+            why = None if system in OURS else PEERS[system].missing()
+            if why:
+                skipped.append({"system": system, "not_supported": why})
+                continue
+            if system not in OURS:
+                t0 = time.perf_counter()
+                with contextlib.redirect_stdout(sys.stderr):  # (a peer's conversion prints progress)
+                    cfg.update(PEERS[system].prepare(root, cfg["files"], cfg))
+                cfg["prepare_s"][system] = time.perf_counter() - t0
+        cfg["worker_start"] = args.worker_start
         bare = _run("bare", args.dp, cfg, 0, 1)
         bare_mb = float(np.median(bare["pss_mb"]))
-        serve = lambda: _serve(root, names, args.dp, args.tokens, 2, weights=list(map(float, weights)), seed=args.seed)  # noqa: E731
-        rows = [
-            measure_system("torchdata", args.dp, cfg, args, bare_mb, weights),
-            measure_system("ours", args.dp, cfg, args, bare_mb, weights, serve=serve),
-        ]
+        balance = {"packing": args.packing}
+
+        def serve(in_process: bool):
+            return _serve(
+                root,
+                names,
+                args.dp,
+                args.tokens,
+                2,
+                weights=list(map(float, weights)),
+                seed=args.seed,
+                in_process=in_process,
+                balance=balance,
+            )
+
+        for system in args.systems:
+            if any(s["system"] == system for s in skipped):
+                continue
+            rows.append(measure_system(system, args.dp, cfg, args, bare_mb, weights, serve=serve))
     out = {
         "benchmark": "peers",
         "cores": os.cpu_count(),
         "dp": args.dp,
         "sources": args.sources,
+        "weights": [round(float(w), 4) for w in weights],
         "tokens_per_rank_step": args.tokens,
         "compute_ms": args.compute_ms,
         "steps": args.steps,
         "kill_at": args.kill_at,
+        "worker_start": args.worker_start,
+        "packing": args.packing,
+        "systems": args.systems,
         "rows": rows,
+        "not_supported": skipped,
     }
     emit_rows(
         out,
@@ -340,11 +364,16 @@ def main(argv=None) -> dict:
         [
             "system",
             "tokens_per_s",
+            "fill",
             "wait_share",
             "wait_p99_ms",
             "time_to_first_batch_s",
+            "prepare_s",
+            "service_start_s",
             "memory_mb",
             "mix_error_window_max",
+            "same_file_neighbours",
+            "files_per_256_docs",
             "resume_identical",
         ],
     )

@@ -299,38 +299,61 @@ def test_memory_benchmark_runs(tmp_path):
     assert '"memory"' in stdout
 
 
-def test_peers_benchmark_runs(tmp_path):
+PEER_ARGS = ["--dp", "2", "--tokens", "4096", "--steps", "16", "--kill-at", "6", "--warmup", "3", "--window", "5"]
 
-    out, stdout = run_benchmark(
-        "peers",
-        [
-            "--dp",
-            "2",
-            "--sources",
-            "2",
-            "--tokens",
-            "4096",
-            "--steps",
-            "16",
-            "--kill-at",
-            "6",
-            "--warmup",
-            "3",
-            "--window",
-            "5",
-            "--compute-ms",
-            "20",
-            "--data",
-            str(tmp_path),
-            "--json",
-        ],
-    )
+
+def _check_peer_rows(out: dict, systems: set) -> dict:
     rows = {r["system"]: r for r in out["rows"]}
-    assert set(rows) == {"torchdata", "ours"}
+    assert systems <= set(rows), (set(rows), out["not_supported"])
+    assert set(rows) | {r["system"] for r in out["not_supported"]} == set(out["systems"])
     for name, row in rows.items():
-        assert {"tokens_per_s", "wait_share", "wait_p99_ms", "memory_mb", "mix_error_window_max"} <= set(row), name
-        assert row["resume_identical"], (name, row)  # both resume exactly from their state_dict()
+        assert {"tokens_per_s", "wait_share", "wait_p99_ms", "memory_mb", "mix_error_window_max", "fill"} <= set(row)
+        assert row["resume_identical"], (name, row)  # every system resumes exactly from its state_dict()
+        assert 0 < row["fill"] <= 1.0 and row["memory_mb"] > 0, (name, row)
+    for name in ("ours", "ours_in_process"):
+        assert rows[name]["fill"] == 1.0  # packing: cut
+    return rows
+
+
+def test_peers_benchmark_runs(tmp_path):
+    """The peers installed with the project (torchdata) next to ours, in worker processes and in
+    one process; a peer that is not installed gets a row that says so and how, never a number."""
+    out, stdout = run_benchmark(
+        "peers", [*PEER_ARGS, "--compute-ms", "20", "--data", str(tmp_path), "--json"], timeout=900
+    )
+    rows = _check_peer_rows(out, {"torchdata", "ours", "ours_in_process"})
+    assert rows["torchdata"]["fill"] < 1.0  # whole documents, first fit: padding
+    for missing in out["not_supported"]:
+        assert "benchmarks/install_peers.sh" in missing["not_supported"], missing
     assert '"peers"' in stdout
+
+
+PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+
+
+def test_every_peer_runs_where_the_peer_environment_is_installed(tmp_path):
+    """MosaicML Streaming and litdata (``benchmarks/install_peers.sh`` makes ``.venv-peers``; not
+    part of the project's install, so this runs where it was made, and is skipped elsewhere):
+    each converts the corpus as its recipe does, streams it and resumes exactly."""
+    if not PEERS_PYTHON.exists():
+        pytest.skip("the peers' environment is not installed here: benchmarks/install_peers.sh")
+    proc = subprocess.run(
+        [str(PEERS_PYTHON), str(ROOT / "benchmarks" / "peers.py"), *PEER_ARGS, "--compute-ms", "10"]
+        + ["--systems", "mosaic_streaming", "litdata", "ours", "--data", str(tmp_path), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = json.loads(next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")))
+    rows = _check_peer_rows(out, {"mosaic_streaming", "litdata", "ours"})
+    for name in ("mosaic_streaming", "litdata"):
+        assert rows[name]["fill"] == 1.0 and rows[name]["prepare_s"] > 0  # pre-concatenated samples, converted first
+    # a concatenated sample holds consecutive documents of one file; ours draws from every file
+    assert rows["ours"]["same_file_neighbours"] < min(
+        rows[n]["same_file_neighbours"] for n in ("mosaic_streaming", "litdata")
+    )
 
 
 def test_corpus_scale_benchmark_runs(tmp_path):

@@ -443,3 +443,36 @@ def test_pin_memory_without_an_accelerator_warns_and_still_delivers(cluster, sma
         and mb["labels"].dtype == torch.int64
         and mb["cu_seqlens"].dtype == torch.int32
     )
+
+
+def test_fetched_batches_wait_in_wire_form_and_only_the_next_steps_are_decoded():
+    """A rank's buffer holds its fetched steps in wire form; the IO side keeps ``DECODE_AHEAD``
+    of them decoded, asks to be woken when a take leaves fewer than half, and a step the trainer
+    reaches still in wire form it decodes itself: every step comes out decoded, in order."""
+    from overlord_dask.trainer.handover import DECODE_AHEAD, HandOver
+
+    decoded = []
+
+    def decode(raw):
+        decoded.append(raw["step"])
+        return {**raw, "decoded": True}
+
+    hand = HandOver(0, max_steps=64, max_bytes=1 << 30, decode=decode)
+    for s in range(40):
+        hand.put(s, {"step": s}, 100)
+    hand.decode_ahead()
+    assert decoded == list(range(DECODE_AHEAD))  # the rest waits in wire form
+    wakes = []
+    got = []
+    for s in range(DECODE_AHEAD // 2 + 1):
+        batch, _ = hand.take(s, timeout=1.0, chunk_done=False, wake=lambda room, ack: wakes.append(s))
+        got.append(batch)
+    assert wakes == [DECODE_AHEAD // 2]  # once, when fewer than half were left decoded
+    hand.decode_ahead()  # (what the wake runs on the IO loop)
+    assert decoded == list(range(DECODE_AHEAD // 2 + 1 + DECODE_AHEAD))
+    s = DECODE_AHEAD // 2 + 1 + DECODE_AHEAD  # not decoded ahead: the trainer decodes it itself
+    for step in range(DECODE_AHEAD // 2 + 1, s + 1):
+        batch, _ = hand.take(step, timeout=1.0, chunk_done=False, wake=lambda room, ack: None)
+        got.append(batch)
+    assert [b["step"] for b in got] == list(range(s + 1)) and all(b["decoded"] for b in got)
+    assert decoded.count(s) == 1 and hand.buffered() == 40 - (s + 1)

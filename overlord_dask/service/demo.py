@@ -182,10 +182,13 @@ def generate_text_sources(
     docs_per_file: int = 2_000,
     row_group: int = 1_000,
     seed: int = 0,
+    kinds: tuple[str, ...] = ("web",),
 ) -> list[str]:
-    """``sources`` web-like text parquet sources ``src-000``, ``src-001``, ... under ``root``, each
-    ``files`` files of ``docs_per_file`` documents: the many-source corpora of the memory and
-    indexing benchmarks. Idempotent like :func:`generate_demo_corpus`; returns the source names."""
+    """``sources`` text parquet sources ``src-000``, ``src-001``, ... under ``root``, each
+    ``files`` files of ``docs_per_file`` documents, their lengths web-like by default or
+    ``kinds`` (``web``, ``chat``, ``books``) in turn: the many-source corpora of the memory,
+    indexing and peer benchmarks. Idempotent like :func:`generate_demo_corpus`; returns the
+    source names."""
     root = Path(root)
     names = [f"src-{i:03d}" for i in range(sources)]
     marker = root / "SOURCES.json"
@@ -196,6 +199,7 @@ def generate_text_sources(
         "docs_per_file": docs_per_file,
         "row_group": row_group,
         "seed": seed,
+        **({"kinds": list(kinds)} if tuple(kinds) != ("web",) else {}),
     }
     if marker.exists() and json.loads(marker.read_text()) == meta:
         return names
@@ -204,7 +208,7 @@ def generate_text_sources(
         sub = root / name
         sub.mkdir(parents=True, exist_ok=True)
         for f in range(files):
-            lens = _lengths(rng, "web", docs_per_file)
+            lens = _lengths(rng, kinds[i % len(kinds)], docs_per_file)
             data = _text_bytes(rng, int(lens.sum()))
             offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
             texts = pa.LargeStringArray.from_buffers(

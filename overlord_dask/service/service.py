@@ -52,17 +52,17 @@ from .views import ServiceViews
 
 
 def _embedded_cluster(
-    n_workers: int, threads_per_worker: int, port: int, host: str | None, dashboard_port: int, processes: bool = True
+    n_workers: int, threads_per_worker: int, port: int, host: str | None, dashboard_port: int, in_process: bool
 ):
     """The default deployment: a LocalCluster whose scheduler and dashboard listen on ``host``
-    (default: loopback only); its workers are threads of this process with ``processes=False``."""
+    (default: loopback only); its workers are threads of this process with ``in_process``."""
     from .deploy import local_cluster
 
     extra = {"host": host} if host else {}
     return local_cluster(
         n_workers=n_workers,
         threads_per_worker=threads_per_worker,
-        processes=processes,
+        processes=not in_process,
         scheduler_port=port,
         dashboard_address=f"{host or '127.0.0.1'}:{dashboard_port}",
         **extra,
@@ -228,14 +228,12 @@ class Service(ServiceViews):
         in_process: bool = False,
     ) -> Service:
         """Start a run on ``cluster`` (any Dask cluster object), on a running scheduler at
-        ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes (its
-        scheduler on ``host`` (default: loopback only) and ``scheduler_port``: fixed, a restarted
-        service is found again by trainers; its dashboard, with the ``/overlord`` page, on
-        ``dashboard_port``: 0 picks a free one, :attr:`dashboard` says which). ``in_process``: the
-        new LocalCluster's workers are threads of this process (``deploy.local_cluster``: the
-        least memory, for a single node)."""
-        embedded = cluster is None and address is None
-        if embedded and not in_process:
+        ``address``, or (default) on a new LocalCluster of ``n_workers`` worker processes (threads
+        of this process with ``in_process``: ``deploy.local_cluster``), its scheduler on ``host``
+        (default: loopback only) and ``scheduler_port``: fixed, a restarted service is found again
+        by trainers; its dashboard, with the ``/overlord`` page, on ``dashboard_port``: 0 picks a
+        free one, :attr:`dashboard` says which."""
+        if (embedded := cluster is None and address is None) and not in_process:
             _check_main_guard()  # before anything else: the worker processes would run this script again
         loaded, snap = _snapshots(plan)
         # every plan version in the snapshot (live updates before a restart), and their sources
@@ -250,7 +248,7 @@ class Service(ServiceViews):
         owned = None
         if embedded:
             cluster = owned = _embedded_cluster(
-                n_workers, threads_per_worker, scheduler_port, host, dashboard_port, processes=not in_process
+                n_workers, threads_per_worker, scheduler_port, host, dashboard_port, in_process
             )
         client = Client(cluster if address is None else address, set_as_default=False)
         run_id = run_id or f"{plan.name}-{uuid.uuid4().hex[:8]}"

@@ -1,9 +1,16 @@
 """Where a rank's two threads meet: batches fetched ahead of the trainer, and the trainer's progress.
 
-The IO side (``prefetch.RankIO``, on the process's IO loop) puts decoded batches in, bounded in
+The IO side (``prefetch.RankIO``, on the process's IO loop) puts fetched batches in, bounded in
 steps and bytes; the trainer's thread (``stream.RankStream``) takes them out and reports what it
 finished. Every method says which side calls it, and each takes the lock itself: no caller
 touches the fields.
+
+Batches wait in their wire form (narrow tokens, one label per piece: a fraction of the decoded
+arrays, which hold int64 ids, labels and positions per token); the IO side decodes only the next
+few steps ahead (:meth:`HandOver.decode_ahead`: ``DECODE_AHEAD`` steps, after each fetch and
+whenever the trainer's take leaves fewer than half of them), so a deep buffer costs the
+trainer's process little memory and the trainer's thread still finds its next step decoded. A
+step it reaches still in wire form it decodes itself.
 
 Waking the IO thread is the one cost of a hand-over when the batch is ready (the woken thread
 takes the GIL from the trainer), so :meth:`HandOver.take` wakes it once per chunk of steps (to
@@ -17,15 +24,20 @@ import threading
 import time
 from collections.abc import Callable
 
+DECODE_AHEAD = 8  # steps kept decoded ahead of the trainer
+
 
 class HandOver:
     """Batches of steps from ``first_step`` on, at most ``max_steps`` and ``max_bytes`` ahead
     (one step always, however large)."""
 
-    def __init__(self, first_step: int, max_steps: int, max_bytes: int):
+    def __init__(self, first_step: int, max_steps: int, max_bytes: int, decode: Callable[[dict], dict] = lambda b: b):
         self._cond = threading.Condition()
         self.max_steps, self.max_bytes = max_steps, max_bytes
-        self._ready: dict[int, dict] = {}  # step -> batch, fetched and decoded
+        self.decode = decode  # a fetched (wire-form) batch as the trainer receives it
+        self._ready: dict[int, dict] = {}  # step -> batch, fetched (and decoded unless in _raw)
+        self._raw: set[int] = set()  # steps of _ready still in wire form
+        self._want_decode = False  # a take asked the IO side to decode ahead
         self._sizes: dict[int, int] = {}
         self._ready_bytes = 0
         self._step_bytes = 0  # size of the last step fetched (the byte bound's unit)
@@ -62,17 +74,26 @@ class HandOver:
                     break
                 self._cond.wait(remaining)
                 step = self._past(step)  # (a skip may have become known meanwhile)
+            raw = step in self._raw
             batch = self._pop(step)
-            if chunk_done or (self._want_room and not self._ready):
-                self._wake(wake, ack=chunk_done)
+            decode = bool(self._raw) and not self._want_decode and self._decoded() < DECODE_AHEAD // 2
+            if chunk_done or (self._want_room and not self._ready) or decode:
+                self._want_decode |= decode
+                self._wake(wake, ack=chunk_done, decode=decode)
+        if raw and batch is not None:
+            batch = self.decode(batch)  # (the IO side had not got to it)
         waited = time.perf_counter() - t0
         self.wait_total += waited
         return batch, waited
 
-    def _wake(self, wake: Callable[[bool, bool], None], ack: bool) -> None:
+    def _wake(self, wake: Callable[[bool, bool], None], ack: bool, decode: bool = False) -> None:
         room, self._want_room = self._want_room, False
-        if room or ack:
-            wake(room, ack)
+        if room or ack or decode:
+            wake(room, ack)  # (the IO side decodes ahead at every wake)
+
+    def _decoded(self) -> int:
+        """Steps ready and decoded (lock held)."""
+        return len(self._ready) - len(self._raw)
 
     def finish(self, step: int) -> bool:
         """The trainer is done with ``step``; True if it ended a chunk (acknowledge it now)."""
@@ -126,13 +147,33 @@ class HandOver:
             return room
 
     def put(self, step: int, batch: dict, nbytes: int) -> None:
+        """A fetched step, in wire form (``nbytes`` of it)."""
         with self._cond:
             self._step_bytes = nbytes
             if step >= self.floor:
                 self._ready[step] = batch
+                self._raw.add(step)
                 self._sizes[step] = nbytes
                 self._ready_bytes += nbytes
             self._cond.notify_all()
+
+    def decode_ahead(self) -> None:
+        """Decode the batches of the next ``DECODE_AHEAD`` steps the trainer will take that are
+        still in wire form (outside the lock: the trainer takes decoded steps meanwhile)."""
+        with self._cond:
+            self._want_decode = False
+            todo = [s for s in sorted(self._ready)[:DECODE_AHEAD] if s in self._raw]
+        for s in todo:
+            with self._cond:
+                raw = self._ready.get(s) if s in self._raw else None
+            if raw is None:
+                continue  # taken (and decoded by the trainer) meanwhile
+            batch = self.decode(raw)
+            with self._cond:
+                if s in self._raw and self._ready.get(s) is raw:
+                    self._ready[s] = batch
+                    self._raw.discard(s)
+                    self._cond.notify_all()
 
     def chunk_ends_at(self, step: int) -> None:
         """A descriptor's steps end at ``step``: the trainer acknowledges as soon as it is done."""
@@ -152,6 +193,7 @@ class HandOver:
             self._cond.notify_all()
 
     def _pop(self, step: int) -> dict | None:
+        self._raw.discard(step)
         batch = self._ready.pop(step, None)
         if batch is not None:
             self._ready_bytes -= self._sizes.pop(step)

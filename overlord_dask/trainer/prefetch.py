@@ -2,8 +2,8 @@
 acks out, and reconnection when the service restarts.
 
 The trainer's thread (``stream.RankStream``) and this side meet in a ``handover.HandOver``: the
-batches fetched and decoded, bounded in steps and bytes, and the trainer's progress that the acks
-report. Everything else here runs on the IO loop only.
+batches fetched (in wire form, the next few decoded), bounded in steps and bytes, and the
+trainer's progress that the acks report. Everything else here runs on the IO loop only.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from .fetch import fetch_batches
 from .handover import HandOver
 from .options import StreamOptions
 from .reconnect import find_service
-from .tensors import for_trainer
 
 
 class RankIO(Acknowledging):
@@ -79,7 +78,9 @@ class RankIO(Acknowledging):
         self.channel.send({"op": "subscribe", **self._ident()})
 
     def wake(self, room: bool, ack: bool) -> None:
-        """The trainer took steps (``room``) or finished a chunk (``ack``)."""
+        """The trainer took steps (``room``) or finished a chunk (``ack``): decode the steps it
+        takes next."""
+        self.hand.decode_ahead()
         if room:
             self._room.set()
         if ack:
@@ -114,10 +115,10 @@ class RankIO(Acknowledging):
                     await self.connected.wait()
                     continue
                 for s, b in zip(steps, batches):
-                    b = for_trainer(b, self.options)
-                    h.put(s, b, nbytes(b))
+                    h.put(s, b, nbytes(b))  # in wire form: decoded a few steps ahead of the trainer
                     self._descs.pop(s, None)
                 self._fetch_next = steps[-1] + 1
+                h.decode_ahead()
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the trainer must see it, not a silent stall

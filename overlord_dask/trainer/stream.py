@@ -60,6 +60,7 @@ from .options import StreamOptions
 from .prefetch import RankIO
 from .reporting import Reporting
 from .stalls import why_waiting
+from .tensors import for_trainer
 
 
 class RankStream(Reporting, Checkpointing):
@@ -130,7 +131,9 @@ class RankStream(Reporting, Checkpointing):
             raise ServiceError(att["error"])
         self.next_step = int(att["first_step"])
         prefetch = max(1, self.options.prefetch_steps or self._info.get("prefetch_steps", 4))
-        self.hand = HandOver(self.next_step, prefetch, self.options.prefetch_bytes)
+        self.hand = HandOver(
+            self.next_step, prefetch, self.options.prefetch_bytes, decode=lambda b: for_trainer(b, self.options)
+        )
         self.rio = RankIO(
             self.io,
             self.hand,

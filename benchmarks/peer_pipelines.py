@@ -1,0 +1,329 @@
+"""The loaders users pick instead of ours, each composed as its own documentation shows it.
+
+``benchmarks/peers.py`` runs each of these in dp trainer processes on one generated corpus. A
+peer is a :class:`Peer`: ``missing()`` (why it cannot run here, or None), ``prepare()`` (its
+own conversion of the corpus, timed apart from loading), ``loader()`` (one rank's iterable and
+the object whose ``state_dict()``/``load_state_dict()`` it resumes from) and ``record()`` (what
+a batch holds: per piece its source, an identity and its tokens, and the batch's capacity).
+
+The peers are not in the base install: ``benchmarks/install_peers.sh`` makes ``.venv-peers``
+with all of them (MosaicML Streaming and litdata without torchvision, whose PyPI wheel is built
+for a CUDA torch and does not load beside the CPU one: Streaming's ``streaming.vision``, which
+imports it, is stubbed; its text path does not use it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import numpy as np
+
+
+def _tokens(text: str) -> np.ndarray:
+    from benchmarks.per_rank import _tokens as byte_tokens
+
+    return byte_tokens(text)
+
+
+def _documents(paths: list[str]):
+    """(id, text) of a source's documents in file order."""
+    import pyarrow.parquet as pq
+
+    for p in paths:
+        t = pq.read_table(p, columns=["id", "text"])
+        yield from zip(t.column(0).to_pylist(), t.column(1).to_pylist())
+
+
+def concatenated(paths: list[str], block: int):
+    """A source's documents tokenized and concatenated (each ending with EOS), cut into samples
+    of exactly ``block`` tokens, the tail dropped: LLM Foundry's ``ConcatTokensDataset``
+    (``convert_dataset_hf.py --concat_tokens``), the recipe both Streaming's and litgpt's
+    pretraining examples feed from. Yields (tokens, the ids of the documents the sample holds
+    parts of, their tokens in it): the benchmark's bookkeeping, not the peer's."""
+    toks: list[np.ndarray] = []
+    ids: list[int] = []
+    lens: list[int] = []
+    have = 0
+    for doc_id, text in _documents(paths):
+        t = _tokens(text)
+        while len(t):
+            take = min(len(t), block - have)
+            toks.append(t[:take])
+            ids.append(int(doc_id))
+            lens.append(take)
+            have += take
+            t = t[take:]
+            if have == block:
+                yield np.concatenate(toks).astype(np.int32), np.asarray(ids, np.int64), np.asarray(lens, np.int64)
+                toks, ids, lens, have = [], [], [], 0
+
+
+def _concat_record(batch) -> tuple[list, list, list, int]:
+    """A batch of one concatenated sample: its documents' parts (source, id, tokens)."""
+    ids = np.asarray(batch["ids"]).reshape(-1).tolist()
+    lens = np.asarray(batch["lens"]).reshape(-1).tolist()
+    return [int(np.asarray(batch["source"]).reshape(-1)[0])] * len(ids), ids, lens, int(batch["tokens"].shape[-1])
+
+
+class Peer:
+    name = ""
+    doc = ""  # the documentation the composition follows
+
+    def missing(self) -> str | None:
+        return None
+
+    def prepare(self, root: str, files: dict, cfg: dict) -> dict:
+        return {}
+
+    def loader(self, cfg: dict, rank: int, dp: int):
+        raise NotImplementedError
+
+    def record(self, batch) -> tuple[list, list, list, int]:
+        raise NotImplementedError
+
+
+def _importable(*modules: str) -> str | None:
+    import importlib
+
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 - any failure to import is "cannot run here"
+            return f"not installed here ({m}: {type(e).__name__}: {e}); run benchmarks/install_peers.sh"
+    return None
+
+
+# ---- torchdata nodes ------------------------------------------------------------------------------
+class TorchData(Peer):
+    """torchdata 0.11 ``nodes`` as its documentation composes them: per source a resumable
+    ``BaseNode`` reading the rank's share of the row groups, ``MultiNodeWeightedSampler``
+    (weights, rank, world size, seed; ``CYCLE_FOREVER``), ``ParallelMapper`` tokenizing in 2
+    worker processes (``method="process"``, in order), a packer node (first fit into the
+    micro-batch, its carry-over in its state), ``Prefetcher`` (factor 2) and ``Loader``
+    (``state_dict()`` / ``load_state_dict()``). Its documented settings; nothing tuned down."""
+
+    name = "torchdata"
+    doc = "https://docs.pytorch.org/data/beta/torchdata.nodes.html (MultiNodeWeightedSampler, ParallelMapper)"
+
+    def missing(self):
+        return _importable("torchdata.nodes")
+
+    def loader(self, cfg, rank, dp):
+        loader = torchdata_loader(cfg["files"], cfg["weights"], cfg["tokens"], rank, dp, cfg["seed"])
+        return loader, loader
+
+    def record(self, mb):
+        lens = np.diff(mb["cu_seqlens"].numpy().astype(np.int64))
+        return mb["source_ids"].tolist(), mb["sample_ids"].tolist(), lens.tolist(), int(mb["input_ids"].shape[-1])
+
+
+def torchdata_loader(files: dict, weights: dict, capacity: int, rank: int, world: int, seed: int):
+    from torchdata.nodes import BaseNode, Loader, MultiNodeWeightedSampler, ParallelMapper, Prefetcher
+
+    class ParquetDocs(BaseNode):
+        """One source's documents for one rank (its share of the row groups), resumable."""
+
+        def __init__(self, source: int, paths: list[str]):
+            super().__init__()
+            import pyarrow.parquet as pq
+
+            groups = [(p, g) for p in paths for g in range(pq.ParquetFile(p).num_row_groups)]
+            self.source, self.groups = source, groups[rank::world]
+
+        def reset(self, initial_state=None):
+            super().reset(initial_state)
+            st = initial_state or {"group": 0, "row": 0}
+            self.group, self.row, self.table = st["group"], st["row"], None
+
+        def next(self):
+            import pyarrow.parquet as pq
+
+            if self.table is None:
+                path, g = self.groups[self.group]
+                self.table = pq.ParquetFile(path).read_row_group(g, columns=["id", "text"])
+            doc = {
+                "source": self.source,
+                "id": self.table.column(0)[self.row].as_py(),
+                "text": self.table.column(1)[self.row].as_py(),
+            }
+            self.row += 1
+            if self.row == self.table.num_rows:
+                self.group, self.row, self.table = (self.group + 1) % len(self.groups), 0, None
+            return doc
+
+        def get_state(self):
+            return {"group": self.group, "row": self.row}
+
+    class Packer(BaseNode):
+        """Tokenized documents packed first-fit into micro-batches, a document longer than one cut
+        into micro-batch-sized pieces; the carried-over piece is state."""
+
+        def __init__(self, source):
+            super().__init__()
+            self.src = source
+
+        def reset(self, initial_state=None):
+            super().reset(initial_state)
+            if initial_state:
+                self.src.reset(initial_state["src"])
+                self.carry = initial_state["carry"]
+            else:
+                self.src.reset()
+                self.carry = None
+
+        def next(self):
+            from benchmarks.per_rank import as_batch
+
+            ids, pos, cu, docs = np.zeros(capacity, np.int64), 0, [0], []
+            while True:
+                doc = self.carry if self.carry is not None else self.src.next()
+                self.carry = None
+                toks = np.asarray(doc["tokens"][:capacity], np.int64)
+                if pos + len(toks) > capacity:
+                    self.carry = doc
+                    break
+                if len(doc["tokens"]) > capacity:  # the rest of a long document: its next piece
+                    self.carry = {**doc, "tokens": doc["tokens"][capacity:]}
+                ids[pos : pos + len(toks)] = toks
+                pos += len(toks)
+                cu.append(pos)
+                docs.append((doc["source"], doc["id"]))
+            batch = as_batch(ids, cu, capacity)
+            import torch
+
+            batch["source_ids"] = torch.tensor([d[0] for d in docs], dtype=torch.int32)
+            batch["sample_ids"] = torch.tensor([d[1] for d in docs], dtype=torch.int64)
+            return batch
+
+        def get_state(self):
+            return {"src": self.src.state_dict(), "carry": self.carry}
+
+    names = sorted(files)
+    nodes = {n: ParquetDocs(i, files[n]) for i, n in enumerate(names)}
+    mixed = MultiNodeWeightedSampler(
+        nodes, weights, stop_criteria="CYCLE_FOREVER", rank=rank, world_size=world, seed=seed
+    )
+    tokenized = ParallelMapper(mixed, map_fn=_tokenize_doc, num_workers=2, method="process", in_order=True)
+    return Loader(Prefetcher(Packer(tokenized), prefetch_factor=2))
+
+
+def _tokenize_doc(doc: dict) -> dict:
+    from benchmarks.per_rank import _tokens
+
+    return {"source": doc["source"], "id": doc["id"], "tokens": _tokens(doc["text"])}
+
+
+# ---- MosaicML Streaming ------------------------------------------------------------------------
+def _stub_streaming_vision() -> None:
+    """``import streaming`` imports ``streaming.vision`` (torchvision); the text path does not use it."""
+    import types
+
+    if "streaming.vision" not in sys.modules:
+        vision = types.ModuleType("streaming.vision")
+        vision.__path__ = []
+        sys.modules["streaming.vision"] = vision
+
+
+class Mosaic(Peer):
+    """MosaicML Streaming 0.13 as LLM Foundry feeds pretraining: each source converted once into
+    pre-concatenated MDS samples of the micro-batch's length (``convert_dataset_hf.py
+    --concat_tokens``, zstd), a ``Stream(local=..., proportion=w)`` per source in one
+    ``StreamingDataset(shuffle=True)`` (its default ``py1e`` shuffle, ``batch_size`` the
+    per-rank batch), ``StreamingDataLoader`` with 2 workers for ``state_dict()``. Ranks from
+    ``RANK``/``WORLD_SIZE``/``LOCAL_*`` as torchrun sets them."""
+
+    name = "mosaic_streaming"
+    doc = "https://docs.mosaicml.com/projects/streaming/en/stable/ (Stream proportions); llm-foundry scripts/data_prep"
+
+    def missing(self):
+        _stub_streaming_vision()
+        return _importable("streaming")
+
+    def prepare(self, root, files, cfg):
+        _stub_streaming_vision()
+        from streaming import MDSWriter
+
+        out = {}
+        for i, name in enumerate(sorted(files)):
+            d = os.path.join(root, "mds", name)
+            shutil.rmtree(d, ignore_errors=True)  # converted anew: its time is part of the figures
+            cols = {"tokens": "ndarray:int32", "source": "int", "ids": "ndarray:int64", "lens": "ndarray:int64"}
+            with MDSWriter(out=d, columns=cols, compression="zstd") as w:
+                for toks, ids, lens in concatenated(files[name], cfg["tokens"]):
+                    w.write({"tokens": toks, "source": i, "ids": ids, "lens": lens})
+            out[name] = d
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        return {"mds": out}
+
+    def loader(self, cfg, rank, dp):
+        _stub_streaming_vision()
+        from streaming import Stream, StreamingDataLoader, StreamingDataset
+
+        streams = [Stream(local=cfg["mds"][n], proportion=cfg["weights"][n]) for n in sorted(cfg["mds"])]
+        ds = StreamingDataset(streams=streams, shuffle=True, batch_size=1, shuffle_seed=cfg["seed"] + 9176)
+        dl = StreamingDataLoader(ds, batch_size=1, num_workers=2)
+        return dl, dl
+
+    def record(self, batch):
+        return _concat_record(batch)
+
+
+# ---- litdata -------------------------------------------------------------------------------------
+class LitData(Peer):
+    """litdata 0.2 as its README composes a weighted mix: ``optimize()`` each source once into
+    chunks of pre-concatenated samples (as litgpt prepares pretraining data), a
+    ``StreamingDataset(shuffle=True)`` per source, ``CombinedStreamingDataset(weights=...,
+    iterate_over_all=False)``, ``StreamingDataLoader`` with 2 workers (its ``state_dict()``).
+    Ranks from ``torch.distributed`` (gloo here), as litdata detects them."""
+
+    name = "litdata"
+    doc = "https://github.com/Lightning-AI/litData#combine-datasets (CombinedStreamingDataset weights)"
+
+    def missing(self):
+        return _importable("litdata")
+
+    def prepare(self, root, files, cfg):
+        from litdata import optimize
+
+        out = {}
+        for i, name in enumerate(sorted(files)):
+            d = os.path.join(root, "litdata", name)
+            shutil.rmtree(d, ignore_errors=True)  # converted anew: its time is part of the figures
+            optimize(
+                fn=_lit_samples,
+                inputs=[(i, files[name], cfg["tokens"])],
+                output_dir=d,
+                chunk_bytes="64MB",
+                num_workers=1,
+                mode="overwrite",
+            )
+            out[name] = d
+        return {"litdata": out}
+
+    def loader(self, cfg, rank, dp):
+        from litdata import CombinedStreamingDataset, StreamingDataLoader, StreamingDataset
+
+        names = sorted(cfg["litdata"])
+        parts = [StreamingDataset(cfg["litdata"][n], shuffle=True, seed=cfg["seed"]) for n in names]
+        mixed = CombinedStreamingDataset(
+            parts, seed=cfg["seed"], weights=[cfg["weights"][n] for n in names], iterate_over_all=False
+        )
+        dl = StreamingDataLoader(mixed, batch_size=1, num_workers=2)
+        return dl, dl
+
+    def record(self, batch):
+        return _concat_record(batch)
+
+
+def _lit_samples(item):
+    """litdata ``optimize`` fn: one source's concatenated samples (module level: its workers import it)."""
+    source, paths, block = item
+    for toks, ids, lens in concatenated(paths, block):
+        yield {"tokens": toks, "source": source, "ids": ids, "lens": lens}
+
+
+PEERS = {p.name: p for p in (TorchData(), Mosaic(), LitData())}
