@@ -11,7 +11,7 @@ micro-batch of ``--tokens`` per rank and step:
   ``DataLoader`` (``--baseline-workers`` forked workers, each opening every source with its
   read-ahead and a 1,000-document shuffle buffer);
 - **ours**: ``overlord serve`` (scheduler, planner, ``--workers`` worker processes) in its own
-  process tree, and ``OverlordDataset`` in a ``DataLoader`` in each trainer.
+  process tree, and ``OverlordDataset`` (iterated directly) in each trainer.
 
 Memory is PSS (``/proc/PID/smaps_rollup``: a page shared by N processes counts 1/N in each, so
 forked workers and shared libraries are not counted twice), summed over every process of the
@@ -62,7 +62,7 @@ def _trainer(kind: str, rank: int, dp: int, cfg: dict, ready, stop, out) -> None
         from overlord_dask import OverlordDataset
 
         ds = OverlordDataset(cfg["address"], rank=rank, dp=dp)
-        batches = torch.utils.data.DataLoader(ds, batch_size=None)
+        batches = ds  # iterated directly, as docs/guide/training.md shows
     else:
         from benchmarks.per_rank import loader
 

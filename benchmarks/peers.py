@@ -14,7 +14,7 @@ its documentation shows, at its defaults, the doc named there):
 
 - **torchdata** ``nodes``; **mosaic_streaming** (LLM Foundry's pre-concatenated MDS samples,
   ``Stream`` proportions); **litdata** (``optimize`` + ``CombinedStreamingDataset`` weights);
-- **ours**: ``overlord serve`` (2 worker processes) and ``OverlordDataset`` in a ``DataLoader``;
+- **ours**: ``overlord serve`` (2 worker processes) and ``OverlordDataset``, iterated directly;
   **ours_in_process**: ``overlord serve --in-process``, its loaders threads of its one process.
   Both with ``balance.packing: cut`` (``--packing``).
 
@@ -84,7 +84,7 @@ def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, 
         ds = OverlordDataset(cfg["address"], rank=rank, dp=dp)
         if state is not None:
             ds.load_state_dict(state)
-        loader, holder = torch.utils.data.DataLoader(ds, batch_size=None), ds
+        loader, holder = ds, ds  # iterated directly, as docs/guide/training.md shows
         record = PEERS["torchdata"].record  # the same packed-batch fields
     else:
         # as torchrun sets a rank up: its environment and a process group

@@ -30,9 +30,10 @@ class OverlordDataset(IterableDataset):
     (``trainer/batches.py``); these and the other options of the stream (``timeout``,
     ``prefetch_steps``, ``prefetch_bytes``, ``pin_memory``, ``reconnect_timeout``) are the fields
     of :class:`~overlord_dask.trainer.options.StreamOptions`, given as keyword arguments or as
-    ``options=``. Use with ``DataLoader(ds, batch_size=None, num_workers=0)``: batches are
-    already built by the service and fetched ahead in the background, so DataLoader workers
-    would only split (and break) the ordered stream. ``pin_memory=True`` pins them for CUDA
+    ``options=``. Iterate it directly (it fetches ahead in the background itself), or, where a
+    framework wants one, in ``DataLoader(ds, batch_size=None, num_workers=0)``: batches are
+    already built by the service, so DataLoader workers would only split (and break) the
+    ordered stream. ``pin_memory=True`` pins them for CUDA
     trainers. ``state_dict()`` / ``load_state_dict()`` follow torchdata's ``StatefulDataLoader``
     and DCP's ``Stateful``. ``split="eval"`` iterates the rank's share of the evaluation stream
     (the plan's held-out units): finite, the same at every pass.
