@@ -52,7 +52,6 @@ from benchmarks.output import emit_rows  # noqa: E402
 
 # ---- trainer processes (spawned: this module's top level stays light) ------------------------
 def _trainer(kind: str, rank: int, dp: int, cfg: dict, ready, stop, out) -> None:
-    import torch
 
     if kind == "bare":
         ready.put(os.getpid())
