@@ -52,6 +52,7 @@ from benchmarks.output import emit_rows  # noqa: E402
 
 # ---- trainer processes (spawned: this module's top level stays light) ------------------------
 def _trainer(kind: str, rank: int, dp: int, cfg: dict, ready, stop, out) -> None:
+    import torch  # noqa: F401 - every trainer has torch loaded, the bare ones too: what is subtracted
 
     if kind == "bare":
         ready.put(os.getpid())
