@@ -248,6 +248,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sync", default="micro_batch", choices=["step", "micro_batch"])
     ap.add_argument("--window", type=int, default=None, help="steps planned together (default: the plan default)")
     ap.add_argument("--only", default=None, help="one distribution")
+    ap.add_argument("--packing", default="whole", choices=["whole", "cut"], help="balance.packing")
     ap.add_argument(
         "--heavy-fraction", type=float, default=None, help="heavy_tokens as a fraction of the micro-batch capacity"
     )
@@ -266,6 +267,8 @@ def main(argv=None) -> dict:
         )
         if args.window:
             extra["window"] = args.window
+        if args.packing != "whole":
+            extra["packing"] = args.packing
         out[name] = bench(
             name, dist, min(args.steps, dist.get("steps", args.steps)), args.seed, sync=args.sync, **extra
         )
