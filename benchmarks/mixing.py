@@ -65,7 +65,9 @@ def lengths(name: str, epoch: int, unit: int) -> np.ndarray:
     return np.clip(rng.lognormal(mu, sigma, DOCS_PER_UNIT), 16, 65_536).astype(np.int64)
 
 
-def curriculum(policy: str = "cost", seed: int = 0, micro_batches: int = 8, steps: int = 1000) -> dict:
+def curriculum(
+    policy: str = "cost", seed: int = 0, micro_batches: int = 8, steps: int = 1000, packing: str = "whole"
+) -> dict:
     """The curriculum of ``steps`` steps (the step numbers below are for 1,000 and scale with it)."""
     at = lambda x: int(x * steps / 1000)  # noqa: E731
     return {
@@ -94,7 +96,7 @@ def curriculum(policy: str = "cost", seed: int = 0, micro_batches: int = 8, step
             },
         ],
         "topology": {"dp": 8, "micro_batches": micro_batches, "tokens_per_micro_batch": 8192},
-        "balance": {"policy": policy},
+        "balance": {"policy": policy, "packing": packing},
         "loading": {"prefetch_steps": 24, "units_ahead": 8},
     }
 
@@ -198,8 +200,8 @@ def per_step(state: PlannerState, ledger: dict[int, dict]) -> tuple[np.ndarray, 
     return tokens, weights, longest
 
 
-def run(steps: int = 1000, seed: int = 0, window: int = 20, micro_batches: int = 8) -> dict:
-    base = curriculum("cost", seed, micro_batches, steps)
+def run(steps: int = 1000, seed: int = 0, window: int = 20, micro_batches: int = 8, packing: str = "whole") -> dict:
+    base = curriculum("cost", seed, micro_batches, steps, packing)
     live = {"update_at": int(0.8 * steps), "live_from": int(0.8 * steps) - 20}
     t0 = time.perf_counter()
     state, ledger = simulate(base, steps, live_update(base), **live)
@@ -210,7 +212,7 @@ def run(steps: int = 1000, seed: int = 0, window: int = 20, micro_batches: int =
     _, replay = simulate(base, steps, live_update(base), known_upfront=True, **live)
     replay_identical = stream_key(ledger) == stream_key(replay)
 
-    exact = curriculum("none", seed, micro_batches, steps)
+    exact = curriculum("none", seed, micro_batches, steps, packing)
     st_none, led_none = simulate(exact, steps, live_update(exact), **live)
     t_none, w_none, longest = per_step(st_none, led_none)
     step_err = np.abs(t_none - w_none * t_none.sum(axis=1, keepdims=True)).max(axis=1) / longest
@@ -243,8 +245,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--micro-batches", type=int, default=8, help="per rank per step (dp 8 x this x 8k tokens)")
+    ap.add_argument("--packing", default="whole", choices=["whole", "cut"], help="balance.packing")
     args = ap.parse_args(argv)
-    out = run(args.steps, args.seed, micro_batches=args.micro_batches)
+    out = run(args.steps, args.seed, micro_batches=args.micro_batches, packing=args.packing)
     emit(out, args.json)
     return out
 
