@@ -22,6 +22,7 @@ import numpy as np
 
 
 def _tokens(text: str) -> np.ndarray:
+    """The byte tokens every system reads (``per_rank``'s, imported here: it imports torch)."""
     from benchmarks.per_rank import _tokens as byte_tokens
 
     return byte_tokens(text)
@@ -210,8 +211,6 @@ def torchdata_loader(files: dict, weights: dict, capacity: int, rank: int, world
 
 
 def _tokenize_doc(doc: dict) -> dict:
-    from benchmarks.per_rank import _tokens
-
     return {"source": doc["source"], "id": doc["id"], "tokens": _tokens(doc["text"])}
 
 

@@ -133,6 +133,11 @@ def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, 
         torch.distributed.destroy_process_group()
 
 
+def _check_alive(system: str, ps: list) -> None:
+    if any(p.exitcode not in (None, 0) for p in ps):
+        raise RuntimeError(f"a {system} trainer died: exit codes {[p.exitcode for p in ps]}") from None
+
+
 def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, extra_pids=(), sample=True) -> dict:
     ctx = mp.get_context("spawn")
     ready, out, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -150,8 +155,7 @@ def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, ex
         try:
             pids.append(ready.get(timeout=5))
         except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in ps):
-                raise RuntimeError(f"a {system} trainer died: exit codes {[p.exitcode for p in ps]}") from None
+            _check_alive(system, ps)
     samples = []
     res: dict = {}
     while len(res) < dp:
@@ -161,8 +165,7 @@ def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, ex
             r, v = out.get(timeout=0.5)
             res[r] = pickle.loads(v)
         except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in ps):
-                raise RuntimeError(f"a {system} trainer died: exit codes {[p.exitcode for p in ps]}") from None
+            _check_alive(system, ps)
         if system == "bare" and len(samples) >= 4:
             break
     stop.set()

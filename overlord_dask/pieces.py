@@ -165,6 +165,16 @@ def unpack(buf: bytes) -> np.ndarray:
     return out
 
 
+def flat_slots(slot: np.ndarray, micro_batches: int) -> np.ndarray:
+    """Each planned piece's bin in flat order ``rank * micro_batches + micro_batch`` (int64)."""
+    return slot[:, 0].astype(np.int64) * micro_batches + slot[:, 1]
+
+
+def slots(flat: np.ndarray, micro_batches: int) -> np.ndarray:
+    """The ``[rank, micro_batch]`` rows of flat bin indices (:func:`flat_slots` undone)."""
+    return np.stack([flat // micro_batches, flat % micro_batches], axis=1).astype(SLOT_DTYPE)
+
+
 def slot_bytes(slot: np.ndarray) -> bytes:
     """``[rank, micro_batch]`` per planned piece as little-endian int32 bytes."""
     return np.asarray(slot).astype(SLOT_WIRE, copy=False).tobytes()

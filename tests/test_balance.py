@@ -291,7 +291,7 @@ def test_a_windows_light_quotas_at_once_are_each_steps_bit_for_bit(dp, micro_bat
         assert q.shape == alone.shape and q.tobytes() == alone.tobytes()
 
 
-def test_kernels_compile_only_for_large_steps_and_then_plan_as_before():
+def test_kernels_compile_only_for_large_steps():
     """Where a step has few micro-batches the planner leaves numba unimported (its process is
     smaller by numba and the compiled code); from ``COMPILE_FROM_BINS`` on it compiles."""
     import subprocess

@@ -16,10 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_benchmark(name: str, args: list[str], timeout: float = 600) -> tuple[dict, str]:
+def run_benchmark(name: str, args: list[str], timeout: float = 600, python: str = sys.executable) -> tuple[dict, str]:
     """``python benchmarks/{name}.py *args`` (with ``--json``): its JSON object and its stdout."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args],
+        [python, str(ROOT / "benchmarks" / f"{name}.py"), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -337,16 +337,13 @@ def test_every_peer_runs_where_the_peer_environment_is_installed(tmp_path):
     each converts the corpus as its recipe does, streams it and resumes exactly."""
     if not PEERS_PYTHON.exists():
         pytest.skip("the peers' environment is not installed here: benchmarks/install_peers.sh")
-    proc = subprocess.run(
-        [str(PEERS_PYTHON), str(ROOT / "benchmarks" / "peers.py"), *PEER_ARGS, "--compute-ms", "10"]
-        + ["--systems", "mosaic_streaming", "litdata", "ours", "--data", str(tmp_path), "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    systems = ["--systems", "mosaic_streaming", "litdata", "ours"]
+    out, _ = run_benchmark(
+        "peers",
+        [*PEER_ARGS, "--compute-ms", "10", *systems, "--data", str(tmp_path), "--json"],
         timeout=900,
+        python=str(PEERS_PYTHON),
     )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    out = json.loads(next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")))
     rows = _check_peer_rows(out, {"mosaic_streaming", "litdata", "ours"})
     for name in ("mosaic_streaming", "litdata"):
         assert rows[name]["fill"] == 1.0 and rows[name]["prepare_s"] > 0  # pre-concatenated samples, converted first

@@ -201,5 +201,5 @@ def step_features(
     pieces: np.ndarray, slot: np.ndarray, vision: np.ndarray | None, dp: int, micro_batches: int
 ) -> np.ndarray:
     """A planned step's regression rows, ``[dp, micro_batches, 5]``."""
-    g = slot[:, 0].astype(np.int64) * micro_batches + slot[:, 1]
+    g = P.flat_slots(slot, micro_batches)
     return features(P.lengths(pieces), vision, g, dp * micro_batches).reshape(dp, micro_batches, len(TERMS))

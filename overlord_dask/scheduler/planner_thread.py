@@ -88,9 +88,8 @@ class PlannerThread:
         self.held_from: int | None = None  # the earliest step of decisions no snapshot holds yet
         self.decided = 0  # decisions made so far (what a snapshot written since holds)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
-        self.executor.submit(
-            _warm, bins
-        )  # the balancer's compiled loops, ready (or compiling) while the first units load
+        # the balancer's compiled loops (where worth it), ready (or compiling) while the first units load
+        self.executor.submit(_warm, bins)
         self.state: PlannerState | None = None
         self.rewinds = 0  # times the run was rewound (a new planner state each time)
         self.observed: dict | None = None  # what /overlord and the Prometheus gauges show (observe.dashboard)

@@ -144,11 +144,11 @@ class ServiceRoutes:
 
     def waiting(self, step: int) -> dict | None:
         """(event loop) What ``step`` (the committed step: the one every rank needs next) waits on
-        while its batches are not built: the load of a unit (running where, retried how often, workers lost under it) or
-        the build itself; while it is not planned because planning starved on a source, that
-        source's load in flight; ``since_s``: for how long that same cause has been seen. Kept in
-        ``blocked_view`` for the page (the planner thread reads it; it never scans the
-        scheduler's tasks itself)."""
+        while its batches are not built: the load of a unit (running where, retried how often,
+        workers lost under it) or the build itself; while it is not planned because planning
+        starved on a source, that source's load in flight; ``since_s``: for how long that same
+        cause has been seen. Kept in ``blocked_view`` for the page (the planner thread reads it;
+        it never scans the scheduler's tasks itself)."""
         cause = self.p.held.blocker(step)
         starved = self.state.starved_on
         if cause is None and starved is not None and step >= self.state.next_step:

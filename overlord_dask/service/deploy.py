@@ -34,7 +34,8 @@ from ..protocol import Route
 from .priority import WorkerPriority
 from .priority import worker_nice as worker_nice_default
 
-WORKER_CONFIG = {"distributed": {"comm": {"timeouts": {"connect": "10s"}}}}
+WORKER_CONNECT_TIMEOUT = "10s"
+WORKER_CONFIG = {"distributed": {"comm": {"timeouts": {"connect": WORKER_CONNECT_TIMEOUT}}}}
 """Set on every worker (``Nanny(config=...)``, pool workers too): a worker fetching a block from a
 peer that just died retries the refused connection this long, not Dask's 30 s."""
 
@@ -128,7 +129,8 @@ def local_cluster(
         from distributed.security import Security
 
         kwargs.update(security=Security(), protocol="tls://")
-    in_process = {} if processes else {**quiet_defaults(), "distributed.comm.timeouts.connect": "10s"}
+    # (workers that are threads of this process read this process's config: WORKER_CONFIG's setting)
+    in_process = {} if processes else {**quiet_defaults(), "distributed.comm.timeouts.connect": WORKER_CONNECT_TIMEOUT}
     with dask.config.set({**service_config(), **in_process}):  # (worker threads read it as they start)
         if not processes:
             kwargs.setdefault("protocol", "tcp://")  # not Dask's in-process transport: trainers connect from outside

@@ -33,10 +33,10 @@ class OverlordDataset(IterableDataset):
     ``options=``. Iterate it directly (it fetches ahead in the background itself), or, where a
     framework wants one, in ``DataLoader(ds, batch_size=None, num_workers=0)``: batches are
     already built by the service, so DataLoader workers would only split (and break) the
-    ordered stream. ``pin_memory=True`` pins them for CUDA
-    trainers. ``state_dict()`` / ``load_state_dict()`` follow torchdata's ``StatefulDataLoader``
-    and DCP's ``Stateful``. ``split="eval"`` iterates the rank's share of the evaluation stream
-    (the plan's held-out units): finite, the same at every pass.
+    ordered stream. ``pin_memory=True`` pins them for CUDA trainers. ``state_dict()`` /
+    ``load_state_dict()`` follow torchdata's ``StatefulDataLoader`` and DCP's ``Stateful``.
+    ``split="eval"`` iterates the rank's share of the evaluation stream (the plan's held-out
+    units): finite, the same at every pass.
     """
 
     def __init__(

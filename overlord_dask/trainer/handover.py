@@ -58,7 +58,8 @@ class HandOver:
         its ``step``; None on an error or a timeout: ``error`` says which) and the
         seconds the trainer waited for it, at most ``timeout``. ``chunk_done``: the step finished before ended a chunk.
         ``wake(room, ack)`` (called holding the lock; it must only schedule) lets the IO side
-        fetch into the room there is and, with ``ack``, acknowledge what the trainer finished."""
+        fetch into the room there is, decode ahead and, with ``ack``, acknowledge what the
+        trainer finished."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         with self._cond:

@@ -202,7 +202,7 @@ def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> 
     ``[rank, micro_batch]``) into ``[rank][micro_batch] -> piece rows`` for ``ranks``."""
     rows = P.unpack(pieces)
     sl = P.slot_from_bytes(slot)
-    flat = sl[:, 0].astype(np.int64) * micro_batches + sl[:, 1]
+    flat = P.flat_slots(sl, micro_batches)
     order = np.argsort(flat, kind="stable")
     bounds = np.searchsorted(flat[order], np.arange(ranks.start * micro_batches, ranks.stop * micro_batches + 1))
     return [

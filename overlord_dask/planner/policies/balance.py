@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...pieces import AGE, SOURCE, START, STOP, WIDTH, lengths, stream_lengths
+from ...pieces import AGE, SOURCE, START, STOP, WIDTH, lengths, slots, stream_lengths
 from ..streams.stream import SourceStream
 from . import kernels
 from .base import Starved
@@ -89,17 +89,14 @@ def wfq_select(
         taken = order[: n_take + 1]  # the next piece, cut to the tokens left (it is longer)
     out = np.empty((len(taken), WIDTH), dtype=np.int64)
     out[:, SOURCE] = src_a[taken]
-    for i in active:
-        i = int(i)
-        sel = src_a[taken] == i
-        if sel.any():
-            out[sel, 1:] = cand[i][idx_a[taken][sel]]
+    per_source = [(int(i), src_a[taken] == i) for i in active]
+    for i, sel in per_source:
+        out[sel, 1:] = cand[i][idx_a[taken][sel]]
     if len(taken) > n_take:
         out[-1, STOP] = out[-1, START] + rest
-    for i in active:
-        sel = out[:, SOURCE] == int(i)
+    for i, sel in per_source:  # (after the cut: a cut source's cursor stops inside the document)
         if sel.any():
-            streams[int(i)].take(out[sel, 1:])
+            streams[i].take(out[sel, 1:])
     return out
 
 
@@ -184,9 +181,7 @@ def balance_window(
     for s in range(steps):
         sel = placed[bounds[s] : bounds[s + 1]]
         b = bins[bounds[s] : bounds[s + 1]] - s * n_bins
-        out_steps.append(
-            (pieces[sel, :WIDTH], np.stack([b // micro_batches, b % micro_batches], axis=1).astype(np.int32))
-        )
+        out_steps.append((pieces[sel, :WIDTH], slots(b, micro_batches)))
         out_costs.append(bin_cost[s].reshape(dp, micro_batches).copy())
     pending = pieces[where < 0].copy()
     pending[:, AGE] += 1

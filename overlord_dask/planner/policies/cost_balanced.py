@@ -97,10 +97,9 @@ class CostBalanced(Policy):
     def _fill(self, w: Window, planned: list) -> list:
         """Packing ``cut`` (``cut.py``): each step's room selected with its weights and laid
         over its bins; each bin's cost grows by its filler's."""
-        topo = w.topology
-        budgets = np.array([int(bin_room(slot, rows, topo).sum()) for (rows, slot), _ in planned], dtype=np.int64)
-        filler = self._select_steps(w, budgets, cut=True)
-        steps, flat_bins = fill_steps([s for s, _ in planned], filler, topo)
+        rooms = [bin_room(slot, rows, w.topology) for (rows, slot), _ in planned]
+        filler = self._select_steps(w, np.array([int(r.sum()) for r in rooms], dtype=np.int64), cut=True)
+        steps, flat_bins = fill_steps([s for s, _ in planned], rooms, filler, w.topology)
         out = []
         for (rows, slot), (_, costs), b in zip(steps, planned, flat_bins):
             if len(b):

@@ -24,9 +24,8 @@ from ...plan import Topology
 
 def bin_room(slot: np.ndarray, rows: np.ndarray, topology: Topology) -> np.ndarray:
     """Free tokens of each of a step's bins, in flat order ``rank * micro_batches + micro_batch``."""
-    mb = topology.micro_batches
-    flat = slot[:, 0].astype(np.int64) * mb + slot[:, 1]
-    used = np.bincount(flat, weights=P.lengths(rows), minlength=topology.dp * mb)
+    flat = P.flat_slots(slot, topology.micro_batches)
+    used = np.bincount(flat, weights=P.lengths(rows), minlength=topology.dp * topology.micro_batches)
     return np.maximum(topology.tokens_per_micro_batch - used.astype(np.int64), 0)
 
 
@@ -53,18 +52,19 @@ def lay_end_to_end(rows: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.
     return out, seg
 
 
-def fill_steps(steps: list[tuple[np.ndarray, np.ndarray]], filler: np.ndarray, topology: Topology):
+def fill_steps(
+    steps: list[tuple[np.ndarray, np.ndarray]], rooms: list[np.ndarray], filler: np.ndarray, topology: Topology
+):
     """The window's steps (piece rows and slots) with ``filler`` (selection order, exactly their
-    room) laid over their bins, step by step and bin by bin. Returns the new steps and, per
-    step, each filler row's index in flat bin order (for the bins' costs)."""
-    rooms = [bin_room(slot, rows, topology) for rows, slot in steps]
+    ``rooms``: :func:`bin_room` of each) laid over their bins, step by step and bin by bin.
+    Returns the new steps and, per step, each filler row's index in flat bin order (for the
+    bins' costs)."""
     n_bins = topology.dp * topology.micro_batches
     cut, seg = lay_end_to_end(filler, np.concatenate(rooms) if rooms else np.zeros(0, np.int64))
     out, flat_bins = [], []
     bounds = np.searchsorted(seg, np.arange(len(steps) + 1) * n_bins)
     for k, (rows, slot) in enumerate(steps):
         mine, b = cut[bounds[k] : bounds[k + 1]], seg[bounds[k] : bounds[k + 1]] - k * n_bins
-        add = np.stack([b // topology.micro_batches, b % topology.micro_batches], axis=1).astype(slot.dtype)
-        out.append((np.concatenate([rows[:, : P.WIDTH], mine[:, : P.WIDTH]]), np.concatenate([slot, add])))
+        out.append((np.concatenate([rows, mine]), np.concatenate([slot, P.slots(b, topology.micro_batches)])))
         flat_bins.append(b)
     return out, flat_bins

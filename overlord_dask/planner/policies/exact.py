@@ -31,7 +31,7 @@ the step is rolled back and retried later (``Starved``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -106,10 +106,8 @@ def _select(streams, weights, n_bins, capacity, carry, cut) -> StepSelection:
             b = int(np.argmax(free))  # ties: lowest bin
             if free[b] == 0:
                 break  # every bin is full
-            piece, L = (
-                Piece(piece.source, piece.epoch, piece.unit, piece.doc, piece.start, piece.start + int(free[b])),
-                int(free[b]),
-            )
+            L = int(free[b])
+            piece = replace(piece, stop=piece.start + L)
         elif len(fits) == 0:
             blocked[i] = L
             continue
