@@ -65,6 +65,38 @@ def webdataset_samples(paths: list[str]) -> list[list[tuple[str, dict]]]:
     return shards
 
 
+def webdataset_unit_sizes(path: str, step: int) -> list[int]:
+    """A plain tar shard's samples per load unit, by the cutting rule (``tar_cuts.py``) applied to
+    ``tarfile``'s own member listing: the first header block at or after each target (a member's
+    extended header or its header) names a member; skip it; cut at the first header of the first
+    later member whose key differs from the key of the member after it. Targets: ``step``, then
+    ``step`` past each cut."""
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+    size = os.path.getsize(path)
+
+    def key(m):
+        stem = m.name[: m.name.find(".", m.name.rfind("/") + 1)] if "." in m.name.rsplit("/", 1)[-1] else None
+        return stem if m.isfile() and stem and not stem.rsplit("/", 1)[-1].startswith("__") else None
+
+    cuts, target = [0], step
+    while target < size:
+        aligned = -(-target // 512) * 512
+        first = next((i for i, m in enumerate(members) if m.offset_data - 512 >= aligned or m.offset >= aligned), None)
+        later = [m for m in members[first + 1 :] if key(m)] if first is not None else []
+        cut = next((m.offset for m in later if key(m) != key(later[0])), None)
+        if cut is None:
+            break
+        cuts.append(cut)
+        target = cut + step
+    keyed = [m for m in members if key(m)]
+    starts = [m.offset for i, m in enumerate(keyed) if i == 0 or key(m) != key(keyed[i - 1])]
+    bounds = cuts + [size]
+    return [sum(1 for o in starts if a <= o < b) for a, b in zip(bounds, bounds[1:])]
+
+
 def megatron_docs(prefix: str) -> list[np.ndarray]:
     """Every document of a Megatron indexed dataset, with megatron-core's own reader."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -205,12 +205,9 @@ def _id_map(root: Path, fmt: str, url: str, plan) -> dict[int, np.ndarray]:
         return dict(enumerate(docs))
     if fmt == "webdataset":
         shards = sorted((root / "wds").glob("shard-*.tar"))
-        keys = [
-            (i, k)
-            for i, shard in enumerate(ref.webdataset_samples([str(p) for p in shards]))
-            for k in range(len(shard))
-        ]
-        return {i * UNKNOWN_BASE + k: d for (i, k), d in zip(keys, docs)}
+        sizes = [n for p in shards for n in ref.webdataset_unit_sizes(str(p), plan.loading.unit_bytes)]
+        keys = [(i, k) for i, n in enumerate(sizes) for k in range(n)]
+        return {i * UNKNOWN_BASE + k: d for (i, k), d in zip(keys, docs, strict=True)}
     # plain jsonl: unit = the file's units before it + the line's byte offset // unit_bytes; the k-th line starting
     # there
     # jsonl.zst with one unit per file (unit_bytes above the file size): unit = the file

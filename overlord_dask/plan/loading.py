@@ -39,7 +39,8 @@ class Loading(Strict):
     unit_tokens: int = Field(default=1 << 20, ge=1)
     """zarr, megatron: about this many tokens per load unit (rounded to whole documents)."""
     unit_bytes: int = Field(default=8 << 20, ge=1)
-    """jsonl (uncompressed, or zstd in frames): about this many bytes per load unit (whole lines)."""
+    """jsonl (uncompressed, or zstd in frames), webdataset (plain ``.tar``): about this many bytes
+    per load unit (whole lines, whole samples)."""
     task_seconds: float | None = Field(default=0.5, gt=0, le=3600)
     """Auto-partitioning: load tasks are cut to about this many seconds of measured CPU. A unit
     that would take over twice as long is read as several parts in parallel; units that take

@@ -1,11 +1,12 @@
 """Content digests of load units: files that change or rot under a weeks-long run are noticed.
 
 With ``loading.integrity: true`` each unit gets, when its source is indexed, a digest (BLAKE2b,
-128 bits) of the bytes it is read from (:meth:`Format.regions`: a parquet unit's row group, the
-whole file for other formats, every file of a zarr group), and every load checks it before
-reading. A parquet file written without page checksums with bytes flipped inside a data page, a
-shard rewritten in place, a file truncated by a failing disk: each is an error naming the unit
-and its file, or a quarantined unit under ``loading.on_corrupt: quarantine``. The service keeps
+128 bits) of the bytes it is read from (:meth:`Format.regions`: a parquet unit's row group, a
+webdataset unit's byte range, the whole file for other formats, every file of a zarr group), and
+every load checks it before reading. A parquet file written without page checksums with bytes
+flipped inside a data page, a shard rewritten in place, a file truncated by a failing disk: each
+is an error naming the unit and its file, or a quarantined unit under
+``loading.on_corrupt: quarantine``. The service keeps
 the digests with its snapshots (``service/manifest.py``), so a restart weeks later checks the
 files against what the run first saw, not against what they are now.
 

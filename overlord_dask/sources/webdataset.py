@@ -9,10 +9,13 @@ whose members (in member order) go before the text of their sample, on the multi
 parquet images take. ``prepare`` steps see each sample as a record: ``__key__``, the text
 members as strings, the others as bytes, and the images as a list under ``images_field``.
 
-A shard is one load unit, read front to back as a stream (no seeks: object stores serve it as one
-request). Its samples are counted when it is loaded: sample ids are ``i * 2**32 + k`` for sample
-``k`` of shard ``i``. A sample without the member the plan reads is an error naming the shard and
-the key.
+A plain ``.tar`` shard is cut into load units of about ``loading.unit_bytes`` bytes of whole
+samples, found at indexing from a few small reads near each cut (``tar_cuts.py``), so the first
+batch waits for one unit, not a whole shard; a unit is read with one ranged request. Compressed
+shards (``.tar.gz``) are one unit each, read front to back as a stream. A unit's samples are
+counted when it is loaded: sample ids are ``i * 2**32 + k`` for sample ``k`` of unit ``i``. A
+sample without the member the plan reads is an error naming the shard and the key, and so is a
+damaged header anywhere in a shard.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import pyarrow as pa
 
 from ..errors import SourceError
 from ..plan import Source, SourcePlan
+from . import tar_cuts
 from .formats import UNKNOWN_BASE, Format
 from .fs import list_files, source_fs
 from .units import LoadUnit
@@ -42,17 +46,19 @@ def split_name(name: str) -> tuple[str, str]:
     return name[:dot], name[dot + 1 :].lower()
 
 
-def samples(f, where: str):
-    """``(key, {ext: bytes})`` per sample of a tar stream, in member order."""
+def samples(f, where: str, data: bytes | None = None, last: bool = True):
+    """``(key, {ext: bytes})`` per sample of a tar stream, in member order. With ``data`` (the
+    plain tar bytes ``f`` streams: a shard, or a unit of one, ``last`` when it ends the shard)
+    its members must end where it ends (``tar_cuts.check_end``); a compressed stream is guarded
+    by its own checksum."""
     key, members = None, {}
     try:
         with tarfile.open(fileobj=f, mode="r|*") as tar:
             for m in tar:
-                if not m.isfile():
+                k = _key(m)
+                if k is None:
                     continue
-                k, ext = split_name(m.name)
-                if k.rsplit("/", 1)[-1].startswith("__") or not ext:
-                    continue  # webdataset's metadata members (__index__ ...)
+                ext = split_name(m.name)[1]
                 if k != key:
                     if key is not None:
                         yield key, members
@@ -60,10 +66,29 @@ def samples(f, where: str):
                 if ext in members:
                     raise SourceError(f"{where}: sample {k!r} has two {ext!r} members")
                 members[ext] = tar.extractfile(m).read()
+            if data is not None:
+                tar_cuts.check_end(tar, data, last, where)
     except (tarfile.TarError, EOFError, OSError) as err:
+        if data is not None and not last and "unexpected end of data" in str(err):
+            raise SourceError(tar_cuts.past_end(where)) from None
         raise SourceError(f"{where}: corrupt or truncated tar shard: {type(err).__name__}: {err}") from None
+    except ValueError as err:
+        raise SourceError(str(err)) from None
     if key is not None:
         yield key, members
+
+
+def _key(m: tarfile.TarInfo) -> str | None:
+    """A member's sample key, or None for one that belongs to no sample (not a file, a member
+    without an extension, webdataset's metadata members such as ``__index__``)."""
+    if not m.isfile():
+        return None
+    return _name_key(m.name)
+
+
+def _name_key(name: str) -> str | None:
+    k, ext = split_name(name)
+    return None if k.rsplit("/", 1)[-1].startswith("__") or not ext else k
 
 
 class WebDatasetFormat(Format):
@@ -75,8 +100,28 @@ class WebDatasetFormat(Format):
             raise ValueError(f"images_field {source.images_field!r} lists no image extensions (e.g. 'jpg,png')")
 
     def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
-        _, files = list_files(source, plan.base_dir, self.suffixes)
-        return [LoadUnit(source.name, i, path, -1, 0, -1, i * UNKNOWN_BASE) for i, path in enumerate(files)]
+        fs, files = list_files(source, plan.base_dir, self.suffixes)
+        step = plan.loading.unit_bytes
+        spans: list[tuple[str, tuple | None]] = []
+        for path in files:
+            spans += [(path, span) for span in _shard_spans(fs, path, step)]
+        return [
+            LoadUnit(source.name, i, path, -1, 0, -1, i * UNKNOWN_BASE, span) for i, (path, span) in enumerate(spans)
+        ]
+
+    def regions(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> list[tuple[str, int, int | None]]:
+        return [(unit.path, 0, None)] if unit.span is None else [(unit.path, unit.span[0], unit.span[1])]
+
+    def warnings(self, source: Source, plan: SourcePlan) -> list[str]:
+        fs, files = list_files(source, plan.base_dir, self.suffixes)
+        big = [p for p in files if not p.endswith(".tar") and fs.size(p) > 4 * plan.loading.unit_bytes]
+        if not big:
+            return []
+        return [
+            f"source {source.name!r}: {len(big)} compressed shard(s) (e.g. {big[0]}) are read whole, each as one load "
+            "unit: a first batch waits for a whole shard. Plain .tar shards are cut into units of "
+            "loading.unit_bytes."
+        ]
 
     def read(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> pa.Table:
         fs, _ = source_fs(source, plan.base_dir)
@@ -85,7 +130,20 @@ class WebDatasetFormat(Format):
         rows = []
         try:
             with fs.open(unit.path, "rb") as f:
-                for key, members in samples(f, unit.describe()):
+                data, last = None, True
+                if unit.span is not None:
+                    lo, hi = unit.span
+                    f.seek(lo)
+                    data, last = f.read(hi - lo), hi >= fs.size(unit.path)
+                    if len(data) != hi - lo:
+                        raise SourceError(
+                            f"{unit.describe()}: the shard holds {lo + len(data):,} bytes, not {hi:,} (changed since "
+                            "it was indexed?)"
+                        )
+                elif unit.path.endswith(".tar"):
+                    data = f.read()
+                stream = f if data is None else tar_cuts.unit_stream(data, last)
+                for key, members in samples(stream, unit.describe(), data, last):
                     if field not in members and not source.prepare:
                         raise SourceError(
                             f"{unit.describe()}: sample {key!r} has no {field!r} member (members: {sorted(members)})"
@@ -94,6 +152,17 @@ class WebDatasetFormat(Format):
         except FileNotFoundError:
             raise SourceError(f"{unit.describe()}: shard not found") from None
         return _table(source, rows)
+
+
+def _shard_spans(fs, path: str, step: int) -> list[tuple[int, int] | None]:
+    """A shard's units as byte spans ``(lo, hi)`` of whole samples (``tar_cuts.py``); a compressed
+    shard, or one under ``step`` bytes, is one unit read whole (None)."""
+    size = fs.size(path)
+    if not path.endswith(".tar") or size <= step:
+        return [None]
+    with fs.open(path, "rb", block_size=tar_cuts.WINDOW) as f:
+        starts = tar_cuts.cuts(f, size, step, _name_key)
+    return list(zip(starts, starts[1:] + [size]))
 
 
 def _record(source: Source, unit: LoadUnit, key: str, members: dict, image_exts: tuple) -> dict:
