@@ -749,6 +749,62 @@ def test_jsonl_on_s3(fc, s3_server):
         assert len(docs) == len(want) and all(np.array_equal(np.asarray(a), b) for a, b in zip(docs, want)), fmt
 
 
+@pytest.mark.integration
+def test_arrow_on_s3_is_cut_into_the_row_ranges_of_a_local_copy(fc, s3_server, tmp_path, monkeypatch):
+    """A remote Arrow folder: the units (rows, ids) of its local copy from the message headers,
+    each read with ranged requests; the walk is cached for the next start; a file with a
+    dictionary-encoded column is read whole by each of its units, with the same documents."""
+    import s3fs
+
+    from overlord_dask.sources import arrow_messages
+    from overlord_dask.testing.object_store import STORAGE_OPTIONS
+
+    monkeypatch.setenv("OVERLORD_CACHE_DIR", str(tmp_path / "cache"))
+    root, _, urls = fc
+    opts = {**STORAGE_OPTIONS, "client_kwargs": {**STORAGE_OPTIONS["client_kwargs"], "endpoint_url": s3_server}}
+    fs = s3fs.S3FileSystem(**opts)
+    local = root / urls["arrow"].split("/")[0]
+    fs.put(str(local), "overlord/arrow-cut/", recursive=True)
+    loading = {"unit_rows": 17}
+    here = make_plan(root, source_for("arrow", urls["arrow"]), loading=loading)
+    there = make_plan(
+        root, source_for("arrow", f"s3://overlord/arrow-cut/{local.name}", storage_options=opts), loading=loading
+    )
+    units_here, docs_here, ids_here = _units_in_order(here)
+    units_there, docs_there, ids_there = _units_in_order(there)
+    assert [(u.start, u.stop, u.first_id) for u in units_there] == [(u.start, u.stop, u.first_id) for u in units_here]
+    assert all(u.span is not None for u in units_there) and ids_there == ids_here == list(range(len(ids_here)))
+    assert all(np.array_equal(a, b) for a, b in zip(docs_there, docs_here, strict=True))
+
+    def no_walk(*_):
+        raise AssertionError("walked again")
+
+    monkeypatch.setattr(arrow_messages, "walk", no_walk)
+    assert discover_units(there.sources[0], there) == units_there  # the cached walk
+    monkeypatch.undo()
+
+    table = pa.table(
+        {"lang": pa.array(["en", "de", "fr"] * 40).dictionary_encode(), "text": [f"t{i}" * i for i in range(120)]}
+    )
+    with fs.open("overlord/dict/d.arrow", "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table, max_chunksize=25)
+    plan = make_plan(
+        root,
+        {
+            "name": "d",
+            "format": "arrow",
+            "url": "s3://overlord/dict/d.arrow",
+            "text_field": "text",
+            "storage_options": opts,
+        },
+        loading=loading,
+    )
+    units, docs, _ = _units_in_order(plan)
+    assert len(units) == 8 and all(u.span is None for u in units)
+    want = ref.tokens_of(table.column("text").to_pylist())
+    assert all(np.array_equal(a, b) for a, b in zip(docs, want, strict=True))
+
+
 def test_token_id_fields_of_jsonl_and_webdataset(tmp_path):
     """Pre-tokenized records: a JSON list of ids (jsonl), a JSON or .npy member (webdataset)."""
     import webdataset as wds

@@ -4,26 +4,33 @@ their ``state.json``, whose file list gives the order). Records as for parquet (
 
 On a local disk a file is memory-mapped: counting its rows reads only the batches' metadata, and
 a load unit (a row range of at most ``loading.unit_rows`` rows, across record batches) maps only
-the pages it touches. On an object store an Arrow file has no row counts to read without fetching
-its batches, so each file is one unit whose documents are counted when it is loaded (sample ids
-``i * 2**32 + k``); parquet is the format for object stores.
+the pages it touches. On an object store the same row ranges are found by walking the message
+headers (``arrow_messages.py``: one small read per record batch, in parallel across files, the
+index cached between starts by ``index_cache.py``), and a unit is one ranged read of its batches;
+a file with dictionary-encoded columns is read whole by each of its units (its dictionaries
+come first and may be replaced along the file).
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from ..errors import SourceError
 from ..plan import Source, SourcePlan
-from .formats import UNKNOWN_BASE, Format
+from . import arrow_messages
+from .formats import Format
 from .fs import is_local, list_files, source_fs
+from .index_cache import cached
 from .records import check_schema
 from .units import LoadUnit
 
 FILE_MAGIC = b"ARROW1"
+INDEX_VERSION = 1
+FOOTER_THREADS = 8  # files indexed at once on remote storage, where each batch header is a round trip
 
 
 def _open(handle):
@@ -72,34 +79,40 @@ class ArrowFormat(Format):
 
     def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         fs, files = self._files(source, plan)
-        if not is_local(source, plan.base_dir):
-            if not source.prepare:
-                for path in files:
-                    with fs.open(path, "rb") as f:
-                        check_schema(source, path, _reader(f, path, source).schema)
-            return [LoadUnit(source.name, i, path, -1, 0, -1, i * UNKNOWN_BASE) for i, path in enumerate(files)]
+        if is_local(source, plan.base_dir):
+            layouts = [_local_rows(path, source) for path in files]
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(FOOTER_THREADS, len(files)), thread_name_prefix="overlord-arrow-index") as pool:
+                layouts = list(pool.map(lambda path: _remote_layout(fs, path, source), files))
         units, first_id, step = [], 0, plan.loading.unit_rows
-        for path in files:
-            reader = _reader(pa.memory_map(path), path, source)
-            if not source.prepare:
-                check_schema(source, path, reader.schema)
-            rows = _rows(reader)
+        for path, layout in zip(files, layouts):
+            rows = layout if isinstance(layout, int) else sum(r for *_, r in layout.batches)
             for start in range(0, rows, step):
-                units.append(
-                    LoadUnit(source.name, len(units), path, -1, start, min(rows, start + step), first_id + start)
-                )
+                stop = min(rows, start + step)
+                span = None if isinstance(layout, int) else _span(layout, start, stop)
+                units.append(LoadUnit(source.name, len(units), path, -1, start, stop, first_id + start, span))
             first_id += rows
         return units
+
+    def regions(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> list[tuple[str, int, int | None]]:
+        if unit.span is None:
+            return [(unit.path, 0, None)]
+        lo, hi, _, schema_lo, schema_hi = unit.span
+        return [(unit.path, schema_lo, schema_hi), (unit.path, lo, hi)]
 
     def read(self, source: Source, plan: SourcePlan, unit: LoadUnit) -> pa.Table:
         cols = self.columns(source)
         try:
-            if unit.stop < 0:
+            if unit.span is not None:
+                table = _read_span(source, plan, unit)
+            elif is_local(source, plan.base_dir):  # the table's buffers keep the map alive: only its pages are read
+                table = _reader(pa.memory_map(unit.path), unit.path, source).read_all().slice(unit.start, unit.n_docs)
+            else:  # dictionary-encoded columns: the whole file, this unit's rows of it
                 fs, _ = source_fs(source, plan.base_dir)
                 with fs.open(unit.path, "rb") as f:
-                    table = _reader(f, unit.path, source).read_all()
-            else:  # the table's buffers keep the map alive; only the pages the unit touches are read
-                table = _reader(pa.memory_map(unit.path), unit.path, source).read_all().slice(unit.start, unit.n_docs)
+                    table = _reader(f, unit.path, source).read_all().slice(unit.start, unit.n_docs)
         except FileNotFoundError:
             raise SourceError(f"{unit.describe()}: file not found") from None
         except (pa.ArrowInvalid, OSError) as err:
@@ -107,6 +120,57 @@ class ArrowFormat(Format):
         if not source.prepare:
             check_schema(source, unit.path, table.schema)
         return table.select(cols) if cols else table
+
+
+def _local_rows(path: str, source: Source) -> int:
+    reader = _reader(pa.memory_map(path), path, source)
+    if not source.prepare:
+        check_schema(source, path, reader.schema)
+    return _rows(reader)
+
+
+def _remote_layout(fs, path: str, source: Source) -> arrow_messages.Layout:
+    """A remote file's message layout (cached: ``index_cache.py``), its schema checked."""
+    if not source.prepare:
+        with fs.open(path, "rb") as f:
+            check_schema(source, path, _reader(f, path, source).schema)
+    size = fs.size(path)
+
+    def build() -> list:
+        with fs.open(path, "rb", block_size=arrow_messages.READ_AHEAD) as f:
+            try:
+                return arrow_messages.walk(f, size).to_json()
+            except ValueError as err:
+                raise SourceError(f"source {source.name!r}: {path}: {err}") from None
+
+    return arrow_messages.Layout.from_json(cached(fs, path, size, "arrow-index", [INDEX_VERSION], build))
+
+
+def _span(layout: arrow_messages.Layout, start: int, stop: int) -> tuple | None:
+    """Rows ``[start, stop)`` of a file as the byte range of the batches that hold them, the first
+    one's row, and the schema message's range (None: the file has dictionaries; read it whole)."""
+    if layout.dictionaries:
+        return None
+    firsts = np.cumsum([0] + [r for *_, r in layout.batches])
+    a = int(np.searchsorted(firsts, start, side="right")) - 1
+    b = int(np.searchsorted(firsts, stop, side="left")) - 1
+    (lo, _, _), (off, length, _) = layout.batches[a], layout.batches[b]
+    return (lo, off + length, int(firsts[a]), *layout.schema)
+
+
+def _read_span(source: Source, plan: SourcePlan, unit: LoadUnit) -> pa.Table:
+    """A unit's rows from one ranged read: its batches behind the schema message, as a stream."""
+    lo, hi, row0, schema_lo, schema_hi = unit.span
+    fs, _ = source_fs(source, plan.base_dir)
+    with fs.open(unit.path, "rb") as f:
+        f.seek(schema_lo)
+        schema = f.read(schema_hi - schema_lo)
+        f.seek(lo)
+        body = f.read(hi - lo)
+    if len(body) != hi - lo:
+        raise SourceError(f"{unit.describe()}: the file ends before byte {hi:,} (changed since it was indexed?)")
+    table = ipc.open_stream(pa.BufferReader(schema + body + arrow_messages.EOS)).read_all()
+    return table.slice(unit.start - row0, unit.n_docs)
 
 
 def _reader(handle, path: str, source: Source):

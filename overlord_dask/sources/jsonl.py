@@ -27,13 +27,10 @@ documents have ids ``i * 2**32 + k`` (``formats.UNKNOWN_BASE``).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -44,15 +41,12 @@ from ..plan import Source, SourcePlan
 from .compression import compression, decompressed, zstd_frames
 from .formats import UNKNOWN_BASE, Format
 from .fs import list_files, source_fs
+from .index_cache import cached
 from .units import LoadUnit
 
 SUFFIXES = tuple(f"{stem}{z}" for stem in (".jsonl", ".ndjson", ".json") for z in ("", ".gz", ".zst", ".zstd"))
 INDEX_VERSION = 1
 _ROW = re.compile(r"in row (\d+)")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("OVERLORD_CACHE_DIR") or Path.home() / ".cache" / "overlord_dask")
 
 
 class JsonlFormat(Format):
@@ -129,17 +123,15 @@ def _frame_units(path: str, frames: list, step: int) -> list[tuple[str, int, int
 def _line_index(fs, path: str, kind: str, size: int, step: int) -> list[tuple[int, int, int, int]]:
     """The one-pass line index of a stream that can only be read from its start: units of about
     ``step`` decompressed bytes, cut at line starts, as ``(lo, hi, first document, stop)``
-    (documents: non-blank lines). Cached by URL, size, modification time and ``step``."""
-    info = fs.info(path)
-    stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("created")
-    key = hashlib.sha256(
-        json.dumps([INDEX_VERSION, fs.unstrip_protocol(path), size, str(stamp), step]).encode()
-    ).hexdigest()[:32]
-    cached = cache_dir() / "jsonl-index" / f"{key}.json"
-    try:
-        return [tuple(u) for u in json.loads(cached.read_text())]
-    except (OSError, ValueError):
-        pass
+    (documents: non-blank lines). Cached by URL, size, modification time and ``step``
+    (``index_cache.py``)."""
+    units = cached(
+        fs, path, size, "jsonl-index", [INDEX_VERSION, step], lambda: _build_line_index(fs, path, kind, step)
+    )
+    return [tuple(u) for u in units]
+
+
+def _build_line_index(fs, path: str, kind: str, step: int) -> list[tuple[int, int, int, int]]:
     units, lo, pos, docs, doc_lo, carry = [], 0, 0, 0, 0, b""
     with fs.open(path, "rb") as f:
         for chunk in decompressed(f, kind, path):
@@ -158,13 +150,6 @@ def _line_index(fs, path: str, kind: str, size: int, step: int) -> list[tuple[in
     pos += len(carry)
     if pos > lo:
         units.append((lo, pos, doc_lo, docs))
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(units))
-        tmp.replace(cached)
-    except OSError:  # a read-only home: index again next time
-        pass
     return units
 
 
