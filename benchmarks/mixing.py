@@ -156,7 +156,7 @@ def coverage(state: PlannerState, ledger: dict[int, dict]) -> tuple[int, int]:
             covered.setdefault((e, u, d), []).append((a, b))
         # walk the source's order up to its cursor: each shuffle block (its units' documents
         # permuted together) rebuilt from the lengths, by a fresh order of the same plan and seed
-        order = SourceOrder(s.name, s.seed, s.n_units, s.block_units)
+        order = SourceOrder(s.name, s.seed, s.n_units, s.block_units, s.warmup_units)
         e, pos = 0, 0
         while (e, pos) <= (s.epoch, s.pos):
             block_units = order.block_units_of(e, pos)

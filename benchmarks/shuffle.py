@@ -15,9 +15,10 @@ layout (files of documents, one load unit per file) and each order, over one epo
   in the order to its last: what a loader keeps resident, in memory or in a local cache).
 
 Orders, in the same run: ours at the default ``loading.shuffle_units`` and two other settings
-(the real ``SourceStream`` of the planner walking the epoch, its units loaded as its lookahead
-asks for them; ``resident_units_max`` is the most units it held at once, ``units_before_first``
-what it needed loaded before its first document); a global permutation of every document; and
+(the real ``SourceStream`` of the planner walking the run's first epoch with the default
+``shuffle_warmup_units``, and the default setting once more without the warm-up; its units
+loaded as its lookahead asks for them; ``resident_units_max`` is the most units it held at once,
+``units_before_first`` what it needed loaded before its first document); a global permutation of every document; and
 MosaicML Streaming's ``py1e`` (its default algorithm), ``py1br`` and ``py1s`` on the same shard
 sizes (seed 9176, one canonical node, block 2^18), and ``py1e`` at the block ``StreamingDataset``
 sets by default on one node (4,000,000 samples: near-global, every shard of the 1,000-file layout
@@ -93,12 +94,12 @@ def figures(files: np.ndarray, n_files: int) -> dict:
 
 
 # ---- orders --------------------------------------------------------------------------------------
-def ours(sizes: np.ndarray, shuffle_units: int, seed: int = 0) -> tuple[np.ndarray, dict]:
+def ours(sizes: np.ndarray, shuffle_units: int, warmup: int, seed: int = 0) -> tuple[np.ndarray, dict]:
     """The file of each document of epoch 0 in the order the planner's stream walks the source,
     its units loaded as its lookahead asks (with lengths drawn per file), and what it held."""
     n = len(sizes)
     first = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    s = SourceStream("src", 0, n, first, seed, 1 << 30, block_units=shuffle_units, evict_after=4)
+    s = SourceStream("src", 0, n, first, seed, 1 << 30, block_units=shuffle_units, evict_after=4, warmup_units=warmup)
     rng = np.random.default_rng(1)
     lengths = [np.clip(rng.lognormal(6.3, 0.8, int(k)), 8, 16_000).astype(np.int64) for k in sizes]
     target = 4 * 8192 * 17 * 13 // 10  # what the planner asks for ahead: a window of 16 steps of 32k tokens, +30%
@@ -185,7 +186,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--small", action="store_true", help="leave out the 1,000 x 4,096 layout (a quick run)")
     ap.add_argument("--planner-steps", type=int, default=200, help="steps planned for planner_ms_per_step (0: skip)")
     args = ap.parse_args(argv)
-    default = Loading().shuffle_units
+    default, warmup = Loading().shuffle_units, Loading().shuffle_warmup_units
     settings = [default] + [int(x) for x in args.settings.split(",") if x and int(x) != default]
     get_shuffle = mosaic_shuffles()
     if args.planner_steps:  # the first planner of the process pays for warming up: not a setting's cost
@@ -193,11 +194,12 @@ def main(argv=None) -> dict:
     rows = []
     for name, sizes in layouts(not args.small).items():
         n = len(sizes)
-        for k in settings:
-            files, held = ours(sizes, k)
+        for k, warm in [(k, warmup) for k in settings] + [(default, 0)]:
+            files, held = ours(sizes, k, warm)
             label = f"ours shuffle_units={k}" + (" (default)" if k == default else "")
+            label += f", shuffle_warmup_units={warm}" if warm != warmup else ""
             row = {"layout": name, "order": label, **figures(files, n), **held}
-            if args.planner_steps and name != "64x400":
+            if args.planner_steps and name != "64x400" and warm == warmup:
                 row["planner_ms_per_step"] = planner_ms_per_step(sizes, k, args.planner_steps)
             rows.append(row)
         rows.append({"layout": name, "order": "global permutation", **figures(global_permutation(sizes), n)})

@@ -452,7 +452,7 @@ def test_long_share_stage_reads_each_class_once_and_meets_the_share():
         te, tp = s.trailing()[:2]
         lead = s.leading()[:2]
         for e, p in s.lengths:  # (blocks of one unit: a block's position is its unit's)
-            assert (e, p) >= lead or e * s.n_blocks + p <= te * s.n_blocks + tp + max(
+            assert (e, p) >= lead or e * s.ordering.n_blocks + p <= te * s.ordering.n_blocks + tp + max(
                 s.evict_after, s.loads.keep_units
             ), (s.name, e, p)
         assert s.loads.keep_units < 20

@@ -108,7 +108,7 @@ def test_selection_properties(sources, raw_weights, n_bins, capacity, seed, bloc
                 else:
                     expect_doc = 0
                     expect_pos += 1
-                    if expect_pos == s.n_blocks:
+                    if expect_pos == s.ordering.n_blocks:
                         expect_e, expect_pos = expect_e + 1, 0
             assert p.start == expect_tok
             expect_tok = p.stop if p.stop < L[doc] else 0

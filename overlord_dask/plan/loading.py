@@ -53,9 +53,16 @@ class Loading(Strict):
     block's units are permuted together, so neighbouring documents come from that many different
     units (files are written in order: by dump, repository, language, date). What it costs: a
     block's units are all loaded (and resident on the workers) before its first document is
-    planned, so a source holds up to about twice this many units at a time, and the first batch
-    waits for a block's worth of loading. 1: units one after another, documents shuffled inside
+    planned, so a source holds up to about twice this many units at a time (the run's first batch
+    waits for ``shuffle_warmup_units``' worth). 1: units one after another, documents shuffled inside
     each (a shard shuffle). ``benchmarks/shuffle.py`` compares settings with a global shuffle."""
+    shuffle_warmup_units: int = Field(default=4, ge=0, le=100_000)
+    """The run's first shuffle blocks: epoch 0 starts with blocks of this many units, then twice
+    as many, and so on while they are smaller than ``shuffle_units`` and hold at most an eighth of
+    the source's units (``order.py``), so the first batch waits for this many units' loading
+    instead of a whole block's, and each next block loads while the one before it is planned.
+    The warm-up blocks' neighbours come from fewer units. 0 (or at least ``shuffle_units``): none.
+    Fixed when a run starts: a resumed run keeps the warm-up its snapshot records."""
     prefetch_steps: int = Field(default=4, ge=1, le=1024)
     """Steps planned and built ahead of the slowest rank's acknowledged step."""
     units_ahead: int = Field(default=2, ge=1, le=1024)

@@ -70,8 +70,10 @@ class PlannerState(PlanningLoop):
         if state is not None:  # replay on the topology the snapshot was planned with, switch at `committed`
             plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
         first = self.timeline.initial
-        evict_after, shuffle_units = first.loading.units_ahead + 2, first.loading.shuffle_units
-        self.streams = StreamSet(first.seed, first.topology.piece_tokens, evict_after, shuffle_units)
+        evict_after, loading = first.loading.units_ahead + 2, first.loading
+        self.streams = StreamSet(
+            first.seed, first.topology.piece_tokens, evict_after, loading.shuffle_units, loading.shuffle_warmup_units
+        )
         for name in self.timeline.source_names:
             self.streams.add(name, unit_first_ids[name])
         self.balance = plan.balance

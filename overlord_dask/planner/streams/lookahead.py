@@ -126,7 +126,7 @@ class LoadRequests:
         if s.block_units <= 1 or lens is None or not len(lens):
             return []
         e, b = s.ordering.next_block(s.epoch, s.pos)
-        lo, hi = s.ordering.block_bounds(b)
+        lo, hi = s.ordering.block_bounds(e, b)
         upto = (e, min(hi, lo + math.ceil((hi - lo) * (s.doc + 1) / len(lens))))
         out = []
         while (self.epoch, self.pos) < upto:
@@ -154,7 +154,7 @@ class LoadRequests:
         for cls in ("short", "long"):
             e, b = s.class_cursor(cls)[:2]
             have, n = 0, 0
-            while have < target_tokens and n < max(64, 4 * s.n_blocks):
+            while have < target_tokens and n < max(64, 4 * s.ordering.n_blocks):
                 lens = s.lengths.get((e, b))
                 if lens is None:
                     missing = [(e, int(u)) for u in s.ordering.block_units_of(e, b) if not s.has_unit(e, int(u))]

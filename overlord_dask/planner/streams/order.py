@@ -11,6 +11,15 @@ the K units of a block loaded before its first document is planned. The grouping
 every epoch (the unit permutation is per epoch). ``benchmarks/shuffle.py`` measures it against a
 global permutation and MosaicML Streaming's shuffles.
 
+The run's first blocks are a warm-up (``loading.shuffle_warmup_units``, W): epoch 0 starts with
+blocks of W, 2W, 4W, ... units while each is smaller than K and together they hold at most an
+eighth of the source's units (``WARMUP_SHARE``), then cuts the rest into near-equal blocks of at
+most K. The first batch then waits for W units, not K, and each next block loads while the one
+before it is planned; what it costs is the warm-up blocks' neighbours coming from fewer units,
+in at most an eighth of the first epoch (a source of fewer than 8W units has none). Later epochs
+have no warm-up (their blocks load while the previous epoch ends). W >= K turns it off. A
+resumed run keeps the warm-up it started with (its snapshot records it).
+
 Everything is seeded from (plan seed, source name, epoch[, block]) so it never depends on list
 position, worker count or dp size: the same plan and seed give the same order anywhere. Blocks
 split an epoch's units into ``ceil(n / K)`` runs of near-equal length (the last block is not a
@@ -34,6 +43,9 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+WARMUP_SHARE = 8  # the warm-up blocks hold at most 1/8 of a source's units
+
+
 @dataclass(slots=True)
 class BlockMap:
     """Where each document of an assembled block comes from, in the block's shuffled order."""
@@ -51,12 +63,37 @@ class SourceOrder:
     seed: int
     n_units: int
     block_units: int = 1  # K: units whose documents are permuted together
+    warmup_units: int = 0  # W: epoch 0's first block (then 2W, 4W, ... below K); 0 or >= K: none
     maps: dict = field(default_factory=dict)  # (epoch, block) -> BlockMap of an assembled block
     _epochs: dict = field(default_factory=dict)  # epoch -> (unit order, its inverse): the current and previous epoch
+    _bounds: dict = field(default_factory=dict)  # 0 (epoch 0) or 1 (any later epoch) -> block starts, then n_units
 
     @property
     def n_blocks(self) -> int:
-        return -(-self.n_units // max(1, self.block_units))
+        """Blocks in the epoch that has the most (epoch 0, with a warm-up): a bound for a pass."""
+        return self.n_blocks_of(0)
+
+    def n_blocks_of(self, epoch: int) -> int:
+        return len(self._starts(epoch)) - 1
+
+    def _starts(self, epoch: int) -> np.ndarray:
+        """Unit positions where ``epoch``'s blocks start, then ``n_units``: epoch 0's warm-up blocks,
+        then near-equal runs of at most K units (the last block is not a remainder)."""
+        first = 0 if epoch == 0 else 1
+        starts = self._bounds.get(first)
+        if starts is None:
+            n, k = self.n_units, max(1, self.block_units)
+            ramp, size = [], self.warmup_units
+            while first == 0 and 0 < size < k and (sum(ramp) + size) * WARMUP_SHARE <= n:
+                ramp.append(size)
+                size *= 2
+            done = sum(ramp)
+            nb = max(1, -(-(n - done) // k))
+            starts = np.array(
+                np.cumsum([0] + ramp)[:-1].tolist() + [done + b * (n - done) // nb for b in range(nb)] + [n], np.int64
+            )
+            self._bounds[first] = starts
+        return starts
 
     # ---- units --------------------------------------------------------------------------------
     def units(self, epoch: int) -> np.ndarray:
@@ -77,33 +114,27 @@ class SourceOrder:
         return o
 
     # ---- blocks ---------------------------------------------------------------------------------
-    def block_bounds(self, block: int) -> tuple[int, int]:
-        """Unit positions ``[lo, hi)`` of ``block`` (near-equal runs of the epoch's order)."""
-        n, nb = self.n_units, self.n_blocks
-        return block * n // nb, (block + 1) * n // nb
+    def block_bounds(self, epoch: int, block: int) -> tuple[int, int]:
+        """Unit positions ``[lo, hi)`` of ``block`` of ``epoch``."""
+        starts = self._starts(epoch)
+        return int(starts[block]), int(starts[block + 1])
 
     def block_units_of(self, epoch: int, block: int) -> np.ndarray:
         """The units of ``block`` in ``epoch``, in epoch order."""
-        lo, hi = self.block_bounds(block)
+        lo, hi = self.block_bounds(epoch, block)
         return self.units(epoch)[lo:hi]
 
     def block_of(self, epoch: int, unit: int) -> int:
         """The block ``unit`` belongs to in ``epoch``."""
-        pos, n, nb = self.position(epoch, unit), self.n_units, self.n_blocks
-        b = pos * nb // n
-        while self.block_bounds(b)[1] <= pos:  # (integer rounding of the bounds)
-            b += 1
-        while self.block_bounds(b)[0] > pos:
-            b -= 1
-        return b
+        return int(np.searchsorted(self._starts(epoch), self.position(epoch, unit), side="right")) - 1
 
     def next_block(self, epoch: int, block: int) -> tuple[int, int]:
         """The block after ``block`` (the next epoch's first at the end)."""
-        return (epoch, block + 1) if block + 1 < self.n_blocks else (epoch + 1, 0)
+        return (epoch, block + 1) if block + 1 < self.n_blocks_of(epoch) else (epoch + 1, 0)
 
     def first_unit_position(self, epoch: int, block: int) -> tuple[int, int]:
         """``(epoch, unit position)`` where ``block`` starts."""
-        return epoch, self.block_bounds(block)[0]
+        return epoch, self.block_bounds(epoch, block)[0]
 
     def assemble(self, key: tuple[int, int], unit_lengths: list[np.ndarray]) -> np.ndarray:
         """The document lengths of block ``key`` (its units' lengths, in the block's epoch order)

@@ -78,7 +78,7 @@ def _scan(
         if doc < len(lens):
             break  # enough: the rest of this block waits for the next call
         empty_blocks = 0 if found else empty_blocks + 1
-        if empty_blocks > s.n_blocks and until is None:
+        if empty_blocks > s.ordering.n_blocks and until is None:
             if cls is not None and s.split:
                 raise SourceError(
                     f"source {s.name!r} has no {cls} documents (long: over long_tokens={s.split} tokens) "

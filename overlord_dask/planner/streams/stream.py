@@ -82,6 +82,7 @@ class SourceStream:
     seed: int
     piece_tokens: int
     block_units: int = 1  # loading.shuffle_units: units whose documents are shuffled together
+    warmup_units: int = 0  # loading.shuffle_warmup_units: the run's first block (order.py); 0: none
     drop_over: int | None = None  # context policy 'drop': documents longer than this are skipped
     # cursor of the next piece to plan
     epoch: int = 0
@@ -101,12 +102,8 @@ class SourceStream:
     loads: LoadRequests = field(init=False)  # the loading look-ahead (lookahead.py)
 
     def __post_init__(self) -> None:
-        self.ordering = SourceOrder(self.name, self.seed, self.n_units, self.block_units)
+        self.ordering = SourceOrder(self.name, self.seed, self.n_units, self.block_units, self.warmup_units)
         self.loads = LoadRequests(self.n_units, self.evict_after)
-
-    @property
-    def n_blocks(self) -> int:
-        return self.ordering.n_blocks
 
     # ---- cursor -------------------------------------------------------------------------------
     def cursor(self) -> tuple:
@@ -156,7 +153,7 @@ class SourceStream:
         self.doc = 0
         self.tok = 0
         self.pos += 1
-        if self.pos >= self.n_blocks:
+        if self.pos >= self.ordering.n_blocks_of(self.epoch):
             if self.epoch_tokens == 0:
                 raise SourceError(f"source {self.name!r} is empty: a whole pass over its files found no tokens")
             self.epoch += 1
@@ -254,9 +251,9 @@ class SourceStream:
         if self.split:
             te, tp = self.trailing()[:2]
             le, lp = self.leading()[:2]
-            far = (te * self.n_blocks + tp) + max(self.evict_after, self.loads.keep_units)
+            far = (te * self.ordering.n_blocks + tp) + max(self.evict_after, self.loads.keep_units)
             for e, b in self.lengths:
-                if (e, b) < (le, lp) and e * self.n_blocks + b > far:
+                if (e, b) < (le, lp) and e * self.ordering.n_blocks + b > far:
                     done.append((e, b))
         out = []
         for key in done:

@@ -16,13 +16,15 @@ from ...plan import CostModel
 from ...plan.schedule import Context
 from ..cost_model import doc_costs
 from .loss_targets import LossTargets
+from .order import SourceOrder
 from .stream import SourceStream
 
 
 class StreamSet:
-    def __init__(self, seed: int, piece_tokens: int, evict_after: int, shuffle_units: int = 1):
+    def __init__(self, seed: int, piece_tokens: int, evict_after: int, shuffle_units: int = 1, warmup_units: int = 0):
         self.seed, self.piece_tokens, self.evict_after = seed, piece_tokens, evict_after
         self.shuffle_units = shuffle_units  # loading.shuffle_units: units per shuffle block (order.py)
+        self.warmup_units = warmup_units  # loading.shuffle_warmup_units: the run's first blocks (order.py)
         self.streams: list[SourceStream] = []
         self.names: list[str] = []
         self.dropped = np.zeros((0, 2), dtype=np.int64)  # documents, tokens skipped by a drop policy, per source
@@ -40,6 +42,7 @@ class StreamSet:
             piece_tokens=self.piece_tokens,
             evict_after=self.evict_after,
             block_units=self.shuffle_units,
+            warmup_units=self.warmup_units,
         )
         self.streams.append(s)
         self.names.append(name)
@@ -197,12 +200,15 @@ class StreamSet:
             "cursors": [list(s.cursor()) for s in self.streams],
             "dropped": P.to_bytes(self.dropped),
             "shuffle_units": self.shuffle_units,
+            "shuffle_warmup_units": self.warmup_units,
         }
 
     def set_state(self, state: dict) -> None:
         """Cursors and drop counters of a snapshot (whose run may have had fewer sources then).
         The snapshot's documents were ordered in shuffle blocks of its ``shuffle_units`` (1 in a
-        snapshot that does not say): another setting would make its cursors point elsewhere."""
+        snapshot that does not say): another setting would make its cursors point elsewhere. Its
+        warm-up (``shuffle_warmup_units``; none in a snapshot that does not say) is kept whatever the
+        plan says now: it shaped the run's first epoch, which the cursors point into."""
         recorded = int(state.get("shuffle_units", 1))
         if recorded != self.shuffle_units:
             raise PlanError(
@@ -210,6 +216,12 @@ class StreamSet:
                 f"units, the plan says {self.shuffle_units}: the order (and what was delivered) depends on it; "
                 f"resume with shuffle_units: {recorded}, or start a new run"
             )
+        warmup = int(state.get("shuffle_warmup_units", 0))  # a run keeps the warm-up it started with (0: none)
+        if warmup != self.warmup_units:
+            self.warmup_units = warmup
+            for s in self.streams:
+                s.warmup_units = warmup
+                s.ordering = SourceOrder(s.name, s.seed, s.n_units, s.block_units, warmup)
         for s, cur in zip(self.streams, state["cursors"]):
             s.restore(tuple(cur))
             s.loads.restart(*s.ordering.first_unit_position(s.epoch, s.pos))
