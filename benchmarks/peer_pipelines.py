@@ -2,9 +2,11 @@
 
 ``benchmarks/peers.py`` runs each of these in dp trainer processes on one generated corpus. A
 peer is a :class:`Peer`: ``missing()`` (why it cannot run here, or None), ``prepare()`` (its
-own conversion of the corpus, timed apart from loading), ``loader()`` (one rank's iterable and
-the object whose ``state_dict()``/``load_state_dict()`` it resumes from) and ``record()`` (what
-a batch holds: per piece its source, an identity and its tokens, and the batch's capacity).
+own conversion of the corpus, timed apart from loading), ``serve()`` (a process the peer runs
+beside the trainers, if it has one: Ray Data's driver and cluster), ``loader()`` (one rank's
+iterable and the object whose ``state_dict()``/``load_state_dict()`` it resumes from, or None
+for a peer that cannot resume: ``resumable``) and ``record()`` (what a batch holds: per piece its
+source, an identity and its tokens, and the batch's capacity).
 
 The peers are not in the base install: ``benchmarks/install_peers.sh`` makes ``.venv-peers``
 with all of them (MosaicML Streaming and litdata without torchvision, whose PyPI wheel is built
@@ -14,9 +16,14 @@ imports it, is stubbed; its text path does not use it).
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -71,12 +78,19 @@ def _concat_record(batch) -> tuple[list, list, list, int]:
 class Peer:
     name = ""
     doc = ""  # the documentation the composition follows
+    resumable = True
+    not_resumable = ""  # why not, where it is not
 
     def missing(self) -> str | None:
         return None
 
     def prepare(self, root: str, files: dict, cfg: dict) -> dict:
         return {}
+
+    def serve(self, cfg: dict, dp: int) -> tuple[subprocess.Popen | None, dict]:
+        """A process the peer runs beside the trainers (its memory counts), and what its trainers
+        need to reach it."""
+        return None, {}
 
     def loader(self, cfg: dict, rank: int, dp: int):
         raise NotImplementedError
@@ -325,4 +339,145 @@ def _lit_samples(item):
         yield {"tokens": toks, "source": source, "ids": ids, "lens": lens}
 
 
-PEERS = {p.name: p for p in (TorchData(), Mosaic(), LitData())}
+# ---- Ray Data -----------------------------------------------------------------------------------
+class RayData(Peer):
+    """Ray Data 2.60 as Ray Train feeds trainers: per source ``read_parquet(shuffle="files")`` and
+    ``map_batches`` tokenizing and packing each batch's documents first fit into micro-batches (a
+    document longer than one cut; a batch's last bins padded: a stateless map keeps no carry), the
+    sources ``mix``ed by weight (``STOP_ON_SHORTEST``: the weights hold for a whole pass; rows are
+    micro-batches), ``streaming_split(dp, equal=True)`` in a driver process that owns the Ray
+    cluster (as Ray Train's trainer does), each rank iterating its split (``iter_batches``). The
+    cluster listens on loopback only, with a token. Ray Data iterators keep no state: a rank that
+    stopped cannot resume where it stopped (Ray Train restarts the epoch)."""
+
+    name = "ray_data"
+    doc = (
+        "https://docs.ray.io/en/latest/train/user-guides/data-loading-preprocessing.html (streaming_split); "
+        "https://docs.ray.io/en/latest/data/api/doc/ray.data.Dataset.mix.html"
+    )
+    resumable = False
+    not_resumable = "Ray Data iterators keep no state to resume from (Ray Train restarts the epoch)"
+
+    def missing(self):
+        return _importable("ray.data")
+
+    def serve(self, cfg, dp):
+        env = _ray_env(secrets.token_hex(16))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.peer_pipelines", "ray-driver"],
+            cwd=root,
+            env={**os.environ, **env},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        proc.stdin.write(json.dumps({k: cfg[k] for k in ("files", "weights", "tokens", "seed")} | {"dp": dp}))
+        proc.stdin.close()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the Ray Data driver exited with {proc.wait()}")
+        return proc, {**json.loads(line), "ray_env": env}
+
+    def loader(self, cfg, rank, dp):
+        os.environ.update(cfg["ray_env"])
+        import ray
+        import ray.cloudpickle
+
+        ray.init(address=cfg["ray_address"], log_to_driver=False, logging_level="ERROR")
+        with open(cfg["ray_splits"], "rb") as f:
+            split = ray.cloudpickle.load(f)[rank]
+
+        class Epochs:  # each iteration a pass over the mix, as a training loop's epochs
+            def __iter__(self):
+                return iter(split.iter_batches(batch_size=1, batch_format="numpy"))
+
+        return Epochs(), None
+
+    def record(self, batch):
+        ids, lens = np.asarray(batch["ids"][0]).tolist(), np.asarray(batch["lens"][0]).tolist()
+        return [int(batch["source"][0])] * len(ids), ids, lens, int(batch["capacity"][0])
+
+
+def _ray_env(token: str) -> dict:
+    """A Ray cluster on loopback only (its default binds the host's address), token-authenticated."""
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+
+def _ray_pack(batch, source: int, capacity: int):
+    """``map_batches`` fn: a batch's documents byte-tokenized and packed first fit into bins of
+    ``capacity`` tokens (a longer document cut into whole bins first); every bin, padded."""
+    import pyarrow as pa
+
+    from overlord_dask.sources.tokenizers import BYTE_OFFSET, EOS_ID
+
+    bins: list[list] = []  # [used, [ids], [lens], [token arrays]]
+    for doc_id, text in zip(batch["id"].to_pylist(), batch["text"].to_pylist()):
+        t = np.append(np.frombuffer(text.encode(), np.uint8).astype(np.int32) + BYTE_OFFSET, EOS_ID)
+        while len(t):
+            take = t[:capacity]
+            t = t[capacity:]
+            home = next((b for b in bins if b[0] + len(take) <= capacity), None)
+            if home is None:
+                home = [0, [], [], []]
+                bins.append(home)
+            home[0] += len(take)
+            home[1].append(int(doc_id))
+            home[2].append(len(take))
+            home[3].append(take)
+    tokens = [np.pad(np.concatenate(b[3]), (0, capacity - b[0])) for b in bins]
+    return pa.table(
+        {
+            "tokens": pa.array(tokens, pa.list_(pa.int32())),
+            "ids": pa.array([b[1] for b in bins], pa.list_(pa.int64())),
+            "lens": pa.array([b[2] for b in bins], pa.list_(pa.int64())),
+            "source": pa.array([source] * len(bins), pa.int64()),
+            "capacity": pa.array([capacity] * len(bins), pa.int64()),
+        }
+    )
+
+
+def ray_driver() -> None:
+    """The Ray Data driver (``python -m benchmarks.peer_pipelines ray-driver``, its settings as
+    JSON on stdin): starts the cluster, builds the mix and its splits, writes them for the
+    trainers, prints the address, then holds the cluster until it is stopped."""
+    import tempfile
+
+    import ray
+    import ray.cloudpickle
+    from ray.data import MixStoppingCondition
+
+    cfg = json.loads(sys.stdin.read())
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+
+    def stop(*_):  # the cluster's processes go with the driver (a plain exit would orphan them)
+        ray.shutdown()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    names = sorted(cfg["files"])
+    parts = [
+        ray.data.read_parquet(cfg["files"][n], columns=["id", "text"], shuffle="files").map_batches(
+            _ray_pack, fn_kwargs={"source": i, "capacity": cfg["tokens"]}, batch_format="pyarrow"
+        )
+        for i, n in enumerate(names)
+    ]
+    mixed = parts[0].mix(
+        *parts[1:],
+        weights=[cfg["weights"][n] for n in names],
+        stopping_condition=MixStoppingCondition.STOP_ON_SHORTEST,
+    )
+    splits = mixed.streaming_split(cfg["dp"], equal=True)
+    path = os.path.join(tempfile.mkdtemp(prefix="ray-splits-"), "splits.pkl")
+    with open(path, "wb") as f:
+        ray.cloudpickle.dump(splits, f)
+    print(json.dumps({"ray_address": ray.get_runtime_context().gcs_address, "ray_splits": path}), flush=True)
+    while True:
+        time.sleep(3600)
+
+
+PEERS = {p.name: p for p in (TorchData(), Mosaic(), LitData(), RayData())}
+
+if __name__ == "__main__" and sys.argv[1:] == ["ray-driver"]:
+    ray_driver()

@@ -14,6 +14,8 @@ its documentation shows, at its defaults, the doc named there):
 
 - **torchdata** ``nodes``; **mosaic_streaming** (LLM Foundry's pre-concatenated MDS samples,
   ``Stream`` proportions); **litdata** (``optimize`` + ``CombinedStreamingDataset`` weights);
+  **ray_data** (``read_parquet`` → ``map_batches`` packing → ``mix`` → ``streaming_split``, its
+  driver and cluster in a process beside the trainers, as Ray Train runs them);
 - **ours**: ``overlord serve`` (2 worker processes) and ``OverlordDataset``, iterated directly;
   **ours_in_process**: ``overlord serve --in-process``, its loaders threads of its one process.
   Both with ``balance.packing: cut`` (``--packing``).
@@ -23,7 +25,8 @@ A peer that cannot run here (not installed) gets a row saying so, never a number
 Figures per system: delivered tokens/s (all ranks, documents' tokens, padding excluded, after
 the warm-up); fill (documents' tokens over the micro-batches' capacity); ``prepare_s`` (a peer's
 own conversion of the corpus, before any loading); the mean time to a rank's first batch (its
-process started, torch imported; for ours the service's own start is ``service_start_s``);
+process started, torch imported; the start of what runs beside the trainers, ours' service or Ray
+Data's driver and cluster, is ``service_start_s``);
 trainer wait share and p99 after ``--warmup`` steps; the loading path's memory (PSS of every
 process minus as many bare trainers, as in ``benchmarks/memory.py``); the mix error (largest gap
 between a source's token share and its weight over any ``--window`` consecutive steps, all
@@ -32,7 +35,7 @@ the same file (1/16 for a perfect shuffle of 16 equal files) and the distinct fi
 consecutive documents (16 at best); and resume exactness: every rank stops at step
 ``--kill-at``, saves ``state_dict()``, its process exits, a new process loads the state and runs
 to the end; the (source, document) stream of every rank and step must equal an uninterrupted
-run's.
+run's (a peer that keeps no state to resume from says so: ``resume_not_supported``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from benchmarks.peer_pipelines import PEERS  # noqa: E402
 
 OURS = ("ours", "ours_in_process")
 FILES, DOCS_PER_FILE = 16, 250
+STALL_S = 600  # a run's trainers must finish within this after the last rank did (a hung loader fails it)
 KINDS = ("web", "chat", "books")
 
 
@@ -95,7 +99,7 @@ def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, 
         torch.distributed.init_process_group("gloo", rank=rank, world_size=dp)
         peer = PEERS[system]
         loader, holder = peer.loader(cfg, rank, dp)
-        if state is not None:
+        if state is not None and holder is not None:
             holder.load_state_dict(state)
         record = peer.record
     it = iter(loader)
@@ -115,7 +119,7 @@ def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, 
         time.sleep(cfg["compute_s"])
         ends.append(time.perf_counter())
     wall = time.perf_counter() - t_start
-    saved = holder.state_dict()
+    saved = holder.state_dict() if holder is not None else None
     first_s = ends[0] - t_start - cfg["compute_s"]
     # pickled here: the state holds tensors, which a queue would share by file descriptor (gone with this process)
     out.put(
@@ -133,9 +137,13 @@ def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, 
         torch.distributed.destroy_process_group()
 
 
-def _check_alive(system: str, ps: list) -> None:
+def _check_alive(system: str, ps: list, deadline: float) -> None:
+    """A trainer that died, or trainers that stalled (no rank got further for ``STALL_S``), end
+    the run with an error instead of a benchmark that never returns."""
     if any(p.exitcode not in (None, 0) for p in ps):
         raise RuntimeError(f"a {system} trainer died: exit codes {[p.exitcode for p in ps]}") from None
+    if time.monotonic() > deadline:
+        raise RuntimeError(f"the {system} trainers stalled: no rank finished within {STALL_S} s")
 
 
 def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, extra_pids=(), sample=True) -> dict:
@@ -151,23 +159,30 @@ def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, ex
     for p in ps:
         p.start()
     pids = []
-    while len(pids) < dp:
-        try:
-            pids.append(ready.get(timeout=5))
-        except queue.Empty:
-            _check_alive(system, ps)
-    samples = []
-    res: dict = {}
-    while len(res) < dp:
-        if sample:
-            samples.append(_pss(pids + list(extra_pids)))
-        try:
-            r, v = out.get(timeout=0.5)
-            res[r] = pickle.loads(v)
-        except queue.Empty:
-            _check_alive(system, ps)
-        if system == "bare" and len(samples) >= 4:
-            break
+    deadline = time.monotonic() + STALL_S
+    try:
+        while len(pids) < dp:
+            try:
+                pids.append(ready.get(timeout=5))
+            except queue.Empty:
+                _check_alive(system, ps, deadline)
+        samples = []
+        res: dict = {}
+        while len(res) < dp:
+            if sample:
+                samples.append(_pss(pids + list(extra_pids)))
+            try:
+                r, v = out.get(timeout=0.5)
+                res[r] = pickle.loads(v)
+                deadline = time.monotonic() + STALL_S
+            except queue.Empty:
+                _check_alive(system, ps, deadline)
+            if system == "bare" and len(samples) >= 4:
+                break
+    except RuntimeError:
+        for p in ps:
+            p.kill()
+        raise
     stop.set()
     for p in ps:
         p.join(timeout=60)
@@ -236,11 +251,13 @@ def _figures(system: str, full: dict, bare_mb: float, weights: np.ndarray, warmu
 
 def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weights: np.ndarray, serve=None) -> dict:
     def started():
-        if system not in OURS:
-            return None, cfg
         t0 = time.perf_counter()
-        proc, address = serve(system == "ours_in_process")
-        return proc, {**cfg, "address": address, "service_start_s": time.perf_counter() - t0}
+        if system in OURS:
+            proc, address = serve(system == "ours_in_process")
+            extra = {"address": address}
+        else:
+            proc, extra = PEERS[system].serve(cfg, dp)
+        return proc, {**cfg, **extra, "service_start_s": time.perf_counter() - t0}
 
     proc, c = started()
     try:
@@ -248,6 +265,13 @@ def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weight
     finally:
         if proc:
             _stop(proc)
+    figures = {
+        **_figures(system, full, bare_mb, weights, args.warmup, args.window),
+        "prepare_s": round(cfg.get("prepare_s", {}).get(system, 0.0), 2),
+        "service_start_s": round(c["service_start_s"], 2),
+    }
+    if system not in OURS and not PEERS[system].resumable:
+        return {**figures, "resume_identical": None, "resume_not_supported": PEERS[system].not_resumable}
     proc, c2 = started()
     try:
         head = _run(system, dp, c2, 0, args.kill_at, sample=False)
@@ -258,13 +282,7 @@ def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weight
     resumed = [h + t for h, t in zip(_stream(head["ranks"]), _stream(tail["ranks"]))]
     reference = _stream(full["ranks"])
     mismatched = sum(a != b for ra, rb in zip(reference, resumed) for a, b in zip(ra, rb))
-    return {
-        **_figures(system, full, bare_mb, weights, args.warmup, args.window),
-        "prepare_s": round(cfg.get("prepare_s", {}).get(system, 0.0), 2),
-        "service_start_s": round(c.get("service_start_s", 0.0), 2),
-        "resume_identical": mismatched == 0,
-        "resume_steps_differing": mismatched,
-    }
+    return {**figures, "resume_identical": mismatched == 0, "resume_steps_differing": mismatched}
 
 
 def generate_corpus(root: str, n_sources: int) -> list[str]:
