@@ -5,15 +5,18 @@
 
 One corpus (``--mb`` MB of text, ``overlord_dask/testing/format_corpus.py``) written as parquet, jsonl.zst
 (frames of 1 MB), an HF ``save_to_disk`` Arrow folder, webdataset shards and Megatron ``.bin/.idx``
-(pre-tokenized with the byte tokenizer the others are tokenized with on the fly). Per format:
+(pre-tokenized with the byte tokenizer the others are tokenized with on the fly), and the Arrow
+folder again on an S3-compatible server on loopback (``arrow.s3``: moto, started by the benchmark;
+what a first batch costs when files are fetched by ranged requests). Per format:
 
-- ``index_s``: indexing the source (what every service start pays: ``discover_units``);
+- ``index_s``: indexing the source (what every service start pays: ``discover_units``; for
+  ``arrow.s3`` the first indexing, whose walk of the message headers later starts find cached);
 - ``first_batch_s``: from ``Service.start`` (2 worker processes) to the first batch at a rank;
 - ``tokens_per_s``: documents' tokens delivered by the service to ``--dp`` ranks (threads that
   only take batches), over ``--tokens`` tokens after the first batch;
 - ``peer_tokens_per_s``: the format's usual reader in the same run, one process, producing the same
   documents' byte-tokenized ids over the same number of tokens: HF ``datasets`` streaming for
-  parquet, jsonl and Arrow (``load_dataset(..., streaming=True)``), the ``webdataset`` library's
+  parquet, jsonl and Arrow, local or on S3 (``load_dataset(..., streaming=True)``), the ``webdataset`` library's
   ``WebDataset`` for the shards, a plain memory-mapped read of ``.bin`` by the ``.idx`` for Megatron.
 
 The peers hand out documents; the service hands out packed, balanced, resumable batches on several
@@ -38,11 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.output import emit_rows  # noqa: E402
 from overlord_dask.testing.format_corpus import make_records, source_for, write  # noqa: E402
 
-FORMATS = ("parquet", "jsonl.zst", "arrow", "webdataset", "megatron")
+FORMATS = ("parquet", "jsonl.zst", "arrow", "arrow.s3", "webdataset", "megatron")
 WORDS_PER_DOC = 80  # about 450 bytes of text per record (lognormal lengths)
 
 
-def _plan(root: Path, fmt: str, url: str, dp: int, tokens_per_mb: int):
+def _plan(root: Path, fmt: str, url: str, dp: int, tokens_per_mb: int, **source):
     from overlord_dask.plan import plan_from_dict
 
     return plan_from_dict(
@@ -50,7 +53,7 @@ def _plan(root: Path, fmt: str, url: str, dp: int, tokens_per_mb: int):
             "name": f"formats-{fmt.replace('.', '-')}",
             "base_dir": str(root),
             "seed": 1,
-            "sources": [source_for(fmt, url)],
+            "sources": [source_for(fmt.removesuffix(".s3"), url, **source)],
             "topology": {"dp": dp, "micro_batches": 2, "tokens_per_micro_batch": tokens_per_mb},
             "loading": {"prefetch_steps": 8},
         },
@@ -119,7 +122,7 @@ def _stream_texts(texts, tokens: int, batch: int = 1000) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _peer(root: Path, fmt: str, url: str, tokens: int) -> tuple[str, float]:
+def _peer(root: Path, fmt: str, url: str, tokens: int, options: dict | None = None) -> tuple[str, float]:
     if fmt in ("parquet", "jsonl.zst"):
         import datasets
 
@@ -135,6 +138,14 @@ def _peer(root: Path, fmt: str, url: str, tokens: int) -> tuple[str, float]:
         files = sorted(str(p) for p in (root / url).glob("*.arrow"))
         ds = datasets.load_dataset("arrow", data_files=files, split="train", streaming=True)
         return "datasets streaming", _stream_texts((r["text"] for r in ds), tokens)
+    if fmt == "arrow.s3":
+        import datasets
+        import fsspec
+
+        fs = fsspec.filesystem("s3", **options)
+        files = sorted(f"s3://{p}" for p in fs.glob(f"{url}/*.arrow"))
+        ds = datasets.load_dataset("arrow", data_files=files, split="train", streaming=True, storage_options=options)
+        return "datasets streaming (S3)", _stream_texts((r["text"] for r in ds), tokens)
     if fmt == "webdataset":
         import webdataset as wds
 
@@ -163,6 +174,22 @@ def _megatron_mmap(folder: Path, tokens: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def _on_s3(root: Path, url: str, state: dict) -> tuple[str, dict]:
+    """The local folder ``url`` copied to a moto S3 server on loopback (started once per run)."""
+    import fsspec
+
+    from overlord_dask.testing.object_store import create_bucket, start_moto, storage_options
+
+    if "proc" not in state:
+        state["proc"], endpoint = start_moto()
+        create_bucket(endpoint, "formats")
+        state["options"] = storage_options(endpoint)
+    fs = fsspec.filesystem("s3", **state["options"])
+    folder = url.split("/")[0]
+    fs.put(str(root / folder), f"formats/{folder}", recursive=True)
+    return f"s3://formats/{url}", state["options"]
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
@@ -181,16 +208,20 @@ def main(argv=None) -> dict:
         n = max(100, int(args.mb * 1e6 / (WORDS_PER_DOC * 5.6)))
         records = make_records(n, seed=1, mean_words=WORDS_PER_DOC)
         text_mb = sum(len(r["text"].encode()) for r in records) / 1e6
-        rows = []
+        rows, s3 = [], {}
         for fmt in args.formats.split(","):
             tw = time.perf_counter()
-            url = write(root, records, fmt, files=args.files)
+            url = write(root, records, fmt.removesuffix(".s3"), files=args.files)
+            size = sum(p.stat().st_size for p in (root / url.split("/")[0]).rglob("*") if p.is_file())
+            source, options = {}, None
+            if fmt.endswith(".s3"):
+                url, options = _on_s3(root, url, s3)
+                source = {"storage_options": options}
             write_s = time.perf_counter() - tw
-            plan = _plan(root, fmt, url, args.dp, args.tokens_per_mb)
+            plan = _plan(root, fmt, url, args.dp, args.tokens_per_mb, **source)
             index_s, units = _index_s(plan)
             first_s, tps = _service(plan, args.dp, args.tokens)
-            peer, peer_tps = _peer(root, fmt, url, args.tokens)
-            size = sum(p.stat().st_size for p in (root / url.split("/")[0]).rglob("*") if p.is_file())
+            peer, peer_tps = _peer(root, fmt, url, args.tokens, options)
             rows.append(
                 {
                     "format": fmt,
@@ -220,6 +251,8 @@ def main(argv=None) -> dict:
             },
         }
     finally:
+        if "proc" in s3:
+            s3["proc"].terminate()
         if args.data is None:
             shutil.rmtree(root, ignore_errors=True)
     emit_rows(

@@ -420,7 +420,7 @@ def test_formats_benchmark_runs(tmp_path):
     out, stdout = run_benchmark(
         "formats", ["--mb", "1", "--files", "2", "--tokens", "200000", "--data", str(tmp_path), "--json"]
     )
-    assert set(out["formats"]) == {"parquet", "jsonl.zst", "arrow", "webdataset", "megatron"}
+    assert set(out["formats"]) == {"parquet", "jsonl.zst", "arrow", "arrow.s3", "webdataset", "megatron"}
     for fmt, figures in out["formats"].items():
         assert set(figures) == {"index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s"}, fmt
         assert all(v > 0 for v in figures.values()), (fmt, figures)
