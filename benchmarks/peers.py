@@ -75,6 +75,7 @@ def _free_port() -> int:
 # ---- trainer processes -----------------------------------------------------------------------
 def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, state, ready, stop, out) -> None:
     """Steps [first, last) of one rank: per step the wait, the documents (source, id, tokens)."""
+    os.dup2(2, 1)  # a peer's messages (Ray's cluster warnings) go to stderr, never into the JSON on stdout
     import torch
 
     mp.set_start_method(cfg["worker_start"], force=True)  # its DataLoader workers, as under torchrun
