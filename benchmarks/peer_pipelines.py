@@ -477,7 +477,157 @@ def ray_driver() -> None:
         time.sleep(3600)
 
 
-PEERS = {p.name: p for p in (TorchData(), Mosaic(), LitData(), RayData())}
+# ---- Megatron-Energon ----------------------------------------------------------------------------
+class Energon(Peer):
+    """Megatron-Energon 7.4 as its documentation composes a blended, packed pretraining stream:
+    each source written as webdataset shards (a sample per document, its text as ``txt``) and
+    indexed with ``energon prepare`` (``TextSample``), a ``MetadatasetV2`` blending them by
+    weight (each source a subflavor), ``get_train_dataset`` (``batch_size=1``, its example's
+    ``shuffle_buffer_size=100``, ``max_samples_per_sequence=100``) with a task encoder that
+    tokenizes and packs first fit (``select_samples_to_pack`` / ``pack_selected_samples`` over a
+    ``packing_buffer_size`` of 64 pieces; a document longer than a micro-batch cut into pieces
+    first), ``get_savable_loader`` with 2 workers (``save_state_rank`` / ``restore_state_rank``)."""
+
+    name = "energon"
+    doc = "https://nvidia.github.io/Megatron-Energon/ (metadatasets: blend; packing; save/restore)"
+
+    def missing(self):
+        return _importable("megatron.energon", "webdataset")
+
+    def prepare(self, root, files, cfg):
+        import pyarrow.parquet as pq
+        import webdataset as wds
+
+        base = os.path.join(root, "energon")
+        shutil.rmtree(base, ignore_errors=True)  # converted anew: its time is part of the figures
+        exe = os.path.join(os.path.dirname(sys.executable), "energon")
+        blend = []
+        for i, name in enumerate(sorted(files)):
+            out = os.path.join(base, name)
+            os.makedirs(out)
+            for k, path in enumerate(files[name]):
+                t = pq.read_table(path, columns=["id", "text"])
+                with wds.TarWriter(os.path.join(out, f"shard-{k:03d}.tar")) as w:
+                    for doc_id, text in zip(t.column(0).to_pylist(), t.column(1).to_pylist()):
+                        w.write({"__key__": f"{doc_id:08d}", "txt": text})
+            shards = f"shard-{{000..{len(files[name]) - 1:03d}}}.tar"
+            subprocess.run(
+                [exe, "prepare", out, "--split-parts", f"train:{shards}", "--non-interactive", "--no-progress"]
+                + ["--sample-type", "TextSample", "--field-map", json.dumps({"text": "txt"})],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            blend.append(
+                f"      - weight: {cfg['weights'][name]}\n        path: {name}\n        subflavors: {{source: {i}}}"
+            )
+        mix = os.path.join(base, "mix.yaml")
+        with open(mix, "w") as f:
+            f.write("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n")
+            f.write("\n".join(blend) + "\n")
+        return {"energon": mix}
+
+    def loader(self, cfg, rank, dp):
+        from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+        worker_config = WorkerConfig(rank=rank, world_size=dp, num_workers=2)
+        ds = get_train_dataset(
+            cfg["energon"],
+            batch_size=1,
+            shuffle_buffer_size=100,
+            max_samples_per_sequence=100,
+            worker_config=worker_config,
+            task_encoder=_energon_packer(cfg["tokens"]),
+            packing_buffer_size=64,
+        )
+        loader = get_savable_loader(ds)
+        return loader, _EnergonState(loader)
+
+    def record(self, batch):
+        return batch["sources"], batch["ids"], batch["lens"], batch["capacity"]
+
+
+class _EnergonState:
+    """``state_dict()`` / ``load_state_dict()`` over Energon's ``save_state_rank`` / ``restore_state_rank``."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def state_dict(self):
+        return self.loader.save_state_rank()
+
+    def load_state_dict(self, state) -> None:
+        self.loader.restore_state_rank(state)
+
+
+def _energon_packer(capacity: int):
+    """Energon's task encoder that byte-tokenizes ``TextSample`` s and packs them first fit."""
+    from megatron.energon import Sample, TaskEncoder
+    from megatron.energon.edataclass import edataclass
+    from megatron.energon.task_encoder.base import stateless
+
+    from overlord_dask.sources.tokenizers import BYTE_OFFSET, EOS_ID
+
+    @edataclass
+    class Piece(Sample):  # an Energon sample: its restore key lets a saved packing buffer be rebuilt
+        tokens: np.ndarray
+        sources: list
+        ids: list
+        lens: list
+
+    class Packer(TaskEncoder):
+        @stateless
+        def preencode_sample(self, sample):
+            t = np.append(np.frombuffer(sample.text.encode(), np.uint8).astype(np.int32) + BYTE_OFFSET, EOS_ID)
+            doc, src = int(sample.__key__.rsplit("/", 1)[-1]), int(sample.__subflavors__["source"])
+            for a in range(0, len(t), capacity):
+                piece = t[a : a + capacity]
+                yield Piece.derive_from(sample, tokens=piece, sources=[src], ids=[doc], lens=[len(piece)])
+
+        def select_samples_to_pack(self, samples):
+            bins, used = [], []
+            for s in samples:
+                n = len(s.tokens)
+                home = next((i for i, u in enumerate(used) if u + n <= capacity), None)
+                if home is None:
+                    bins.append([s])
+                    used.append(n)
+                else:
+                    bins[home].append(s)
+                    used[home] += n
+            return bins
+
+        @stateless
+        def pack_selected_samples(self, samples):
+            return Piece.derive_from(
+                samples[0],
+                tokens=np.concatenate([s.tokens for s in samples]),
+                sources=[x for s in samples for x in s.sources],
+                ids=[x for s in samples for x in s.ids],
+                lens=[x for s in samples for x in s.lens],
+            )
+
+        def postencode_sample(self, sample):
+            return sample
+
+        def batch(self, samples):
+            return samples[0]
+
+        def encode_batch(self, piece):
+            import torch
+
+            tokens = torch.from_numpy(np.pad(piece.tokens, (0, capacity - len(piece.tokens))))
+            return {
+                "tokens": tokens,
+                "sources": piece.sources,
+                "ids": piece.ids,
+                "lens": piece.lens,
+                "capacity": capacity,
+            }
+
+    return Packer()
+
+
+PEERS = {p.name: p for p in (TorchData(), Mosaic(), LitData(), RayData(), Energon())}
 
 if __name__ == "__main__" and sys.argv[1:] == ["ray-driver"]:
     ray_driver()

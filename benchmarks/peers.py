@@ -15,7 +15,9 @@ its documentation shows, at its defaults, the doc named there):
 - **torchdata** ``nodes``; **mosaic_streaming** (LLM Foundry's pre-concatenated MDS samples,
   ``Stream`` proportions); **litdata** (``optimize`` + ``CombinedStreamingDataset`` weights);
   **ray_data** (``read_parquet`` → ``map_batches`` packing → ``mix`` → ``streaming_split``, its
-  driver and cluster in a process beside the trainers, as Ray Train runs them);
+  driver and cluster in a process beside the trainers, as Ray Train runs them); **energon**
+  (webdataset shards prepared with ``energon prepare``, a blended metadataset, a packing task
+  encoder, its savable loader);
 - **ours**: ``overlord serve`` (2 worker processes) and ``OverlordDataset``, iterated directly;
   **ours_in_process**: ``overlord serve --in-process``, its loaders threads of its one process.
   Both with ``balance.packing: cut`` (``--packing``).

@@ -335,24 +335,25 @@ PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
 
 def test_every_peer_runs_where_the_peer_environment_is_installed(tmp_path):
-    """MosaicML Streaming, litdata and Ray Data (``benchmarks/install_peers.sh`` makes
-    ``.venv-peers``; not part of the project's install, so this runs where it was made, and is
-    skipped elsewhere): each converts the corpus as its recipe does and streams it; Streaming and
-    litdata resume exactly, Ray Data says it cannot."""
+    """MosaicML Streaming, litdata, Ray Data and Megatron-Energon (``benchmarks/install_peers.sh``
+    makes ``.venv-peers``; not part of the project's install, so this runs where it was made, and
+    is skipped elsewhere): each converts the corpus as its recipe does and streams it; Streaming,
+    litdata and Energon resume exactly, Ray Data says it cannot."""
     if not PEERS_PYTHON.exists():
         pytest.skip("the peers' environment is not installed here: benchmarks/install_peers.sh")
-    systems = ["--systems", "mosaic_streaming", "litdata", "ray_data", "ours"]
+    systems = ["--systems", "mosaic_streaming", "litdata", "ray_data", "energon", "ours"]
     out, _ = run_benchmark(
         "peers",
         [*PEER_ARGS, "--compute-ms", "10", *systems, "--data", str(tmp_path), "--json"],
         timeout=900,
         python=str(PEERS_PYTHON),
     )
-    rows = _check_peer_rows(out, {"mosaic_streaming", "litdata", "ray_data", "ours"})
+    rows = _check_peer_rows(out, {"mosaic_streaming", "litdata", "ray_data", "energon", "ours"})
     assert rows["ray_data"]["resume_identical"] is None and "keep no state" in rows["ray_data"]["resume_not_supported"]
     assert rows["ray_data"]["fill"] < 1.0 and rows["ray_data"]["service_start_s"] > 0  # padded bins; its cluster
-    for name in ("mosaic_streaming", "litdata", "ours"):
+    for name in ("mosaic_streaming", "litdata", "energon", "ours"):
         assert rows[name]["resume_identical"], name
+    assert rows["energon"]["prepare_s"] > 0  # its shards written and indexed with `energon prepare` first
     for name in ("mosaic_streaming", "litdata"):
         assert rows[name]["fill"] == 1.0 and rows[name]["prepare_s"] > 0  # pre-concatenated samples, converted first
     # a concatenated sample holds consecutive documents of one file; ours draws from every file
