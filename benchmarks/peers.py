@@ -30,7 +30,8 @@ own conversion of the corpus, before any loading); the mean time to a rank's fir
 process started, torch imported; the start of what runs beside the trainers, ours' service or Ray
 Data's driver and cluster, is ``service_start_s``);
 trainer wait share and p99 after ``--warmup`` steps; the loading path's memory (PSS of every
-process minus as many bare trainers, as in ``benchmarks/memory.py``); the mix error (largest gap
+process minus as many bare trainers, as in ``benchmarks/memory.py``), also at the dp of
+``--memory-dp`` (a ``--memory-steps`` run each: ``memory_by_dp``); the mix error (largest gap
 between a source's token share and its weight over any ``--window`` consecutive steps, all
 ranks); shuffle quality per rank and source: the share of consecutive documents that come from
 the same file (1/16 for a perfect shuffle of 16 equal files) and the distinct files among 256
@@ -252,15 +253,34 @@ def _figures(system: str, full: dict, bare_mb: float, weights: np.ndarray, warmu
     }
 
 
+def _started(system: str, dp: int, cfg: dict, serve) -> tuple:
+    """What runs beside ``dp`` trainers of ``system`` (ours' service, Ray Data's driver), started:
+    its process (or None) and the trainers' settings."""
+    t0 = time.perf_counter()
+    if system in OURS:
+        proc, address = serve(system == "ours_in_process", dp)
+        extra = {"address": address}
+    else:
+        proc, extra = PEERS[system].serve(cfg, dp)
+    return proc, {**cfg, **extra, "service_start_s": time.perf_counter() - t0}
+
+
+def memory_at(system: str, dp: int, cfg: dict, steps: int, bare_mb: float, serve) -> float:
+    """The loading path's memory (MB, PSS less ``dp`` bare trainers) with ``dp`` ranks taking
+    ``steps`` steps: the median of the samples after the first quarter."""
+    proc, c = _started(system, dp, cfg, serve)
+    try:
+        run = _run(system, dp, c, 0, steps, extra_pids=[proc.pid] if proc else ())
+    finally:
+        if proc:
+            _stop(proc)
+    samples = run["pss_mb"][len(run["pss_mb"]) // 4 :] or run["pss_mb"]
+    return round(float(np.median(samples)) - bare_mb, 1)
+
+
 def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weights: np.ndarray, serve=None) -> dict:
     def started():
-        t0 = time.perf_counter()
-        if system in OURS:
-            proc, address = serve(system == "ours_in_process")
-            extra = {"address": address}
-        else:
-            proc, extra = PEERS[system].serve(cfg, dp)
-        return proc, {**cfg, **extra, "service_start_s": time.perf_counter() - t0}
+        return _started(system, dp, cfg, serve)
 
     proc, c = started()
     try:
@@ -318,6 +338,8 @@ def main(argv=None) -> dict:
         help="how the trainers' DataLoader workers start (torchrun's trainers fork theirs)",
     )
     ap.add_argument("--data", default=None, help="folder for the generated sources (default: a temporary one)")
+    ap.add_argument("--memory-dp", type=int, nargs="*", default=[], help="also the memory at these dp (e.g. 8 32)")
+    ap.add_argument("--memory-steps", type=int, default=40, help="steps of each --memory-dp run")
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -349,11 +371,11 @@ def main(argv=None) -> dict:
         bare_mb = float(np.median(bare["pss_mb"]))
         balance = {"packing": args.packing}
 
-        def serve(in_process: bool):
+        def serve(in_process: bool, dp: int):
             return _serve(
                 root,
                 names,
-                args.dp,
+                dp,
                 args.tokens,
                 2,
                 weights=list(map(float, weights)),
@@ -366,6 +388,12 @@ def main(argv=None) -> dict:
             if any(s["system"] == system for s in skipped):
                 continue
             rows.append(measure_system(system, args.dp, cfg, args, bare_mb, weights, serve=serve))
+        memory = []  # the loading path's memory at other dp (--memory-dp), a short run each
+        for dp in args.memory_dp:
+            bare_dp = float(np.median(_run("bare", dp, cfg, 0, 1)["pss_mb"]))
+            for row in rows:
+                mb = memory_at(row["system"], dp, cfg, args.memory_steps, bare_dp, serve)
+                memory.append({"system": row["system"], "dp": dp, "memory_mb": mb})
     out = {
         "benchmark": "peers",
         "cores": os.cpu_count(),
@@ -380,6 +408,7 @@ def main(argv=None) -> dict:
         "packing": args.packing,
         "systems": args.systems,
         "rows": rows,
+        "memory_by_dp": memory,
         "not_supported": skipped,
     }
     emit_rows(

@@ -322,9 +322,24 @@ def test_peers_benchmark_runs(tmp_path):
     """The peers installed with the project (torchdata) next to ours, in worker processes and in
     one process; a peer that is not installed gets a row that says so and how, never a number."""
     out, stdout = run_benchmark(
-        "peers", [*PEER_ARGS, "--compute-ms", "20", "--data", str(tmp_path), "--json"], timeout=900
+        "peers",
+        [
+            *PEER_ARGS,
+            "--compute-ms",
+            "20",
+            "--memory-dp",
+            "3",
+            "--memory-steps",
+            "8",
+            "--data",
+            str(tmp_path),
+            "--json",
+        ],
+        timeout=900,
     )
     rows = _check_peer_rows(out, {"torchdata", "ours", "ours_in_process"})
+    by_dp = {(r["system"], r["dp"]): r["memory_mb"] for r in out["memory_by_dp"]}
+    assert set(by_dp) == {(name, 3) for name in rows} and all(mb > 0 for mb in by_dp.values()), by_dp
     assert rows["torchdata"]["fill"] < 1.0  # whole documents, first fit: padding
     for missing in out["not_supported"]:
         assert "benchmarks/install_peers.sh" in missing["not_supported"], missing
