@@ -183,8 +183,13 @@ def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, ex
                 _check_alive(system, ps, deadline)
             if system == "bare" and len(samples) >= 4:
                 break
-    except RuntimeError:
+    except RuntimeError:  # the trainers and their loader workers, none left behind
+        import psutil
+
         for p in ps:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    child.kill()
             p.kill()
         raise
     stop.set()
