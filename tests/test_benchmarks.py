@@ -321,22 +321,10 @@ def _check_peer_rows(out: dict, systems: set) -> dict:
 def test_peers_benchmark_runs(tmp_path):
     """The peers installed with the project (torchdata) next to ours, in worker processes and in
     one process; a peer that is not installed gets a row that says so and how, never a number."""
-    out, stdout = run_benchmark(
-        "peers",
-        [
-            *PEER_ARGS,
-            "--compute-ms",
-            "20",
-            "--memory-dp",
-            "3",
-            "--memory-steps",
-            "8",
-            "--data",
-            str(tmp_path),
-            "--json",
-        ],
-        timeout=900,
-    )
+    # torchdata's process workers spawned: forked from a trainer whose threads are running (gloo,
+    # its own queue threads), a ParallelMapper run hung now and then, every worker idle on its input
+    args = ["--worker-start", "spawn", "--memory-dp", "3", "--memory-steps", "8", "--data", str(tmp_path), "--json"]
+    out, stdout = run_benchmark("peers", [*PEER_ARGS, "--compute-ms", "20", *args], timeout=900)
     rows = _check_peer_rows(out, {"torchdata", "ours", "ours_in_process"})
     by_dp = {(r["system"], r["dp"]): r["memory_mb"] for r in out["memory_by_dp"]}
     assert set(by_dp) == {(name, 3) for name in rows} and all(mb > 0 for mb in by_dp.values()), by_dp
