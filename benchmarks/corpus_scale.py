@@ -43,7 +43,7 @@ import json, os, sys, time, tracemalloc
 import psutil
 from overlord_dask.plan import plan_from_dict
 from overlord_dask.service.indexing import index_sources
-from overlord_dask.sources import discover_units, parquet
+from overlord_dask.sources import discover_units, fs
 plan = plan_from_dict(json.loads(sys.argv[1]), base_dir=sys.argv[2])
 sequential = sys.argv[3] == "1"
 me = psutil.Process()
@@ -51,7 +51,7 @@ rss0, io0 = me.memory_info().rss, me.io_counters().read_chars
 tracemalloc.start()
 t = time.perf_counter()
 if sequential:
-    parquet.FOOTER_THREADS = 1
+    fs.INDEX_THREADS = 1
     units = {s.name: discover_units(s, plan) for s in plan.sources}
 else:
     units = index_sources(plan)

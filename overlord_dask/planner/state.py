@@ -71,9 +71,9 @@ class PlannerState(PlanningLoop):
             plan = plan.model_copy(update={"topology": plan.topology.model_copy(update=state["topology"])})
         first = self.timeline.initial
         evict_after, loading = first.loading.units_ahead + 2, first.loading
-        self.streams = StreamSet(
-            first.seed, first.topology.piece_tokens, evict_after, loading.shuffle_units, loading.shuffle_warmup_units
-        )
+        # a run keeps the warm-up it started with: its snapshot's (none in one from before the setting)
+        warmup = loading.shuffle_warmup_units if state is None else int(state["window"].get("shuffle_warmup_units", 0))
+        self.streams = StreamSet(first.seed, first.topology.piece_tokens, evict_after, loading.shuffle_units, warmup)
         for name in self.timeline.source_names:
             self.streams.add(name, unit_first_ids[name])
         self.balance = plan.balance

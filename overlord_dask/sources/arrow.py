@@ -23,14 +23,13 @@ from ..errors import SourceError
 from ..plan import Source, SourcePlan
 from . import arrow_messages
 from .formats import Format
-from .fs import is_local, list_files, source_fs
+from .fs import is_local, list_files, per_file, source_fs
 from .index_cache import cached
 from .records import check_schema
 from .units import LoadUnit
 
 FILE_MAGIC = b"ARROW1"
 INDEX_VERSION = 1
-FOOTER_THREADS = 8  # files indexed at once on remote storage, where each batch header is a round trip
 
 
 def _open(handle):
@@ -79,19 +78,15 @@ class ArrowFormat(Format):
 
     def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         fs, files = self._files(source, plan)
-        if is_local(source, plan.base_dir):
-            layouts = [_local_rows(path, source) for path in files]
-        else:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(FOOTER_THREADS, len(files)), thread_name_prefix="overlord-arrow-index") as pool:
-                layouts = list(pool.map(lambda path: _remote_layout(fs, path, source), files))
+        local = is_local(source, plan.base_dir)
+        index = (lambda p: _local_rows(p, source)) if local else (lambda p: _remote_layout(fs, p, source))
         units, first_id, step = [], 0, plan.loading.unit_rows
-        for path, layout in zip(files, layouts):
-            rows = layout if isinstance(layout, int) else sum(r for *_, r in layout.batches)
+        for path, layout in zip(files, per_file(index, files, not local)):
+            firsts = None if local else np.cumsum([0] + [r for *_, r in layout.batches])  # each batch's first row
+            rows = layout if local else int(firsts[-1])
             for start in range(0, rows, step):
                 stop = min(rows, start + step)
-                span = None if isinstance(layout, int) else _span(layout, start, stop)
+                span = None if local else _span(layout, firsts, start, stop)
                 units.append(LoadUnit(source.name, len(units), path, -1, start, stop, first_id + start, span))
             first_id += rows
         return units
@@ -146,12 +141,12 @@ def _remote_layout(fs, path: str, source: Source) -> arrow_messages.Layout:
     return arrow_messages.Layout.from_json(cached(fs, path, size, "arrow-index", [INDEX_VERSION], build))
 
 
-def _span(layout: arrow_messages.Layout, start: int, stop: int) -> tuple | None:
-    """Rows ``[start, stop)`` of a file as the byte range of the batches that hold them, the first
-    one's row, and the schema message's range (None: the file has dictionaries; read it whole)."""
+def _span(layout: arrow_messages.Layout, firsts: np.ndarray, start: int, stop: int) -> tuple | None:
+    """Rows ``[start, stop)`` of a file (``firsts``: each batch's first row, then the rows) as the
+    byte range of the batches that hold them, the first one's row, and the schema message's range
+    (None: the file has dictionaries; read it whole)."""
     if layout.dictionaries:
         return None
-    firsts = np.cumsum([0] + [r for *_, r in layout.batches])
     a = int(np.searchsorted(firsts, start, side="right")) - 1
     b = int(np.searchsorted(firsts, stop, side="left")) - 1
     (lo, _, _), (off, length, _) = layout.batches[a], layout.batches[b]

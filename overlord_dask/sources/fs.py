@@ -11,6 +11,7 @@ from ..errors import SourceError
 from ..plan import Source
 from ..plan.base import resolve_url
 
+INDEX_THREADS = 8  # files indexed at once per source on remote storage, where each read is a round trip
 _GLOB_CHARS = "*?["
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
@@ -103,3 +104,15 @@ def list_files(
         else:
             files.append(one)
     return fs, list(dict.fromkeys(files))
+
+
+def per_file(fn, files: list[str], remote: bool) -> list:
+    """``fn(path)`` for each file, in file order: in parallel threads on remote storage (each read
+    of a footer or a header is a request), one after the other on a local disk (a little CPU each:
+    threads would only contend for the GIL; ``benchmarks/corpus_scale.py`` compares both)."""
+    if not remote or len(files) < 2:
+        return [fn(path) for path in files]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(INDEX_THREADS, len(files)), thread_name_prefix="overlord-index") as pool:
+        return list(pool.map(fn, files))

@@ -6,9 +6,9 @@ webdataset unit's byte range, the whole file for other formats, every file of a 
 every load checks it before reading. A parquet file written without page checksums with bytes
 flipped inside a data page, a shard rewritten in place, a file truncated by a failing disk: each
 is an error naming the unit and its file, or a quarantined unit under
-``loading.on_corrupt: quarantine``. The service keeps
-the digests with its snapshots (``service/manifest.py``), so a restart weeks later checks the
-files against what the run first saw, not against what they are now.
+``loading.on_corrupt: quarantine``. The service keeps the digests with its snapshots
+(``service/manifest.py``), so a restart weeks later checks the files against what the run first
+saw, not against what they are now.
 
 Several units read from one region (a row group cut into units, a file's units) share one
 digest, computed once per indexing.

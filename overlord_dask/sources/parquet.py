@@ -13,11 +13,9 @@ import pyarrow.parquet as pq
 from ..errors import SourceError
 from ..plan import Source, SourcePlan
 from .formats import Format
-from .fs import is_local, list_files, source_fs
+from .fs import is_local, list_files, per_file, source_fs
 from .records import check_schema
 from .units import LoadUnit
-
-FOOTER_THREADS = 8  # footers read at once per source on remote storage, where each is a round trip
 
 
 def _open(fs, path: str, source: Source) -> pq.ParquetFile:
@@ -45,17 +43,9 @@ class ParquetFormat(Format):
 
     def discover(self, source: Source, plan: SourcePlan) -> list[LoadUnit]:
         """Units from the files' footers only (no data pages); the order is the sorted file order
-        whatever the timing. On remote storage the footers are read in parallel (each is a
-        request); on a local disk one after the other: a footer there is a little CPU, and threads
-        only contend for the GIL (``benchmarks/corpus_scale.py`` compares both)."""
+        whatever the timing; on remote storage the footers are read in parallel (``fs.per_file``)."""
         fs, files = list_files(source, plan.base_dir, self.suffixes)
-        if len(files) > 1 and not is_local(source, plan.base_dir):
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(FOOTER_THREADS, len(files)), thread_name_prefix="overlord-footers") as pool:
-                groups = list(pool.map(lambda p: _row_groups(fs, p, source), files))
-        else:
-            groups = [_row_groups(fs, p, source) for p in files]
+        groups = per_file(lambda p: _row_groups(fs, p, source), files, not is_local(source, plan.base_dir))
         units: list[LoadUnit] = []
         first_id = 0
         step = plan.loading.unit_rows

@@ -132,9 +132,9 @@ class WebDatasetFormat(Format):
             with fs.open(unit.path, "rb") as f:
                 data, last = None, True
                 if unit.span is not None:
-                    lo, hi = unit.span
+                    lo, hi, ends = unit.span
                     f.seek(lo)
-                    data, last = f.read(hi - lo), hi >= fs.size(unit.path)
+                    data, last = f.read(hi - lo), bool(ends)
                     if len(data) != hi - lo:
                         raise SourceError(
                             f"{unit.describe()}: the shard holds {lo + len(data):,} bytes, not {hi:,} (changed since "
@@ -154,15 +154,16 @@ class WebDatasetFormat(Format):
         return _table(source, rows)
 
 
-def _shard_spans(fs, path: str, step: int) -> list[tuple[int, int] | None]:
-    """A shard's units as byte spans ``(lo, hi)`` of whole samples (``tar_cuts.py``); a compressed
-    shard, or one under ``step`` bytes, is one unit read whole (None)."""
+def _shard_spans(fs, path: str, step: int) -> list[tuple[int, int, int] | None]:
+    """A shard's units as byte spans ``(lo, hi, 1 if the unit ends the shard else 0)`` of whole
+    samples (``tar_cuts.py``); a compressed shard, or one under ``step`` bytes, is one unit read
+    whole (None)."""
     size = fs.size(path)
     if not path.endswith(".tar") or size <= step:
         return [None]
     with fs.open(path, "rb", block_size=tar_cuts.WINDOW) as f:
         starts = tar_cuts.cuts(f, size, step, _name_key)
-    return list(zip(starts, starts[1:] + [size]))
+    return [(lo, hi, int(hi == size)) for lo, hi in zip(starts, starts[1:] + [size])]
 
 
 def _record(source: Source, unit: LoadUnit, key: str, members: dict, image_exts: tuple) -> dict:

@@ -16,7 +16,6 @@ from ...plan import CostModel
 from ...plan.schedule import Context
 from ..cost_model import doc_costs
 from .loss_targets import LossTargets
-from .order import SourceOrder
 from .stream import SourceStream
 
 
@@ -207,8 +206,8 @@ class StreamSet:
         """Cursors and drop counters of a snapshot (whose run may have had fewer sources then).
         The snapshot's documents were ordered in shuffle blocks of its ``shuffle_units`` (1 in a
         snapshot that does not say): another setting would make its cursors point elsewhere. Its
-        warm-up (``shuffle_warmup_units``; none in a snapshot that does not say) is kept whatever the
-        plan says now: it shaped the run's first epoch, which the cursors point into."""
+        warm-up shaped the run's first epoch, which the cursors point into: the set is built with
+        the snapshot's (``PlannerState``), whatever the plan says now."""
         recorded = int(state.get("shuffle_units", 1))
         if recorded != self.shuffle_units:
             raise PlanError(
@@ -216,12 +215,6 @@ class StreamSet:
                 f"units, the plan says {self.shuffle_units}: the order (and what was delivered) depends on it; "
                 f"resume with shuffle_units: {recorded}, or start a new run"
             )
-        warmup = int(state.get("shuffle_warmup_units", 0))  # a run keeps the warm-up it started with (0: none)
-        if warmup != self.warmup_units:
-            self.warmup_units = warmup
-            for s in self.streams:
-                s.warmup_units = warmup
-                s.ordering = SourceOrder(s.name, s.seed, s.n_units, s.block_units, warmup)
         for s, cur in zip(self.streams, state["cursors"]):
             s.restore(tuple(cur))
             s.loads.restart(*s.ordering.first_unit_position(s.epoch, s.pos))
