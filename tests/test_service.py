@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -95,8 +97,9 @@ def test_every_planned_sample_is_delivered_once_with_the_right_tokens(cluster, s
 @pytest.mark.integration
 def test_an_in_process_service_runs_its_loaders_as_threads_and_plans_the_same_stream(cluster, small_plan):
     """``in_process``: the scheduler, the planner and the loader workers in this one process
-    (threads, no worker process), reached by trainers over TCP as usual; the same plan gives the
-    same pieces to the same ranks as on worker processes, cut packing included."""
+    (threads of one worker, no worker process), reached by trainers over TCP as usual, its
+    ``/overlord`` page served without Dask's Bokeh pages; the same plan gives the same pieces to
+    the same ranks as on worker processes, cut packing included."""
     plan = small_plan(balance={"packing": "cut"})
     steps, dp = 8, plan.topology.dp
     runs = []
@@ -104,9 +107,13 @@ def test_an_in_process_service_runs_its_loaders_as_threads_and_plans_the_same_st
         with Service.start(plan, **kwargs) as service:
             got = consume(service.address, list(range(dp)), steps)
             if kwargs.get("in_process"):
-                pids = service.client.run(os.getpid)
-                assert len(pids) == 2 and set(pids.values()) == {os.getpid()}
+                pids = service.client.run(os.getpid)  # one worker of two threads, in this process
+                assert list(pids.values()) == [os.getpid()] and sum(service.client.nthreads().values()) == 2
                 assert service.address.startswith("tcp://")
+                page = service.dashboard  # served without Dask's Bokeh pages (/status)
+                assert urllib.request.urlopen(page + ".json", timeout=10).status == 200
+                with pytest.raises(urllib.error.HTTPError, match="404"):
+                    urllib.request.urlopen(page.rsplit("/", 1)[0] + "/status", timeout=10)
             runs.append({r: [delivered_identities(delivered_record(b)).tolist() for b in got[r]] for r in got})
     assert runs[0] == runs[1]
 

@@ -50,7 +50,12 @@ def link_from_dask_dashboard(scheduler) -> None:
     so that a user who opens Dask's dashboard finds the run's page. Dask has no hook for this: the
     bar lists ``template_variables(scheduler)["pages"]``, computed once per scheduler and shared
     by every page, so the name is appended there. A Dask that renders its bar otherwise only loses
-    the link (``/overlord`` itself is a documented route)."""
+    the link (``/overlord`` itself is a documented route). A scheduler without Dask's pages
+    (``dashboard=False``) is left as it is: importing them would load Bokeh for nothing."""
+    import sys
+
+    if "distributed.dashboard.scheduler" not in sys.modules:
+        return
     try:
         from distributed.dashboard.scheduler import template_variables
 

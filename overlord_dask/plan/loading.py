@@ -94,8 +94,10 @@ class Loading(Strict):
     """Extra copies of every built batch, each on another worker (hot standbys): a worker that
     dies takes its batches with it, and the trainers are served from a shadow instead of waiting
     for the batch to be rebuilt. Costs ``shadows`` × the bytes of the batches in flight (a
-    few steps' worth). Needs Dask's active memory manager off (``service/deploy.py`` turns it off), which
-    would otherwise drop the copies as redundant."""
+    few steps' worth). Only kept where another worker runs in another process (none for
+    ``overlord serve --in-process``, whose workers die together). Needs Dask's active memory
+    manager off (``service/deploy.py`` turns it off), which would otherwise drop the copies as
+    redundant."""
     shadow_blocks: bool = True
     """Loaded blocks get the same number of shadows as built batches: a worker that dies takes
     its blocks too, and the next constructor tasks read them from a shadow instead of waiting for

@@ -53,7 +53,7 @@ class HeldBatches:
         t = self.tasks[key]
         first = t["workers"] is None
         t["workers"] = holders(self.scheduler.tasks.get(key))
-        if first and self.shadows and len(self.scheduler.workers) > 1:
+        if first and self.shadows and self._elsewhere():
             self.shadow(key)
         ev = self._built.pop(key, None)
         if ev is not None:
@@ -62,8 +62,15 @@ class HeldBatches:
 
     def block_stored(self, key: str) -> None:
         """A load task reached memory: shadow the block if the plan asks for it."""
-        if self.shadow_blocks and len(self.scheduler.workers) > 1:
+        if self.shadow_blocks and self._elsewhere():
             self.shadow(key)  # a lost worker's blocks are then read from their shadows, not reloaded
+
+    def _elsewhere(self) -> bool:
+        """Whether a shadow can outlive its original: some worker runs in another process (the
+        workers of an in-process service are threads of one process, which dies as a whole)."""
+        pids = (ws.pid for ws in self.scheduler.workers.values())
+        first = next(pids, None)
+        return any(pid != first for pid in pids)
 
     def release_before(self, committed: int) -> list[str]:
         """Forget (and return) the tasks whose steps every rank has acknowledged."""

@@ -666,7 +666,8 @@ def parser() -> argparse.ArgumentParser:
         "--in-process",
         action="store_true",
         help="run the embedded workers as threads of the service's process: one process, the least memory "
-        "(a single node with a few ranks; a Python tokenizer or prepare step then shares the scheduler's GIL)",
+        "(a single node with a few ranks; a Python tokenizer or prepare step then shares the scheduler's GIL; "
+        "no shadow copies and no Dask Bokeh pages, the /overlord page is served)",
     )
     s.add_argument(
         "--port", type=int, default=0, help="scheduler port (fixed, so that trainers reconnect to a restarted service)"

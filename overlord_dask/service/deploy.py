@@ -115,13 +115,21 @@ def local_cluster(
     given). Its workers, new ones included, run at ``worker_nice`` (default ``overlord.worker-nice``,
     5: ``priority.py``) so that they leave the cores to the scheduler and the trainers first.
 
-    ``processes=False`` runs the workers as threads of this process (the scheduler's, where the
+    ``processes=False`` runs the loaders as threads of this process (the scheduler's, where the
     planner runs too): one process instead of ``1 + n_workers``, each of which holds its own
-    Python, Dask and Arrow (the fixed cost that decides a single node's loading memory). The
-    loaders then share this process's GIL with the scheduler; reading Parquet and Arrow, the byte
-    tokenizer and Hugging Face's fast tokenizers release it, a Python tokenizer or ``prepare``
-    step does not. Trainers still connect over TCP, and no priority is lowered (it would lower
-    the scheduler's)."""
+    Python, Dask and Arrow (the fixed cost that decides a single node's loading memory). They
+    are one worker of ``n_workers × threads_per_worker`` threads, not ``n_workers`` workers:
+    workers of one process would copy each block a constructor reads from another, and the
+    planner's shadows (copies kept for a worker that dies) would die with the same process.
+    Dask's own Bokeh pages are left out unless ``dashboard=True`` (they load Bokeh; the
+    ``/overlord`` page and Dask's JSON and Prometheus routes are served either way). The loaders
+    share this process's GIL with the scheduler; reading Parquet and Arrow, the byte tokenizer
+    and Hugging Face's fast tokenizers release it, a Python tokenizer or ``prepare`` step does
+    not. Trainers still connect over TCP, and no priority is lowered (it would lower the
+    scheduler's)."""
+    if not processes:
+        n_workers, threads_per_worker = min(n_workers, 1), max(1, n_workers * threads_per_worker)
+        kwargs["scheduler_kwargs"] = {"dashboard": kwargs.pop("dashboard", False), **kwargs.get("scheduler_kwargs", {})}
     if processes:
         kwargs.setdefault("config", worker_config())
     kwargs["scheduler_kwargs"] = {"preload": [__name__], **kwargs.get("scheduler_kwargs", {})}
