@@ -313,12 +313,13 @@ def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weight
     return {**figures, "resume_identical": mismatched == 0, "resume_steps_differing": mismatched}
 
 
-def generate_corpus(root: str, n_sources: int) -> list[str]:
-    """``n_sources`` text sources of ``FILES`` files each, lengths web-, chat- and book-like in turn."""
+def generate_corpus(root: str, n_sources: int, row_group: int = DOCS_PER_FILE) -> list[str]:
+    """``n_sources`` text sources of ``FILES`` files each, lengths web-, chat- and book-like in
+    turn, row groups of ``row_group`` documents."""
     from overlord_dask.service.demo import generate_text_sources
 
     return generate_text_sources(
-        root, n_sources, files=FILES, docs_per_file=DOCS_PER_FILE, row_group=DOCS_PER_FILE, kinds=KINDS
+        root, n_sources, files=FILES, docs_per_file=DOCS_PER_FILE, row_group=row_group, kinds=KINDS
     )
 
 
@@ -345,11 +346,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--data", default=None, help="folder for the generated sources (default: a temporary one)")
     ap.add_argument("--memory-dp", type=int, nargs="*", default=[], help="also the memory at these dp (e.g. 8 32)")
     ap.add_argument("--memory-steps", type=int, default=40, help="steps of each --memory-dp run")
+    ap.add_argument(
+        "--row-group",
+        type=int,
+        default=DOCS_PER_FILE,
+        help="documents per parquet row group (smaller: more row groups, as dp 32 needs for the peers that "
+        "split a source's row groups over the ranks)",
+    )
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data or tmp
-        names = generate_corpus(root, args.sources)
+        names = generate_corpus(root, args.sources, args.row_group)
         raw = np.array([5.0, 3.0, 2.0] + [1.0] * max(args.sources - 3, 0))[: args.sources]
         weights = raw / raw.sum()
         cfg = {
@@ -404,6 +412,7 @@ def main(argv=None) -> dict:
         "cores": os.cpu_count(),
         "dp": args.dp,
         "sources": args.sources,
+        "row_group_docs": args.row_group,
         "weights": [round(float(w), 4) for w in weights],
         "tokens_per_rank_step": args.tokens,
         "compute_ms": args.compute_ms,
