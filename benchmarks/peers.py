@@ -39,6 +39,17 @@ consecutive documents (16 at best); and resume exactness: every rank stops at st
 ``--kill-at``, saves ``state_dict()``, its process exits, a new process loads the state and runs
 to the end; the (source, document) stream of every rank and step must equal an uninterrupted
 run's (a peer that keeps no state to resume from says so: ``resume_not_supported``).
+
+dp change on resume (``--dp-change``, default 4): a job stops at ``--dp-change-at`` and saves
+every rank's ``state_dict()``; a job of another dp loads them (new rank ``r`` loads old rank
+``r mod dp``'s, as a checkpoint that is the same on every rank is loaded) and runs as many
+rank-steps as the uninterrupted run's first ``--dp-change-steps`` steps (short of any source's
+epoch). ``dp_change_repeated_docs``: documents delivered with more tokens than they have and
+than the uninterrupted run gave them (a peer that upsamples a small source repeats documents);
+``dp_change_lost_docs``: of the documents the uninterrupted run completed within the first 75%
+of the tokens the two jobs took from their source, those that arrived with fewer tokens than
+there (skipped). A peer whose loader refuses the state says why
+(``dp_change_error``).
 """
 
 from __future__ import annotations
@@ -77,7 +88,18 @@ def _free_port() -> int:
 
 # ---- trainer processes -----------------------------------------------------------------------
 def _trainer(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, state, ready, stop, out) -> None:
-    """Steps [first, last) of one rank: per step the wait, the documents (source, id, tokens)."""
+    """Steps [first, last) of one rank: per step the wait, the documents (source, id, tokens); an
+    error (a loader that refuses a state, say) is reported as the rank's result."""
+    try:
+        _train(system, rank, dp, cfg, first, last, state, ready, stop, out)
+    except Exception as err:
+        ready.put(os.getpid())
+        last = (str(err).strip().splitlines() or [""])[-1]  # (a DataLoader worker's error: its traceback's last line)
+        out.put((rank, pickle.dumps({"error": f"{type(err).__name__}: {last}"[:500]})))
+        stop.wait()
+
+
+def _train(system: str, rank: int, dp: int, cfg: dict, first: int, last: int, state, ready, stop, out) -> None:
     os.dup2(2, 1)  # a peer's messages (Ray's cluster warnings) go to stderr, never into the JSON on stdout
     import torch
 
@@ -197,11 +219,68 @@ def _run(system: str, dp: int, cfg: dict, first: int, last: int, states=None, ex
         p.join(timeout=60)
         if p.is_alive():
             p.kill()
+    errors = [f"rank {r}: {v['error']}" for r, v in sorted(res.items()) if "error" in v]
+    if errors:
+        raise RuntimeError(f"{system}: {errors[0]}")
     return {"ranks": [res[r] for r in sorted(res)], "pss_mb": samples}
 
 
 def _stream(ranks: list[dict]) -> list:
     return [[list(zip(s["source_ids"], s["sample_ids"], s["lengths"])) for s in r["steps"]] for r in ranks]
+
+
+def _pieces(ranks: list[dict], steps: int | None = None) -> list[tuple[int, int, int]]:
+    """(source, document, tokens) of every piece ``ranks`` delivered in their first ``steps``
+    steps, in delivery order (step by step, ranks in order within a step)."""
+    out = []
+    for k in range(min(steps or 1 << 30, max(len(r["steps"]) for r in ranks))):
+        for r in ranks:
+            if k < len(r["steps"]):
+                s = r["steps"][k]
+                out.extend(zip(s["source_ids"], s["sample_ids"], map(int, s["lengths"])))
+    return out
+
+
+def _doc_tokens(pieces) -> dict:
+    got: dict = {}
+    for src, doc, n in pieces:
+        got[(src, doc)] = got.get((src, doc), 0) + n
+    return got
+
+
+def dp_change_errors(reference: list, resumed: list, lengths: dict, share: float = 0.75) -> tuple[int, int]:
+    """(documents lost, documents repeated) of ``resumed`` (``_pieces`` of the job before the
+    stop and of the job resumed with another dp) against ``reference`` (an uninterrupted run
+    over as many rank-steps, shorter than any source's epoch): repeated, a document with more
+    tokens than it has (``lengths``) and than the reference gave it (a peer that upsamples a
+    small source repeats its documents within an epoch, the uninterrupted run too); lost, a
+    document the reference completed within the first ``share`` of the tokens the resumed jobs
+    took from its source, with fewer tokens than there."""
+    ref, got = _doc_tokens(reference), _doc_tokens(resumed)
+    taken: dict = {}
+    for (src, _), n in got.items():
+        taken[src] = taken.get(src, 0) + n
+    repeated = sum(n > max(lengths[key], ref.get(key, 0)) for key, n in got.items())
+    done_at, seen = {}, {}  # document -> its source's tokens in the reference once its last piece is in
+    for src, doc, n in reference:
+        seen[src] = seen.get(src, 0) + n
+        done_at[(src, doc)] = seen[src]
+    lost = sum(got.get(key, 0) < n for key, n in ref.items() if done_at[key] <= share * taken.get(key[0], 0))
+    return lost, repeated
+
+
+def doc_lengths(files: dict, reference: dict) -> dict:
+    """(source, document) -> its tokens as the system delivers them: its text's bytes plus the
+    system's own per-document extra (an end-of-document token), the commonest in ``reference``."""
+    from collections import Counter
+
+    from benchmarks.peer_pipelines import _documents
+
+    base = {
+        (i, doc): len(text.encode()) for i, name in enumerate(sorted(files)) for doc, text in _documents(files[name])
+    }
+    extra = Counter(n - base[key] for key, n in reference.items()).most_common(1)[0][0]
+    return {key: n + extra for key, n in base.items()}
 
 
 def shuffle_quality(ranks: list[dict], n_sources: int) -> tuple[float, float]:
@@ -299,7 +378,8 @@ def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weight
         "service_start_s": round(c["service_start_s"], 2),
     }
     if system not in OURS and not PEERS[system].resumable:
-        return {**figures, "resume_identical": None, "resume_not_supported": PEERS[system].not_resumable}
+        why = PEERS[system].not_resumable
+        return {**figures, "resume_identical": None, "resume_not_supported": why, "dp_change_not_supported": why}
     proc, c2 = started()
     try:
         head = _run(system, dp, c2, 0, args.kill_at, sample=False)
@@ -310,7 +390,32 @@ def measure_system(system: str, dp: int, cfg: dict, args, bare_mb: float, weight
     resumed = [h + t for h, t in zip(_stream(head["ranks"]), _stream(tail["ranks"]))]
     reference = _stream(full["ranks"])
     mismatched = sum(a != b for ra, rb in zip(reference, resumed) for a, b in zip(ra, rb))
-    return {**figures, "resume_identical": mismatched == 0, "resume_steps_differing": mismatched}
+    figures = {**figures, "resume_identical": mismatched == 0, "resume_steps_differing": mismatched}
+    return {**figures, **dp_changed(system, dp, cfg, args, serve, full)}
+
+
+def dp_changed(system: str, dp: int, cfg: dict, args, serve, full: dict) -> dict:
+    """The job stopped at ``--dp-change-at`` and resumed from its states with ``--dp-change``
+    ranks (see the module's docstring): lost and repeated documents, or the error the peer's
+    loader raised."""
+    new_dp, at, total = args.dp_change, args.dp_change_at, args.dp_change_steps
+    if not new_dp or new_dp == dp:
+        return {}
+    last = at + (total - at) * dp // new_dp  # as many rank-steps as the reference's first ``total`` steps
+    proc, c = _started(system, dp, cfg, serve)  # (ours: a service of the old dp; the new job re-plans it)
+    try:
+        head = _run(system, dp, c, 0, at, sample=False)
+        states = [head["ranks"][r % dp]["state"] for r in range(new_dp)]
+        tail = _run(system, new_dp, c, at, last, states=states, sample=False)
+    except RuntimeError as err:
+        return {"dp_change": f"{dp}->{new_dp}", "dp_change_error": str(err)}
+    finally:
+        if proc:
+            _stop(proc)
+    reference = _pieces(full["ranks"], total)
+    resumed = _pieces(head["ranks"]) + _pieces(tail["ranks"])
+    lost, repeated = dp_change_errors(reference, resumed, doc_lengths(cfg["files"], _doc_tokens(reference)))
+    return {"dp_change": f"{dp}->{new_dp}", "dp_change_lost_docs": lost, "dp_change_repeated_docs": repeated}
 
 
 def generate_corpus(root: str, n_sources: int, row_group: int = DOCS_PER_FILE) -> list[str]:
@@ -346,6 +451,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--data", default=None, help="folder for the generated sources (default: a temporary one)")
     ap.add_argument("--memory-dp", type=int, nargs="*", default=[], help="also the memory at these dp (e.g. 8 32)")
     ap.add_argument("--memory-steps", type=int, default=40, help="steps of each --memory-dp run")
+    ap.add_argument("--dp-change", type=int, default=4, help="dp of the resumed job in the dp-change check (0: none)")
+    ap.add_argument("--dp-change-at", type=int, default=40, help="the step the dp-change check stops at")
+    ap.add_argument("--dp-change-steps", type=int, default=100, help="the check's rank-steps, as steps of the first dp")
     ap.add_argument(
         "--row-group",
         type=int,
@@ -354,6 +462,8 @@ def main(argv=None) -> dict:
         "split a source's row groups over the ranks)",
     )
     args = ap.parse_args(argv)
+    if args.dp_change and not 0 < args.dp_change_at < args.dp_change_steps <= args.steps:
+        ap.error("the dp-change check needs 0 < --dp-change-at < --dp-change-steps <= --steps")
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data or tmp
@@ -442,6 +552,8 @@ def main(argv=None) -> dict:
             "same_file_neighbours",
             "files_per_256_docs",
             "resume_identical",
+            "dp_change_lost_docs",
+            "dp_change_repeated_docs",
         ],
     )
     return out

@@ -301,7 +301,10 @@ def test_memory_benchmark_runs(tmp_path):
     assert '"memory"' in stdout
 
 
-PEER_ARGS = ["--dp", "2", "--tokens", "4096", "--steps", "16", "--kill-at", "6", "--warmup", "3", "--window", "5"]
+PEER_ARGS = [
+    *("--dp", "2", "--tokens", "4096", "--steps", "16", "--kill-at", "6", "--warmup", "3", "--window", "5"),
+    *("--dp-change", "3", "--dp-change-at", "4", "--dp-change-steps", "16"),
+]
 
 
 def _check_peer_rows(out: dict, systems: set) -> dict:
@@ -315,6 +318,8 @@ def _check_peer_rows(out: dict, systems: set) -> dict:
         assert 0 < row["fill"] <= 1.0 and row["memory_mb"] > 0, (name, row)
     for name in {"ours", "ours_in_process"} & set(rows):
         assert rows[name]["fill"] == 1.0  # packing: cut
+        # a job back with dp 3 from dp 2's states: nothing lost, nothing delivered twice
+        assert (rows[name]["dp_change_lost_docs"], rows[name]["dp_change_repeated_docs"]) == (0, 0), rows[name]
     return rows
 
 
@@ -329,6 +334,8 @@ def test_peers_benchmark_runs(tmp_path):
     by_dp = {(r["system"], r["dp"]): r["memory_mb"] for r in out["memory_by_dp"]}
     assert set(by_dp) == {(name, 3) for name in rows} and all(mb > 0 for mb in by_dp.values()), by_dp
     assert rows["torchdata"]["fill"] < 1.0  # whole documents, first fit: padding
+    # its states are per rank (each reads its share of the row groups): another dp loses documents
+    assert rows["torchdata"]["dp_change_lost_docs"] > 0, rows["torchdata"]
     for missing in out["not_supported"]:
         assert "benchmarks/install_peers.sh" in missing["not_supported"], missing
     assert '"peers"' in stdout
@@ -356,6 +363,15 @@ def test_every_peer_runs_where_the_peer_environment_is_installed(tmp_path):
     assert rows["ray_data"]["fill"] < 1.0 and rows["ray_data"]["service_start_s"] > 0  # padded bins; its cluster
     for name in ("mosaic_streaming", "litdata", "energon", "ours"):
         assert rows[name]["resume_identical"], name
+    # another dp on resume: Streaming restripes its global sample order exactly, litdata's
+    # weighted mix refuses, Energon's per-rank state fails in its workers; Ray keeps no state
+    assert (rows["mosaic_streaming"]["dp_change_lost_docs"], rows["mosaic_streaming"]["dp_change_repeated_docs"]) == (
+        0,
+        0,
+    )
+    assert "world_size" in rows["litdata"]["dp_change_error"], rows["litdata"]
+    assert "dp_change_error" in rows["energon"], rows["energon"]
+    assert "keep no state" in rows["ray_data"]["dp_change_not_supported"]
     assert rows["energon"]["prepare_s"] > 0  # its shards written and indexed with `energon prepare` first
     for name in ("mosaic_streaming", "litdata"):
         assert rows[name]["fill"] == 1.0 and rows[name]["prepare_s"] > 0  # pre-concatenated samples, converted first
