@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import multiprocessing as mp
 import os
@@ -65,6 +66,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -229,22 +231,18 @@ def _stream(ranks: list[dict]) -> list:
     return [[list(zip(s["source_ids"], s["sample_ids"], s["lengths"])) for s in r["steps"]] for r in ranks]
 
 
-def _pieces(ranks: list[dict], steps: int | None = None) -> list[tuple[int, int, int]]:
+def _pieces(ranks: list[dict], steps: int | None = None) -> list[tuple]:
     """(source, document, tokens) of every piece ``ranks`` delivered in their first ``steps``
     steps, in delivery order (step by step, ranks in order within a step)."""
-    out = []
-    for k in range(min(steps or 1 << 30, max(len(r["steps"]) for r in ranks))):
-        for r in ranks:
-            if k < len(r["steps"]):
-                s = r["steps"][k]
-                out.extend(zip(s["source_ids"], s["sample_ids"], map(int, s["lengths"])))
-    return out
+    per_rank = _stream(ranks)
+    n = min(steps or 1 << 30, max(map(len, per_rank)))
+    return [piece for k in range(n) for r in per_rank if k < len(r) for piece in r[k]]
 
 
-def _doc_tokens(pieces) -> dict:
-    got: dict = {}
+def _doc_tokens(pieces) -> Counter:
+    got: Counter = Counter()
     for src, doc, n in pieces:
-        got[(src, doc)] = got.get((src, doc), 0) + n
+        got[(src, doc)] += int(n)
     return got
 
 
@@ -257,28 +255,31 @@ def dp_change_errors(reference: list, resumed: list, lengths: dict, share: float
     document the reference completed within the first ``share`` of the tokens the resumed jobs
     took from its source, with fewer tokens than there."""
     ref, got = _doc_tokens(reference), _doc_tokens(resumed)
-    taken: dict = {}
+    taken: Counter = Counter()
     for (src, _), n in got.items():
-        taken[src] = taken.get(src, 0) + n
-    repeated = sum(n > max(lengths[key], ref.get(key, 0)) for key, n in got.items())
-    done_at, seen = {}, {}  # document -> its source's tokens in the reference once its last piece is in
+        taken[src] += n
+    repeated = sum(n > max(lengths[key], ref[key]) for key, n in got.items())
+    done_at, seen = {}, Counter()  # document -> its source's tokens in the reference once its last piece is in
     for src, doc, n in reference:
-        seen[src] = seen.get(src, 0) + n
+        seen[src] += int(n)
         done_at[(src, doc)] = seen[src]
-    lost = sum(got.get(key, 0) < n for key, n in ref.items() if done_at[key] <= share * taken.get(key[0], 0))
+    lost = sum(got[key] < n for key, n in ref.items() if done_at[key] <= share * taken[key[0]])
     return lost, repeated
+
+
+@functools.cache
+def _doc_bytes(files: tuple) -> dict:
+    """(source index, document) -> its text's UTF-8 bytes, over ``files`` ((name, paths) per
+    source, sorted by name): read once per run, whichever systems ask."""
+    from benchmarks.peer_pipelines import _documents
+
+    return {(i, doc): len(text.encode()) for i, (_, paths) in enumerate(files) for doc, text in _documents(paths)}
 
 
 def doc_lengths(files: dict, reference: dict) -> dict:
     """(source, document) -> its tokens as the system delivers them: its text's bytes plus the
     system's own per-document extra (an end-of-document token), the commonest in ``reference``."""
-    from collections import Counter
-
-    from benchmarks.peer_pipelines import _documents
-
-    base = {
-        (i, doc): len(text.encode()) for i, name in enumerate(sorted(files)) for doc, text in _documents(files[name])
-    }
+    base = _doc_bytes(tuple((name, tuple(files[name])) for name in sorted(files)))
     extra = Counter(n - base[key] for key, n in reference.items()).most_common(1)[0][0]
     return {key: n + extra for key, n in base.items()}
 

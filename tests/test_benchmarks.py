@@ -365,10 +365,8 @@ def test_every_peer_runs_where_the_peer_environment_is_installed(tmp_path):
         assert rows[name]["resume_identical"], name
     # another dp on resume: Streaming restripes its global sample order exactly, litdata's
     # weighted mix refuses, Energon's per-rank state fails in its workers; Ray keeps no state
-    assert (rows["mosaic_streaming"]["dp_change_lost_docs"], rows["mosaic_streaming"]["dp_change_repeated_docs"]) == (
-        0,
-        0,
-    )
+    streaming = rows["mosaic_streaming"]
+    assert (streaming["dp_change_lost_docs"], streaming["dp_change_repeated_docs"]) == (0, 0), streaming
     assert "world_size" in rows["litdata"]["dp_change_error"], rows["litdata"]
     assert "dp_change_error" in rows["energon"], rows["energon"]
     assert "keep no state" in rows["ray_data"]["dp_change_not_supported"]

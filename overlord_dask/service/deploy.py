@@ -127,11 +127,11 @@ def local_cluster(
     and Hugging Face's fast tokenizers release it, a Python tokenizer or ``prepare`` step does
     not. Trainers still connect over TCP, and no priority is lowered (it would lower the
     scheduler's)."""
-    if not processes:
-        n_workers, threads_per_worker = min(n_workers, 1), max(1, n_workers * threads_per_worker)
-        kwargs["scheduler_kwargs"] = {"dashboard": kwargs.pop("dashboard", False), **kwargs.get("scheduler_kwargs", {})}
     if processes:
         kwargs.setdefault("config", worker_config())
+    else:
+        n_workers, threads_per_worker = min(n_workers, 1), max(1, n_workers * threads_per_worker)
+        kwargs["scheduler_kwargs"] = {"dashboard": kwargs.pop("dashboard", False), **kwargs.get("scheduler_kwargs", {})}
     kwargs["scheduler_kwargs"] = {"preload": [__name__], **kwargs.get("scheduler_kwargs", {})}
     if tls_configured() and "security" not in kwargs:
         from distributed.security import Security
