@@ -8,8 +8,12 @@ Each trainer takes its rank's micro-batches through ``OverlordDataset`` in a
 ``compute_ms`` per step (``time.sleep``, spread over the step's micro-batches, so the CPU stays
 free for the service as a GPU trainer's host would leave it). It records the time spent in
 ``next()`` per step; after ``--warmup`` steps: ``wait_share`` (waiting ÷ wall time),
-``wait_p50_ms``, ``wait_p99_ms``, and ``time_to_first_batch_s`` (from the trainer's start, the
-service already running, less the wait at the start barrier). The ranks start their first step
+``wait_p50_ms``, ``wait_p99_ms``, ``time_to_first_batch_s`` (from the trainer's start, the
+service already running, less the wait at the start barrier) and ``rank_cpu_us_per_step``: the
+trainer process's CPU time (every thread of it, user and system; not its DataLoader workers')
+per step after the warm-up, over the ranks that sleep. Sleeping costs next to no CPU, so this is
+what taking the batches costs the process a GPU trainer's Python runs in: ``--compute-ms 0``
+takes them as fast as they come. The ranks start their first step
 together, as a data-parallel job's ranks do after ``init_process_group`` (a barrier once every
 rank has its loader); after that they run unsynchronised.
 
@@ -48,6 +52,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import resource
 import sys
 import time
 
@@ -60,7 +65,12 @@ from benchmarks.output import print_rows  # noqa: E402
 from benchmarks.per_rank import as_batch  # noqa: E402
 
 
-def _train(batches, micro_batches: int, steps: int, compute_s: float, start, model=None) -> dict:
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _train(batches, micro_batches: int, steps: int, compute_s: float, start, model=None, warmup: int = 10) -> dict:
     """The trainer loop both systems run: per micro-batch, take it (timed) and compute (sleep
     ``compute_s`` over the step, or train ``model``: a ``model_trainer.ModelTrainer``).
 
@@ -74,8 +84,10 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start, mod
     b0 = time.perf_counter()
     start.wait()
     barrier_s = time.perf_counter() - b0  # not the rank's own time to its first batch
-    step_wait, step_tokens = 0.0, 0
+    step_wait, step_tokens, cpu0 = 0.0, 0, None
     while len(waits) < steps:
+        if cpu0 is None and len(waits) == min(warmup, steps - 1):
+            cpu0 = _cpu_s()
         t0 = time.perf_counter()
         mb = next(it)
         step_wait += time.perf_counter() - t0
@@ -96,6 +108,8 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start, mod
             tokens.append(step_tokens)
             step_wait, step_tokens = 0.0, 0
     res = {
+        "cpu_s": _cpu_s() - cpu0,  # the trainer process's CPU after the warm-up (its loader workers' excluded)
+        "cpu_steps": steps - min(warmup, steps - 1),
         "waits": waits,
         "ends": ends,
         "tokens": tokens,
@@ -132,6 +146,7 @@ def _overlord_trainer(
     out,
     model_spec: dict | None = None,
     capacity: int = 0,
+    warmup: int = 10,
 ) -> None:
     from overlord_dask import OverlordDataset
 
@@ -141,7 +156,13 @@ def _overlord_trainer(
     t0 = time.perf_counter()
     ds = OverlordDataset(address, rank=rank, dp=dp, pin_memory=model is not None and model.device == "cuda")
     res = _train(
-        torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0), micro_batches, steps, compute_s, start, model
+        torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0),
+        micro_batches,
+        steps,
+        compute_s,
+        start,
+        model,
+        warmup,
     )
     res["t_start"], res["synthetic_s"] = t0, synthetic_s
     ds.stream.commit()
@@ -209,6 +230,7 @@ def _baseline_trainer(
     tokenizer="byte",
     base_dir: str | None = None,
     model_spec: dict | None = None,
+    warmup: int = 10,
 ) -> None:
     model, synthetic_s = _model(model_spec, rank, capacity, micro_batches)
     t0 = time.perf_counter()
@@ -220,7 +242,7 @@ def _baseline_trainer(
         persistent_workers=False,
         pin_memory=model is not None and model.device == "cuda",
     )
-    res = _train(loader, micro_batches, steps, compute_s, start, model)
+    res = _train(loader, micro_batches, steps, compute_s, start, model, warmup)
     res["t_start"], res["synthetic_s"] = t0, synthetic_s
     out.put((rank, res))
 
@@ -242,6 +264,7 @@ def _baseline(ctx, files: list[str], args, compute_ms: float, model_spec: dict |
         ),
         args.dp,
         model_spec=model_spec,
+        warmup=args.warmup,
     )
     b = _summarise(base, args.warmup)
     if model_spec:
@@ -253,7 +276,9 @@ def _summarise(results: list[dict], warmup: int) -> dict:
     waits = np.concatenate([np.asarray(r["waits"][warmup:]) for r in results])
     # after the warm-up: time spent in next() over the wall time of the same steps
     share = [sum(r["waits"][warmup:]) / max(r["ends"][-1] - r["ends"][warmup - 1], 1e-9) for r in results]
+    sleeping = [r for r in results if "losses" not in r] or results  # a model rank's CPU is its model's
     return {
+        "rank_cpu_us_per_step": round(float(np.mean([r["cpu_s"] / r["cpu_steps"] for r in sleeping])) * 1e6, 1),
         "wait_share": round(float(np.mean(share)), 4),
         "wait_p50_ms": round(float(np.percentile(waits, 50)) * 1e3, 3),
         "wait_p99_ms": round(float(np.percentile(waits, 99)) * 1e3, 3),
@@ -365,6 +390,7 @@ def main(argv=None) -> dict:
                         args.dp,
                         model_spec=model_spec,
                         capacity=args.tokens,
+                        warmup=args.warmup,
                     )
                     loop = service.loop_stats()
                 row = {
@@ -425,8 +451,10 @@ def main(argv=None) -> dict:
                 "wait_p99_ms",
                 "time_to_first_batch_s",
                 "loop_block_max_ms",
+                "rank_cpu_us_per_step",
                 "baseline_wait_share",
                 "baseline_wait_p99_ms",
+                "baseline_rank_cpu_us_per_step",
             ],
         )
     return out

@@ -128,11 +128,13 @@ def decode(w: dict, dtypes: dict = DTYPES, pad_id: int = PAD_ID) -> dict:
         C, n = int(w["capacity"]), int(w["num_tokens"])
         tokens = w["tokens"]
         if table is not None:
-            cu = np.zeros(len(table) + 1, dtype=dtypes["cu_seqlens"])
-            cu[1:] = np.cumsum(table[:, 0])
-            last = table[:, 1]
+            lengths, last = table[:, 0], table[:, 1]
+            cu = np.empty(len(table) + 1, dtype=dtypes["cu_seqlens"])
+            cu[0] = 0
+            np.cumsum(lengths, out=cu[1:])
         else:
             cu, last = w["cu_seqlens"], w["last_labels"]
+            lengths = np.diff(cu)
         ids = np.empty(C, dtype=dtypes["input_ids"])
         ids[:n] = tokens
         ids[n:] = pad_id
@@ -144,17 +146,22 @@ def decode(w: dict, dtypes: dict = DTYPES, pad_id: int = PAD_ID) -> dict:
             targets = np.unpackbits(w["mask"], count=n).view(bool)
             labels[:m][~targets[1:n]] = IGNORE_INDEX  # the loss ignores these targets
         if len(cu) > 1:
-            labels[cu[1:].astype(np.intp) - 1] = last
+            labels[cu[1:] - 1] = last
         pdt = dtypes["position_ids"]
         ar = _arange(C, pdt)
         pos = np.empty(C, dtype=pdt)
-        np.subtract(ar[:n], np.repeat(cu[:-1].astype(pdt), np.diff(cu)), out=pos[:n])  # restart at every piece
+        np.subtract(ar[:n], np.repeat(cu[:-1], lengths), out=pos[:n], casting="unsafe")  # restart at every piece
         pos[n:] = ar[: C - n]  # padding counts on from 0
         out.update(input_ids=ids, labels=labels, position_ids=pos)
         if table is not None:
             out["cu_seqlens"] = cu
+            columns = table[:, 2:].T  # one contiguous copy per dtype asked for, each field a row of it
+            by_dtype = {}
             for i, k in enumerate(PIECE_FIELDS):
-                out[k] = table[:, 2 + i].astype(dtypes[k])  # a contiguous copy of the column
+                dt = np.dtype(dtypes[k])
+                if dt not in by_dtype:
+                    by_dtype[dt] = columns.astype(dt, order="C")
+                out[k] = by_dtype[dt][i]
     for k, v in w.items():
         if k in ("tokens", "last_labels", "capacity", "pieces", "mask"):
             continue

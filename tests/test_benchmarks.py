@@ -113,8 +113,11 @@ def test_trainer_wait_benchmark_runs(corpus):
         "time_to_first_batch_s",
         "compute_ms",
         "baseline_wait_share",
+        "rank_cpu_us_per_step",
+        "baseline_rank_cpu_us_per_step",
     } <= set(row)
     assert 0 <= row["wait_share"] < 1 and row["compute_ms"] == 20
+    assert row["rank_cpu_us_per_step"] > 0 and row["baseline_rank_cpu_us_per_step"] > 0
     assert '"trainer_wait"' in stdout
 
 

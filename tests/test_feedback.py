@@ -21,7 +21,9 @@ from overlord_dask.planner.mixing import ODM, Controller, project
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.planner.streams.order import stable_seed
 from overlord_dask.planner.timeline import Timeline
+from overlord_dask.scheduler.inbox import ReportInbox
 from overlord_dask.testing import browser
+from overlord_dask.trainer.reporting import aggregate
 
 UNITS, DOCS = 300, 64
 IDS = {n: list(range(0, UNITS * DOCS, DOCS)) for n in ("web", "books", "chat")}
@@ -64,8 +66,11 @@ def true_times(st: PlannerState, step: int, rng) -> np.ndarray:
     )
 
 
-def run(st: PlannerState, fb: FeedbackLoop | None, until: int, seed: int = 0, report=True) -> dict[int, np.ndarray]:
-    """Plan to ``until``, every rank reporting its true times (and acknowledging) as it goes."""
+def run(
+    st: PlannerState, fb: FeedbackLoop | None, until: int, seed: int = 0, report=True, aggregated=False
+) -> dict[int, np.ndarray]:
+    """Plan to ``until``, every rank reporting its true times (and acknowledging) as it goes;
+    ``aggregated``: each rank's reports of a round as its stream sends them (``aggregate``)."""
     rng = np.random.default_rng(seed)
     times = {}
     while st.next_step < until:
@@ -79,6 +84,10 @@ def run(st: PlannerState, fb: FeedbackLoop | None, until: int, seed: int = 0, re
             reports += [(r, 0, {"s": s, "t": float(t[r].sum()), "mb": t[r].tolist()}) for r in range(st.topology.dp)]
             for r in range(st.topology.dp):
                 st.ack(r, s)
+        if aggregated:
+            reports = [
+                (r, 0, it) for r in range(st.topology.dp) for it in aggregate([x for q, _, x in reports if q == r])
+            ]
         if fb is not None and report:
             fb.take(st, reports)
             fb.decide(st)
@@ -142,6 +151,48 @@ def test_learned_cost_switches_at_a_recorded_step_lowers_the_measured_imbalance_
     run(quiet, qfb, 60, report=False)
     assert quiet.timeline.decisions == [] and qfb.status(quiet)["reports"] == 0
     assert same_stream(st, quiet, range(first.at))
+
+
+def test_reports_aggregated_per_chunk_on_the_trainers_side_decide_as_per_step_reports_do():
+    """A rank's stream sends what it reported since its last acknowledgement as at most two
+    items: the planner learns the identical cost model from them, decides at the same steps,
+    and plans the identical stream."""
+    plan = plan_from_dict(plan_dict())
+    one, many = PlannerState(plan, IDS), PlannerState(plan, IDS)
+    fb_one, fb_many = FeedbackLoop(one), FeedbackLoop(many)
+    run(one, fb_one, 90)
+    run(many, fb_many, 90, aggregated=True)
+    assert [d.to_dict() for d in one.timeline.decisions] == [d.to_dict() for d in many.timeline.decisions]
+    assert one.timeline.decisions and same_stream(one, many, range(90))
+    a, b = fb_one.status(one), fb_many.status(many)
+    assert a["reports"] == b["reports"] == 90 * one.topology.dp
+    assert a["rank_compute"] == b["rank_compute"] and a["cost_fit"] == b["cost_fit"]
+    assert list(fb_one.imbalance) == list(fb_many.imbalance)
+
+
+def test_aggregate_sums_losses_exactly_averages_metrics_and_the_inbox_counts_reports():
+    items = [
+        {"s": 4, "t": 0.5, "mb": [0.2, 0.3]},
+        {"s": 4, "loss": {"web": [12.0, 4.0]}, "extra": {"loss": 3.0}},
+        {"s": 5, "t": 0.25, "mb": None},
+        {"s": 5, "loss": {"web": [6.0, 2.0], "code": [1.5, 1.0]}, "extra": {"loss": 2.0, "grad_norm": 0.5}},
+    ]
+    times, losses = aggregate(items)
+    assert times == {"s": 5, "steps": [4, 5], "t": [0.5, 0.25], "mb": [[0.2, 0.3], None]}
+    assert losses == {
+        "s": 5,
+        "loss": {"web": [18.0, 6.0], "code": [1.5, 1.0]},
+        "extra": {"loss": 2.5, "grad_norm": 0.5},
+        "n": 2,
+    }
+    assert aggregate([]) == [] and aggregate(items[:1]) == [{"s": 4, "steps": [4], "t": [0.5], "mb": [[0.2, 0.3]]}]
+    inbox = ReportInbox(max_queued=2)
+    inbox.put(rank=1, items=[times, losses])
+    inbox.put(rank=1, replica=1, items=[times])  # a tensor-parallel replica reports the same work
+    assert inbox.received == 4 and inbox.dropped == 0
+    inbox.put(rank=2, items=[times])  # the oldest item (rank 1's two times) goes
+    assert inbox.received == 6 and inbox.dropped == 2
+    assert [(r, it["s"]) for r, _, it in inbox.drain()] == [(1, 5), (2, 5)]
 
 
 def test_decisions_survive_a_snapshot_restore_and_a_rewind_to_another_dp():

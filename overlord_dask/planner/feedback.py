@@ -58,35 +58,53 @@ class FeedbackLoop:
 
     # ---- reports ------------------------------------------------------------------------------
     def take(self, st: PlannerState, reports: list) -> None:
-        """``reports``: ``(rank, cp_rank, item)`` with item ``{"s": step, "t": seconds, "mb":
-        [seconds per micro-batch] | None}`` or ``{"s": step, "loss": {source: [sum, tokens]},
-        "extra": {...}}``. Step times are handled per step in arrays (at thousands of ranks,
-        every rank reports every step)."""
-        times = []
+        """``reports``: ``(rank, cp_rank, item)``, items as the trainers aggregate them
+        (``trainer/reporting.aggregate``): a chunk's compute times as columns ``{"s": newest,
+        "steps": [...], "t": [seconds], "mb": [[seconds per micro-batch] | None]}``, and merged
+        loss reports ``{"s": step, "loss": {source: [sum, tokens]}, "extra": {...}, "n":
+        reports}``; a single step's ``{"s": step, "t": seconds, "mb": ...}`` too. Step times are
+        handled in arrays (at thousands of ranks, every rank reports every step)."""
+        ranks, cps, steps, secs, mbs = [], [], [], [], []
         for rank, cp_rank, item in reports:
-            step = int(item["s"])
-            self.newest = max(self.newest, step)
+            self.newest = max(self.newest, int(item["s"]))
+            if "steps" in item:
+                k = len(item["steps"])
+                mb = item.get("mb") or [None] * k
+                if len(item.get("t") or ()) != k or len(mb) != k:
+                    continue  # a malformed item is not the planner's failure
+                ranks += [rank] * k
+                cps += [cp_rank] * k
+                steps += item["steps"]
+                secs += item["t"]
+                mbs += mb
+                self.reports += k
+                continue
             if "t" in item:
-                times.append((rank, cp_rank, step, item))
+                ranks.append(rank)
+                cps.append(cp_rank)
+                steps.append(int(item["s"]))
+                secs.append(item["t"])
+                mbs.append(item.get("mb"))
+                self.reports += 1
             if "loss" in item or "extra" in item:
                 losses = {k: (float(v[0]), float(v[1])) for k, v in (item.get("loss") or {}).items()}
                 if self.controller is not None:
-                    self._controller("observe", step, losses, item.get("extra") or {})
+                    self._controller("observe", int(item["s"]), losses, item.get("extra") or {})
                 if item.get("extra"):
-                    self.metrics.append((step, rank, item["extra"]))
-        self.reports += len(reports)
-        if times:
-            self._times_of(st, times)
+                    self.metrics.append((int(item["s"]), rank, item["extra"]))
+                self.reports += int(item.get("n", 1))
+        if steps:
+            self._times_of(st, ranks, cps, steps, secs, mbs)
 
-    def _times_of(self, st: PlannerState, times: list) -> None:
+    def _times_of(self, st: PlannerState, ranks: list, cps: list, steps: list, seconds: list, mbs: list) -> None:
         topo = st.topology
         dp, m = topo.dp, topo.micro_batches
-        rank = np.array([t[0] for t in times], np.int64)
-        cp = np.array([t[1] for t in times], np.int64)
-        step = np.array([t[2] for t in times], np.int64)
-        per_mb = np.array([bool(t[3].get("mb")) and len(t[3]["mb"]) == m for t in times])
+        rank = np.array(ranks, np.int64)
+        cp = np.array(cps, np.int64)
+        step = np.array(steps, np.int64)
+        per_mb = np.array([bool(mb) and len(mb) == m for mb in mbs], bool)
         secs = np.array(
-            [t[3]["mb"] if ok else [float(t[3]["t"]) / m] * m for t, ok in zip(times, per_mb)], np.float64
+            [mb if ok else [float(t) / m] * m for t, mb, ok in zip(seconds, mbs, per_mb.tolist())], np.float64
         ).reshape(-1, m)
         ok = (rank >= 0) & (rank < dp) & np.isfinite(secs).all(axis=1)
         rank, cp, step, per_mb, secs = rank[ok], cp[ok], step[ok], per_mb[ok], secs[ok]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-MAX_QUEUED = 200_000  # reports (a step of one rank each) waiting for the planner thread
+MAX_QUEUED = 200_000  # items (a rank's reports of a chunk, or of one step) waiting for the planner thread
 
 
 class ReportInbox:
@@ -20,16 +20,19 @@ class ReportInbox:
         self.dropped = 0
 
     def put(self, bs=None, rank: int = 0, cp_rank: int = 0, replica: int = 0, items: list | None = None, **_) -> None:
-        """(event loop) A channel's ``feedback`` message: its rank's reported steps. Only replica
-        0 of a rank counts (tensor- and pipeline-parallel replicas report the same work)."""
+        """(event loop) A channel's ``feedback`` message: its rank's reports since its last one,
+        aggregated by the trainer (``trainer/reporting.aggregate``). Only replica 0 of a rank
+        counts (tensor- and pipeline-parallel replicas report the same work). ``received`` and
+        ``dropped`` count reports: a step's compute time, or one ``report()`` call."""
         if replica != 0 or not items:
             return
         for item in items:
             if isinstance(item, dict) and isinstance(item.get("s"), int):
+                n = _reports_in(item)
                 if len(self._queue) == self._queue.maxlen:
-                    self.dropped += 1
+                    self.dropped += _reports_in(self._queue[0][2])
                 self._queue.append((int(rank), int(cp_rank), item))
-                self.received += 1
+                self.received += n
 
     def drain(self) -> list:
         """(planner thread) Every report queued so far, oldest first."""
@@ -41,3 +44,11 @@ class ReportInbox:
             except IndexError:  # (emptied meanwhile: only this thread pops)
                 break
         return out
+
+
+def _reports_in(item: dict) -> int:
+    steps = item.get("steps")
+    if isinstance(steps, (list, tuple)):
+        return len(steps)
+    n = item.get("n", 1)
+    return n if isinstance(n, int) and n > 0 else 1

@@ -15,7 +15,11 @@ Metrics: ``stream.report(step, loss_by_source={...}, **extra)``, with per-source
 
 Reports wait in a bounded buffer and leave with the acknowledgements (batched on the process's
 channel, a few ms apart): nothing is sent per step, nothing waits for an answer, and a trainer
-that never reports costs nothing.
+that never reports costs nothing. What leaves together is aggregated here, on the trainer's side
+(:func:`aggregate`): the steps' compute times as columns of one item, and the loss reports as one
+item per source's ``(sum of token losses, tokens)`` summed and the other metrics averaged. The
+scheduler's event loop and the planner then handle an item or two per rank and chunk, not one
+per rank and step (at thousands of ranks, every rank reports every step).
 """
 
 from __future__ import annotations
@@ -87,6 +91,35 @@ def _loss(name: str, v) -> tuple[float, float]:
     if x is None or not math.isfinite(x):
         raise ValueError(f"report: loss of source {name!r} must be a finite number, got {v!r}")
     return x, 1.0
+
+
+def aggregate(items: list[dict]) -> list[dict]:
+    """The reports of one drain as at most two items: the compute times as columns
+    (``{"s": newest, "steps": [...], "t": [...], "mb": [...]}``) and the loss reports merged
+    (``{"s": newest, "loss": {source: [sum, tokens]}, "extra": {name: mean}, "n": reports}``:
+    sums of token losses and tokens add up exactly; a metric is averaged over the reports that
+    carry it)."""
+    times = [it for it in items if "t" in it]
+    reports = [it for it in items if "t" not in it]
+    out = []
+    if times:
+        steps = [it["s"] for it in times]
+        out.append({"s": max(steps), "steps": steps, "t": [it["t"] for it in times], "mb": [it["mb"] for it in times]})
+    if reports:
+        loss: dict[str, list[float]] = {}
+        sums: dict[str, list[float]] = {}
+        for it in reports:
+            for name, (total, n) in it["loss"].items():
+                acc = loss.setdefault(name, [0.0, 0.0])
+                acc[0] += total
+                acc[1] += n
+            for k, v in it["extra"].items():
+                acc = sums.setdefault(k, [0.0, 0])
+                acc[0] += v
+                acc[1] += 1
+        extra = {k: total / n for k, (total, n) in sums.items()}
+        out.append({"s": max(it["s"] for it in reports), "loss": loss, "extra": extra, "n": len(reports)})
+    return out
 
 
 def _numpy(x) -> np.ndarray:
@@ -184,7 +217,13 @@ class Reporting:
             return
         try:
             rio.channel.send(
-                {"op": "feedback", "rank": rio.rank, "cp_rank": rio.cp_rank or 0, "replica": 0, "items": items}
+                {
+                    "op": "feedback",
+                    "rank": rio.rank,
+                    "cp_rank": rio.cp_rank or 0,
+                    "replica": 0,
+                    "items": aggregate(items),
+                }
             )
         except Exception:  # the channel is down (the stream reconnects): they go with a later acknowledgement
             self._reports.extendleft(reversed(items))
