@@ -38,8 +38,9 @@ class Controller:
             raise PlanError(f"mixing controller {type(self).__name__} takes no options (got {sorted(options)})")
 
     def observe(self, step: int, losses: dict[str, tuple[float, float]], extra: dict) -> None:
-        """One rank's report of ``step``: per source ``(sum of token losses, tokens)``, and the other metrics it
-        reported."""
+        """One rank's reports up to ``step`` since its last acknowledgement (the rank adds them up:
+        ``trainer/reporting.aggregate``): per source ``(sum of token losses, tokens)``, and the
+        other metrics it reported, each averaged over its reports."""
 
     def propose(self, step: int, current: dict[str, float]) -> tuple[dict[str, float], str] | None:
         """Shares for the coming steps and why, given the shares in force (``current``); None keeps them."""
