@@ -16,7 +16,7 @@ MiB with ``mallopt``: batch-sized buffers come from the heap, and up to 64 MiB o
 stays mapped for reuse (per process; Dask's setting exists to return memory to the OS promptly,
 and a data-loading worker's buffers are reused within milliseconds; ``benchmarks/throughput.py``
 reports the service's CPU per step). ``RankStream`` calls
-it once per process, :class:`KeepFreedMemory` on every worker of a service;
+it once per process, ``worker.keep_memory.KeepFreedMemory`` on every worker of a service;
 ``OVERLORD_KEEP_FREED_MEMORY=0`` opts out. Elsewhere than glibc (macOS, musl) it does nothing.
 """
 
@@ -25,8 +25,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-
-from distributed.diagnostics.plugin import WorkerPlugin
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 4 << 20
@@ -48,13 +46,3 @@ def keep_freed_memory() -> bool:
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
             _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _done
-
-
-class KeepFreedMemory(WorkerPlugin):
-    """:func:`keep_freed_memory` on every worker of the service, new ones included."""
-
-    name = "overlord-keep-freed-memory"
-    idempotent = True
-
-    def setup(self, worker) -> None:
-        keep_freed_memory()

@@ -11,7 +11,9 @@ long time. Here a batch is a timer callback (``call_later``) and a write task, a
 raised when nothing is wrong.
 
 The interface is the part of ``BatchedSend`` that the channels use: ``start(comm)``,
-``send(msg)`` (``CommClosedError`` once the stream is gone), ``abort()`` and ``close()``.
+``send(msg)`` (``errors.ConnectionClosed``, an ``OSError``, once the stream is gone), ``abort()``
+and ``close()``. It writes to Dask's comms (the scheduler's side) and to the trainer's own
+(``trainer/comm.py``), so it imports nothing of Dask.
 """
 
 from __future__ import annotations
@@ -19,15 +21,25 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from dask.utils import parse_timedelta
-from distributed.comm import CommClosedError
+from .errors import ConnectionClosed
 
 logger = logging.getLogger(__name__)
 
 
+def seconds(interval: float | str) -> float:
+    """``interval`` in seconds: a number, or a string with a unit as Dask writes them ("2ms")."""
+    if not isinstance(interval, str):
+        return float(interval)
+    text = interval.strip()
+    for unit, scale in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0)):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text)
+
+
 class BatchedWriter:
     def __init__(self, interval: float | str):
-        self.interval = parse_timedelta(interval)  # seconds, or Dask's "2ms"
+        self.interval = seconds(interval)
         self.comm = None
         self.buffer: list = []
         self.batch_count = 0
@@ -47,7 +59,7 @@ class BatchedWriter:
     def send(self, *msgs) -> None:
         """Queue ``msgs``; they leave with the next batch (at once after a quiet spell)."""
         if self.closed():
-            raise CommClosedError(f"{self.comm!r} is closed")
+            raise ConnectionClosed(f"{self.comm!r} is closed")
         self.buffer.extend(msgs)
         if self._timer is None and self._writing is None:
             self._schedule()
@@ -67,7 +79,7 @@ class BatchedWriter:
     async def _write(self, payload: list) -> None:
         try:
             await self.comm.write(payload, on_error="raise")
-        except CommClosedError:
+        except OSError:  # closed (Dask's CommClosedError is one)
             self._closed = True
         except Exception:  # an unserialisable message: the stream cannot go on
             logger.exception("a batched channel write failed; the channel closes")
@@ -100,7 +112,7 @@ class BatchedWriter:
         last message to its consumers, say), then close the comm."""
         try:
             await asyncio.wait_for(self._drain(), timeout)
-        except (asyncio.TimeoutError, CommClosedError):
+        except (asyncio.TimeoutError, OSError):
             pass
         self._closed = True
         if self.comm is not None and not self.comm.closed():

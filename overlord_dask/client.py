@@ -3,7 +3,7 @@ load tasks) goes through here, so each route is called in one place and named on
 ``protocol.Route``.
 
 :class:`PlannerClient` wraps any Dask rpc to the scheduler (``distributed.Client.scheduler``, a
-``ConnectionPool``'s rpc in a trainer process, ``Adaptive.scheduler``); its methods are
+trainer process's ``trainer.comm.Pool``, ``Adaptive.scheduler``); its methods are
 coroutines. :class:`BlockingPlannerClient` runs the same calls from a thread that owns a
 ``distributed.Client`` (the service and its submitter). The handlers behind these calls, and
 what each answers, are listed in ``scheduler/routes.py``.

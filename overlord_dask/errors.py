@@ -25,3 +25,9 @@ class RankError(OverlordError, ValueError):
 
 class ServiceError(OverlordError):
     """The service failed or went away while a consumer was waiting; the message carries the cause."""
+
+
+class ConnectionClosed(OSError):
+    """A connection to the service (its scheduler or a worker) closed or could not be opened. An
+    ``OSError``, as Dask's own ``CommClosedError`` is: callers that catch ``OSError`` handle both
+    (the trainer's own TCP comms and Dask's, which it uses for TLS)."""

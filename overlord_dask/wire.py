@@ -35,7 +35,6 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
-from distributed.protocol import dask_deserialize, dask_serialize
 
 from .vocab import PAD_ID
 
@@ -224,14 +223,27 @@ class Payload:
         return [pickle.loads(f) for f in self.frames]
 
 
-@dask_serialize.register(Payload)
-def _serialize_payload(payload: Payload) -> tuple[dict, list]:
-    return {"compression": (None,) * len(payload.frames)}, list(payload.frames)  # token ids barely compress: no attempt
+_registered = False
 
 
-@dask_deserialize.register(Payload)
-def _deserialize_payload(header: dict, frames: list) -> Payload:
-    return Payload(list(frames))
+def register_payload_with_dask() -> None:
+    """Teach Dask's serialization :class:`Payload` (once per process): a worker's fetch replies
+    carry it, and a trainer reads it through Dask's comms where it uses them (TLS). The
+    trainer's own TCP comms read it without Dask (``trainer/comm.py``), so this module does not
+    import ``distributed`` itself."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from distributed.protocol import dask_deserialize, dask_serialize
+
+    @dask_serialize.register(Payload)
+    def _serialize_payload(payload: Payload) -> tuple[dict, list]:
+        return {"compression": (None,) * len(payload.frames)}, list(payload.frames)  # token ids barely compress
+
+    @dask_deserialize.register(Payload)
+    def _deserialize_payload(header: dict, frames: list) -> Payload:
+        return Payload(list(frames))
 
 
 def nbytes(batch: dict) -> int:

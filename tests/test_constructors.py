@@ -116,9 +116,11 @@ def test_a_fetch_sends_the_batches_the_constructor_packed_as_frames():
     from distributed.protocol import dumps, loads, to_serialize
 
     from overlord_dask import pieces as P
-    from overlord_dask.wire import Payload, pack_batch
+    from overlord_dask.trainer import comm
+    from overlord_dask.wire import Payload, pack_batch, register_payload_with_dask
     from overlord_dask.worker.constructors import build_chunk
 
+    register_payload_with_dask()  # as the worker's batch server does
     blocks = {block_key(0, 0, 0): _block([5, 9, 3, 7])}
     pieces = np.array([[0, 0, 0, 0, 0, 5], [0, 0, 0, 1, 0, 9], [0, 0, 0, 2, 0, 3], [0, 0, 0, 3, 0, 7]])
     slot = np.array([[0, 0], [1, 0], [1, 1], [0, 1]])
@@ -135,6 +137,8 @@ def test_a_fetch_sends_the_batches_the_constructor_packed_as_frames():
     assert sum(map(sent_as_is, frames)) == len(packed)  # each batch's bytes are a frame (or a view of them), not copied
     assert all(len(f) < min(map(len, packed)) for f in frames if not sent_as_is(f))  # besides them: headers only
     reply = loads([memoryview(bytes(f)) for f in frames])  # the trainer reads views of one received buffer
+    own = comm.decode([memoryview(bytes(f)) for f in frames])  # ... with its own comms, without distributed
+    assert [bytes(f) for f in own["payload"].frames] == [bytes(f) for f in reply["payload"].frames] == packed
     got, fresh = reply["payload"].batches(), [pickle.loads(pack_batch(chunk.batch(s, 1))) for s in (4, 5)]
     assert [b["step"] for b in got] == [4, 5] and [b["rank"] for b in got] == [1, 1]
     for a, b in zip(got, fresh):

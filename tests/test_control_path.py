@@ -254,6 +254,48 @@ def test_queue_items_and_acks_are_per_chunk_not_per_step(cluster, small_plan):
     assert st["loop"]["samples"] > 0 and "block_max_ms" in st["loop"]
 
 
+TRAINER_WITHOUT_DASK = """
+import json, sys
+import numpy as np
+from overlord_dask import OverlordDataset
+
+ds = OverlordDataset(sys.argv[1], rank=int(sys.argv[2]))
+it = iter(ds)
+steps = [int(next(it)["step"]) for _ in range(6)]
+state = ds.state_dict()  # a request answered by the scheduler, waited for
+ds.close()
+print(json.dumps({"steps": steps, "state": state["next_step"], "dask": sorted(
+    {m.split(".")[0] for m in sys.modules} & {"dask", "distributed", "tornado"})}))
+"""
+
+
+@pytest.mark.integration
+def test_a_trainer_process_speaks_to_the_service_without_importing_dask(cluster, small_plan):
+    """A trainer reaches the scheduler and the workers over TCP with its own comms
+    (``trainer/comm.py``): its descriptors, fetches, acknowledgements and a checkpoint's request
+    work, and nothing of Dask (``dask``, ``distributed``, ``tornado``) is imported in its
+    process. (Every other test's trainers use these comms too: the exactness tests check what
+    they deliver.)"""
+    import json
+
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2}, topology={"dp": 2, "micro_batches": 1})
+    with Service.start(plan, cluster=cluster) as service:
+        assert service.address.startswith("tcp://")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", TRAINER_WITHOUT_DASK, service.address, "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        with connect(service.address, 0, timeout=120) as s:  # rank 0 keeps pace (prefetch bounds the ranks' lead)
+            mine = [s.next_batch()["step"] for _ in range(7)][:6]
+            stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        got = json.loads(stdout.strip().splitlines()[-1])
+    assert got["dask"] == [], got
+    assert got["steps"] == mine == list(range(6)) and got["state"] == 6
+
+
 @pytest.mark.integration
 def test_ranks_of_one_process_share_one_channel_and_descriptors_are_pushed(cluster, small_plan):
     """Every rank in this process receives its descriptors on one stream (no per-rank polling);
@@ -312,9 +354,8 @@ def test_batched_writer_batches_and_leaves_no_cyclic_garbage():
     import asyncio
     import gc
 
-    from distributed.comm import CommClosedError
-
     from overlord_dask.batched import BatchedWriter
+    from overlord_dask.errors import ConnectionClosed
 
     class Comm:
         def __init__(self):
@@ -368,7 +409,7 @@ def test_batched_writer_batches_and_leaves_no_cyclic_garbage():
             gc.enable()
         assert sum(len(b) for b in comm.writes) == 204 and w.batch_count == len(comm.writes)
         await w.close()
-        with pytest.raises(CommClosedError):
+        with pytest.raises(ConnectionClosed):
             w.send({"late": True})
 
         class SlowComm(Comm):

@@ -240,8 +240,7 @@ def test_an_acknowledgement_cut_by_a_service_restart_is_sent_again_for_the_new_a
     import asyncio
     from types import SimpleNamespace as NS
 
-    from distributed.comm import CommClosedError
-
+    from overlord_dask.errors import ConnectionClosed
     from overlord_dask.trainer.prefetch import RankIO
 
     async def scenario():
@@ -263,7 +262,7 @@ def test_an_acknowledgement_cut_by_a_service_restart_is_sent_again_for_the_new_a
             if len(sent) == 1:  # the service dies under the request; the channel notices
                 io.connected.clear()
                 asyncio.ensure_future(reconnect())
-                raise CommClosedError("in <TCP (closed) ConnectionPool.overlord_ack>: ConnectionResetError")
+                raise ConnectionClosed("connection to tcp://127.0.0.1:8786 closed: ConnectionResetError")
             return {"error": None, "committed": 40}
 
         io.planner = NS(ack=ack)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from distributed.comm import CommClosedError
-
 from ..batched import BatchedWriter
 from ..protocol import CHANNEL_INTERVAL, rank_queue_name
 
@@ -32,7 +30,7 @@ def send(bs: BatchedWriter, msg: dict) -> bool:
     try:
         bs.send(msg)
         return True
-    except CommClosedError:
+    except OSError:  # the stream is closed (errors.ConnectionClosed)
         return False
 
 
@@ -137,7 +135,7 @@ class RankChannels:
                         self.subscribe(channel_id, **msg)
                     elif op == "unsubscribe":
                         self.unsubscribe(channel_id, **msg)
-        except (CommClosedError, OSError):
+        except OSError:  # (Dask's CommClosedError is one)
             pass
         finally:
             self._closed(channel_id, bs)

@@ -28,7 +28,6 @@ import uuid
 from distributed import Client
 
 from .. import logs
-from ..allocator import KeepFreedMemory
 from ..client import BlockingPlannerClient
 from ..errors import PlanError, ServiceError
 from ..loading.pools import plan_pools, pool_resource, pool_sizes, set_sizes
@@ -42,6 +41,7 @@ from ..protocol import resolve_address
 from ..scheduler.plugin import PlannerPlugin
 from ..sources.units import LoadUnit
 from ..worker.batch_server import BatchServer
+from ..worker.keep_memory import KeepFreedMemory
 from ..worker.log_setup import LogSetup
 from . import holdout
 from .indexing import index_sources, index_timeline

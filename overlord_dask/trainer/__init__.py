@@ -8,8 +8,10 @@ thread (``next_batch``, ``state_dict``) --> ``dataset.OverlordDataset`` (torch).
 fetches and shapes batches is one ``options.StreamOptions``, passed down through every layer;
 ``reporting`` sends the trainer's step times and metrics back to the planner.
 
-Imports nothing of the planner, the scheduler side, the workers or the service: a trainer node
-needs numpy, Dask's comms and torch, not pyarrow, zarr or numba.
+Imports nothing of the planner, the scheduler side, the workers or the service, and nothing of
+Dask where the service listens on TCP (``comm.py`` speaks Dask's wire protocol itself; TLS goes
+through ``distributed``): a trainer process needs numpy, msgpack and torch, not pyarrow, zarr or
+numba.
 """
 
 _LAZY = {"RankStream": ".stream", "connect": ".stream", "OverlordDataset": ".dataset", "StreamOptions": ".options"}

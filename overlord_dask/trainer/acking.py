@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from distributed.comm import CommClosedError
-
 from ..errors import ServiceError
 
 
@@ -71,7 +69,7 @@ class Acknowledging:
             msg.update(self._ident(), step=min(h.consumed, self._max_seen))
             try:
                 return await self.planner.ack(**msg)
-            except (OSError, CommClosedError):
+            except OSError:  # the connection broke (errors.ConnectionClosed, Dask's CommClosedError)
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)  # (the channel's loss clears `connected` meanwhile)

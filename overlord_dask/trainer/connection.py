@@ -1,5 +1,6 @@
-"""The trainer process's connections to the service: one asyncio loop thread and one Dask
-connection pool per process, and one channel per process and run, shared by its ranks.
+"""The trainer process's connections to the service: one asyncio loop thread and one connection
+pool per process (``comm.Pool``: Dask's wire protocol, spoken without importing ``distributed``),
+and one channel per process and run, shared by its ranks.
 
 The channel (``overlord_channel`` on the scheduler) is a batched stream both ways: the scheduler
 pushes the descriptors of built batches for the ranks subscribed on it, acks go back one-way,
@@ -20,6 +21,7 @@ from ..batched import BatchedWriter
 from ..client import PlannerClient, channel_open
 from ..errors import ServiceError
 from ..protocol import CHANNEL_INTERVAL
+from .comm import Pool
 
 if TYPE_CHECKING:
     from .prefetch import RankIO
@@ -28,7 +30,7 @@ CONNECT_TIMEOUT_S = 5.0  # a refused connection (a worker that just died) is ret
 
 
 class ProcessIO:
-    """One asyncio loop thread and one Dask connection pool per process, shared by its streams."""
+    """One asyncio loop thread and one connection pool per process, shared by its streams."""
 
     _lock = threading.Lock()
     _instance: ProcessIO | None = None
@@ -51,19 +53,7 @@ class ProcessIO:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="overlord-consumer-io", daemon=True)
         self.thread.start()
-        self.pool = self.run(self._make_pool(), timeout=60)
-
-    @staticmethod
-    async def _make_pool():
-        from distributed.core import ConnectionPool
-        from distributed.security import Security
-
-        # TLS when Dask's config holds certificates (as the service's own processes do)
-        pool = ConnectionPool(
-            limit=4096, connection_args=Security().get_connection_args("client"), timeout=CONNECT_TIMEOUT_S
-        )
-        await pool.start()
-        return pool
+        self.pool = Pool(timeout=CONNECT_TIMEOUT_S)
 
     def channel(self, address: str, run_id: str, wait: bool = True, group: str = "") -> Channel:
         """This process's channel to run ``run_id`` at ``address`` (opened on first use; from
@@ -92,6 +82,7 @@ class ProcessIO:
         """(a trainer thread) The run's ``overlord_info`` at ``address``; ServiceError naming the
         address where no overlord service answers."""
         try:
+            self.run(self.pool.prepare(address), timeout=60)
             info = self.run(self.planner(address).info(), timeout=min(timeout, 60))
         except Exception as err:
             raise ServiceError(f"no overlord service at {address}: {err}") from None
@@ -165,9 +156,7 @@ class Channel:
         return ServiceError(f"cannot open a channel to the overlord service at {self.address}: {err}")
 
     async def _open(self) -> None:
-        from distributed.comm import connect
-
-        comm = await connect(self.address, timeout=60, **self.io.pool.connection_args)
+        comm = await self.io.pool.connect(self.address, timeout=60)
         comm.name = "overlord-consumer-channel"
         await comm.write(channel_open(self.id, self.run_id))
         self.comm = comm

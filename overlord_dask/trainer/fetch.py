@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from distributed.comm import CommClosedError
-
 from ..client import PlannerClient, fetch
-from ..errors import ServiceError
+from ..errors import ConnectionClosed, ServiceError
 
 # a worker that has not answered a fetch in this long may be hung: try the batch's other holders (doubles per retry)
 HEDGE_S = 2.0
@@ -58,7 +56,7 @@ async def fetch_batches(
 ) -> list[dict]:
     """Rank ``rank``'s batches of ``steps`` (wire form) from the task ``desc`` names. ``io`` is the
     process's ``connection.ProcessIO``; ``abort`` is set when the service itself went away.
-    Raises ``CommClosedError`` when the service restarted (reconnect first), ``ServiceError``
+    Raises ``ConnectionClosed`` when the service restarted (reconnect first), ``ServiceError``
     when the batch is gone for good or ``timeout`` passed."""
     deadline = time.monotonic() + timeout
     addresses = list(desc.get("workers", ()))
@@ -91,7 +89,7 @@ async def fetch_batches(
             )
         resp = await planner.where(desc["key"], timeout=min(5.0, timeout), run_id=desc.get("run_id"))
         if not isinstance(resp, dict) or resp.get("other_run"):  # the service was restarted: reconnect first
-            raise CommClosedError(f"the overlord service at {address} was restarted")
+            raise ConnectionClosed(f"the overlord service at {address} was restarted")
         if resp.get("error"):
             raise ServiceError(resp["error"])
         addresses = [a for a in resp["workers"] if a not in slow] or resp["workers"]  # the slow ones last resort

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from distributed.comm import CommClosedError
-
 from ..errors import ServiceError
 from ..wire import nbytes
 from .acking import Acknowledging
@@ -108,7 +106,7 @@ class RankIO(Acknowledging):
                     batches = await fetch_batches(
                         self.io, self.planner, desc, steps, rank=self.rank, cp_rank=self.cp_rank, **where
                     )
-                except (OSError, CommClosedError):
+                except OSError:  # the connection broke (errors.ConnectionClosed, Dask's CommClosedError)
                     if self.options.reconnect_timeout <= 0:
                         raise
                     await asyncio.sleep(0.1)  # the service is away: the channel notices and reconnects

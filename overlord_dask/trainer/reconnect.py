@@ -8,8 +8,6 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from distributed.comm import CommClosedError
-
 from ..errors import ServiceError
 from ..protocol import resolve_address
 from .options import StreamOptions
@@ -39,7 +37,7 @@ async def find_service(
                     channel = io.channel(address, info["run_id"], wait=False, group=options.channel_group)
                     await channel.opened()
                 found = info, att
-        except (OSError, CommClosedError, ServiceError, asyncio.TimeoutError, ValueError):  # ValueError: no file (yet)
+        except (OSError, ServiceError, asyncio.TimeoutError, ValueError):  # ValueError: no file (yet)
             pass
         if found is not None:
             info, att = found

@@ -34,8 +34,8 @@ measures the wait share):
 - **One channel per process, no Dask client per trainer.** Descriptors in and acks out travel
   on one batched stream per process (``overlord_channel``, shared by every rank in the process),
   so the scheduler handles a message per process every few ms, not requests per rank; fetches
-  use Dask's comms through a shared connection pool. No client registration, heartbeats or task
-  bookkeeping for each of thousands of ranks.
+  use a shared connection pool (``comm.py``: Dask's wire protocol, without importing Dask). No
+  client registration, heartbeats or task bookkeeping for each of thousands of ranks.
 
 Parts: ``connection.py`` (the process's IO loop, connection pool and channels), ``prefetch.py``
 (a rank's background side), ``handover.py`` (where the two threads meet); this module is the

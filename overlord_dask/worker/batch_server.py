@@ -17,7 +17,7 @@ from distributed.protocol import to_serialize
 
 from .. import logs
 from ..protocol import Route
-from ..wire import Payload
+from ..wire import Payload, register_payload_with_dask
 
 
 class BatchServer(WorkerPlugin):
@@ -26,6 +26,7 @@ class BatchServer(WorkerPlugin):
 
     def setup(self, worker) -> None:
         logs.install()  # the expected races of shadow copies are not errors
+        register_payload_with_dask()
 
         async def overlord_fetch(key: str, rank: int, steps: list[int], cp_rank: int | None = None) -> dict:
             if key not in worker.data:

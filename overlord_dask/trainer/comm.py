@@ -1,0 +1,262 @@
+"""The trainer's connections to the service: Dask's wire protocol over plain TCP, spoken here,
+without importing ``distributed``.
+
+Why: a trainer process talks to the scheduler (its channel, a few requests) and to workers (its
+batch fetches), nothing else of Dask. ``import distributed`` costs a trainer about 20 MB of
+memory and half a second of start-up in *every* rank's process, for a client, a worker and a
+scheduler it never runs (``benchmarks/memory.py`` measures the memory per rank). The protocol it
+needs is small and stable:
+
+- a connection starts with a handshake, one message each way (``{"compression", "python",
+  "pickle-protocol"}``); this side offers no compression, so the peer sends frames as they are;
+- a message is frames behind a prelude: ``u64`` bytes of what follows in one piece, ``u64``
+  number of frames, one ``u64`` length per frame, then the frames (the ones beyond that first
+  piece are read one by one);
+- frame 0 is the message in msgpack; an object serialized out of band (a fetch's batches, a
+  :class:`~overlord_dask.wire.Payload`) is a ``{"__Serialized__": i}`` map whose sub-header (in
+  msgpack) is frame ``i`` and whose frames follow it (sharded where Dask split a large one);
+- a request is ``{"op": route, "reply": True, **arguments}`` and its answer one message; an
+  error a handler raised answers ``{"status": "uncaught-error", "exception_text": ...}``.
+
+Addresses other than ``tcp://`` (TLS, Dask's in-process transport) go through ``distributed``'s
+own comms, imported then: TLS takes its certificates from Dask's configuration, as every process
+of the service does. ``tests/test_control_path.py`` runs a trainer against a real service and
+checks that ``distributed`` was never imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import sys
+from collections.abc import Awaitable, Callable
+
+import msgpack
+
+from ..errors import ConnectionClosed
+from ..wire import Payload
+
+HANDSHAKE = {"compression": None, "python": tuple(sys.version_info)[:3], "pickle-protocol": 5}
+_U64 = struct.Struct("<Q")
+
+
+def native(address: str) -> bool:
+    """Whether this module speaks to ``address`` itself (plain TCP) rather than through
+    ``distributed``."""
+    return address.startswith("tcp://")
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    hostport = address.split("://", 1)[1]
+    host, _, port = hostport.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _pack_default(obj):
+    """Numbers numpy hands out (a rank from an array, say) travel as Python numbers."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, frozenset)):
+        return list(obj)
+    raise TypeError(f"cannot send {type(obj).__name__} to the service: {obj!r}")
+
+
+def _merged(header: dict, frames: list) -> list:
+    """A serialized object's frames, with the shards Dask split a large frame into joined."""
+    counts, offsets = header.get("split-num-sub-frames"), header.get("split-offsets")
+    if counts is None:
+        return list(frames)
+    return [b"".join(frames[o : o + n]) if n != 1 else frames[o] for n, o in zip(counts, offsets)]
+
+
+def decode(frames: list):
+    """A message from its frames (``frames[0]`` msgpack, out-of-band objects after it)."""
+
+    def hook(obj: dict):
+        offset = obj.get("__Serialized__", 0) if len(obj) == 1 else 0
+        if offset > 0:
+            header = msgpack.unpackb(frames[offset], use_list=False, strict_map_key=False, raw=False)
+            subs = _merged(header, frames[offset + 1 : offset + 1 + header["num-sub-frames"]])
+            if any(c is not None for c in header.get("compression", ())):
+                raise ConnectionClosed(f"the service sent compressed frames ({header['compression']}), none offered")
+            if b"Payload" in header.get("type-serialized", b""):
+                return Payload(subs)
+            return None  # an error's pickled exception: its text comes beside it
+        if len(obj) == 1 and "__Pickled__" in obj:
+            return None
+        return obj
+
+    return msgpack.unpackb(frames[0], object_hook=hook, use_list=False, strict_map_key=False, raw=False)
+
+
+def encode(msg) -> bytes:
+    """``msg`` as one message on the wire (prelude and its one msgpack frame)."""
+    body = msgpack.packb(msg, use_bin_type=True, default=_pack_default)
+    prelude = _U64.pack(1) + _U64.pack(len(body))
+    return _U64.pack(len(prelude) + len(body)) + prelude + body
+
+
+class Comm:
+    """One TCP connection to a scheduler or a worker: the part of Dask's ``Comm`` interface the
+    trainer uses (``read``, ``write``, ``close``, ``abort``, ``closed``)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str):
+        self.reader, self.writer, self.address = reader, writer, address
+        self.name = ""
+        self._closed = False
+
+    def closed(self) -> bool:
+        return self._closed
+
+    async def read(self):
+        try:
+            (first,) = _U64.unpack(await self.reader.readexactly(8))
+            head = await self.reader.readexactly(first)
+            (n,) = _U64.unpack_from(head, 0)
+            lengths = struct.unpack_from(f"<{n}Q", head, 8)
+            view, at, frames = memoryview(head), 8 * (n + 1), []
+            for length in lengths:
+                if at + length <= len(head):  # inside the first piece
+                    frames.append(view[at : at + length])
+                    at += length
+                else:
+                    frames.append(await self.reader.readexactly(length))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as err:
+            self.abort()
+            raise ConnectionClosed(f"connection to {self.address} closed: {type(err).__name__}: {err}") from None
+        return decode(frames)
+
+    async def write(self, msg, serializers=None, on_error: str = "raise") -> int:
+        if self._closed:
+            raise ConnectionClosed(f"connection to {self.address} is closed")
+        data = encode(msg)
+        try:
+            self.writer.write(data)
+            await self.writer.drain()
+        except (ConnectionError, OSError) as err:
+            self.abort()
+            raise ConnectionClosed(f"connection to {self.address} closed: {type(err).__name__}: {err}") from None
+        return len(data)
+
+    def abort(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.writer.transport.abort()
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.writer.close()
+            try:
+                await self.writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
+
+
+async def connect(address: str, timeout: float) -> Comm:
+    """A connection to ``address`` (``tcp://host:port``), handshake done. A refused connection
+    (a worker that just died, a service restarting) is retried until ``timeout``."""
+    host, port = _host_port(address)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    delay = 0.01
+    while True:
+        try:
+            left = max(deadline - loop.time(), 0.001)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), left)
+            break
+        except (ConnectionError, OSError, asyncio.TimeoutError) as err:
+            if loop.time() + delay >= deadline:
+                raise ConnectionClosed(
+                    f"timed out connecting to {address} after {timeout}s: {type(err).__name__}: {err}"
+                ) from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    comm = Comm(reader, writer, address)
+    await comm.write(HANDSHAKE)
+    await asyncio.wait_for(comm.read(), max(deadline - loop.time(), 5.0))  # the peer's handshake
+    return comm
+
+
+class _Requests:
+    """``rpc.route(**arguments)``: one request and its answer on a pooled connection to one
+    address (what the planner client and the fetches call)."""
+
+    def __init__(self, pool: Pool, address: str):
+        self._pool, self._address = pool, address
+
+    def __getattr__(self, route: str) -> Callable[..., Awaitable]:
+        if route.startswith("_"):
+            raise AttributeError(route)
+
+        async def call(**arguments):
+            return await self._pool.request(self._address, route, arguments)
+
+        return call
+
+
+class Pool:
+    """Connections of a trainer process, kept open per address and reused (one request at a time
+    on each), the way ``distributed.core.ConnectionPool`` keeps them; non-TCP addresses go to
+    such a pool, made on first need."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._idle: dict[str, list[Comm]] = {}
+        self._dask = None  # distributed's ConnectionPool, for TLS and in-process addresses
+
+    def __call__(self, address: str):
+        return _Requests(self, address) if native(address) else self._dask_pool()(address)
+
+    async def connect(self, address: str, timeout: float):
+        """A connection of its own (a channel's stream), not pooled."""
+        if native(address):
+            return await connect(address, timeout)
+        from distributed.comm import connect as dask_connect
+
+        return await dask_connect(address, timeout=timeout, **self._dask_pool().connection_args)
+
+    async def request(self, address: str, route: str, arguments: dict):
+        idle = self._idle.setdefault(address, [])
+        comm = None
+        while idle and comm is None:
+            c = idle.pop()
+            comm = None if c.closed() else c
+        if comm is None:
+            comm = await connect(address, self.timeout)
+        try:
+            await comm.write({"op": route, "reply": True, **arguments})
+            answer = await comm.read()
+        except BaseException:  # a cancelled request leaves the connection mid-message: never reuse it
+            comm.abort()
+            raise
+        idle.append(comm)
+        if isinstance(answer, dict) and answer.get("status") == "uncaught-error":
+            raise RuntimeError(f"{route} at {address} failed: {answer.get('exception_text')}")
+        return answer
+
+    async def prepare(self, address: str) -> None:
+        """Ready to reach ``address``: for a non-TCP one, ``distributed``'s pool is made here."""
+        if native(address) or self._dask is not None:
+            return
+        from distributed.core import ConnectionPool
+        from distributed.security import Security
+
+        from ..wire import register_payload_with_dask
+
+        register_payload_with_dask()
+        # TLS when Dask's config holds certificates (as the service's own processes do)
+        pool = ConnectionPool(
+            limit=4096, connection_args=Security().get_connection_args("client"), timeout=self.timeout
+        )
+        await pool.start()
+        self._dask = pool
+
+    def _dask_pool(self):
+        if self._dask is None:
+            raise ConnectionClosed("no connection pool for non-TCP addresses: Pool.prepare(address) first")
+        return self._dask
