@@ -296,6 +296,52 @@ def test_a_trainer_process_speaks_to_the_service_without_importing_dask(cluster,
     assert got["steps"] == mine == list(range(6)) and got["state"] == 6
 
 
+TRAINERS_THAT_END = """
+import multiprocessing as mp
+import sys
+
+
+def trainer(address, rank, done):
+    from overlord_dask import OverlordDataset
+
+    ds = OverlordDataset(address, rank=rank)
+    for i, mb in enumerate(ds):
+        if i == 2:
+            break
+    done.put(rank)
+    ds.close()
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")  # as torchrun's and the benchmarks' trainers end: a normal interpreter exit
+    done = ctx.Queue()
+    ps = [ctx.Process(target=trainer, args=(sys.argv[1], r, done)) for r in range(int(sys.argv[2]))]
+    for p in ps:
+        p.start()
+    print(sorted(done.get(timeout=120) for _ in ps))
+    for p in ps:
+        p.join(60)
+    print([p.exitcode for p in ps])
+"""
+
+
+@pytest.mark.integration
+def test_trainer_processes_end_without_a_word_on_stderr(cluster, small_plan, tmp_path):
+    """A trainer process that closes its stream and ends (or ends without closing it) leaves
+    nothing on stderr: its IO loop's tasks and connections are stopped at exit, not torn down
+    pending (asyncio's "Task was destroyed but it is pending!" for every rank at every stop)."""
+    script = tmp_path / "trainers.py"
+    script.write_text(TRAINERS_THAT_END)
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2}, topology={"dp": 2, "micro_batches": 1})
+    with Service.start(plan, cluster=cluster) as service:
+        out = subprocess.run(
+            [sys.executable, str(script), service.address, "2"], capture_output=True, text=True, timeout=300
+        )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["[0, 1]", "[0, 0]"], out.stdout
+    assert out.stderr == "", out.stderr[-3000:]
+
+
 @pytest.mark.integration
 def test_ranks_of_one_process_share_one_channel_and_descriptors_are_pushed(cluster, small_plan):
     """Every rank in this process receives its descriptors on one stream (no per-rank polling);

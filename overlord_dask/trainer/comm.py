@@ -239,6 +239,13 @@ class Pool:
             raise RuntimeError(f"{route} at {address} failed: {answer.get('exception_text')}")
         return answer
 
+    def abort_all(self) -> None:
+        """Close every idle connection (the process is ending)."""
+        for comms in self._idle.values():
+            for c in comms:
+                c.abort()
+        self._idle.clear()
+
     async def prepare(self, address: str) -> None:
         """Ready to reach ``address``: for a non-TCP one, ``distributed``'s pool is made here."""
         if native(address) or self._dask is not None:

@@ -12,6 +12,7 @@ message per process and interval, not requests per rank.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import threading
 from collections.abc import Awaitable, Callable
@@ -54,6 +55,31 @@ class ProcessIO:
         self.thread = threading.Thread(target=self.loop.run_forever, name="overlord-consumer-io", daemon=True)
         self.thread.start()
         self.pool = Pool(timeout=CONNECT_TIMEOUT_S)
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        """The process ends: stop what still runs on the IO loop (a channel's reader waits on its
+        socket for as long as the process lives) and close the connections, so that the loop is
+        not torn down at interpreter exit with tasks pending (asyncio logs each as "Task was
+        destroyed but it is pending")."""
+        if self.pid != os.getpid() or not self.thread.is_alive():
+            return
+
+        async def shutdown():
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for ch in list(self.channels.values()):
+                ch.abort()
+            self.pool.abort_all()
+
+        try:
+            self.run(shutdown(), timeout=5)
+        except Exception:  # a loop stuck in a callback: the daemon thread dies with the process anyway
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
     def channel(self, address: str, run_id: str, wait: bool = True, group: str = "") -> Channel:
         """This process's channel to run ``run_id`` at ``address`` (opened on first use; from
@@ -163,6 +189,13 @@ class Channel:
         self.bs = BatchedWriter(interval=CHANNEL_INTERVAL)
         self.bs.start(comm)
         self._reader = asyncio.ensure_future(self._read())
+
+    def abort(self) -> None:
+        """(IO loop) Close the channel's connection now (the process is ending)."""
+        self.closed = True
+        bs = getattr(self, "bs", None)
+        if bs is not None:
+            bs.abort()
 
     def send(self, msg: dict) -> None:
         """(IO loop) Queue a message for the scheduler; it leaves within a few ms."""
