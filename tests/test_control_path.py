@@ -563,3 +563,70 @@ def test_fetched_batches_wait_in_wire_form_and_only_the_next_steps_are_decoded()
         got.append(batch)
     assert [b["step"] for b in got] == list(range(s + 1)) and all(b["decoded"] for b in got)
     assert decoded.count(s) == 1 and hand.buffered() == 40 - (s + 1)
+
+
+@pytest.mark.integration
+def test_the_trainers_own_comms_speak_to_a_dask_server_as_dasks_do():
+    """``trainer/comm.py`` against a real ``distributed`` server: requests and their answers
+    (sets, bytes, nested values), a reply carrying batches out of band in frames large enough to
+    travel apart from the message, a handler's error as an error naming the route, a one-way
+    stream both ways (a channel), and keepalive on its sockets."""
+    import asyncio
+    import socket
+
+    from distributed.core import Server
+    from distributed.protocol import to_serialize
+
+    from overlord_dask.errors import ConnectionClosed
+    from overlord_dask.trainer.comm import KEEPALIVE, Pool
+    from overlord_dask.wire import Payload, register_payload_with_dask
+
+    register_payload_with_dask()
+    big = [bytes([i]) * (300_000 + i) for i in range(3)]
+
+    async def echo(comm=None, **kw):
+        return {"got": kw, "set": {1, 2}, "blob": b"\x00\x01"}
+
+    async def batches(comm=None, n=3):
+        return {"status": "OK", "payload": to_serialize(Payload(big[:n]))}
+
+    async def boom(comm=None):
+        raise ValueError("no such unit")
+
+    async def stream(comm=None, first=None):
+        got = await comm.read()
+        await comm.write([{"op": "echoed", "items": got}])
+
+    async def main():
+        server = Server({"echo": echo, "batches": batches, "boom": boom}, stream_handlers={})
+        server.handlers["stream"] = stream
+        await server.listen("tcp://127.0.0.1:0")
+        pool = Pool(timeout=5)
+        rpc = pool(server.address)
+        try:
+            answer = await rpc.echo(rank=np.int64(3), steps=[1, 2], nested={"a": (1.5, None)})
+            assert answer["got"] == {"rank": 3, "steps": (1, 2), "nested": {"a": (1.5, None)}}
+            assert answer["set"] == {1, 2} and answer["blob"] == b"\x00\x01"
+            reply = await rpc.batches(n=3)
+            assert [bytes(f) for f in reply["payload"].frames] == big
+            with pytest.raises(RuntimeError, match="boom at tcp://.*no such unit"):
+                await rpc.boom()
+            assert (await rpc.echo(x=1))["got"] == {"x": 1}  # the connection that answered an error is reused
+            comm = await pool.connect(server.address, timeout=5)
+            await comm.write({"op": "stream", "reply": False})
+            await comm.write([{"op": "ack", "step": 4}])
+            assert await comm.read() == ({"op": "echoed", "items": ({"op": "ack", "step": 4},)},)
+            sock = comm.writer.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE[0]
+            await comm.close()
+            with pytest.raises(ConnectionClosed):
+                await comm.write({"late": True})
+        finally:
+            pool.abort_all()
+            server.stop()
+        with pytest.raises(ConnectionClosed, match="timed out connecting"):
+            await pool.request(server.address, "echo", {})  # nobody listens there any more
+
+    asyncio.run(main())
