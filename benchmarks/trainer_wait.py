@@ -85,8 +85,9 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start, mod
     start.wait()
     barrier_s = time.perf_counter() - b0  # not the rank's own time to its first batch
     step_wait, step_tokens, cpu0 = 0.0, 0, None
+    cpu_from = min(warmup, steps - 1)  # CPU is counted from this step on
     while len(waits) < steps:
-        if cpu0 is None and len(waits) == min(warmup, steps - 1):
+        if cpu0 is None and len(waits) == cpu_from:
             cpu0 = _cpu_s()
         t0 = time.perf_counter()
         mb = next(it)
@@ -109,7 +110,7 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start, mod
             step_wait, step_tokens = 0.0, 0
     res = {
         "cpu_s": _cpu_s() - cpu0,  # the trainer process's CPU after the warm-up (its loader workers' excluded)
-        "cpu_steps": steps - min(warmup, steps - 1),
+        "cpu_steps": steps - cpu_from,
         "waits": waits,
         "ends": ends,
         "tokens": tokens,

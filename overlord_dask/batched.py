@@ -26,20 +26,9 @@ from .errors import ConnectionClosed
 logger = logging.getLogger(__name__)
 
 
-def seconds(interval: float | str) -> float:
-    """``interval`` in seconds: a number, or a string with a unit as Dask writes them ("2ms")."""
-    if not isinstance(interval, str):
-        return float(interval)
-    text = interval.strip()
-    for unit, scale in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0)):
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    return float(text)
-
-
 class BatchedWriter:
-    def __init__(self, interval: float | str):
-        self.interval = seconds(interval)
+    def __init__(self, interval: float):
+        self.interval = float(interval)  # seconds
         self.comm = None
         self.buffer: list = []
         self.batch_count = 0

@@ -23,8 +23,8 @@ import json
 import os
 from pathlib import Path
 
-CHANNEL_INTERVAL = "2ms"
-"""Batching interval of a trainer process's channel to the scheduler, both directions."""
+CHANNEL_INTERVAL = 0.002
+"""Batching interval (seconds) of a trainer process's channel to the scheduler, both directions."""
 
 
 class Route:
@@ -52,6 +52,34 @@ class Route:
     FETCH = "overlord_fetch"  # on every worker: a trainer fetches built batches
     EVAL = "overlord_eval"  # where the run's evaluation batches are
     SKIP = "overlord_skip"  # steps not to hand out (a decision in the run's timeline)
+
+
+def reports_in(item: dict) -> int:
+    """How many trainer reports one report item stands for (``trainer/reporting.aggregate``
+    sends a chunk's step times as columns and its loss reports merged, with their count)."""
+    steps = item.get("steps")
+    if isinstance(steps, (list, tuple)):
+        return len(steps)
+    n = item.get("n", 1)
+    return n if isinstance(n, int) and n > 0 else 1
+
+
+def step_times(item: dict) -> tuple[list, list, list] | None:
+    """A report item's compute times as columns ``(steps, seconds, per micro-batch seconds or
+    None)``, from the aggregated ``{"steps", "t", "mb"}`` or a single step's ``{"s", "t", "mb"}``;
+    None when it carries no times or its columns disagree in length (a malformed item is
+    dropped, not the planner's failure)."""
+    if "steps" in item:
+        steps = list(item["steps"])
+        k = len(steps)
+        times = item.get("t") or ()
+        mb = item.get("mb") or [None] * k
+        if len(times) != k or len(mb) != k:
+            return None
+        return steps, list(times), list(mb)
+    if "t" in item:
+        return [int(item["s"])], [item["t"]], [item.get("mb")]
+    return None
 
 
 def eval_key(run_id: str) -> str:

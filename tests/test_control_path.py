@@ -420,7 +420,7 @@ def test_batched_writer_batches_and_leaves_no_cyclic_garbage():
             self._closed = True
 
     async def main():
-        comm, w = Comm(), BatchedWriter("5ms")
+        comm, w = Comm(), BatchedWriter(0.005)
         w.start(comm)
         gc.collect()
         gc.disable()
@@ -463,7 +463,7 @@ def test_batched_writer_batches_and_leaves_no_cyclic_garbage():
                 await asyncio.sleep(0.02)
                 self.writes.append(list(msg))
 
-        comm, w = SlowComm(), BatchedWriter("5ms")
+        comm, w = SlowComm(), BatchedWriter(0.005)
         w.start(comm)
         w.send({"i": 0})
         await asyncio.sleep(0.005)  # that write is in flight

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import PlanError
+from ..protocol import reports_in, step_times
 from .learn import CostLearner, step_features
 from .mixing import Controller, checked_proposal, make_controller, project
 
@@ -67,32 +68,22 @@ class FeedbackLoop:
         ranks, cps, steps, secs, mbs = [], [], [], [], []
         for rank, cp_rank, item in reports:
             self.newest = max(self.newest, int(item["s"]))
-            if "steps" in item:
-                k = len(item["steps"])
-                mb = item.get("mb") or [None] * k
-                if len(item.get("t") or ()) != k or len(mb) != k:
-                    continue  # a malformed item is not the planner's failure
+            columns = step_times(item)
+            if columns is not None:
+                k = len(columns[0])
                 ranks += [rank] * k
                 cps += [cp_rank] * k
-                steps += item["steps"]
-                secs += item["t"]
-                mbs += mb
+                steps += columns[0]
+                secs += columns[1]
+                mbs += columns[2]
                 self.reports += k
-                continue
-            if "t" in item:
-                ranks.append(rank)
-                cps.append(cp_rank)
-                steps.append(int(item["s"]))
-                secs.append(item["t"])
-                mbs.append(item.get("mb"))
-                self.reports += 1
             if "loss" in item or "extra" in item:
                 losses = {k: (float(v[0]), float(v[1])) for k, v in (item.get("loss") or {}).items()}
                 if self.controller is not None:
                     self._controller("observe", int(item["s"]), losses, item.get("extra") or {})
                 if item.get("extra"):
                     self.metrics.append((int(item["s"]), rank, item["extra"]))
-                self.reports += int(item.get("n", 1))
+                self.reports += reports_in(item)
         if steps:
             self._times_of(st, ranks, cps, steps, secs, mbs)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..protocol import reports_in
+
 MAX_QUEUED = 200_000  # items (a rank's reports of a chunk, or of one step) waiting for the planner thread
 
 
@@ -28,9 +30,9 @@ class ReportInbox:
             return
         for item in items:
             if isinstance(item, dict) and isinstance(item.get("s"), int):
-                n = _reports_in(item)
+                n = reports_in(item)
                 if len(self._queue) == self._queue.maxlen:
-                    self.dropped += _reports_in(self._queue[0][2])
+                    self.dropped += reports_in(self._queue[0][2])
                 self._queue.append((int(rank), int(cp_rank), item))
                 self.received += n
 
@@ -44,11 +46,3 @@ class ReportInbox:
             except IndexError:  # (emptied meanwhile: only this thread pops)
                 break
         return out
-
-
-def _reports_in(item: dict) -> int:
-    steps = item.get("steps")
-    if isinstance(steps, (list, tuple)):
-        return len(steps)
-    n = item.get("n", 1)
-    return n if isinstance(n, int) and n > 0 else 1

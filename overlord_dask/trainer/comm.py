@@ -125,7 +125,7 @@ class Comm:
                     at += length
                 else:
                     frames.append(await self.reader.readexactly(length))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as err:
+        except (asyncio.IncompleteReadError, OSError) as err:
             self.abort()
             raise ConnectionClosed(f"connection to {self.address} closed: {type(err).__name__}: {err}") from None
         return decode(frames)
@@ -137,7 +137,7 @@ class Comm:
         try:
             self.writer.write(data)
             await self.writer.drain()
-        except (ConnectionError, OSError) as err:
+        except OSError as err:
             self.abort()
             raise ConnectionClosed(f"connection to {self.address} closed: {type(err).__name__}: {err}") from None
         return len(data)
@@ -153,7 +153,7 @@ class Comm:
             self.writer.close()
             try:
                 await self.writer.wait_closed()
-            except (ConnectionError, OSError):
+            except OSError:
                 pass
 
 
@@ -181,7 +181,7 @@ async def connect(address: str, timeout: float) -> Comm:
             left = max(deadline - loop.time(), 0.001)
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), left)
             break
-        except (ConnectionError, OSError, asyncio.TimeoutError) as err:
+        except (OSError, asyncio.TimeoutError) as err:
             if loop.time() + delay >= deadline:
                 raise ConnectionClosed(
                     f"timed out connecting to {address} after {timeout}s: {type(err).__name__}: {err}"
