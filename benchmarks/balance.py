@@ -18,6 +18,8 @@ The ``large_dp_*`` rows plan for thousands of ranks (one 8k-token micro-batch ea
 documents up to 64k tokens): ``planner_ms_p99`` / ``planner_ms_p50`` are the planner's time per
 step (a window's planning divided by its steps), to hold against the step time of the model the
 run trains (e.g. a 1B model on 1,024 GPUs steps every ~83 ms: at most 8 ms of planning).
+``planner_ms_per_1m_tokens``: the planner's time over the tokens it planned, every row (what
+``docs/design/scaling.md``'s model calls the token term).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def run_planner(dist: dict, steps: int, seed: int, **balance) -> dict:
         "samples_per_s": samples / plan_s,
         "ms_per_step": per_step_ms,
         "samples_per_step": samples / len(out),
+        "ms_per_1m_tokens": plan_s * 1e3 / max(1e-9, sum(int(x.sum()) for x in lengths) / 1e6),
         "lengths": np.concatenate(lengths),
     }
 
@@ -236,6 +239,7 @@ def bench(name: str, dist: dict, steps: int, seed: int, **balance) -> dict:
         "planner_samples_per_s": round(res["samples_per_s"], 1),
         "planner_ms_p99": q(res["ms_per_step"], 99),
         "planner_ms_p50": q(res["ms_per_step"], 50),
+        "planner_ms_per_1m_tokens": round(res["ms_per_1m_tokens"], 3),
         "dp": make_plan(dist).topology.dp,
     }
 

@@ -207,22 +207,34 @@ def test_tiny_weights_do_not_starve_the_planner():
 
 
 @pytest.mark.parametrize(
-    "dp,n_sources,capacity,cost",
+    "dp,n_sources,capacity,cost,sync",
     [
-        (4, 2, 16_384, None),
-        (4, 3, 2048, None),
-        (12, 10, 16_384, {"attention": 0.7, "hidden": 1000, "constant": 13.37}),
-        (160, 3, 4096, None),
+        (4, 2, 16_384, None, "micro_batch"),
+        (4, 3, 2048, None, "micro_batch"),
+        (12, 10, 16_384, {"attention": 0.7, "hidden": 1000, "constant": 13.37}, "micro_batch"),
+        (160, 3, 4096, None, "micro_batch"),
+        (6, 3, 8192, None, "step"),
+        (96, 2, 2048, {"attention": 0.7, "hidden": 1000, "constant": 13.37}, "step"),
     ],
 )
-def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacity, cost):
+def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacity, cost, sync):
     """The balancer's loops run compiled (``kernels``, numba) or, where numba is missing, in
     numpy: both make the very same plan, piece for piece, so a run resumed without numba re-plans
     what it planned. In the second case heavy groups often miss their own step (long documents,
     small micro-batches); the third has fractional costs and more than 8 sources and ranks, where
     numpy sums pairwise (``kernels.np_sum`` must follow it). The fourth has more ranks than the
-    grouping programme keeps skip states for (it skips in blocks there)."""
-    from overlord_dask.planner.policies import kernels
+    grouping programme keeps skip states for (it skips in blocks there). The last two balance
+    whole ranks (sync ``step``). The last pass (``polish``) changes the placement in each case."""
+    from overlord_dask.planner.policies import kernels, polish
+
+    changes = []
+    real = polish.polish
+
+    def counted(*a, **kw):
+        changes.append(real(*a, **kw))
+        return changes[-1]
+
+    monkeypatch.setattr("overlord_dask.planner.policies.balance.polish", counted)
 
     assert kernels.warm()  # numba is installed with the package
     shapes = [(0.9, 700), (None, 6.0), (1.2, 300), (None, 5.0)]
@@ -239,9 +251,11 @@ def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacit
     plans = []
     for compiled in (True, False):
         monkeypatch.setattr(kernels, "COMPILED", compiled)
-        st_ = make_state(weights, topo, {"policy": "cost", "window": 8}, seed=3, cost=cost)
+        changes.clear()
+        st_ = make_state(weights, topo, {"policy": "cost", "window": 8, "sync": sync}, seed=3, cost=cost)
         steps = drive(st_, gens, 24, seed=3)
         plans.append([(st_.ledger[s]["pieces"].tobytes(), st_.ledger[s]["slot"].tobytes()) for s in steps])
+        assert sum(changes) > 0, (compiled, changes)
     assert plans[0] == plans[1]
 
 

@@ -364,6 +364,224 @@ def repair_bins(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity):
                 where[p] = -1
 
 
+@_jit
+def polish_window(where, lens, costs, bin_cost, bin_tok, dp, mb, capacity, by_rank, max_moves, targets, tolerance):
+    """``polish.polish`` for a window (``bin_cost``/``bin_tok``: ``[steps, dp·mb]``): per step
+    (``by_rank``: containers are ranks, all their micro-batches) or per step and micro-batch
+    row, the same moves and swaps in the same order; returns the number of changes."""
+    steps, n_bins = bin_cost.shape
+    count = np.zeros(steps + 1, dtype=np.int64)  # pieces per step, bucketed in piece order
+    for p in range(len(where)):
+        if where[p] >= 0:
+            count[where[p] // n_bins + 1] += 1
+    for s in range(steps):
+        count[s + 1] += count[s]
+    fill = count[:-1].copy()
+    by_step = np.empty(count[steps], dtype=np.int64)
+    for p in range(len(where)):
+        if where[p] >= 0:
+            s = where[p] // n_bins
+            by_step[fill[s]] = p
+            fill[s] += 1
+    owner = np.empty(n_bins, dtype=np.int64)
+    moves = 0
+    rows = 1 if by_rank else mb
+    for s in range(steps):
+        members = by_step[count[s] : count[s + 1]]
+        if len(members) == 0:
+            continue
+        base = s * n_bins
+        for m in range(rows):
+            for b in range(n_bins):
+                owner[b] = b // mb if by_rank or b % mb == m else -1
+            moves += _polish_group(
+                members,
+                where,
+                lens,
+                costs,
+                bin_cost[s],
+                bin_tok[s],
+                base,
+                capacity,
+                owner,
+                dp,
+                mb if by_rank else 1,
+                0 if by_rank else m,
+                mb,
+                max_moves,
+                targets,
+                tolerance,
+            )
+    return moves
+
+
+@_jit
+def _polish_group(
+    members,
+    where,
+    lens,
+    costs,
+    bin_cost,
+    bin_tok,
+    base,
+    capacity,
+    owner,
+    n,
+    per,
+    off,
+    mb,
+    max_moves,
+    targets,
+    tolerance,
+):
+    """``polish._polish_group``: container ``k``'s bins are ``k·mb + off + j`` for ``j <
+    per``."""
+    cnt = 0
+    for p in members:
+        if owner[where[p] - base] >= 0:
+            cnt += 1
+    if cnt == 0:
+        return 0
+    mine = np.empty(cnt, dtype=np.int64)  # (members are in piece order)
+    at = np.empty(cnt, dtype=np.int64)
+    i = 0
+    for p in members:
+        o = owner[where[p] - base]
+        if o >= 0:
+            mine[i] = p
+            at[i] = o
+            i += 1
+    cont = np.zeros(n)
+    for b in range(len(owner)):
+        if owner[b] >= 0:
+            cont[owner[b]] += bin_cost[b]
+    target = np_sum(cont) / n * (1 + tolerance)
+    k = min(targets, n - 1)
+    kk = min(k + 1, n)
+    cheap = np.empty(kk, dtype=np.int64)
+    moves = 0
+    for _ in range(max_moves):
+        hi = 0
+        for c in range(1, n):
+            if cont[c] > cont[hi]:
+                hi = c
+        if cont[hi] <= target or k < 1:
+            break
+        filled = 0  # the kk cheapest containers by (cost, index), in that order
+        for c in range(n):
+            if filled == kk and not cont[c] < cont[cheap[kk - 1]]:
+                continue
+            j = filled if filled < kk else kk - 1
+            while j > 0 and cont[cheap[j - 1]] > cont[c]:
+                cheap[j] = cheap[j - 1]
+                j -= 1
+            cheap[j] = c
+            if filled < kk:
+                filled += 1
+        changed = False
+        for t in range(kk):
+            lo = cheap[t]
+            gap = cont[hi] - cont[lo]
+            if lo == hi or gap <= 0:
+                continue
+            delta, a, b = _change(
+                mine, at, hi, lo, gap, per, off, mb, where, lens, costs, bin_cost, bin_tok, base, capacity
+            )
+            if a >= 0:
+                cont[hi] -= delta
+                cont[lo] += delta
+                for q in (a, b):
+                    if q >= 0:
+                        pos = np.searchsorted(mine, q)
+                        at[pos] = owner[where[q] - base]
+                moves += 1
+                changed = True
+                break
+        if not changed:
+            break
+    return moves
+
+
+@_jit
+def _change(mine, at, hi, lo, gap, per, off, mb, where, lens, costs, bin_cost, bin_tok, base, capacity):
+    """``polish._change``: ``(cost moved, piece, swapped piece or -1)``, piece -1 where nothing
+    fits that lowers the pair's maximum."""
+    first = lo * mb + off
+    best_room, dst = capacity - bin_tok[first], first
+    for j in range(1, per):
+        r = capacity - bin_tok[first + j]
+        if r > best_room:
+            best_room, dst = r, first + j
+    half = gap / 2
+    p, err = -1, np.inf
+    n_hi, n_lo = 0, 0
+    for i in range(len(mine)):
+        if at[i] == lo:
+            n_lo += 1
+        if at[i] != hi:
+            continue
+        n_hi += 1
+        q = mine[i]
+        c = costs[q]
+        if c > 0 and c < gap and lens[q] <= best_room:
+            e = np.abs(c - half)
+            if e < err:
+                p, err = q, e
+    if p >= 0:  # a move: the piece closest to half the gap, into the bin with most room
+        _move(p, dst, where, lens, costs, bin_cost, bin_tok, base)
+        return costs[p], p, -1
+    if n_hi == 0 or n_lo == 0:
+        return 0.0, -1, -1
+    A = np.empty(n_hi, dtype=np.int64)
+    B = np.empty(n_lo, dtype=np.int64)
+    ia, ib = 0, 0
+    for i in range(len(mine)):
+        if at[i] == hi:
+            A[ia] = mine[i]
+            ia += 1
+        elif at[i] == lo:
+            B[ib] = mine[i]
+            ib += 1
+    cb_raw = np.empty(n_lo)
+    for j in range(n_lo):
+        cb_raw[j] = costs[B[j]]
+    order = _argsort(cb_raw)
+    Bs = B[order]
+    cb = cb_raw[order]
+    best_a, best_b, best_err = -1, -1, np.inf
+    for shift in (-1, 0):
+        ka, kb, kerr = -1, -1, np.inf
+        for i in range(n_hi):
+            a = A[i]
+            j = np.searchsorted(cb, costs[a] - half) + shift
+            j = min(max(j, 0), n_lo - 1)
+            b = Bs[j]
+            d = costs[a] - costs[b]
+            xa, yb = where[a] - base, where[b] - base
+            fits = (bin_tok[yb] - lens[b] + lens[a] <= capacity) and (bin_tok[xa] - lens[a] + lens[b] <= capacity)
+            e = np.abs(d - half) if (d > 0 and d < gap and fits) else np.inf
+            if e < kerr:
+                ka, kb, kerr = a, b, e
+        if kerr < best_err:
+            best_a, best_b, best_err = ka, kb, kerr
+    if best_a < 0:
+        return 0.0, -1, -1
+    x, y = where[best_a] - base, where[best_b] - base
+    _move(best_a, y, where, lens, costs, bin_cost, bin_tok, base)
+    _move(best_b, x, where, lens, costs, bin_cost, bin_tok, base)
+    return costs[best_a] - costs[best_b], best_a, best_b
+
+
+@_jit
+def _move(p, dst, where, lens, costs, bin_cost, bin_tok, base):
+    src = where[p] - base
+    bin_cost[src] -= costs[p]
+    bin_tok[src] -= lens[p]
+    bin_cost[dst] += costs[p]
+    bin_tok[dst] += lens[p]
+    where[p] = base + dst
+
+
 def warm(bins: int | None = None) -> bool:
     """Compile (or load from the cache) every kernel and run it once for the argument types the
     balancer passes, on a toy window, where a step has ``bins`` (dp × micro-batches) of at least
@@ -414,6 +632,20 @@ def _warm() -> None:
         np.array([3.0, 0.0]),
         0,
         10,
+    )
+    polish_window(
+        np.array([0, 0, 1, 2], dtype=i8),
+        np.array([3, 2, 4, 1], dtype=i8),
+        np.array([9.0, 4.0, 16.0, 1.0]),
+        np.array([[13.0, 16.0, 1.0, 0.0]]),
+        np.array([[5, 4, 1, 0]], dtype=i8),
+        2,
+        2,
+        8,
+        True,
+        32,
+        8,
+        0.002,
     )
     light_to_steps(
         np.arange(5, dtype=f8),

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import kernels
+
 MAX_MOVES = 32
 TARGETS = 8  # cheapest containers tried for each change of the costliest
 TOLERANCE = 0.002  # done once the costliest container is this close to the mean
@@ -37,7 +39,26 @@ def polish(
     sync: str,
 ) -> int:
     """Improve the window's placement in place (``where``: flat bin per piece, -1 pending;
-    ``bin_cost``/``bin_tok``: ``[steps, dp·micro_batches]``); returns the number of changes."""
+    ``bin_cost``/``bin_tok``: ``[steps, dp·micro_batches]``); returns the number of changes.
+    Compiled (``kernels.polish_window``) where the kernels are, else the numpy code below:
+    the same changes."""
+    if kernels.COMPILED:
+        return int(
+            kernels.polish_window(
+                where,
+                np.ascontiguousarray(lens, dtype=np.int64),
+                np.ascontiguousarray(costs, dtype=np.float64),
+                bin_cost,
+                bin_tok,
+                dp,
+                micro_batches,
+                capacity,
+                sync == "step",
+                MAX_MOVES,
+                TARGETS,
+                TOLERANCE,
+            )
+        )
     n_bins = dp * micro_batches
     placed = np.flatnonzero(where >= 0)
     placed = placed[np.argsort(where[placed], kind="stable")]
@@ -100,8 +121,7 @@ def _polish_group(
         if cont_cost[hi] <= target or k < 1:
             break
         in_hi = mine[at == hi]
-        cheap = np.argpartition(cont_cost, k)[: k + 1] if n > k + 1 else np.arange(n)
-        for lo in cheap[np.lexsort((cheap, cont_cost[cheap]))]:  # the cheapest containers first
+        for lo in _cheapest(cont_cost, k + 1):
             lo = int(lo)
             gap = cont_cost[hi] - cont_cost[lo]
             if lo == hi or gap <= 0:
@@ -120,6 +140,19 @@ def _polish_group(
         else:
             break
     return moves
+
+
+def _cheapest(cont_cost: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` cheapest containers, cheapest first, ties to the lowest index (a partition,
+    then only the tied boundary in index order: the compiled kernel picks the very same)."""
+    n = len(cont_cost)
+    if n <= k:
+        cand = np.arange(n)
+    else:
+        v = np.partition(cont_cost, k - 1)[k - 1]
+        below = np.flatnonzero(cont_cost < v)
+        cand = np.concatenate([below, np.flatnonzero(cont_cost == v)[: k - len(below)]])
+    return cand[np.lexsort((cand, cont_cost[cand]))]
 
 
 def _change(
