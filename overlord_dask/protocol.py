@@ -1,4 +1,4 @@
-"""The control protocol in one place: scheduler routes, queue names, task keys, descriptors.
+"""The control protocol in one place: scheduler routes, task keys, descriptors.
 
 The planner plugin (scheduler), the submitter (service process), the loader and constructor
 tasks (workers), the batch server (workers) and the trainers meet only through the names defined
@@ -7,13 +7,15 @@ in :class:`Route`; ``scheduler/routes.py`` binds them to handlers and ``client.p
 
 What each route takes and answers is listed with the route table, in ``scheduler/routes.py``.
 
-A queue item (``distributed.Queue`` per (rank, cp rank), msgpack, a few hundred bytes) names one
-constructor task and the consecutive steps of that rank it holds::
+A descriptor (msgpack, a few hundred bytes) names one constructor task and the consecutive
+steps it holds; it travels on the channels (``scheduler/channels.py``) once per channel, with
+the consumers it is for::
 
-    {"key": "overlord-batch-<run>-<first step>-r<lo>-<hi>", "steps": [s0, s1, ...],
-     "workers": ["tcp://..."], "gen": 3, "run_id": "<run>"}
+    {"op": "descriptors", "to": [[rank, cp_rank, replica, generation], ...],
+     "items": [{"key": "overlord-batch-<run>-<first step>-r<lo>-<hi>", "steps": [s0, s1, ...],
+                "workers": ["tcp://..."], "run_id": "<run>"}]}
 
-or ``{"error": "..."}`` when the run failed. The batch itself is fetched from the worker
+or an item ``{"error": "..."}`` when the run failed. The batch itself is fetched from the worker
 (``overlord_fetch`` on the worker, see ``batch_server``), never through the scheduler.
 """
 
@@ -85,14 +87,6 @@ def step_times(item: dict) -> tuple[list, list, list] | None:
 def eval_key(run_id: str) -> str:
     """The task holding a run's evaluation batches (``worker/evaluation.py``)."""
     return f"overlord-eval-{run_id}"
-
-
-def queue_prefix(run_id: str) -> str:
-    return f"overlord-{run_id}"
-
-
-def rank_queue_name(run_id: str, rank: int, cp_rank: int = 0) -> str:
-    return f"{queue_prefix(run_id)}-rank-{rank}" + (f"-cp-{cp_rank}" if cp_rank else "")
 
 
 def load_prefix(run_id: str) -> str:

@@ -1,18 +1,19 @@
 """Rank channels: how built batches' descriptors reach the trainers, on the scheduler's loop.
 
-Each (rank, cp rank) has a ``distributed.Queue`` (named in ``protocol.py``) that holds the
-descriptors of its built batches (a constructor task's key, its steps, the workers holding it)
-until they go out. A consumer process opens one stream per run (``overlord_channel``), shared by
-its ranks, and subscribes each consumer on it; descriptors are then pushed to it as constructor
-tasks finish, batched every few ms (``batched.BatchedWriter``) in both directions, so the event loop
-handles a message per process and interval, not a request per rank.
+A consumer process (or a host's relay, ``trainer/relay.py``, for every process of its host)
+opens one stream per run (``overlord_channel``) and subscribes its consumers on it. When a
+constructor task is built, its descriptor (the task's key, its steps, the workers holding it)
+goes out once per channel, naming the consumers it is for: the event loop's work per chunk is
+a message per channel (per host, with relays), not one per rank and replica. Messages are
+batched every few ms (``batched.BatchedWriter``) in both directions.
 
 A consumer is a (rank, cp rank, replica): the tensor- and pipeline-parallel ranks of one
 data-parallel rank are replicas that receive the same descriptors, each on its own
-subscription, from the one queue of their rank (the batch is built once). Only the newest
-attachment of a consumer is subscribed (a generation counts attachments), so a consumer that
-died or closed cannot take what its successor needs; a subscription starts with every built
-batch the consumer still needs (``backlog``), so nothing queued before it subscribed is lost.
+subscription (the batch is built once). Only the newest attachment of a consumer is subscribed
+(a generation counts attachments), so a consumer that died or closed cannot take what its
+successor needs; a subscription starts with every built batch the consumer still needs
+(``backlog``, from the tasks the scheduler holds), so nothing built before it subscribed is lost,
+and nothing is held per rank while nobody is subscribed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..batched import BatchedWriter
-from ..protocol import CHANNEL_INTERVAL, rank_queue_name
+from ..protocol import CHANNEL_INTERVAL
 
 Consumer = tuple[int, int, int]  # (rank, cp rank, replica)
 
@@ -40,74 +41,56 @@ class RankChannels:
 
     def __init__(
         self,
-        queues,
-        owner: str,
-        run_id: str,
         dp: int,
         cp: int,
         *,
         backlog: Callable[[Consumer], list[dict]],
         on_leave: Callable[[Consumer], None] = lambda c: None,
     ):
-        self.queues, self.owner, self.run_id = queues, owner, run_id  # the scheduler's queue extension
+        self.dp, self.cp = dp, cp
         self.backlog, self.on_leave = backlog, on_leave
-        self.names: dict[tuple[int, int], str] = {}
-        self._create(dp, cp)
         self.generation: dict[Consumer, int] = {}  # consumer -> generation of its newest attachment
         self.streams: dict[str, BatchedWriter] = {}  # consumer process channel id -> its stream
         self.subs: dict[tuple[int, int], dict[int, str]] = {}  # (rank, cp rank) -> replica -> channel id
         self.on_channel: dict[str, set[Consumer]] = {}  # channel id -> the consumers subscribed on it (subs, inverted)
-        self.put_count = 0  # descriptors put (control-path traffic)
-
-    def _create(self, dp: int, cp: int) -> None:
-        self.names = {(r, j): rank_queue_name(self.run_id, r, j) for r in range(dp) for j in range(cp)}
-        for name in self.names.values():
-            self.queues.create(name=name, client=self.owner)
-
-    def _release(self) -> None:
-        for name in self.names.values():
-            self.queues.release(name=name, client=self.owner)
+        self.put_count = 0  # descriptors handed out, one per rank (control-path traffic)
 
     # ---- descriptors ----------------------------------------------------------------------------
-    def descriptor(self, key: str, task: dict) -> dict:
+    @staticmethod
+    def descriptor(key: str, task: dict, run_id: str) -> dict:
         """What a rank needs to fetch a chunk's steps (and, after skipped steps, which: it goes on past them)."""
-        desc = {"key": key, "steps": task["steps"], "workers": task["workers"], "run_id": self.run_id}
+        desc = {"key": key, "steps": task["steps"], "workers": task["workers"], "run_id": run_id}
         if task.get("skip"):
             desc["skip"] = task["skip"]
         return desc
 
-    def put(self, rank: int, cp_rank: int, item: dict) -> None:
-        """``item`` (a descriptor, or ``{"error": ...}``) into the rank's queue, and on to its
-        subscribers."""
-        q = self.queues.queues.get(self.names.get((rank, cp_rank), ""))
-        if q is not None:
-            q.put_nowait({"type": "msgpack", "value": item})
-            self.put_count += "error" not in item
-            self.drain((rank, cp_rank))
-
-    def drain(self, key: tuple[int, int]) -> None:
-        """Move everything waiting in the rank's queue to its subscribers, if it has any."""
-        subs = self.subs.get(key)
-        q = self.queues.queues.get(self.names.get(key, ""))
-        if not subs or q is None or q.empty():
-            return
-        items = []
-        while not q.empty():
-            items.append(q.get_nowait()["value"])
-        for replica, channel_id in list(subs.items()):
-            self._send_items((*key, replica), channel_id, items)
+    def deliver(self, lo: int, hi: int, item: dict) -> None:
+        """``item`` (a descriptor, or ``{"error": ...}``) to the subscribed consumers of ranks
+        ``[lo, hi)``, every cp rank: one message per channel, naming its consumers
+        (``[rank, cp rank, replica, generation]``)."""
+        by_channel: dict[str, list] = {}
+        gen = self.generation
+        for rank in range(lo, hi):
+            for cp_rank in range(self.cp):
+                subs = self.subs.get((rank, cp_rank))
+                if subs:
+                    for replica, channel_id in subs.items():
+                        to = by_channel.get(channel_id)
+                        if to is None:
+                            to = by_channel[channel_id] = []
+                        to.append((rank, cp_rank, replica, gen.get((rank, cp_rank, replica), 0)))
+        if "error" not in item:
+            self.put_count += (hi - lo) * self.cp
+        for channel_id, to in by_channel.items():
+            bs = self.streams.get(channel_id)
+            if bs is None or not send(bs, {"op": "descriptors", "to": to, "items": [item]}):
+                for rank, cp_rank, replica, _ in to:  # the process went away; its successor gets them again
+                    self._drop((rank, cp_rank, replica), channel_id)
 
     def _send_items(self, consumer: Consumer, channel_id: str, items: list[dict]) -> None:
         rank, cp_rank, replica = consumer
         bs = self.streams.get(channel_id)
-        msg = {
-            "op": "descriptors",
-            "rank": rank,
-            "cp_rank": cp_rank,
-            "replica": replica,
-            "generation": self.generation.get(consumer, 0),
-            "items": items,
-        }
+        msg = {"op": "descriptors", "to": [(rank, cp_rank, replica, self.generation.get(consumer, 0))], "items": items}
         if bs is None or not send(bs, msg):
             self._drop(consumer, channel_id)  # the process went away; its successor gets them again
 
@@ -180,9 +163,8 @@ class RankChannels:
         """Push the consumer's descriptors to this channel from now on (its newest attachment
         only), starting with every built batch it still needs."""
         consumer = (rank, cp_rank, replica)
-        if (rank, cp_rank) not in self.names or self.generation.get(consumer, 0) != generation:
+        if not self.exists(rank, cp_rank) or self.generation.get(consumer, 0) != generation:
             return
-        self.drain((rank, cp_rank))  # to the replicas subscribed already; this one gets the backlog
         self._add(consumer, channel_id)
         self._send_items(consumer, channel_id, self.backlog(consumer))
 
@@ -221,10 +203,13 @@ class RankChannels:
             )
         return gen
 
+    def exists(self, rank: int, cp_rank: int) -> bool:
+        return 0 <= rank < self.dp and 0 <= cp_rank < self.cp
+
     def end_all(self, message: str, dp: int | None = None, cp: int | None = None) -> None:
-        """Every subscribed consumer's stream ends with ``message``, no earlier attachment counts
-        any more (their acks are refused), and the queues start empty; with ``dp``/``cp``, for a
-        new topology (a job that came back with another number of ranks)."""
+        """Every subscribed consumer's stream ends with ``message``, and no earlier attachment
+        counts any more (their acks are refused); with ``dp``/``cp``, for a new topology (a job
+        that came back with another number of ranks)."""
         for (rank, cp_rank), subs in self.subs.items():
             for replica, channel_id in subs.items():
                 bs = self.streams.get(channel_id)
@@ -244,23 +229,15 @@ class RankChannels:
         self.on_channel.clear()
         for consumer in self.generation:
             self.generation[consumer] += 1
-        self._release()
         if dp is not None:
-            self._create(dp, cp or 1)
-        else:
-            self._create(*self._shape())
-
-    def _shape(self) -> tuple[int, int]:
-        ranks = {r for r, _ in self.names}
-        cps = {j for _, j in self.names}
-        return len(ranks), len(cps)
+            self.dp, self.cp = dp, cp or 1
 
     def current(self, consumer: Consumer, generation: int) -> bool:
         """Whether ``generation`` is the consumer's newest attachment."""
         return self.generation.get(consumer, 0) == generation
 
     async def close(self, message: str, resumable: bool = False) -> None:
-        """The run stops: every consumer process hears it, the streams close, the queues go.
+        """The run stops: every consumer process hears it and the streams close.
         ``resumable``: its snapshots let a restarted service continue it (consumers wait for it)."""
         self.broadcast({"op": "error", "rank": None, "message": message, "resumable": resumable})
         for bs in list(self.streams.values()):
@@ -268,4 +245,3 @@ class RankChannels:
                 await bs.close(timeout=2)
             except Exception:
                 pass
-        self._release()

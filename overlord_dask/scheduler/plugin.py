@@ -104,9 +104,6 @@ class PlannerPlugin(SchedulerPlugin):
             plan = self.plan = self.thread.state.final_plan
             self.chunk_steps = self.thread.chunk_steps = chunk_steps(plan.loading, plan.topology)
         self.channels = RankChannels(
-            scheduler.extensions["queues"],
-            self.name,
-            self.run_id,
             plan.topology.dp,
             plan.topology.cp,
             backlog=self.routes.trainers.backlog,
@@ -239,10 +236,7 @@ class PlannerPlugin(SchedulerPlugin):
             return
         if finish == "memory":
             if self.held.stored(key):  # built: its ranks' descriptors go out
-                desc = self.channels.descriptor(key, t)
-                for r in range(t["lo"], t["hi"]):
-                    for j in range(self.plan.topology.cp):
-                        self.channels.put(r, j, desc)
+                self.channels.deliver(t["lo"], t["hi"], self.channels.descriptor(key, t, self.run_id))
         elif finish == "erred":
             self.fail(self._error_text(key, t))
 
@@ -268,8 +262,7 @@ class PlannerPlugin(SchedulerPlugin):
             return
         state.failure = message
         logger.error("overlord run %s failed: %s", self.run_id, message)
-        for r, j in self.channels.names:
-            self.channels.put(r, j, {"error": message})
+        self.channels.deliver(0, self.channels.dp, {"error": message})
         self.thread.work_ready.set()
 
 

@@ -76,7 +76,7 @@ class TrainerRoutes:
         rank, cp_rank, _ = consumer
         first = self.first_step.get(consumer, 0)
         out = [
-            self.p.channels.descriptor(key, t)
+            self.p.channels.descriptor(key, t, self.p.run_id)
             for key, t in self.p.held.tasks.items()
             if t["workers"] is not None and t["lo"] <= rank < t["hi"] and t["steps"][-1] >= first
         ]

@@ -45,7 +45,8 @@ class ProcessIO:
 
     def __init__(self):
         self.pid = os.getpid()
-        self.channels: dict[tuple[str, str, str], Channel] = {}  # (address, run id, group) -> channel
+        self.channels: dict[tuple[str, str, str, bool], Channel] = {}  # (address, run id, group, relay) -> channel
+        self.relays: list = []  # the host relays this process runs (relay.Relay)
         self.lost_workers: dict[str, asyncio.Event] = {}  # address -> set once the scheduler says it is gone
         self.inflight: dict[
             tuple, asyncio.Future
@@ -73,6 +74,8 @@ class ProcessIO:
             await asyncio.gather(*tasks, return_exceptions=True)
             for ch in list(self.channels.values()):
                 ch.abort()
+            for relay in self.relays:
+                relay.close()
             self.pool.abort_all()
 
         try:
@@ -81,14 +84,16 @@ class ProcessIO:
             return
         self.loop.call_soon_threadsafe(self.loop.stop)
 
-    def channel(self, address: str, run_id: str, wait: bool = True, group: str = "") -> Channel:
+    def channel(self, address: str, run_id: str, wait: bool = True, group: str = "", relay: bool = False) -> Channel:
         """This process's channel to run ``run_id`` at ``address`` (opened on first use; from
         the IO loop pass ``wait=False`` and await ``opened()``). ``group``: streams that share
-        a channel; every stream of the process by default (one connection per process)."""
+        a channel; every stream of the process by default (one connection per process).
+        ``relay``: through the host's relay (``relay.py``: one connection per host)."""
         with self._lock:
-            ch = self.channels.get((address, run_id, group))
+            key = (address, run_id, group, relay)
+            ch = self.channels.get(key)
             if ch is None or ch.closed:
-                ch = self.channels[(address, run_id, group)] = Channel(self, address, run_id)
+                ch = self.channels[key] = (RelayChannel if relay else Channel)(self, address, run_id, group)
         if wait:
             ch.wait_open()
         return ch
@@ -153,10 +158,10 @@ class Channel:
     scheduler pushes descriptors for the ranks subscribed on it; acks go back one-way. Messages
     are routed to the process's streams by (rank, cp rank)."""
 
-    def __init__(self, io: ProcessIO, address: str, run_id: str):
+    def __init__(self, io: ProcessIO, address: str, run_id: str, group: str = ""):
         import uuid
 
-        self.io, self.address, self.run_id = io, address, run_id
+        self.io, self.address, self.run_id, self.group = io, address, run_id, group
         self.id = f"overlord-channel-{uuid.uuid4().hex}"
         self.streams: dict[
             tuple[int, int, int], dict[int, RankIO]
@@ -181,10 +186,15 @@ class Channel:
         self.closed = True
         return ServiceError(f"cannot open a channel to the overlord service at {self.address}: {err}")
 
-    async def _open(self) -> None:
+    async def connect(self):
+        """The channel's connection: straight to the scheduler."""
         comm = await self.io.pool.connect(self.address, timeout=60)
         comm.name = "overlord-consumer-channel"
         await comm.write(channel_open(self.id, self.run_id))
+        return comm
+
+    async def _open(self) -> None:
+        comm = await self.connect()
         self.comm = comm
         self.bs = BatchedWriter(interval=CHANNEL_INTERVAL)
         self.bs.start(comm)
@@ -217,10 +227,34 @@ class Channel:
                 stream.lost(why)
 
     def _targets(self, msg: dict) -> list:
-        """The streams a message is for: every stream (rank None), or one consumer's, of the
-        message's generation (a consumer re-attached in this process has two for a moment)."""
+        """The streams a message is for: those it names (``to``: ``[rank, cp rank, replica,
+        generation]`` each), every stream (rank None), or one consumer's, of the message's
+        generation (a consumer re-attached in this process has two for a moment)."""
+        to = msg.get("to")
+        if to is not None:
+            out = []
+            for rank, cp_rank, replica, gen in to:
+                stream = self.streams.get((rank, cp_rank, replica), {}).get(gen)
+                if stream is not None:
+                    out.append(stream)
+            return out
         if msg.get("rank") is None:
             return [s for gens in self.streams.values() for s in gens.values()]
         gens = self.streams.get((msg["rank"], msg.get("cp_rank", 0), msg.get("replica", 0)), {})
         gen = msg.get("generation")
         return list(gens.values()) if gen is None else [gens[gen]] if gen in gens else []
+
+
+class RelayChannel(Channel):
+    """A process's channel through its host's relay (``relay.py``), started in this process if
+    no process of the host runs one; the same messages both ways. Where the relay's name is
+    held by another user, a channel of its own."""
+
+    async def connect(self):
+        """The channel's connection: to the host's relay."""
+        from .relay import ForeignRelay, join
+
+        try:
+            return await join(self.io, self.address, self.run_id, self.group)
+        except ForeignRelay:
+            return await Channel.connect(self)

@@ -36,6 +36,16 @@ class StreamOptions:
     """torch tensors instead of numpy arrays (``OverlordDataset`` sets it)."""
     channel_group: str = ""
     """The streams of a process sharing one connection to the service (default: all of them)."""
+    relay: bool | None = None
+    """Share one connection to the service among this host's trainer processes (a relay in one
+    of them, ``trainer/relay.py``); default: where torchrun started several processes on the
+    host (``LOCAL_WORLD_SIZE`` > 1), on Linux."""
+
+    @property
+    def use_relay(self) -> bool:
+        from .relay import wanted
+
+        return wanted(self.relay)
 
     def __post_init__(self) -> None:
         if self.labels not in LABELS:

@@ -47,7 +47,7 @@ class RankIO(Acknowledging):
         self._max_seen = first_step - 1  # highest step named by a descriptor (planned, so ackable)
         self._acked_sent = first_step - 1
         self._durable_sent = first_step - 1
-        self.channel = io.channel(address, info["run_id"], group=options.channel_group)
+        self.channel = io.channel(address, info["run_id"], group=options.channel_group, relay=options.use_relay)
         self.tasks = io.run(self._start(), timeout=30)
 
     async def _start(self):

@@ -34,7 +34,9 @@ async def find_service(
             if isinstance(info, dict):
                 att = await planner.attach(rank, cp_rank or 0, replica)
                 if not att.get("error"):
-                    channel = io.channel(address, info["run_id"], wait=False, group=options.channel_group)
+                    channel = io.channel(
+                        address, info["run_id"], wait=False, group=options.channel_group, relay=options.use_relay
+                    )
                     await channel.opened()
                 found = info, att
         except (OSError, ServiceError, asyncio.TimeoutError, ValueError):  # ValueError: no file (yet)

@@ -1,0 +1,134 @@
+"""A host's trainer processes share one connection to the service through a relay
+(``trainer/relay.py``): the service sees one channel for them, they receive the stream they
+would without it, and a relay whose process dies is replaced by another process of the host
+without a step lost or repeated."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from overlord_dask import Service
+from overlord_dask.trainer import relay
+
+from .harness import ROOT, consume
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not relay.available(), reason="relays use Linux's abstract Unix sockets"),
+]
+
+TRAINER = """
+import json, sys, time
+from overlord_dask import connect
+from tests.harness import identities
+
+address, rank, until, out, pace = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+s = connect(address, rank, timeout=120, relay=True)
+got = {}
+while s.next_step < until:
+    b = s.next_batch()
+    got[b["step"]] = identities(b)
+    with open(out + ".progress", "a") as f:
+        f.write(f"{b['step']}\\n")
+    time.sleep(pace)
+s.commit()
+with open(out, "w") as f:
+    json.dump({str(k): v for k, v in got.items()}, f)
+s.close()
+"""
+
+
+def _start(script, address, rank: int, until: int, out, pace: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(script), address, str(rank), str(until), str(out), str(pace)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def _progress(out) -> list[int]:
+    path = f"{out}.progress"
+    return [int(x) for x in open(path).read().split()] if os.path.exists(path) else []
+
+
+def _wait_for(cond, timeout: float = 120, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _received(out) -> dict:
+    return {(int(k)): [tuple(i) for i in v] for k, v in json.loads(open(out).read()).items()}
+
+
+def _setup(cluster, small_plan, tmp_path, until: int):
+    """A plan of three ranks, what each (rank, step) receives from it (ranks in this process, no
+    relay), the trainer script, and each rank's output file."""
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2}, topology={"dp": 3, "micro_batches": 1})
+    with Service.start(plan, cluster=cluster) as service:
+        want = consume(service.address, range(plan.topology.dp), until=until, relay=False).ids
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    return plan, want, script, [tmp_path / f"rank{r}.json" for r in range(3)]
+
+
+def test_a_hosts_processes_share_one_channel_and_receive_the_same_stream(cluster, small_plan, tmp_path):
+    until = 8
+    plan, want, script, outs = _setup(cluster, small_plan, tmp_path, until)
+    with Service.start(plan, cluster=cluster) as service:
+        procs = [_start(script, service.address, r, until, outs[r], pace=0.05) for r in range(3)]
+        _wait_for(lambda: all(_progress(o) for o in outs), what="every rank's first step")
+        st = service.status()
+        assert st["channels"] == 1 and st["subscribed"] == 3, st  # three processes, one connection
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+    for r in range(3):
+        got = _received(outs[r])
+        assert sorted(got) == list(range(until))
+        for step, ids in got.items():
+            assert ids == want[(r, step)], (r, step)
+
+
+def test_a_relay_that_dies_is_replaced_without_a_step_lost_or_repeated(cluster, small_plan, tmp_path):
+    """Rank 0's process holds the relay; it is killed (SIGKILL) mid-run. Ranks 1 and 2 lose
+    their channel, find the service again through a relay one of them starts, and go on; rank 0,
+    restarted, goes on from its last acknowledged step. Every rank's steps are the uninterrupted
+    stream's, each step once per surviving process."""
+    until = 10
+    plan, want, script, outs = _setup(cluster, small_plan, tmp_path, until)
+    with Service.start(plan, cluster=cluster) as service:
+        first = _start(script, service.address, 0, until, outs[0], pace=1.0)  # slow: it holds the others back
+        _wait_for(lambda: _progress(outs[0]), what="rank 0's first step (its process binds the relay)")
+        others = [_start(script, service.address, r, until, outs[r], pace=0.05) for r in (1, 2)]
+        _wait_for(lambda: all(_progress(o) for o in outs[1:]), what="ranks 1 and 2 through the relay")
+        assert service.status()["channels"] == 1
+        _wait_for(lambda: len(_progress(outs[0])) >= 3, what="rank 0's third step")
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        taken_before = _progress(outs[0])
+        os.rename(f"{outs[0]}.progress", f"{outs[0]}.killed")
+        again = _start(script, service.address, 0, until, outs[0], pace=0.05)
+        for p in [*others, again]:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+        assert service.status()["channels"] <= 1  # (the processes are gone: their relay with them)
+    for r in (1, 2):
+        assert _progress(outs[r]) == list(range(until)), r  # each step once, none lost, in order
+        got = _received(outs[r])
+        assert all(got[s] == want[(r, s)] for s in range(until)), r
+    resumed = _received(outs[0])
+    start = min(resumed)
+    assert start <= taken_before[-1] + 1 and sorted(resumed) == list(range(start, until))  # no gap
+    assert all(resumed[s] == want[(0, s)] for s in resumed)
