@@ -20,11 +20,25 @@ steps × dp, and the scheduler's longest event-loop block (``overlord_loop``: ho
 timer on the loop fired).
 
 The same run also measures a baseline row at the smallest ``dp``: the plan with
-``loading.batch_steps: 1``, i.e. a queue item, a fetch and an ack per (step, rank) and
+``loading.batch_steps: 1``, i.e. a descriptor, a fetch and an ack per (step, rank) and
 constructor tasks per step, as the control path was before chunking.
 
+The service's CPU is also split by thread: the planner thread's (``planner_ms_per_1m_tokens``:
+its CPU over the tokens committed) and the rest, the control path (event loop, submitter,
+nannies), per (step, host): ``control_ms_per_step_host``. A simulated host's channel is what a
+host's relay (``trainer/relay.py``) gives the service: one connection for its processes.
+
+    python benchmarks/control_plane.py --hosts-rows    # dp 1,024 / 4,096 / 16,384, with and without tp 8
+
+``--hosts-rows``: per host, 8 ranks (or, with ``tp`` 8, one rank and its 8 tensor-parallel
+replicas, each a consumer with its subscription and acknowledgements; replica 0 fetches the
+payload, which a host's replicas share). Above dp 1,024 the consumers fetch nothing
+(``fetch: false``: 16,384 ranks' payloads do not fit this machine); the descriptors, the acks
+and the planning are the same.
+
 Targets (issue 37): at most 0.05 ms of service CPU per (step, rank), no higher at dp 4,096 than
-at dp 256; at least 12 steps/s at dp 1,024 and 3 at dp 4,096.
+at dp 256; at least 12 steps/s at dp 1,024 and 3 at dp 4,096. Issue 49: control path at most
+0.02 ms per (step, host) at dp 16,384, no higher than at dp 1,024, the same with tp 8 replicas.
 """
 
 from __future__ import annotations
@@ -70,7 +84,9 @@ def _hosts_process(address: str, hosts: list[list[int]], stop_at: float, out) ->
     out.put(counts)
 
 
-def _lean_hosts_process(address: str, hosts: list[list[int]], stop_at: float, out) -> None:
+def _lean_hosts_process(
+    address: str, hosts: list[list[int]], stop_at: float, out, replicas: int = 1, fetch: bool = True
+) -> None:
     """Simulated trainer hosts as asyncio consumers (where thousands of trainer threads would
     not fit on two cores): per host one channel (connection) to the service, and per rank the
     same protocol as a ``RankStream``: attach, subscribe, fetch each chunk's batches from the
@@ -87,8 +103,8 @@ def _lean_hosts_process(address: str, hosts: list[list[int]], stop_at: float, ou
     counts = {}
 
     class Rank:
-        def __init__(self, rank: int, generation: int, channel):
-            self.rank, self.generation, self.channel = rank, generation, channel
+        def __init__(self, rank: int, replica: int, generation: int, channel):
+            self.rank, self.replica, self.generation, self.channel = rank, replica, generation, channel
             self.descs: dict[int, dict] = {}
             self.ready = asyncio.Event()
 
@@ -111,17 +127,18 @@ def _lean_hosts_process(address: str, hosts: list[list[int]], stop_at: float, ou
                     await self.ready.wait()
                     continue
                 d = self.descs.pop(step)
-                await fetch_batches(
-                    io,
-                    planner,
-                    d,
-                    d["steps"],
-                    rank=self.rank,
-                    cp_rank=0,
-                    timeout=300,
-                    abort=asyncio.Event(),
-                    address=address,
-                )
+                if fetch and self.replica == 0:  # a host's replicas share the payload replica 0 fetched
+                    await fetch_batches(
+                        io,
+                        planner,
+                        d,
+                        d["steps"],
+                        rank=self.rank,
+                        cp_rank=0,
+                        timeout=300,
+                        abort=asyncio.Event(),
+                        address=address,
+                    )
                 step = d["steps"][-1] + 1
                 n += len(d["steps"])
                 self.channel.send(
@@ -130,7 +147,7 @@ def _lean_hosts_process(address: str, hosts: list[list[int]], stop_at: float, ou
                         "rank": self.rank,
                         "step": step - 1,
                         "cp_rank": 0,
-                        "replica": 0,
+                        "replica": self.replica,
                         "generation": self.generation,
                         "durable": True,
                     }
@@ -144,11 +161,12 @@ def _lean_hosts_process(address: str, hosts: list[list[int]], stop_at: float, ou
         await channel.opened()
         streams = []
         for r in ranks:
-            att = await planner.attach(r, 0, 0)
-            s = Rank(r, int(att["generation"]), channel)
-            channel.streams[(r, 0, 0)] = {s.generation: s}
-            channel.send({"op": "subscribe", "rank": r, "cp_rank": 0, "replica": 0, "generation": s.generation})
-            streams.append(s)
+            for k in range(replicas):
+                att = await planner.attach(r, 0, k)
+                s = Rank(r, k, int(att["generation"]), channel)
+                channel.streams[(r, 0, k)] = {s.generation: s}
+                channel.send({"op": "subscribe", "rank": r, "cp_rank": 0, "replica": k, "generation": s.generation})
+                streams.append(s)
         await asyncio.gather(*(s.run(planner, h) for s in streams))
 
     async def main():
@@ -156,6 +174,12 @@ def _lean_hosts_process(address: str, hosts: list[list[int]], stop_at: float, ou
 
     io.run(main(), timeout=max(1.0, stop_at - time.time() + 60))
     out.put(counts)
+
+
+def _planner_cpu(me) -> float:
+    """CPU seconds (user + system) of the planner thread(s) of this process."""
+    ids = {t.native_id for t in threading.enumerate() if t.name.startswith("overlord-planner")}
+    return sum(t.user_time + t.system_time for t in me.threads() if t.id in ids)
 
 
 def measure(
@@ -170,6 +194,8 @@ def measure(
     prefetch: int,
     ranks_per_host: int,
     consumers: str = "lean",
+    replicas: int = 1,
+    fetch: bool = True,
 ) -> dict:
     import psutil
 
@@ -188,29 +214,42 @@ def measure(
         q = ctx.Queue()
         hosts = [(h, list(range(r, min(r + ranks_per_host, dp)))) for h, r in enumerate(range(0, dp, ranks_per_host))]
         groups = [hosts[i::procs] for i in range(min(procs, len(hosts)))]
-        target = _lean_hosts_process if consumers == "lean" else _hosts_process
-        ps = [ctx.Process(target=target, args=(service.address, g, time.time() + 900, q), daemon=True) for g in groups]
+        if consumers == "lean":
+            target, extra = _lean_hosts_process, (replicas, fetch)
+        else:
+            target, extra = _hosts_process, ()
+        ps = [
+            ctx.Process(target=target, args=(service.address, g, time.time() + 900, q, *extra), daemon=True)
+            for g in groups
+        ]
         for p in ps:
             p.start()
-        st = service.wait_for_step(warmup_steps, timeout=300)
+        st = service.wait_for_step(warmup_steps, timeout=900)
         service.loop_stats(reset=True)
-        c0, cpu0, t0 = st["committed"], sum(me.cpu_times()[:2]), time.perf_counter()
+        c0, cpu0, p0, t0 = st["committed"], sum(me.cpu_times()[:2]), _planner_cpu(me), time.perf_counter()
+        tok0 = st["tokens_committed"]
         time.sleep(seconds)
         st = service.status()
-        c1, cpu1, t1 = st["committed"], sum(me.cpu_times()[:2]), time.perf_counter()
+        c1, cpu1, p1, t1 = st["committed"], sum(me.cpu_times()[:2]), _planner_cpu(me), time.perf_counter()
+        tok1 = st["tokens_committed"]
         loop = service.loop_stats()
         for p in ps:  # the consumers run until stopped: the figures above are taken while they stream
             p.terminate()
         for p in ps:
             p.join(timeout=30)
     steps = c1 - c0
+    control_s = (cpu1 - cpu0) - (p1 - p0)
     return {
         "dp": dp,
+        "replicas": replicas,
+        "fetch": fetch,
         "batch_steps": batch_steps,
         "steps": steps,
         "steps_per_s": round(steps / (t1 - t0), 2),
         "cpu_ms_per_step_rank": round((cpu1 - cpu0) * 1e3 / max(1, steps * dp), 4),
         "cpu_ms_per_step": round((cpu1 - cpu0) * 1e3 / max(1, steps), 2),
+        "control_ms_per_step_host": round(control_s * 1e3 / max(1, steps * len(hosts)), 4),
+        "planner_ms_per_1m_tokens": round((p1 - p0) * 1e3 / max(1e-9, (tok1 - tok0) / 1e6), 3),
         "loop_block_max_ms": loop["block_max_ms"],
         "loop_block_p99_ms": loop["block_p99_ms"],
         "consumer_processes": len(ps),
@@ -240,6 +279,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-steps", type=int, default=None, help="steps per chunk (default: half of prefetch)")
     ap.add_argument("--data", default="demo-data")
     ap.add_argument("--no-baseline", action="store_true", help="skip the per-step baseline row")
+    ap.add_argument("--replicas", type=int, default=1, help="consumers per rank (tensor-parallel replicas)")
+    ap.add_argument("--no-fetch", action="store_true", help="consumers fetch no payload (descriptors and acks only)")
+    ap.add_argument(
+        "--hosts-rows",
+        action="store_true",
+        help="dp 1,024 / 4,096 / 16,384 with 8 ranks per host, and dp/8 ranks of 8 tp replicas "
+        "(payload-free above dp 1,024); no baseline",
+    )
     args = ap.parse_args(argv)
 
     from overlord_dask.service.demo import generate_demo_corpus
@@ -249,6 +296,27 @@ def main(argv=None) -> dict:
         generate_demo_corpus(args.data)
     rows = []
     with local_cluster(n_workers=args.workers) as cluster:
+        if args.hosts_rows:
+            for gpus in (1024, 4096, 16384):
+                for tp in (1, 8):
+                    dp, per_host = gpus // tp, 8 // tp  # 8 GPUs (consumers) per host
+                    row = measure(
+                        cluster,
+                        args.data,
+                        dp,
+                        args.tokens * tp,  # the same tokens per GPU: a tp group shares its rank's batch
+                        args.procs,
+                        args.seconds,
+                        args.warmup_steps,
+                        args.batch_steps or args.prefetch // 2,
+                        args.prefetch,
+                        per_host,
+                        "lean",
+                        replicas=tp,
+                        fetch=gpus <= 1024,
+                    )
+                    rows.append({**row, "gpus": gpus, "row": f"{gpus} GPUs, " + (f"tp {tp}" if tp > 1 else "no tp")})
+            args.dp, args.no_baseline = [], True
         if not args.no_baseline:
             base = measure(
                 cluster,
@@ -279,6 +347,8 @@ def main(argv=None) -> dict:
                         args.prefetch,
                         args.ranks_per_host,
                         args.consumers,
+                        replicas=args.replicas,
+                        fetch=not args.no_fetch,
                     ),
                     "row": "chunked",
                 }
@@ -298,11 +368,15 @@ def main(argv=None) -> dict:
             [
                 "row",
                 "dp",
+                "replicas",
+                "fetch",
                 "batch_steps",
                 "connections",
                 "steps_per_s",
                 "cpu_ms_per_step_rank",
                 "cpu_ms_per_step",
+                "control_ms_per_step_host",
+                "planner_ms_per_1m_tokens",
                 "loop_block_max_ms",
                 "loop_block_p99_ms",
             ],

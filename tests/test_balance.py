@@ -259,6 +259,36 @@ def test_compiled_and_numpy_paths_plan_alike(monkeypatch, dp, n_sources, capacit
     assert plans[0] == plans[1]
 
 
+@pytest.mark.parametrize("n_bins,seed", [(7, 0), (300, 1), (2048, 2)])
+def test_compiled_repair_moves_the_pieces_numpy_moves(n_bins, seed):
+    """The water-fill's repair (bins over capacity shed their last pieces to the bin with room of
+    least cost, the lowest index among equals) finds that bin in a tree, compiled, and by a scan
+    of every bin in numpy: the same bins, piece for piece, with many bins over capacity, costs
+    tied and pieces that fit nowhere."""
+    from overlord_dask.planner.policies import balance, kernels
+
+    assert kernels.warm()
+    rng = np.random.default_rng(seed)
+    capacity, n = 1024, n_bins * 6
+    lens = rng.integers(1, 400, n).astype(np.int64)
+    lens[rng.random(n) < 0.02] = capacity  # fits only an empty bin
+    costs = np.round(lens * rng.uniform(0.5, 2.0, n), 0)  # whole numbers: ties between bins
+    b = rng.integers(0, n_bins, n).astype(np.int64)
+    idx = rng.permutation(n).astype(np.int64)
+    runs = []
+    for repair in (kernels.repair_bins, balance._repair_numpy):
+        where = np.full(n, -1, dtype=np.int64)
+        bin_tok, bin_cost = np.zeros(n_bins, np.int64), np.zeros(n_bins)
+        np.add.at(bin_tok, b, lens[idx])
+        np.add.at(bin_cost, b, costs[idx])
+        where[idx] = 5 * n_bins + b
+        repair(idx, b, lens, costs, where, bin_tok, bin_cost, 5 * n_bins, capacity)
+        runs.append((where.copy(), bin_tok.copy(), bin_cost.copy()))
+    assert (runs[0][1] <= capacity).all() and (runs[0][0] == -1).any() and (runs[0][0] >= 0).any()
+    for a, c in zip(runs[0], runs[1]):
+        np.testing.assert_array_equal(a, c)
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_kernel_sums_and_sorts_follow_numpy(compiled):
     """``kernels.np_sum`` is numpy's pairwise sum bit for bit, ``kernels._argsort`` numpy's

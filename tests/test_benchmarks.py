@@ -171,12 +171,14 @@ def test_model_trainer_names_a_token_past_its_vocabulary():
         assert re.search(r"token id 9 .* vocabulary of 8", out[case]), out
 
 
-@pytest.mark.parametrize("consumers", ["lean", "rankstream"])
-def test_control_plane_benchmark_runs(corpus, consumers):
-
+@pytest.mark.parametrize("consumers,replicas", [("lean", 1), ("rankstream", 1), ("lean", 3)])
+def test_control_plane_benchmark_runs(corpus, consumers, replicas):
+    """A row per dp; with replicas (tensor-parallel consumers of each rank, payload-free here)
+    the same columns, the control path per (step, host) and the planner's cost per token."""
     out, stdout = run_benchmark(
         "control_plane",
         [
+            *(["--replicas", str(replicas), "--no-fetch"] if replicas > 1 else []),
             "--dp",
             "6",
             "--ranks-per-host",
@@ -206,6 +208,8 @@ def test_control_plane_benchmark_runs(corpus, consumers):
     } <= set(row)
     assert row["dp"] == 6 and row["steps"] > 0 and row["cpu_ms_per_step_rank"] > 0
     assert row["connections"] == 2 and row["consumer_processes"] == 2 and row["consumers"] == consumers
+    assert row["replicas"] == replicas and row["fetch"] == (replicas == 1)
+    assert row["control_ms_per_step_host"] > 0 and row["planner_ms_per_1m_tokens"] > 0
     assert '"control_plane"' in stdout
 
 

@@ -328,7 +328,9 @@ def repair_bins(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity):
     """``balance._repair_numpy``: every bin over ``capacity`` (ascending) sheds its last pieces
     (``idx`` order, ``b`` their bins) until it fits, each to the bin with room of least cost
     (the lowest such index), or deferred (``where`` -1). Members per bin by a stable counting
-    sort, not a scan of every piece per bin."""
+    sort, not a scan of every piece per bin; the bin for a piece from a tree over the bins (most
+    room and least cost per subtree), not a scan of every bin per piece: at thousands of ranks
+    both scans made the repair grow with dp squared."""
     n_bins = len(bin_tok)
     over = np.zeros(n_bins, dtype=np.bool_)
     for t in range(n_bins):
@@ -343,6 +345,18 @@ def repair_bins(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity):
     for k in range(len(b)):
         members[fill[b[k]]] = idx[k]
         fill[b[k]] += 1
+    size = 1
+    while size < n_bins:
+        size *= 2
+    room = np.full(2 * size, -(1 << 62), dtype=np.int64)  # a tree over the bins: most room below a node
+    least = np.full(2 * size, np.inf)  # and least cost below it
+    for t in range(n_bins):
+        room[size + t] = capacity - bin_tok[t]
+        least[size + t] = bin_cost[t]
+    for i in range(size - 1, 0, -1):
+        room[i] = max(room[2 * i], room[2 * i + 1])
+        least[i] = min(least[2 * i], least[2 * i + 1])
+    stack = np.empty(2 * 64, dtype=np.int64)
     for bi in range(n_bins):
         if not over[bi]:
             continue
@@ -352,16 +366,48 @@ def repair_bins(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity):
             p = members[j]
             bin_tok[bi] -= lens[p]
             bin_cost[bi] -= costs[p]
-            best = -1
-            for t in range(n_bins):
-                if capacity - bin_tok[t] >= lens[p] and (best < 0 or bin_cost[t] < bin_cost[best]):
-                    best = t
+            _set_bin(room, least, size, bi, capacity - bin_tok[bi], bin_cost[bi])
+            best = _least_with_room(room, least, size, lens[p], stack)
             if best >= 0:
                 bin_tok[best] += lens[p]
                 bin_cost[best] += costs[p]
+                _set_bin(room, least, size, best, capacity - bin_tok[best], bin_cost[best])
                 where[p] = base + best
             else:
                 where[p] = -1
+
+
+@_jit
+def _set_bin(room, least, size, t, r, c):
+    i = size + t
+    room[i], least[i] = r, c
+    i //= 2
+    while i >= 1:
+        room[i] = max(room[2 * i], room[2 * i + 1])
+        least[i] = min(least[2 * i], least[2 * i + 1])
+        i //= 2
+
+
+@_jit
+def _least_with_room(room, least, size, need, stack):
+    """The bin of least cost among those with ``need`` tokens of room, the lowest index among
+    equals (what a scan of every bin finds), or -1: a walk of the tree in bin order that skips
+    every subtree without the room, or without a cost below the best found so far."""
+    best, best_cost = -1, np.inf
+    top = 0
+    stack[0] = 1
+    while top >= 0:
+        node = stack[top]
+        top -= 1
+        if room[node] < need or (best >= 0 and least[node] >= best_cost):
+            continue
+        if node >= size:
+            best, best_cost = node - size, least[node]
+            continue
+        stack[top + 1] = 2 * node + 1  # right below left: the left subtree (lower bins) first
+        stack[top + 2] = 2 * node
+        top += 2
+    return best
 
 
 @_jit
