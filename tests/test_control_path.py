@@ -630,3 +630,50 @@ def test_the_trainers_own_comms_speak_to_a_dask_server_as_dasks_do():
             await pool.request(server.address, "echo", {})  # nobody listens there any more
 
     asyncio.run(main())
+
+
+def test_acknowledgements_of_a_channel_leave_as_one_message_per_chunk():
+    """A channel holds its consumers' one-way acknowledgements until every consumer on it has
+    acknowledged (or ``HOLD_S`` passed): one ``acks`` message per chunk, a row per consumer with
+    its newest step and newest saved step; any other message first sends what is held (the
+    scheduler must see an acknowledgement before its consumer's unsubscription)."""
+    import asyncio
+
+    from overlord_dask.trainer import ack_merge
+    from overlord_dask.trainer.ack_merge import AckMerge, row_of
+
+    def ack(rank, step, durable=False, replica=0):
+        return row_of(
+            {"op": "ack", "rank": rank, "replica": replica, "generation": 2, "step": step, "durable": durable}
+        )
+
+    async def main():
+        sent, consumers = [], [3]
+        merge = AckMerge(sent.append, lambda: consumers[0])
+        merge.add(ack(0, 7, durable=True))
+        merge.add(ack(1, 7))
+        merge.add(ack(0, 15))  # the same consumer again: merged, newest step, its saved step kept
+        assert sent == []
+        merge.add(ack(1, 7, replica=1))  # the third consumer: out at once
+        assert sent == [
+            {
+                "op": "acks",
+                "rows": [
+                    [0, 0, 0, 2, 15, 7, None, None],
+                    [1, 0, 0, 2, 7, -1, None, None],
+                    [1, 0, 1, 2, 7, -1, None, None],
+                ],
+            }
+        ]
+        merge.add(ack(2, 15))  # a consumer alone: the hold ends it
+        await asyncio.sleep(ack_merge.HOLD_S * 2)
+        assert sent[-1]["rows"] == [[2, 0, 0, 2, 15, -1, None, None]]
+        merge.add(ack(2, 23))
+        merge.flush()  # (what any other message on the channel does first)
+        assert sent[-1]["rows"] == [[2, 0, 0, 2, 23, -1, None, None]] and len(sent) == 3
+        merge.add(ack(2, 31))
+        merge.drop()  # the channel is gone
+        await asyncio.sleep(ack_merge.HOLD_S * 2)
+        assert len(sent) == 3
+
+    asyncio.run(main())

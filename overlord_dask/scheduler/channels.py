@@ -100,16 +100,21 @@ class RankChannels:
             send(bs, msg)
 
     # ---- consumer processes ---------------------------------------------------------------------
-    async def serve(self, comm, channel_id: str, on_ack, on_feedback=None) -> None:
+    async def serve(self, comm, channel_id: str, on_ack, on_feedback=None, on_acks=None) -> None:
         """A consumer process's stream, until it closes: its consumers' subscriptions, acks
-        (``on_ack(stream, **ack)``) and reports (``on_feedback(stream, **report)``) in, descriptors out."""
+        (``on_ack(stream, **ack)``; merged per chunk, ``on_acks(stream, rows)``: see
+        ``trainer/ack_merge.py``) and reports (``on_feedback(stream, **report)``) in,
+        descriptors out."""
         bs = self._open(channel_id, comm)
         try:
             while not comm.closed():
                 msgs = await comm.read()
                 for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
                     op = msg.pop("op", None)
-                    if op == "ack":
+                    if op == "acks":
+                        if on_acks is not None:
+                            on_acks(bs, msg.get("rows") or ())
+                    elif op == "ack":
                         on_ack(bs, **msg)
                     elif op == "feedback":
                         if on_feedback is not None:

@@ -16,14 +16,17 @@ unless noted:
   ``dp`` ranks (``planner/rewind.py``); every attached consumer's stream ends. Idempotent: the
   job's other ranks find it done. Refused, naming the oldest step it can serve, beyond the
   retention (``checkpoint.keep_steps``, ``keep_hours``).
-- ``overlord_channel(channel_id, run_id)`` (a stream, one per consumer process and run): the
-  consumer sends ``{"op": "subscribe"|"unsubscribe", rank, cp_rank, replica, generation}`` and
-  one-way ``{"op": "ack", rank, step, cp_rank, replica, generation, durable, wait_s, since_s}``
-  and ``{"op": "feedback", rank, cp_rank, replica, items}`` (step times and metrics: ``planner/feedback.py``);
-  the scheduler pushes ``{"op": "descriptors", rank, cp_rank, replica, generation, items}`` as
-  batches are built, ``{"op": "worker_lost", address}`` and ``{"op": "error", rank, cp_rank,
-  replica, generation, message}`` (``rank`` None: every consumer of the channel). Both ways
-  batched every few ms (``channels.py``).
+- ``overlord_channel(channel_id, run_id)`` (a stream, one per consumer process and run, or per
+  host through a relay: ``trainer/relay.py``): the consumer sends ``{"op":
+  "subscribe"|"unsubscribe", rank, cp_rank, replica, generation}``, one-way acknowledgements
+  merged per chunk, ``{"op": "acks", rows: [[rank, cp_rank, replica, generation, step,
+  durable_step, wait_s, since_s], ...]}`` (``trainer/ack_merge.py``; a single ``{"op": "ack",
+  rank, step, cp_rank, replica, generation, durable, wait_s, since_s}`` too) and ``{"op":
+  "feedback", rank, cp_rank, replica, items}`` (step times and metrics: ``planner/feedback.py``);
+  the scheduler pushes ``{"op": "descriptors", to: [[rank, cp_rank, replica, generation], ...],
+  items}`` as batches are built (once per channel), ``{"op": "worker_lost", address}`` and
+  ``{"op": "error", rank, cp_rank, replica, generation, message}`` (``rank`` None: every
+  consumer of the channel). Both ways batched every few ms (``channels.py``).
 - ``overlord_ack(rank, step, cp_rank, durable, wait_s, since_s, replica, generation)``: consumed
   every step up to ``step`` (and, with ``durable``, saved it in the trainer's checkpoint); the
   request/response form, for ``commit()`` and ``state_dict()``, which wait for it.

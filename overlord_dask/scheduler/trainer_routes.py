@@ -105,7 +105,21 @@ class TrainerRoutes:
                 ]
             )
             return
-        await self.p.channels.serve(comm, channel_id, self._channel_ack, self.p.thread.feedback_in.put)
+        await self.p.channels.serve(
+            comm, channel_id, self._channel_ack, self.p.thread.feedback_in.put, self._channel_acks
+        )
+
+    def _channel_acks(self, bs, rows) -> None:
+        """A channel's acknowledgements of a chunk, one row per consumer (``trainer/ack_merge.py``):
+        ``[rank, cp_rank, replica, generation, step, durable_step, wait_s, since_s]``."""
+        for row in rows:
+            try:
+                rank, cp_rank, replica, generation, step, durable_step, wait_s, since_s = row
+            except (TypeError, ValueError):
+                continue  # a malformed row is not the service's failure
+            if 0 <= durable_step < step:  # saved up to durable_step, consumed further
+                self._channel_ack(bs, rank, durable_step, cp_rank, True, None, None, replica, generation)
+            self._channel_ack(bs, rank, step, cp_rank, durable_step >= step, wait_s, since_s, replica, generation)
 
     def _channel_ack(
         self,

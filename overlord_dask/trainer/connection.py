@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 from ..batched import BatchedWriter
 from ..client import PlannerClient, channel_open
-from ..errors import ServiceError
+from ..errors import ConnectionClosed, ServiceError
 from ..protocol import CHANNEL_INTERVAL
+from .ack_merge import AckMerge, row_of
 from .comm import Pool
 
 if TYPE_CHECKING:
@@ -198,6 +199,7 @@ class Channel:
         self.comm = comm
         self.bs = BatchedWriter(interval=CHANNEL_INTERVAL)
         self.bs.start(comm)
+        self.acks = AckMerge(self.bs.send, lambda: sum(len(gens) for gens in self.streams.values()))
         self._reader = asyncio.ensure_future(self._read())
 
     def abort(self) -> None:
@@ -205,10 +207,18 @@ class Channel:
         self.closed = True
         bs = getattr(self, "bs", None)
         if bs is not None:
+            self.acks.drop()
             bs.abort()
 
     def send(self, msg: dict) -> None:
-        """(IO loop) Queue a message for the scheduler; it leaves within a few ms."""
+        """(IO loop) Queue a message for the scheduler; it leaves within a few ms (one-way
+        acknowledgements merged per chunk, ``ack_merge.py``)."""
+        if msg.get("op") == "ack":
+            if self.bs.closed():
+                raise ConnectionClosed(f"the channel to {self.address} is closed")
+            self.acks.add(row_of(msg))
+            return
+        self.acks.flush()
         self.bs.send(msg)
 
     async def _read(self) -> None:
@@ -222,6 +232,7 @@ class Channel:
         except Exception as err:  # the scheduler went away: every stream on this channel must hear it
             why = f"lost the connection to the overlord service at {self.address}: {type(err).__name__}: {err}"
         self.closed = True
+        self.acks.drop()
         for gens in list(self.streams.values()):
             for stream in list(gens.values()):
                 stream.lost(why)

@@ -14,8 +14,9 @@ The kernel frees the name when that process ends, so the name is the election: e
 process connects to it, and only processes of the same user are accepted (peer credentials,
 both ways). The relay runs on that process's IO loop: it opens the one channel upstream,
 forwards what its local processes send (subscriptions, acknowledgements, reports) in its
-batches, and hands each message that comes down to the processes whose consumers it names.
-Requests (attach, a ``commit()``'s acknowledgement, ``where``) and batch fetches do not pass
+batches, the acknowledgements merged into one message per chunk for the host
+(``ack_merge.py``), and hands each message that comes down to the processes whose consumers it
+names. Requests (attach, a ``commit()``'s acknowledgement, ``where``) and batch fetches do not pass
 through it: each process makes them itself, payloads straight from the workers.
 
 When the relay's process ends, the others' connections to it break: each process takes it as a
@@ -42,6 +43,7 @@ from ..batched import BatchedWriter
 from ..client import channel_open
 from ..errors import ConnectionClosed
 from ..protocol import CHANNEL_INTERVAL
+from .ack_merge import AckMerge, row_of
 from .comm import Comm
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,7 @@ class Relay:
         self.up = comm
         self.bs = BatchedWriter(interval=CHANNEL_INTERVAL)
         self.bs.start(comm)
+        self.acks = AckMerge(self.bs.send, lambda: sum(len(gens) for gens in self.where.values()))
         self._reader = asyncio.ensure_future(self._read_upstream())
 
     # ---- local processes --------------------------------------------------------------------
@@ -184,7 +187,14 @@ class Relay:
         if self.closed:
             return
         try:
-            self.bs.send(msg)
+            if op == "acks":  # one message per chunk for the host: held until all its consumers acknowledged
+                for row in msg["rows"]:
+                    self.acks.add(row)
+            elif op == "ack":
+                self.acks.add(row_of(msg))
+            else:
+                self.acks.flush()
+                self.bs.send(msg)
             self.relayed += 1
         except OSError:  # upstream is gone: _read_upstream closes the relay
             pass
@@ -251,6 +261,7 @@ class Relay:
         self.server.close()
         bs = getattr(self, "bs", None)
         if bs is not None:
+            self.acks.drop()
             bs.abort()
         for local in list(self.locals):
             local.bs.abort()
