@@ -80,8 +80,17 @@ class PlanningLoop:
         if steps:
             self.plan_seconds.append(time.perf_counter() - t0)
             del self.plan_seconds[:-10_000]
-        in_use = [self.policy.pending] + [rows for rows, *_ in self.ready]
+        in_use = [self._pending_units()] + [units for *_, units in self.ready]
         return steps, self.streams.finished_units(in_use)
+
+    def _pending_units(self) -> np.ndarray:
+        """The units the pieces carried to the next window come from, found once per window (this
+        is asked at every call of :meth:`plan_steps`, and at thousands of ranks the carried
+        pieces number ~100k)."""
+        pending = self.policy.pending
+        if self._units_of[0] is not pending:
+            self._units_of = (pending, P.unique_rows(P.units(pending)))
+        return self._units_of[1]
 
     def _next_planned(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """The next step's pieces as int64 rows with their int32 ``[rank, micro_batch]``, the
@@ -89,7 +98,8 @@ class PlanningLoop:
         planning the window."""
         if not self.ready:
             self._plan_next_window()
-        return self.ready.popleft()
+        rows, slot, mb_costs, drops, _ = self.ready.popleft()
+        return rows, slot, mb_costs, drops
 
     def _plan_next_window(self) -> None:
         """Plan the window that starts at ``planned_until`` into ``ready``; its state beforehand
@@ -125,7 +135,10 @@ class PlanningLoop:
             raise
         drops = self.streams.drain_drops()
         for k, (rows, slot, mb_costs) in enumerate(planned):
-            self.ready.append((rows, slot, mb_costs, drops if k == 0 else None))
+            # (with the units its pieces come from, found once: which units are still in use is
+            # asked after every hand-out, and at thousands of ranks a window holds ~1M pieces)
+            units = P.unique_rows(P.units(rows))
+            self.ready.append((rows, slot, mb_costs, drops if k == 0 else None, units))
         self.windows.prune(self.progress.durable_step - self.plan.checkpoint.keep_steps)
 
     def _inputs(self, source: str) -> tuple:

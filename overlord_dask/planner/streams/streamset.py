@@ -159,7 +159,8 @@ class StreamSet:
 
     def finished_units(self, in_use: list[np.ndarray]) -> list[list]:
         """Units the cursors have passed that no piece in ``in_use`` (planned rows not handed out
-        yet) references: ``[source name, epoch, unit]`` whose blocks no later step needs."""
+        yet, or their ``[source, epoch, unit]`` columns) references: ``[source name, epoch,
+        unit]`` whose blocks no later step needs."""
         for i, s in enumerate(self.streams):
             self.held.update((i, e, u) for e, u in s.finished_units())
         if not self.held:
