@@ -20,6 +20,13 @@ step (a window's planning divided by its steps), to hold against the step time o
 run trains (e.g. a 1B model on 1,024 GPUs steps every ~83 ms: at most 8 ms of planning).
 ``planner_ms_per_1m_tokens``: the planner's time over the tokens it planned, every row (what
 ``docs/design/scaling.md``'s model calls the token term).
+
+    python benchmarks/balance.py --scaling      # planner ms per 1M tokens, dp 256 to 16,384
+
+``--scaling``: the planner alone (this process: its own core, as a planning process would
+have), one micro-batch per rank of 1k and 4k tokens (``heavy_tokens`` half of it), documents of
+web-, chat- and book-like lengths up to 64k, a window of 16 steps: its CPU per 1M tokens
+planned at dp 256, 1,024, 4,096 and 16,384, and per step.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.output import print_rows  # noqa: E402
 from overlord_dask.observe.figures import step_imbalance  # noqa: E402
 from overlord_dask.plan import plan_from_dict  # noqa: E402
 from overlord_dask.planner.cost_model import doc_costs  # noqa: E402
@@ -244,6 +252,35 @@ def bench(name: str, dist: dict, steps: int, seed: int, **balance) -> dict:
     }
 
 
+SCALING_SOURCES = {
+    "web": (0.5, _lognormal(6.0, 1.0, 16, 8192)),
+    "chat": (0.3, _lognormal(5.0, 0.8, 16, 4096)),
+    "books": (0.2, _pareto(0.9, 2000, 16, 65_536)),
+}
+
+
+def scaling(dps=(256, 1024, 4096, 16_384), tokens=(1024, 4096), seed: int = 0) -> list[dict]:
+    """The planner's CPU per 1M tokens and per step as dp grows (``--scaling``)."""
+    rows = []
+    for t in tokens:
+        for dp in dps:
+            dist = {"topology": {"dp": dp, "micro_batches": 1, "tokens_per_micro_batch": t}, "sources": SCALING_SOURCES}
+            steps = max(32, min(256, (1 << 26) // (dp * t)))  # enough windows, a bounded run
+            c0 = time.process_time()
+            res = run_planner(dist, steps, seed, heavy_tokens=t // 2, window=16)
+            rows.append(
+                {
+                    "dp": dp,
+                    "tokens_per_rank": t,
+                    "steps": steps,
+                    "planner_ms_per_1m_tokens": round(res["ms_per_1m_tokens"], 3),
+                    "planner_ms_per_step_p50": round(float(np.percentile(res["ms_per_step"], 50)), 2),
+                    "run_cpu_s": round(time.process_time() - c0, 1),
+                }
+            )
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
@@ -256,10 +293,20 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--heavy-fraction", type=float, default=None, help="heavy_tokens as a fraction of the micro-batch capacity"
     )
+    ap.add_argument("--scaling", action="store_true", help="planner ms per 1M tokens from dp 256 to 16,384")
+    ap.add_argument("--scaling-dp", type=int, nargs="+", default=[256, 1024, 4096, 16_384])
+    ap.add_argument("--scaling-tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per rank and step")
     args = ap.parse_args(argv)
     from overlord_dask.planner.policies import kernels
 
     kernels.warm()  # as the service does at its start: loading the compiled loops is not planning
+    if args.scaling:
+        rows = scaling(args.scaling_dp, args.scaling_tokens, seed=args.seed)
+        if args.json:
+            print(json.dumps({"benchmark": "balance_scaling", "rows": rows}))
+        else:
+            print_rows(rows, list(rows[0]))
+        return {"rows": rows}
     out = {}
     for name, dist in DISTRIBUTIONS.items():
         if args.only and name != args.only:

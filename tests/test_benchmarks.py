@@ -57,6 +57,13 @@ def test_balance_benchmark_runs():
     assert '"mixed_100k"' in stdout
 
 
+def test_balance_scaling_rows_run():
+    """``--scaling``: the planner's ms per 1M tokens per (dp, tokens per rank)."""
+    out, _ = run_benchmark("balance", ["--scaling", "--scaling-dp", "16", "64", "--scaling-tokens", "512", "--json"])
+    assert [(r["dp"], r["tokens_per_rank"]) for r in out["rows"]] == [(16, 512), (64, 512)]
+    assert all(r["planner_ms_per_1m_tokens"] > 0 and r["steps"] >= 32 for r in out["rows"])
+
+
 def test_shuffle_benchmark_runs():
     """Ours at the default beats Mosaic's default block shuffle on the 64-file layout's figures
     and reads nearly as many files per 256 documents as a global permutation."""
