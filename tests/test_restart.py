@@ -13,7 +13,7 @@ from overlord_dask.errors import ServiceError
 from overlord_dask.observe.figures import exactly_once, planned_identities
 from overlord_dask.service.replay import replay
 
-from .harness import assert_same_stream, consume
+from .harness import assert_same_stream, consume, run_ranks, token_digest
 
 pytestmark = pytest.mark.integration  # (tests/conftest.py: the quick set is -m 'not integration')
 
@@ -37,6 +37,42 @@ def test_a_job_restarts_from_older_checkpoints_while_the_service_runs_on(cluster
             again = _run(service.address, dp, 30, states={r: first.saved[(r, k)] for r in range(dp)})
             assert_same_stream(again.digests, {key: d for key, d in first.digests.items() if key[1] >= k})
         assert service.status()["failure"] is None
+
+
+def test_a_rank_attached_at_the_step_another_rank_rewinds_to_goes_on(cluster, small_plan):
+    """A job dies after rank 0 acknowledged step 5 but rank 1 only step 3 (its last chunk's
+    acknowledgement was lost with it). Restarted from the checkpoint at step 4, rank 1 attaches
+    first (the service hands it step 4 next: nothing to rewind for it); rank 0 then rewinds the
+    service to step 4, which ends every attachment. Rank 1's stream, at that very step, attaches
+    again and goes on instead of failing: both ranks receive steps 4-7 as an uninterrupted run."""
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2}, topology={"dp": 2})
+    with Service.start(plan, cluster=cluster) as service:
+        want = _run(service.address, 2, 8).digests
+    with Service.start(plan, cluster=cluster) as service:
+        until = {0: 6, 1: 4}
+
+        def first_job(r):
+            with connect(service.address, r, 2, timeout=60) as s:
+                while s.next_step < until[r]:
+                    s.next_batch()
+                s.commit()
+
+        run_ranks(first_job, [0, 1])
+        lagging = connect(service.address, 1, 2, timeout=60)
+        lagging.load_state_dict({"version": 1, "next_step": 4})  # nothing to rewind for rank 1
+        ahead = connect(service.address, 0, 2, timeout=60)
+        ahead.load_state_dict({"version": 1, "next_step": 4})  # rank 0 was at 6: the service goes back
+        got = {}
+        for r, s in ((1, lagging), (0, ahead)):
+            for _ in range(4):
+                b = s.next_batch()
+                got[(r, b["step"])] = token_digest(b)
+        assert got == {k: v for k, v in want.items() if 4 <= k[1] < 8}
+        # its checkpoint goes through: the attachment it holds is the current one
+        assert lagging.state_dict()["next_step"] == ahead.state_dict()["next_step"] == 8
+        assert service.status()["failure"] is None
+        for s in (lagging, ahead):
+            s.close()
 
 
 @pytest.mark.parametrize("before,after", [(3, 2), (2, 3)])

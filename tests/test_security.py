@@ -24,7 +24,8 @@ import json, sys
 from overlord_dask import connect
 with connect(sys.argv[1], int(sys.argv[2]), timeout=30, reconnect_timeout=5) as s:
     steps = [s.next_batch()["step"] for _ in range(3)]
-print(json.dumps({"steps": steps}))
+    channel = type(s.rio.channel).__name__
+print(json.dumps({"steps": steps, "channel": channel}))
 """
 
 
@@ -69,7 +70,14 @@ def test_tls_end_to_end_and_a_trainer_without_the_certificate_is_refused(tmp_pat
         assert address.startswith("tls://127.0.0.1:")  # encrypted, and on loopback unless --host says otherwise
         ok = _trainer(address, env)
         assert ok.returncode == 0, ok.stderr[-2000:]
-        assert json.loads(ok.stdout.strip().splitlines()[-1])["steps"] == [0, 1, 2]
+        assert json.loads(ok.stdout.strip().splitlines()[-1]) == {"steps": [0, 1, 2], "channel": "Channel"}
+        if sys.platform.startswith("linux"):  # as under torchrun: the host's relay holds the TLS channel
+            relayed = _trainer(address, {**env, "LOCAL_WORLD_SIZE": "2"})
+            assert relayed.returncode == 0, relayed.stderr[-2000:]
+            assert json.loads(relayed.stdout.strip().splitlines()[-1]) == {
+                "steps": [3, 4, 5],
+                "channel": "RelayChannel",
+            }
         plain = {k: v for k, v in os.environ.items() if not k.startswith("DASK_DISTRIBUTED__COMM__")}
         refused = _trainer(address, plain)  # no certificate at all
         assert refused.returncode != 0 and "steps" not in refused.stdout

@@ -53,6 +53,7 @@ class RankChannels:
         self.streams: dict[str, BatchedWriter] = {}  # consumer process channel id -> its stream
         self.subs: dict[tuple[int, int], dict[int, str]] = {}  # (rank, cp rank) -> replica -> channel id
         self.on_channel: dict[str, set[Consumer]] = {}  # channel id -> the consumers subscribed on it (subs, inverted)
+        self.rewound: dict[Consumer, tuple[int, int]] = {}  # consumer -> (generation a rewind ended, its step)
         self.put_count = 0  # descriptors handed out, one per rank (control-path traffic)
 
     # ---- descriptors ----------------------------------------------------------------------------
@@ -168,7 +169,16 @@ class RankChannels:
         """Push the consumer's descriptors to this channel from now on (its newest attachment
         only), starting with every built batch it still needs."""
         consumer = (rank, cp_rank, replica)
-        if not self.exists(rank, cp_rank) or self.generation.get(consumer, 0) != generation:
+        if not self.exists(rank, cp_rank):
+            return
+        if self.generation.get(consumer, 0) != generation:
+            ended = self.rewound.get(consumer)
+            bs = self.streams.get(channel_id)
+            if ended is not None and ended[0] == generation and bs is not None:
+                # a rewind ended this attachment before its subscription came: say so (the
+                # consumer at the rewind's step attaches again)
+                msg = {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica, "generation": generation}
+                send(bs, {**msg, "message": "the run was rewound", "rewound_to": ended[1]})
             return
         self._add(consumer, channel_id)
         self._send_items(consumer, channel_id, self.backlog(consumer))
@@ -211,28 +221,35 @@ class RankChannels:
     def exists(self, rank: int, cp_rank: int) -> bool:
         return 0 <= rank < self.dp and 0 <= cp_rank < self.cp
 
-    def end_all(self, message: str, dp: int | None = None, cp: int | None = None) -> None:
+    def end_all(
+        self, message: str, dp: int | None = None, cp: int | None = None, rewound_to: int | None = None
+    ) -> None:
         """Every subscribed consumer's stream ends with ``message``, and no earlier attachment
         counts any more (their acks are refused); with ``dp``/``cp``, for a new topology (a job
-        that came back with another number of ranks)."""
+        that came back with another number of ranks). ``rewound_to``: the step the service
+        hands out next (a rewind with the same ranks): a consumer whose trainer is at that very
+        step attaches again and goes on (a rank of the restarted job that attached before
+        another rank's rewind); any other fails, telling its trainer why."""
         for (rank, cp_rank), subs in self.subs.items():
             for replica, channel_id in subs.items():
                 bs = self.streams.get(channel_id)
                 if bs is not None:
-                    send(
-                        bs,
-                        {
-                            "op": "error",
-                            "rank": rank,
-                            "cp_rank": cp_rank,
-                            "replica": replica,
-                            "generation": self.generation.get((rank, cp_rank, replica), 0),
-                            "message": message,
-                        },
-                    )
+                    msg = {
+                        "op": "error",
+                        "rank": rank,
+                        "cp_rank": cp_rank,
+                        "replica": replica,
+                        "generation": self.generation.get((rank, cp_rank, replica), 0),
+                        "message": message,
+                    }
+                    if rewound_to is not None:
+                        msg["rewound_to"] = rewound_to
+                    send(bs, msg)
         self.subs.clear()
         self.on_channel.clear()
         for consumer in self.generation:
+            if rewound_to is not None:
+                self.rewound[consumer] = (self.generation[consumer], rewound_to)
             self.generation[consumer] += 1
         if dp is not None:
             self.dp, self.cp = dp, cp or 1

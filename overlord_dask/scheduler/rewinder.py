@@ -73,7 +73,10 @@ class Rewinder:
         self.p.routes.trainers.replicas.clear()
         self.p.routes.trainers.first_step.clear()
         message = f"the run was rewound to step {step} ({why}); this consumer's stream ended"
-        self.p.channels.end_all(message, *((dp, topo.cp) if dp != topo.dp else ()))
+        if dp != topo.dp:
+            self.p.channels.end_all(message, dp, topo.cp)
+        else:
+            self.p.channels.end_all(message, rewound_to=step)
         self.p.thread.restart_work(release)
         logs.event("rewind", self.p.run_id, step, dp=dp, previous_dp=topo.dp, window=source[0])
         if self.p.snapshots_loop is not None:

@@ -101,6 +101,7 @@ class RankIO(Acknowledging):
                     continue
                 desc = self._descs[self._fetch_next]
                 steps = [s for s in desc["steps"] if s >= self._fetch_next][:room]
+                attachment = self.generation
                 try:
                     where = {"abort": self._disconnected, "address": self.address, "timeout": self.options.timeout}
                     batches = await fetch_batches(
@@ -112,6 +113,10 @@ class RankIO(Acknowledging):
                     await asyncio.sleep(0.1)  # the service is away: the channel notices and reconnects
                     await self.connected.wait()
                     continue
+                except ServiceError:  # the batch is gone: a rewind this rank goes on from released it?
+                    if not await self._reattaching(attachment):
+                        raise
+                    continue
                 for s, b in zip(steps, batches):
                     h.put(s, b, nbytes(b))  # in wire form: decoded a few steps ahead of the trainer
                     self._descs.pop(s, None)
@@ -122,6 +127,20 @@ class RankIO(Acknowledging):
         except Exception as err:  # the trainer must see it, not a silent stall
             h.fail(f"rank {self.rank}: fetching batches failed: {type(err).__name__}: {err}")
 
+    async def _reattaching(self, attachment: int, within: float = 2.0) -> bool:
+        """Whether this rank's attachment ``attachment`` ended meanwhile and it attached again or
+        is attaching (a rewind to the step it is at released the batches it was fetching): wait
+        until it is attached; the new attachment's descriptors name the rebuilt batches. The
+        rewind's message may come after the fetch's refusal, so it is waited for ``within`` s."""
+        if self.generation != attachment:
+            return True
+        try:
+            await asyncio.wait_for(self._disconnected.wait(), within)
+        except asyncio.TimeoutError:
+            return False
+        await self.connected.wait()
+        return True
+
     def on_message(self, msg: dict) -> None:
         """A message for this rank from the channel."""
         if self.closed or msg.get("generation", self.generation) != self.generation:
@@ -131,6 +150,15 @@ class RankIO(Acknowledging):
         elif msg["op"] == "error" and msg.get("resumable") and self.options.reconnect_timeout > 0:
             # a restart (or a resubmitted job) is awaited
             self.lost(f"{msg['message']}; it resumes from its snapshots when it is started again")
+        elif (
+            msg["op"] == "error"
+            and msg.get("rewound_to") is not None
+            and self.options.reconnect_timeout > 0
+            and self.hand.past_skips(self.hand.consumed + 1) == msg["rewound_to"]
+        ):
+            # another rank of this restarted job rewound the service to the very step this
+            # trainer is at (it attached before that rank did): attach again and go on
+            self.lost(f"{msg['message']}; this rank is at that step and goes on from it")
         elif msg["op"] == "error":
             self.hand.fail(f"the overlord service failed: {msg['message']}")
         elif msg["op"] == "descriptors":
@@ -186,6 +214,9 @@ class RankIO(Acknowledging):
                 f"consumed only up to step {consumed}: steps {consumed + 1}..{first - 1} would be lost"
             )
             return
+        gens = self.channel.streams.get(self.consumer, {})
+        if gens.get(self.generation) is self:  # (the same channel when only the attachment ended)
+            del gens[self.generation]
         self.info, self.channel, self.generation = info, channel, int(att["generation"])
         self._descs.clear()
         self.hand.forget_chunks()
