@@ -35,6 +35,14 @@ def send(bs: BatchedWriter, msg: dict) -> bool:
         return False
 
 
+def tell(bs: BatchedWriter, consumer: Consumer, generation: int | None, message: str, **extra) -> bool:
+    """An ``error`` message to one consumer's attachment (``generation``) on its channel, with
+    ``extra`` fields (``rewound_to``); False if that process is gone."""
+    rank, cp_rank, replica = consumer
+    msg = {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica, "generation": generation}
+    return send(bs, {**msg, "message": message, **extra})
+
+
 class RankChannels:
     """``backlog(consumer)``: the descriptors a newly subscribed consumer needs (every built batch
     from its first step on); ``on_leave(consumer)``: a subscribed consumer's process went away."""
@@ -177,8 +185,7 @@ class RankChannels:
             if ended is not None and ended[0] == generation and bs is not None:
                 # a rewind ended this attachment before its subscription came: say so (the
                 # consumer at the rewind's step attaches again)
-                msg = {"op": "error", "rank": rank, "cp_rank": cp_rank, "replica": replica, "generation": generation}
-                send(bs, {**msg, "message": "the run was rewound", "rewound_to": ended[1]})
+                tell(bs, consumer, generation, "the run was rewound", rewound_to=ended[1])
             return
         self._add(consumer, channel_id)
         self._send_items(consumer, channel_id, self.backlog(consumer))
@@ -204,17 +211,12 @@ class RankChannels:
             who = (
                 f"rank {rank}" + (f" cp rank {cp_rank}" if cp_rank else "") + (f" replica {replica}" if replica else "")
             )
-            send(
+            tell(
                 old,
-                {
-                    "op": "error",
-                    "rank": rank,
-                    "cp_rank": cp_rank,
-                    "replica": replica,
-                    "generation": gen - 1,
-                    "message": f"another consumer attached as {who}; this one no longer receives batches (one consumer "
-                    "per rank and replica)",
-                },
+                consumer,
+                gen - 1,
+                f"another consumer attached as {who}; this one no longer receives batches (one consumer per rank "
+                "and replica)",
             )
         return gen
 
@@ -234,17 +236,9 @@ class RankChannels:
             for replica, channel_id in subs.items():
                 bs = self.streams.get(channel_id)
                 if bs is not None:
-                    msg = {
-                        "op": "error",
-                        "rank": rank,
-                        "cp_rank": cp_rank,
-                        "replica": replica,
-                        "generation": self.generation.get((rank, cp_rank, replica), 0),
-                        "message": message,
-                    }
-                    if rewound_to is not None:
-                        msg["rewound_to"] = rewound_to
-                    send(bs, msg)
+                    consumer = (rank, cp_rank, replica)
+                    extra = {} if rewound_to is None else {"rewound_to": rewound_to}
+                    tell(bs, consumer, self.generation.get(consumer, 0), message, **extra)
         self.subs.clear()
         self.on_channel.clear()
         for consumer in self.generation:

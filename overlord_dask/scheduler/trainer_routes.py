@@ -9,7 +9,7 @@ import time
 
 from .. import logs
 from ..protocol import eval_key
-from .channels import Consumer, send
+from .channels import Consumer, tell
 from .held import holders
 from .replicas import ReplicaAcks
 from .timings import Timings
@@ -136,17 +136,7 @@ class TrainerRoutes:
     ) -> None:
         resp = self.ack(rank, step, cp_rank, durable, wait_s, since_s, replica, generation)
         if resp["error"]:
-            send(
-                bs,
-                {
-                    "op": "error",
-                    "rank": rank,
-                    "cp_rank": cp_rank,
-                    "replica": replica,
-                    "generation": generation,
-                    "message": resp["error"],
-                },
-            )
+            tell(bs, (rank, cp_rank, replica), generation, resp["error"])
 
     def ack(
         self,

@@ -23,6 +23,7 @@ from ..client import PlannerClient, channel_open
 from ..errors import ConnectionClosed, ServiceError
 from ..protocol import CHANNEL_INTERVAL
 from .ack_merge import AckMerge, row_of
+from .addressing import named, of_consumer
 from .comm import Pool
 
 if TYPE_CHECKING:
@@ -241,19 +242,11 @@ class Channel:
         """The streams a message is for: those it names (``to``: ``[rank, cp rank, replica,
         generation]`` each), every stream (rank None), or one consumer's, of the message's
         generation (a consumer re-attached in this process has two for a moment)."""
-        to = msg.get("to")
-        if to is not None:
-            out = []
-            for rank, cp_rank, replica, gen in to:
-                stream = self.streams.get((rank, cp_rank, replica), {}).get(gen)
-                if stream is not None:
-                    out.append(stream)
-            return out
+        if msg.get("to") is not None:
+            return list(named(self.streams, msg["to"]))
         if msg.get("rank") is None:
             return [s for gens in self.streams.values() for s in gens.values()]
-        gens = self.streams.get((msg["rank"], msg.get("cp_rank", 0), msg.get("replica", 0)), {})
-        gen = msg.get("generation")
-        return list(gens.values()) if gen is None else [gens[gen]] if gen in gens else []
+        return of_consumer(self.streams, msg)
 
 
 class RelayChannel(Channel):

@@ -44,6 +44,7 @@ from ..client import channel_open
 from ..errors import ConnectionClosed
 from ..protocol import CHANNEL_INTERVAL
 from .ack_merge import AckMerge, row_of
+from .addressing import named, of_consumer
 from .comm import Comm
 
 logger = logging.getLogger(__name__)
@@ -177,11 +178,11 @@ class Relay:
         op = msg.get("op")
         if op in ("subscribe", "unsubscribe"):
             consumer = (msg["rank"], msg.get("cp_rank", 0), msg.get("replica", 0))
-            gens = self.where.setdefault(consumer, {})
+            gens, gen = self.where.setdefault(consumer, {}), msg.get("generation", 0)
             if op == "subscribe":
-                gens[msg.get("generation", 0)] = local
-            elif gens.get(msg.get("generation", 0)) is local:
-                del gens[msg.get("generation", 0)]
+                gens[gen] = local
+            elif gens.get(gen) is local:
+                del gens[gen]
             if not gens:
                 del self.where[consumer]
         if self.closed:
@@ -230,26 +231,11 @@ class Relay:
         """A message from the service to the local processes it concerns: a descriptor's named
         consumers split by process, a message for every stream to all, a consumer's own to the
         process holding that attachment."""
-        to = msg.get("to")
-        if to is not None:
-            split: dict[_Local, list] = {}
-            for entry in to:
-                rank, cp_rank, replica, gen = entry
-                local = self.where.get((rank, cp_rank, replica), {}).get(gen)
-                if local is not None:
-                    split.setdefault(local, []).append(entry)
-            for local, mine in split.items():
+        if msg.get("to") is not None:
+            for local, mine in named(self.where, msg["to"]).items():
                 local.send({**msg, "to": mine})
             return
-        if msg.get("rank") is None:
-            for local in list(self.locals):
-                local.send(msg)
-            return
-        gens = self.where.get((msg["rank"], msg.get("cp_rank", 0), msg.get("replica", 0)), {})
-        gen = msg.get("generation")
-        for local in {
-            id(x): x for x in (gens.values() if gen is None else [gens[gen]] if gen in gens else [])
-        }.values():
+        for local in list(self.locals) if msg.get("rank") is None else of_consumer(self.where, msg):
             local.send(msg)
 
     def close(self) -> None:
