@@ -106,6 +106,42 @@ def test_a_built_chunk_is_sized_by_its_arrays_and_survives_pickling():
         assert decode_batch(copy.batch(4, 1))["micro_batches"][1]["num_tokens"] == 3
 
 
+def test_a_constructor_task_names_each_load_future_once_and_builds_what_the_blocks_build():
+    """The submitter passes a constructor task its blocks as the distinct load futures (a group
+    of units read by one task is one future) and ``BlockRefs`` naming each unit's place among
+    them (a unit read in parts: its parts, concatenated): the chunk is the one its blocks build."""
+    import pickle
+    from types import SimpleNamespace
+
+    from overlord_dask import pieces as P
+    from overlord_dask.worker.constructors import BlockRefs, build_chunk
+
+    a, b, c, d = _block([5, 9]), _block([4, 6, 3], first_id=7), _block([8], first_id=20), _block([2, 7], first_id=30)
+    b0 = SampleBlock("s", b.tokens[:10], [0, 4, 10], [7, 8])  # the parts of b: its first two documents
+    b1 = SampleBlock("s", b.tokens[10:], [0, 3], [9])  # and its third
+    results = {"load-a": a, "load-b-p0": b0, "load-b-p1": b1, "load-cd": [c, d]}
+    fut = {k: SimpleNamespace(key=k) for k in results}
+    entries = {
+        block_key(0, 0, 0): fut["load-a"],
+        block_key(0, 0, 1): ("parts", [fut["load-b-p0"], fut["load-b-p1"]]),
+        block_key(1, 0, 4): ("group", 0, fut["load-cd"]),
+        block_key(1, 0, 5): ("group", 1, fut["load-cd"]),
+    }
+    refs, deps = BlockRefs.of(entries)
+    assert [f.key for f in deps] == ["load-a", "load-b-p0", "load-b-p1", "load-cd"]  # the group's future once
+    refs = pickle.loads(pickle.dumps(refs))  # as the task travels
+    pieces = np.array(
+        [[0, 0, 0, 1, 0, 9], [0, 0, 1, 2, 0, 3], [1, 0, 4, 0, 0, 8], [1, 0, 5, 1, 2, 7], [0, 0, 1, 0, 0, 4]]
+    )
+    slot = np.array([[0, 0], [0, 0], [1, 0], [1, 0], [1, 0]])
+    steps = [{"step": 3, "pieces": P.pack(pieces), "slot": P.slot_bytes(slot), "piece_tokens": 16}]
+    plain = {block_key(0, 0, 0): a, block_key(0, 0, 1): b, block_key(1, 0, 4): c, block_key(1, 0, 5): d}
+    want = build_chunk(steps, (0, 2), BatchLayout(1, 24), plain)
+    got = build_chunk(steps, (0, 2), BatchLayout(1, 24), refs, [results[f.key] for f in deps])
+    assert [got.packed(3, r) for r in (0, 1)] == [want.packed(3, r) for r in (0, 1)]
+    assert want.packed(3, 0) != want.packed(3, 1)
+
+
 def test_a_fetch_sends_the_batches_the_constructor_packed_as_frames():
     """A chunk holds each (step, rank) batch pickled by the constructor task, so that serving a
     fetch or a shadow copy pickles no array on the worker's event loop: the fetch's reply

@@ -51,8 +51,9 @@ def chunk_tasks(
 ) -> list[dict]:
     """Constructor tasks for consecutive ``steps`` (``PlannerState.plan_steps`` output, their
     pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "layout", "units"}``, the
-    layout as a dict (``batch_layout.py``); as few groups of ranks as keep each within
-    ``TASK_TOKENS``."""
+    layout as a dict (``batch_layout.py``), the units ``[source, epoch, unit]`` rows as bytes
+    (``pieces.to_bytes``: one object, where a list of lists is a few hundred to encode and decode
+    on the way to the submitter); as few groups of ranks as keep each within ``TASK_TOKENS``."""
     dp = topology.dp
     tokens = len(steps) * topology.step_tokens
     groups = max(1, math.ceil(tokens / TASK_TOKENS))
@@ -82,7 +83,7 @@ def chunk_tasks(
                 "steps": parts,
                 "ranks": [lo, hi],
                 "layout": layout.to_dict(),
-                "units": used.tolist(),
+                "units": P.to_bytes(used),
                 "skip": steps[0].get("after_skip"),  # [first, last] skipped right before these steps
             }
         )

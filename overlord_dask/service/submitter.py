@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from distributed import Client, Future
 
+from .. import pieces as P
 from ..batch_layout import BatchLayout
 from ..client import BlockingPlannerClient
 from ..loading.partition import partition
@@ -34,7 +35,7 @@ from ..plan.versions import PlanVersions
 from ..protocol import block_key, eval_key, load_key
 from ..sources import discover_units
 from ..sources.units import LoadUnit
-from ..worker.constructors import build_chunk
+from ..worker.constructors import BlockRefs, build_chunk
 from ..worker.evaluation import build_eval
 from ..worker.loaders import load_block, load_group
 from . import holdout
@@ -206,10 +207,16 @@ class Submitter(threading.Thread):
         )
 
     def _submit_builds(self, tasks: list) -> None:
-        """One constructor task per chunk task of the planner, with the layout the planner gave it."""
+        """One constructor task per chunk task of the planner, with the layout the planner gave it.
+
+        Its blocks go as the distinct load futures they live in (a group's units share one) and
+        a ``BlockRefs`` naming each unit's place among them: Dask walks, pickles and tracks every
+        object of a task's arguments, and a chunk's task draws from hundreds of units."""
         for t in tasks:
-            blocks = {block_key(*u): self.blocks[block_key(*u)] for u in t["units"]}
+            refs, deps = BlockRefs.of(
+                {block_key(*u): self.blocks[block_key(*u)] for u in P.from_bytes(t["units"], 3).tolist()}
+            )
             layout = BatchLayout.from_dict(t["layout"])
             self.batches[t["key"]] = self.client.submit(
-                build_chunk, t["steps"], tuple(t["ranks"]), layout, blocks, key=t["key"], pure=False
+                build_chunk, t["steps"], tuple(t["ranks"]), layout, refs, deps, key=t["key"], pure=False
             )

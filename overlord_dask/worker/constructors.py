@@ -211,14 +211,58 @@ def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> 
     ]
 
 
-def unit_block(entry) -> SampleBlock:
-    """A unit's block from what the submitter passed for it (``service/submitter.py``): the block,
-    ``("parts", [blocks])`` of a unit loaded in parts, or ``("group", i, blocks)``."""
-    if isinstance(entry, SampleBlock):
-        return entry
-    if entry[0] == "parts":
-        return SampleBlock.concat(list(entry[1]))
-    return entry[2][entry[1]]
+class BlockRefs:
+    """Where each unit's block is among a constructor task's load results (``deps``, the task's
+    one Dask argument holding futures): per block key an index into ``deps``, ``("parts",
+    [indices])`` or ``("group", i, index)``. An object Dask passes through as it is, so a task's
+    arguments hold one future per load task instead of a future, a tuple and a key per unit."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: dict):
+        self.entries = entries
+
+    @classmethod
+    def of(cls, blocks: dict) -> tuple[BlockRefs, list]:
+        """From ``{block key: future, ("parts", [futures]) or ("group", i, future)}``: the refs
+        and the distinct futures, in order of first use."""
+        deps: list = []
+        where: dict = {}
+
+        def ref(fut) -> int:
+            i = where.get(fut.key)
+            if i is None:
+                i = where[fut.key] = len(deps)
+                deps.append(fut)
+            return i
+
+        entries: dict = {}
+        for k, e in blocks.items():
+            if not isinstance(e, tuple):
+                entries[k] = ref(e)
+            elif e[0] == "parts":
+                entries[k] = ("parts", [ref(f) for f in e[1]])
+            else:
+                entries[k] = ("group", e[1], ref(e[2]))
+        return cls(entries), deps
+
+    def __getstate__(self):
+        return self.entries
+
+    def __setstate__(self, entries):
+        self.entries = entries
+
+    def resolve(self, deps: list) -> dict[str, SampleBlock]:
+        """Block key -> the unit's block, from the tasks' results ``deps``."""
+        out = {}
+        for k, e in self.entries.items():
+            if not isinstance(e, tuple):
+                out[k] = deps[e]
+            elif e[0] == "parts":
+                out[k] = SampleBlock.concat([deps[i] for i in e[1]])
+            else:
+                out[k] = deps[e[2]][e[1]]
+        return out
 
 
 class BuiltChunk:
@@ -397,15 +441,20 @@ def wire_chunk(steps: list[dict], ranks: range, layout: BatchLayout, blocks: dic
     return out
 
 
-def build_chunk(steps: list[dict], ranks: tuple[int, int], layout: BatchLayout, blocks: dict) -> BuiltChunk:
+def build_chunk(
+    steps: list[dict], ranks: tuple[int, int], layout: BatchLayout, blocks: dict | BlockRefs, deps: list = ()
+) -> BuiltChunk:
     """One constructor task: consecutive ``steps`` (a chunk task's, ``scheduler/chunks.py``: the
-    pieces of ranks ``[lo, hi)``) for those ranks, packed to ``layout``. The result stays on the worker until every rank
+    pieces of ranks ``[lo, hi)``) for those ranks, packed to ``layout``, from ``blocks`` (block key
+    -> a unit's block; or ``BlockRefs`` into the load results ``deps``, as the submitter passes
+    them). The result stays on the worker until every rank
     acknowledged its last step; trainers fetch their (step, rank) batches from it directly
     (``batch_server``). Without context parallelism the batches are stored in wire form
     (``wire.encode``: narrow dtypes, derivable arrays left out); with it, whole, since every CP
     rank is sent its own slice."""
     ranks = range(*ranks)
-    blocks = {k: unit_block(v) for k, v in blocks.items()}
+    if isinstance(blocks, BlockRefs):
+        blocks = blocks.resolve(deps)
     cp, multimodal, capacity = layout.cp, layout.multimodal, layout.capacity
     if cp == 1 and not multimodal:
         return BuiltChunk(True, wire_chunk(steps, ranks, layout, blocks))
