@@ -243,6 +243,49 @@ def test_a_starved_window_is_tried_again_only_once_a_unit_of_its_source_arrived(
     assert st_.next_step == 8 and len(tries) > 1  # its units arrived: planning went on
 
 
+def test_a_window_that_needs_many_units_is_selected_again_only_once_enough_of_them_arrived(monkeypatch):
+    """A window waits for many units of a source (large steps): its selection is not repeated,
+    and rolled back, at every unit that arrives (quadratic in the units a window waits for),
+    only once the source holds as many tokens as the failed selection asked for; the planned
+    stream is the one planned with every unit at hand."""
+
+    def state():
+        plan = plan_from_dict(
+            {
+                "sources": [
+                    {"name": "a", "format": "zarr", "url": "a.zarr", "weight": 0.6},
+                    {"name": "b", "format": "zarr", "url": "b.zarr", "weight": 0.4},
+                ],
+                "topology": {"dp": 4, "micro_batches": 2, "tokens_per_micro_batch": 2048},
+                "loading": {"prefetch_steps": 16, "units_ahead": 64},
+            }
+        )
+        return PlannerState(plan, {"a": list(range(0, 50 * 64, 50)), "b": list(range(0, 40 * 64, 40))})
+
+    def lengths(name, epoch, unit):
+        return np.random.default_rng([epoch, unit, name == "a"]).integers(1, 300, 50 if name == "a" else 40)
+
+    ref = state()
+    while ref.next_step < 16:
+        for w in ref.wanted():
+            ref.add_lengths(*w, lengths(*w))
+        ref.plan_steps(16)
+
+    st_ = state()
+    tries, arrivals = [], 0
+    plan = st_.policy.plan
+    monkeypatch.setattr(st_.policy, "plan", lambda w: tries.append(w.start) or plan(w))
+    while st_.next_step < 16:
+        for w in st_.wanted():  # one unit at a time, planning after each (as the service does)
+            st_.add_lengths(*w, lengths(*w))
+            arrivals += 1
+            st_.plan_steps(16)
+    assert arrivals > 40 and len(tries) < arrivals / 4, (arrivals, len(tries))
+    for step in range(16):
+        assert np.array_equal(st_.ledger[step]["pieces"], ref.ledger[step]["pieces"])
+        assert np.array_equal(st_.ledger[step]["slot"], ref.ledger[step]["slot"])
+
+
 def test_the_ledger_history_is_out_of_the_garbage_collectors_sight():
     """Every planned step's metrics stay in the ledger's history (100,000 steps by default);
     a full collection in the scheduler's process must not walk them (it blocks the event loop)."""

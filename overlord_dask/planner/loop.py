@@ -21,6 +21,8 @@ from .. import pieces as P
 from .ledger import step_metrics
 from .policies import Starved, Window
 
+RETRY_UNITS = 64  # a starved window is tried again at least every this many units of its source (a safety net)
+
 
 class PlanningLoop:
     """(mixin of ``PlannerState``) How windows are planned and steps handed out."""
@@ -105,9 +107,7 @@ class PlanningLoop:
         """Plan the window that starts at ``planned_until`` into ``ready``; its state beforehand
         is kept for snapshots (``windows``)."""
         start = self.planned_until
-        if self._starved is not None and self._starved[1] == self._inputs(self._starved[0]):
-            # No unit of the source this window starved on arrived since: it would starve again,
-            # after selecting and rolling back its pieces, at every ack and every other source's unit.
+        if self._starved is not None and self._starves_again(*self._starved):
             raise Starved(self._starved[0])
         self.windows.begin(start, self.topology.model_dump())
         ctx = self.timeline.context_at(start)
@@ -131,7 +131,14 @@ class PlanningLoop:
         except Starved as e:
             self.windows.abandon(start)
             self.streams.forget_drops()
-            self._starved = (e.source, self._inputs(e.source))
+            loads = self.streams.by_name(e.source).loads
+            self._starved = (
+                e.source,
+                self._inputs(),
+                loads.loaded_tokens + e.short_by,
+                e.waits_for,
+                loads.loaded_units,
+            )
             raise
         drops = self.streams.drain_drops()
         for k, (rows, slot, mb_costs) in enumerate(planned):
@@ -141,11 +148,25 @@ class PlanningLoop:
             self.ready.append((rows, slot, mb_costs, drops if k == 0 else None, units))
         self.windows.prune(self.progress.durable_step - self.plan.checkpoint.keep_steps)
 
-    def _inputs(self, source: str) -> tuple:
-        """What decides whether the next window starves on ``source`` (its selection stops at
-        the first source whose metadata is missing, so other sources' units cannot help)."""
-        loaded = self.streams.by_name(source).loads.loaded_units
-        return (self.planned_until, loaded, self.plan_version, self.topology)
+    def _starves_again(self, source: str, inputs: tuple, tokens: int, waits_for: tuple, units: int) -> bool:
+        """Whether the window that starved on ``source`` would starve again, after selecting and
+        rolling back its pieces: nothing else changed and too little of the source arrived
+        since (fewer than ``tokens`` loaded in all, or none of the blocks its scans stopped at).
+        Asked at every ack and every unit that arrives: trying at each was quadratic in the
+        units a large window waits for. Every ``RETRY_UNITS`` units it is tried anyway."""
+        if inputs != self._inputs():
+            return False
+        s = self.streams.by_name(source)
+        if s.loads.loaded_units - units >= RETRY_UNITS:
+            return False
+        arrived = not waits_for or any(k in s.lengths for k in waits_for)
+        return s.loads.loaded_tokens < tokens or not arrived
+
+    def _inputs(self) -> tuple:
+        """What, besides the starved source's metadata, decides whether the next window starves
+        (its selection stops at the first source whose metadata is missing, so other sources'
+        units cannot help)."""
+        return (self.planned_until, self.plan_version, self.topology, len(self.timeline.decisions))
 
     def plan_ahead(self, steps: int) -> int:
         """Plan whole windows ahead of hand-out until at least ``steps`` planned steps wait in

@@ -61,8 +61,8 @@ def wfq_select(
             i = int(i)
             if i not in cand or len(cand[i]) == 0 or int(stream_lengths(cand[i]).sum()) < need[i]:
                 rows, enough = streams[i].pieces_ahead(need[i])
-                if not enough:
-                    raise Starved(streams[i].name)
+                if not enough:  # (it can go on only once it holds need[i] tokens, the first missing block one)
+                    raise Starved(streams[i].name, *streams[i].shortfall(need[i]))
                 cand[i] = rows
         tags, src, idx, lens_parts = [], [], [], []
         for i in active:

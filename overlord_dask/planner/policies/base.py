@@ -38,11 +38,19 @@ Planned = tuple  # (piece rows [n, 6], int32 [rank, micro_batch] per row, cost[r
 
 
 class Starved(Exception):
-    """The step needs metadata of a unit that has not been loaded yet."""
+    """The step needs metadata of a unit that has not been loaded yet.
 
-    def __init__(self, source: str):
+    What must arrive before the same selection can get further, so that the planner does not
+    select and roll back a whole window again at every unit that arrives while it waits for
+    many: ``short_by`` more tokens of the source's metadata (a lower bound, at least 1), and
+    one of the blocks in ``waits_for`` (``(epoch, block)``: where a scan of the source stopped;
+    empty: any)."""
+
+    def __init__(self, source: str, short_by: int = 1, waits_for: tuple = ()):
         super().__init__(source)
         self.source = source
+        self.short_by = max(1, int(short_by))
+        self.waits_for = tuple(waits_for)
 
 
 @dataclass(slots=True)

@@ -123,6 +123,25 @@ def _slice_rows(s: SourceStream, cls: str | None, key: tuple[int, int], lens: np
     return block, order, int((stop - start).sum())
 
 
+def shortfall(s: SourceStream, need: int, cls: str | None = None) -> tuple[int, tuple]:
+    """What must arrive before a scan of ``need`` tokens (of class ``cls``) that stopped short can
+    get further (``policies.Starved``): the tokens it lacks beyond every unit whose lengths are
+    held (in a block, behind the cursor or not, any class, or waiting for the rest of its
+    block: no scan covers more until more arrive), and the first block without lengths from
+    the class cursor on (from each class cursor, for a source read by length class in merged
+    order): where a scan stops."""
+    held = sum(int(lens.sum()) for lens in (*s.lengths.values(), *s.arrived.values()))
+    missing = []
+    for c in [cls] if cls is not None or not s.split else ["short", "long"]:
+        e, pos = s.class_cursor(c if s.split else None)[:2]
+        for _ in range(s.ordering.n_blocks + 1):
+            if (e, pos) not in s.lengths:
+                missing.append((e, pos))
+                break
+            e, pos = s.ordering.next_block(e, pos)
+    return need - held, tuple(missing)
+
+
 def take(s: SourceStream, rows: np.ndarray, cls: str | None = None) -> None:
     """The planner took ``rows``, a prefix of ``pieces_ahead(.., cls)``: move the cursors past them."""
     if not len(rows):

@@ -69,6 +69,9 @@ class ClassView:
     def pieces_ahead(self, min_tokens: int) -> tuple[np.ndarray, bool]:
         return self.stream.pieces_ahead(min_tokens, self.cls)
 
+    def shortfall(self, need: int) -> tuple[int, tuple]:
+        return self.stream.shortfall(need, self.cls)
+
     def take(self, rows: np.ndarray) -> None:
         self.stream.take(rows, self.cls)
 
@@ -227,6 +230,9 @@ class SourceStream:
     # ---- numpy rows (the balancing planner; rows.py) ----------------------------------------------
     def pieces_ahead(self, min_tokens: int, cls: str | None = None) -> tuple[np.ndarray, bool]:
         return rows.pieces_ahead(self, min_tokens, cls)
+
+    def shortfall(self, need: int, cls: str | None = None) -> tuple[int, tuple]:
+        return rows.shortfall(self, need, cls)
 
     def take(self, taken: np.ndarray, cls: str | None = None) -> None:
         rows.take(self, taken, cls)
