@@ -40,6 +40,10 @@ trainer: ~45 ms per step)::
     python benchmarks/trainer_wait.py --model --compute-ms 45              # on a CUDA machine
     python benchmarks/trainer_wait.py --model --compute-ms 500             # CPU: one core trains
 
+The stream alone (``--consumer rankstream``): the trainers iterate ``connect()``'s
+``RankStream`` (numpy micro-batches) instead of ``OverlordDataset`` in a ``DataLoader``, so that
+``rank_cpu_us_per_step`` is what fetching, decoding and handing over cost the trainer's process.
+
 Shuffle blocks (``--shuffle-units 1 64``): the service runs once per ``loading.shuffle_units``
 setting, in turn, for each compute time (the baseline once); ``--small-units`` cuts the demo's
 sources into ~1,000 load units each (``unit_rows`` 12, ``unit_tokens`` 4,096).
@@ -94,7 +98,8 @@ def _train(batches, micro_batches: int, steps: int, compute_s: float, start, mod
         step_wait += time.perf_counter() - t0
         if t_first is None:
             t_first = time.perf_counter()
-        assert mb["input_ids"].dtype.is_floating_point is False
+        dtype = mb["input_ids"].dtype
+        assert not (dtype.is_floating_point if isinstance(dtype, torch.dtype) else np.issubdtype(dtype, np.floating))
         step_tokens += int(mb["cu_seqlens"][-1])  # the documents' tokens, padding excluded
         if model is not None:
             model.micro_batch(mb)
@@ -148,26 +153,32 @@ def _overlord_trainer(
     model_spec: dict | None = None,
     capacity: int = 0,
     warmup: int = 10,
+    consumer: str = "dataset",
 ) -> None:
-    from overlord_dask import OverlordDataset
+    from overlord_dask import OverlordDataset, connect
 
     model, synthetic_s = _model(
         model_spec, rank, capacity, micro_batches
     )  # before the clock: not the loader's time to a first batch
     t0 = time.perf_counter()
-    ds = OverlordDataset(address, rank=rank, dp=dp, pin_memory=model is not None and model.device == "cuda")
-    res = _train(
-        torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0),
-        micro_batches,
-        steps,
-        compute_s,
-        start,
-        model,
-        warmup,
-    )
+    if consumer == "rankstream":  # the stream itself: numpy micro-batches, no DataLoader or tensors
+        stream = connect(address, rank=rank, dp=dp)
+        res = _train(stream, micro_batches, steps, compute_s, start, model, warmup)
+    else:
+        ds = OverlordDataset(address, rank=rank, dp=dp, pin_memory=model is not None and model.device == "cuda")
+        stream = ds.stream
+        res = _train(
+            torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0),
+            micro_batches,
+            steps,
+            compute_s,
+            start,
+            model,
+            warmup,
+        )
     res["t_start"], res["synthetic_s"] = t0, synthetic_s
-    ds.stream.commit()
-    ds.close()
+    stream.commit()
+    stream.close()
     out.put((rank, res))
 
 
@@ -350,6 +361,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--vocab", type=int, default=512, help="the model's vocabulary (the demo's byte ids are below 260)")
     ap.add_argument("--shuffle-units", type=int, nargs="*", default=[], help="loading.shuffle_units settings, in turn")
     ap.add_argument("--small-units", action="store_true", help="~1,000 load units per source")
+    ap.add_argument(
+        "--consumer",
+        default="dataset",
+        choices=["dataset", "rankstream"],
+        help="OverlordDataset in a DataLoader (torch tensors), or the RankStream itself (numpy)",
+    )
     args = ap.parse_args(argv)
     model_spec = None
     if args.model:
@@ -392,10 +409,12 @@ def main(argv=None) -> dict:
                         model_spec=model_spec,
                         capacity=args.tokens,
                         warmup=args.warmup,
+                        consumer=args.consumer,
                     )
                     loop = service.loop_stats()
                 row = {
                     "system": "overlord",
+                    "consumer": args.consumer,
                     "compute_ms": compute_ms,
                     "shuffle_units": plan.loading.shuffle_units,
                     **_summarise(res, args.warmup),

@@ -128,6 +128,18 @@ def test_trainer_wait_benchmark_runs(corpus):
     assert '"trainer_wait"' in stdout
 
 
+def test_trainer_wait_measures_the_rank_stream_itself(corpus):
+    """``--consumer rankstream``: the trainers take numpy micro-batches from ``connect()``'s
+    stream (no DataLoader, no tensors), so its CPU per step is the stream's own."""
+    out, _ = run_benchmark(
+        "trainer_wait",
+        ["--dp", "1", "--steps", "10", "--warmup", "2", "--compute-ms", "0", "--tokens", "4096"]
+        + ["--no-baseline", "--consumer", "rankstream", "--data", str(corpus), "--json"],
+    )
+    (row,) = out["rows"]
+    assert row["consumer"] == "rankstream" and row["rank_cpu_us_per_step"] > 0 and "baseline_wait_share" not in row
+
+
 def test_trainer_wait_trains_a_real_model_from_both_loaders(corpus):
     """``--model``: rank 0 trains a small model on CPU from the service and from the per-rank
     DataLoader; its figures are reported apart, and the loss falls on either loader's batches
