@@ -165,6 +165,39 @@ def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
     )
 
 
+def test_a_chunk_task_holds_its_ranks_pieces_in_the_order_the_planner_put_them_in_each_bin():
+    """Each task holds exactly its ranks' pieces, every (rank, micro-batch) bin's in the ledger's
+    order (the order they are packed in), and the units they come from."""
+    from overlord_dask.plan import Topology
+    from overlord_dask.scheduler.chunks import chunk_tasks
+
+    rng = np.random.default_rng(4)
+    dp, mbs, ledger, steps = 8, 2, {}, []
+    for s in range(3):
+        n = 200
+        pieces = np.zeros((n, P.WIDTH), np.int64)
+        pieces[:, P.SOURCE], pieces[:, P.UNIT] = rng.integers(0, 3, n), rng.integers(0, 50, n)
+        pieces[:, P.DOC], pieces[:, P.STOP] = np.arange(n), rng.integers(1, 100, n)
+        ledger[s] = {"pieces": pieces, "slot": np.stack([rng.integers(0, dp, n), rng.integers(0, mbs, n)], axis=1)}
+        steps.append({"step": s, "piece_tokens": 100})
+    topo = Topology(dp=dp, micro_batches=mbs, tokens_per_micro_batch=1 << 20)  # 3 x 16M tokens: 12 tasks of 4M
+    tasks = chunk_tasks(steps, ledger, topo, BatchLayout(mbs, 1 << 20), run_id="r")
+    assert len(tasks) > 1
+    for t in tasks:
+        lo, hi = t["ranks"]
+        used = set()
+        for part in t["steps"]:
+            entry = ledger[part["step"]]
+            got, slot = P.unpack(part["pieces"]), P.slot_from_bytes(part["slot"])
+            for r in range(dp):
+                for m in range(mbs):
+                    want = entry["pieces"][(entry["slot"][:, 0] == r) & (entry["slot"][:, 1] == m)]
+                    mine = got[(slot[:, 0] == r) & (slot[:, 1] == m)]
+                    assert np.array_equal(mine, want if lo <= r < hi else want[:0])
+            used |= {tuple(u) for u in P.units(got).tolist()}
+        assert {tuple(u) for u in P.from_bytes(t["units"], 3).tolist()} == used
+
+
 def test_a_text_source_short_of_metadata_asks_for_a_batch_of_units_that_one_task_reads():
     from overlord_dask.loading.partition import partition
     from overlord_dask.planner.streams.lookahead import REFILL_TOKENS

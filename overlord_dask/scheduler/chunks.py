@@ -58,24 +58,30 @@ def chunk_tasks(
     tokens = len(steps) * topology.step_tokens
     groups = max(1, math.ceil(tokens / TASK_TOKENS))
     per = math.ceil(dp / min(groups, dp))
-    planned = [(sp, ledger[sp["step"]]) for sp in steps]
+    starts = np.arange(0, dp, per)
+    planned = []
+    for sp in steps:  # each step's pieces by rank (stable: a bin's pieces keep their order), cut per group
+        entry = ledger[sp["step"]]
+        by_rank = np.argsort(entry["slot"][:, 0], kind="stable")
+        cuts = np.searchsorted(entry["slot"][by_rank, 0], np.append(starts, dp))
+        planned.append((sp, entry, by_rank, cuts))
     tasks = []
-    for lo in range(0, dp, per):
+    for g, lo in enumerate(starts.tolist()):
         hi = min(dp, lo + per)
         parts, units = [], []
-        for sp, entry in planned:
-            pieces, slot = entry["pieces"], entry["slot"]
-            mine = (slot[:, 0] >= lo) & (slot[:, 0] < hi)
+        for sp, entry, by_rank, cuts in planned:
+            mine = by_rank[cuts[g] : cuts[g + 1]]
+            pieces = entry["pieces"][mine]
             parts.append(
                 {
                     "step": sp["step"],
-                    "pieces": P.pack(pieces[mine]),
-                    "slot": P.slot_bytes(slot[mine]),
+                    "pieces": P.pack(pieces),
+                    "slot": P.slot_bytes(entry["slot"][mine]),
                     "piece_tokens": sp["piece_tokens"],
                     "loss_tokens": sp.get("loss_tokens"),
                 }
             )
-            units.append(P.units(pieces[mine]))
+            units.append(P.units(pieces))
         used = P.unique_rows(np.concatenate(units)) if units else np.zeros((0, 3), np.int64)
         tasks.append(
             {
