@@ -132,3 +132,69 @@ def test_a_relay_that_dies_is_replaced_without_a_step_lost_or_repeated(cluster, 
     start = min(resumed)
     assert start <= taken_before[-1] + 1 and sorted(resumed) == list(range(start, until))  # no gap
     assert all(resumed[s] == want[(0, s)] for s in resumed)
+
+
+REPLICA = """
+import json, os, sys, time
+from overlord_dask import connect
+from tests.harness import identities
+
+address, replica, until, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+here = os.path.dirname(out)
+s = connect(address, 0, timeout=120, relay=True, replica=replica)
+open(f"{out}.ready", "w").close()
+while not os.path.exists(f"{here}/go"):
+    time.sleep(0.01)
+got = {}
+while s.next_step < until:
+    b = s.next_batch()
+    got[b["step"]] = identities(b)
+s.commit()
+with open(out, "w") as f:
+    json.dump({"got": {str(k): v for k, v in got.items()}, "read": s.channel.host_fetches.read}, f)
+while not os.path.exists(f"{here}/exit"):
+    time.sleep(0.01)
+s.close()
+"""
+
+
+def test_a_ranks_replicas_in_several_processes_share_one_fetch_per_chunk(cluster, small_plan, tmp_path):
+    """Three tensor-parallel replicas of rank 0, each in a process of its own on one host: once
+    they are all attached, the relay fetches each chunk once and hands it over in shared
+    memory, so the workers serve one fetch per chunk, not one per replica; each replica
+    receives the rank's stream, and no file is left in /dev/shm."""
+    from distributed import Client
+
+    until, n = 16, 3
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2}, topology={"dp": 1, "micro_batches": 1})
+    with Service.start(plan, cluster=cluster) as service:
+        want = consume(service.address, [0], until=until, relay=False).ids
+    script = tmp_path / "replica.py"
+    script.write_text(REPLICA)
+    outs = [tmp_path / f"replica{k}.json" for k in range(n)]
+    before = set(os.listdir("/dev/shm"))
+    with Client(cluster) as client, Service.start(plan, cluster=cluster) as service:
+
+        def served() -> int:
+            return sum(client.run(lambda dask_worker: dask_worker.plugins["overlord-batch-server"].served).values())
+
+        procs = [_start(script, service.address, k, until, outs[k]) for k in range(n)]
+        _wait_for(lambda: all(os.path.exists(f"{o}.ready") for o in outs), what="every replica attached")
+        time.sleep(0.3)  # (their subscriptions reach the relay)
+        at_start = served()
+        (tmp_path / "go").touch()
+        _wait_for(lambda: all(os.path.exists(o) for o in outs), what="every replica's steps")
+        fetches = served() - at_start
+        (tmp_path / "exit").touch()
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+    for k in range(n):
+        res = json.loads(open(outs[k]).read())
+        got = {int(s): [tuple(i) for i in v] for s, v in res["got"].items()}
+        assert sorted(got) == list(range(until)) and all(got[s] == want[(0, s)] for s in got), k
+        assert res["read"] > 0, k  # its batches came through the host's shared memory
+    # the chunks taken (steps 0-7) and prefetched (to the bound, 4 ahead), 2 steps each: at most
+    # one fetch each (the replicas fetching apart: three each)
+    assert fetches <= (until + 4) // 2, fetches
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("overlord-payload")]

@@ -25,6 +25,7 @@ from ..protocol import CHANNEL_INTERVAL
 from .ack_merge import AckMerge, row_of
 from .addressing import named, of_consumer
 from .comm import Pool
+from .host_fetch import HostFetches
 
 if TYPE_CHECKING:
     from .prefetch import RankIO
@@ -201,6 +202,7 @@ class Channel:
         self.bs = BatchedWriter(interval=CHANNEL_INTERVAL)
         self.bs.start(comm)
         self.acks = AckMerge(self.bs.send, lambda: sum(len(gens) for gens in self.streams.values()))
+        self.host_fetches = HostFetches(self.bs.send) if getattr(comm, "relayed", False) else None
         self._reader = asyncio.ensure_future(self._read())
 
     def abort(self) -> None:
@@ -228,12 +230,17 @@ class Channel:
             while True:
                 msgs = await self.comm.read()
                 for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
+                    if msg.get("op") == "fetched":  # the host's relay answers a fetch (host_fetch.py)
+                        self.host_fetches.answered(msg)
+                        continue
                     for stream in self._targets(msg):
                         stream.on_message(msg)
         except Exception as err:  # the scheduler went away: every stream on this channel must hear it
             why = f"lost the connection to the overlord service at {self.address}: {type(err).__name__}: {err}"
         self.closed = True
         self.acks.drop()
+        if self.host_fetches is not None:
+            self.host_fetches.drop()
         for gens in list(self.streams.values()):
             for stream in list(gens.values()):
                 stream.lost(why)
@@ -259,6 +266,8 @@ class RelayChannel(Channel):
         from .relay import ForeignRelay, join
 
         try:
-            return await join(self.io, self.address, self.run_id, self.group)
+            comm = await join(self.io, self.address, self.run_id, self.group)
         except ForeignRelay:
             return await Channel.connect(self)
+        comm.relayed = True  # (its relay also hands over payloads its rank's replicas share)
+        return comm

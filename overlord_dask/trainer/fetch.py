@@ -53,28 +53,31 @@ async def fetch_batches(
     timeout: float,
     abort: asyncio.Event,
     address: str,
+    host=None,
+    replica: int = 0,
 ) -> list[dict]:
     """Rank ``rank``'s batches of ``steps`` (wire form) from the task ``desc`` names. ``io`` is the
-    process's ``connection.ProcessIO``; ``abort`` is set when the service itself went away.
-    Raises ``ConnectionClosed`` when the service restarted (reconnect first), ``ServiceError``
-    when the batch is gone for good or ``timeout`` passed."""
+    process's ``connection.ProcessIO``; ``abort`` is set when the service itself went away;
+    ``host``: the channel's ``host_fetch.HostFetches`` (through a relay: the host's replicas of
+    the rank share one transfer). Raises ``ConnectionClosed`` when the service restarted
+    (reconnect first), ``ServiceError`` when the batch is gone for good or ``timeout`` passed."""
     deadline = time.monotonic() + timeout
     addresses = list(desc.get("workers", ()))
     slow: set[str] = set()  # holders that did not answer within the hedge time (hung, say: SIGSTOP)
     hedge = HEDGE_S
+
+    async def from_worker(addr: str):
+        if host is not None:
+            resp = await host.fetch(addr, desc, (rank, cp_rank, replica), steps)
+            if resp is not None:
+                return resp
+        request = (desc["key"], rank, cp_rank, tuple(steps))
+        return await fetch_shared(io, addr, request, lambda rpc: fetch(rpc, desc["key"], rank, steps, cp_rank), abort)
+
     while True:
         for addr in addresses:
             try:
-                resp = await asyncio.wait_for(
-                    fetch_shared(
-                        io,
-                        addr,
-                        (desc["key"], rank, cp_rank, tuple(steps)),
-                        lambda rpc: fetch(rpc, desc["key"], rank, steps, cp_rank),
-                        abort,
-                    ),
-                    hedge,
-                )
+                resp = await asyncio.wait_for(from_worker(addr), hedge)
             except asyncio.TimeoutError:
                 slow.add(addr)  # a hung worker is only removed after the worker TTL: use a shadow meanwhile
                 hedge *= 2

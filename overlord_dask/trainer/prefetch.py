@@ -104,6 +104,7 @@ class RankIO(Acknowledging):
                 attachment = self.generation
                 try:
                     where = {"abort": self._disconnected, "address": self.address, "timeout": self.options.timeout}
+                    where.update(host=getattr(self.channel, "host_fetches", None), replica=self.replica)
                     batches = await fetch_batches(
                         self.io, self.planner, desc, steps, rank=self.rank, cp_rank=self.cp_rank, **where
                     )

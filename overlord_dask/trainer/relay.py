@@ -16,8 +16,10 @@ both ways). The relay runs on that process's IO loop: it opens the one channel u
 forwards what its local processes send (subscriptions, acknowledgements, reports) in its
 batches, the acknowledgements merged into one message per chunk for the host
 (``ack_merge.py``), and hands each message that comes down to the processes whose consumers it
-names. Requests (attach, a ``commit()``'s acknowledgement, ``where``) and batch fetches do not pass
-through it: each process makes them itself, payloads straight from the workers.
+names. Requests (attach, a ``commit()``'s acknowledgement, ``where``) do not pass through it:
+each process makes them itself. Payloads come straight from the workers, once per host for a
+rank whose replicas run in several of the host's processes (``host_fetch.py``: the relay
+fetches the rank's chunk and hands it over in shared memory).
 
 When the relay's process ends, the others' connections to it break: each process takes it as a
 lost channel, as when the service restarts (``prefetch.RankIO.lost``). It attaches again, one
@@ -46,6 +48,7 @@ from ..protocol import CHANNEL_INTERVAL
 from .ack_merge import AckMerge, row_of
 from .addressing import named, of_consumer
 from .comm import Comm
+from .host_fetch import SharedPayloads
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +120,7 @@ class Relay:
         self.locals: set[_Local] = set()
         self.closed = False
         self.relayed = 0  # messages forwarded upstream (a figure for tests and benchmarks)
+        self.payloads = SharedPayloads(io, self._consumers_of)
 
     async def start(self) -> None:
         self.server = await asyncio.start_unix_server(self._serve, path=self.name)
@@ -187,6 +191,12 @@ class Relay:
                 del self.where[consumer]
         if self.closed:
             return
+        if op == "fetch":  # a rank's payload for the host's processes (host_fetch.py)
+            self.payloads.serve(local, msg)
+            return
+        if op == "fetch_done":
+            self.payloads.done(local, msg)
+            return
         try:
             if op == "acks":  # one message per chunk for the host: held until all its consumers acknowledged
                 for row in msg["rows"]:
@@ -205,6 +215,7 @@ class Relay:
         would have done it when a channel of its own closed)."""
         self.locals.discard(local)
         local.bs.abort()
+        self.payloads.left(local)
         for consumer, gens in list(self.where.items()):
             for gen, at in list(gens.items()):
                 if at is local:
@@ -214,6 +225,10 @@ class Relay:
                         local,
                         {"op": "unsubscribe", "rank": rank, "cp_rank": cp_rank, "replica": replica, "generation": gen},
                     )
+
+    def _consumers_of(self, rank_cp: tuple[int, int]) -> int:
+        """Consumers (replicas' attachments) of a (rank, cp rank) the relay holds."""
+        return sum(len(gens) for (r, c, _), gens in self.where.items() if (r, c) == rank_cp)
 
     # ---- the service --------------------------------------------------------------------------
     async def _read_upstream(self) -> None:
@@ -245,6 +260,7 @@ class Relay:
             return
         self.closed = True
         self.server.close()
+        self.payloads.close()
         bs = getattr(self, "bs", None)
         if bs is not None:
             self.acks.drop()
