@@ -198,3 +198,53 @@ def test_a_ranks_replicas_in_several_processes_share_one_fetch_per_chunk(cluster
     # one fetch each (the replicas fetching apart: three each)
     assert fetches <= (until + 4) // 2, fetches
     assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("overlord-payload")]
+
+
+PACED_REPLICA = TRAINER.replace(
+    "rank, until, out, pace = sys.argv[1], int(sys.argv[2])",
+    "replica, until, out, pace = sys.argv[1], int(sys.argv[2])",
+).replace(
+    "s = connect(address, rank, timeout=120, relay=True)",
+    "s = connect(address, 0, timeout=120, relay=True, replica=replica)",
+)
+
+
+def test_a_relay_killed_while_it_shares_its_ranks_payload_is_replaced_without_a_step_lost(
+    cluster, small_plan, tmp_path
+):
+    """Replica 0's process holds the relay, and the payload files it shares with replicas 1 and 2;
+    it is killed (SIGKILL) mid-run. The other two go on through a new relay (which sweeps the
+    dead one's files from /dev/shm), each step once and the rank's batches; replica 0, restarted,
+    joins them where the rank is (a replica that went away stops holding the others back, and
+    one that attaches again starts at the rank's step: ``scheduler/replicas.py``)."""
+    until = 10
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2}, topology={"dp": 1, "micro_batches": 1})
+    with Service.start(plan, cluster=cluster) as service:
+        want = consume(service.address, [0], until=until, relay=False).ids
+    script = tmp_path / "replica.py"
+    script.write_text(PACED_REPLICA)
+    outs = [tmp_path / f"replica{k}.json" for k in range(3)]
+    with Service.start(plan, cluster=cluster) as service:
+        first = _start(script, service.address, 0, until, outs[0], pace=1.0)
+        _wait_for(lambda: _progress(outs[0]), what="replica 0's first step (its process binds the relay)")
+        others = [_start(script, service.address, k, until, outs[k], pace=0.05) for k in (1, 2)]
+        _wait_for(lambda: all(_progress(o) for o in outs[1:]), what="replicas 1 and 2 through the relay")
+        _wait_for(lambda: len(_progress(outs[0])) >= 3, what="replica 0's third step")
+        dead = f"overlord-payload-{os.getuid()}-{first.pid}-"
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        taken_before = _progress(outs[0])
+        os.rename(f"{outs[0]}.progress", f"{outs[0]}.killed")
+        again = _start(script, service.address, 0, until, outs[0], pace=0.05)
+        for p in [*others, again]:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+    for k in (1, 2):
+        assert _progress(outs[k]) == list(range(until)), k  # each step once, none lost, in order
+        got = _received(outs[k])
+        assert all(got[s] == want[(0, s)] for s in range(until)), k
+    resumed = _received(outs[0])
+    start = min(resumed)
+    assert start > taken_before[-1] and sorted(resumed) == list(range(start, until))  # where the rank is, no gap
+    assert all(resumed[s] == want[(0, s)] for s in resumed)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(dead)]  # the next relay swept them
