@@ -111,15 +111,25 @@ class TrainerRoutes:
 
     def _channel_acks(self, bs, rows) -> None:
         """A channel's acknowledgements of a chunk, one row per consumer (``trainer/ack_merge.py``):
-        ``[rank, cp_rank, replica, generation, step, durable_step, wait_s, since_s]``."""
+        ``[rank, cp_rank, replica, generation, step, durable_step, wait_s, since_s]``, taken in
+        together: what follows from the steps committed and saved (timings, releasing batches,
+        waking the snapshot writer) is done once for the message, not once per row."""
+        st = self.state
+        before, before_durable, planned = st.committed, st.progress.durable_step, st.handed_out
         for row in rows:
             try:
                 rank, cp_rank, replica, generation, step, durable_step, wait_s, since_s = row
             except (TypeError, ValueError):
                 continue  # a malformed row is not the service's failure
+            consumer = (rank, cp_rank, replica)
             if 0 <= durable_step < step:  # saved up to durable_step, consumed further
-                self._channel_ack(bs, rank, durable_step, cp_rank, True, None, None, replica, generation)
-            self._channel_ack(bs, rank, step, cp_rank, durable_step >= step, wait_s, since_s, replica, generation)
+                error = self._take(consumer, durable_step, True, None, None, generation, planned)
+                if error:
+                    tell(bs, consumer, generation, error)
+            error = self._take(consumer, step, durable_step >= step, wait_s, since_s, generation, planned)
+            if error:
+                tell(bs, consumer, generation, error)
+        self._moved_on(before, before_durable)
 
     def _channel_ack(
         self,
@@ -150,17 +160,32 @@ class TrainerRoutes:
         generation: int | None = None,
     ) -> dict:
         st = self.state
+        before, before_durable = st.committed, st.progress.durable_step
+        error = self._take((rank, cp_rank, replica), step, durable, wait_s, since_s, generation, st.handed_out)
+        return {"committed": self._moved_on(before, before_durable), "error": error}
+
+    def _take(
+        self,
+        consumer: tuple[int, int, int],
+        step: int,
+        durable: bool,
+        wait_s: float | None,
+        since_s: float | None,
+        generation: int | None,
+        planned: int,
+    ) -> str | None:
+        """One consumer's acknowledgement into the rank's progress (``planned``: the steps
+        handed out); what is wrong with it, or None."""
+        st = self.state
         self.acks += 1
-        consumer = (rank, cp_rank, replica)
+        rank, cp_rank, _ = consumer
         if generation is not None and not self.p.channels.current(consumer, generation):
-            return {
-                "committed": st.committed,
-                "error": f"rank {rank}: this consumer's attachment (generation {generation}) was "
-                "replaced or the run was rewound; its acknowledgement is ignored",
-            }
+            return (
+                f"rank {rank}: this consumer's attachment (generation {generation}) was "
+                "replaced or the run was rewound; its acknowledgement is ignored"
+            )
         if wait_s is not None and since_s:  # the trainer's own count: time in next(), and its time, since it attached
             self.rank_wait[(rank, cp_rank)] = (wait_s, since_s)
-        planned = st.handed_out
         if step >= planned and st.replay_until > 0:
             # A consumer that reconnected to a service restarted from its snapshot took steps the
             # restored planner has not planned again yet: they count as far as it has planned, the
@@ -168,22 +193,29 @@ class TrainerRoutes:
             old = self.early.get(consumer)
             self.early[consumer] = (max(step, old[0] if old else -1), durable or bool(old and old[1]), generation)
             step = planned - 1  # (>= 0: planned >= replay_until > 0)
-        before, before_durable = st.committed, st.progress.durable_step
         try:
             st.progress.check(rank, step, cp_rank, planned)
             acked, saved = self.replicas.ack(consumer, step, durable)
-            committed = st.ack(rank, acked, cp_rank)
+            st.ack(rank, acked, cp_rank)
             if saved >= 0:
-                committed = st.ack(rank, saved, cp_rank, durable=True)
+                st.ack(rank, saved, cp_rank, durable=True)
         except ValueError as err:
-            return {"committed": st.committed, "error": str(err)}
+            return str(err)
         self.timings.acked(consumer, step, wait_s)
+        return None
+
+    def _moved_on(self, before: int, before_durable: int) -> int:
+        """Acknowledgements were taken in since the committed step was ``before`` and the durable
+        one ``before_durable``: wake the snapshot writer, time and release what they moved past.
+        Returns the committed step."""
+        st = self.state
         if st.progress.durable_step > before_durable and self.p.snapshots_loop is not None:
             self.p.snapshots_loop.wake()
+        committed = st.committed
         if committed > before:
             self.timings.committed(committed)
             self.p.thread.release(self.p.held.release_before(committed))
-        return {"committed": committed, "error": None}
+        return committed
 
     def catch_up(self) -> None:
         """(event loop) Apply the early acknowledgements as far as the planner has planned."""
