@@ -5,6 +5,7 @@ the rank's place comes from a DeviceMesh or the launcher; labels in either conve
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -149,3 +150,67 @@ def test_identical_fetches_of_replicas_in_one_process_share_one_transfer():
     io, out = asyncio.run(main())
     assert len(calls) == 2 and io.fetches_shared == 2 and not io.inflight  # three replicas of rank 0: one transfer
     assert all(o["status"] == "OK" for o in out)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="host-shared payloads live in /dev/shm")
+def test_a_relay_hands_a_ranks_chunk_to_its_replicas_once_and_leaves_no_file(monkeypatch):
+    """``host_fetch.SharedPayloads`` (a host's relay): two replicas of a rank ask for steps of
+    one chunk, the second for a part of it first; the worker is asked once, each reads its
+    steps' bytes from the file, which goes once both took every step. A file that cannot be
+    written (a full /dev/shm) is not left half-written, and the replicas are told to fetch
+    themselves."""
+    import asyncio
+
+    from overlord_dask.trainer import host_fetch
+    from overlord_dask.wire import Payload
+
+    calls, frames = [], [b"step-four", b"step-five!"]
+
+    class FakeIO:
+        inflight, fetches_shared = {}, 0
+
+        async def call_worker(self, address, call, abort=None):
+            calls.append(address)
+            return {"status": "OK", "payload": Payload(list(frames))}
+
+    class Local:
+        def __init__(self):
+            self.got = []
+
+        def send(self, msg):
+            self.got.append(msg)
+
+    def ask(shared, local, rid, replica, steps):
+        msg = {"op": "fetch", "id": rid, "address": "tcp://w", "key": "k", "rank": 0, "cp_rank": None}
+        shared.serve(local, {**msg, "replica": replica, "steps": steps, "chunk_steps": [4, 5]})
+
+    def read(reply):
+        with open(reply["path"], "rb") as f:
+            data = f.read()
+        return [data[at : at + n] for at, n in reply["at"]]
+
+    mine = f"overlord-payload-{os.getuid()}-{os.getpid()}-"
+
+    async def main():
+        shared = host_fetch.SharedPayloads(FakeIO(), lambda rank_cp: 2)
+        a, b = Local(), Local()
+        ask(shared, a, 0, 0, [4, 5])
+        ask(shared, b, 0, 1, [4])
+        await asyncio.sleep(0.05)
+        (ra,), (rb,) = a.got, b.got
+        assert read(ra) == frames and read(rb) == frames[:1] and calls == ["tcp://w"]
+        shared.done(a, {"id": 0})
+        shared.done(b, {"id": 0})
+        assert os.path.exists(ra["path"])  # replica 1 has not taken step 5 yet
+        ask(shared, b, 1, 1, [5])
+        await asyncio.sleep(0.05)
+        assert read(b.got[-1]) == frames[1:] and calls == ["tcp://w"]
+        shared.done(b, {"id": 1})
+        assert not os.path.exists(ra["path"])  # both took every step
+        monkeypatch.setattr(host_fetch.os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "full")))
+        ask(shared, a, 1, 0, [4])
+        await asyncio.sleep(0.05)
+        assert "direct" in a.got[-1] and "path" not in a.got[-1]
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(mine)]
+
+    asyncio.run(main())

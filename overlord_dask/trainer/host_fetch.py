@@ -117,6 +117,9 @@ class SharedPayloads:
                 view = f
                 while len(view):
                     view = view[os.write(fd, view) :]
+        except BaseException:  # /dev/shm full (a container's is small, say): no half-written file stays
+            _unlink(path)
+            raise
         finally:
             os.close(fd)
         offsets, at = {}, 0
