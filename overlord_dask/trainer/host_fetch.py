@@ -61,9 +61,6 @@ class SharedPayloads:
         self.chunks: dict[tuple, _Chunk] = {}  # (worker, key, rank, cp rank) -> the chunk
         self.fetching: dict[tuple, asyncio.Future] = {}
         self._names = itertools.count()
-        self.worker_fetches = 0  # chunks the relay fetched from workers (a figure for tests)
-        self.served = 0  # requests answered from shared memory
-        _sweep_dead()
 
     def serve(self, local, msg: dict) -> None:
         asyncio.ensure_future(self._serve(local, msg))
@@ -79,8 +76,10 @@ class SharedPayloads:
     async def _answer(self, local, msg: dict) -> dict:
         rank, cp_rank = msg["rank"], msg.get("cp_rank")
         expected = self.consumers_of((rank, cp_rank or 0))
-        if expected <= 1 or not os.path.isdir(SHM):
+        if expected <= 1:
             return {"direct": "no other consumer of this rank on the host"}
+        if not os.path.isdir(SHM):
+            return {"direct": f"no {SHM} on this host"}
         self._sweep()
         ck = (msg["address"], msg["key"], rank, cp_rank)
         chunk = self.chunks.get(ck)
@@ -90,7 +89,6 @@ class SharedPayloads:
                 return chunk
         chunk.readers.add((local, msg["id"]))
         chunk.taken.setdefault(msg.get("replica", 0), set()).update(msg["steps"])
-        self.served += 1
         return {"path": chunk.path, "at": [chunk.offsets[s] for s in msg["steps"]]}
 
     async def _fetch(self, ck: tuple, steps: list[int], expected: int):
@@ -106,7 +104,6 @@ class SharedPayloads:
         resp = await fetch_shared(
             self.io, address, (key, rank, cp_rank, tuple(steps)), lambda rpc: fetch(rpc, key, rank, steps, cp_rank)
         )
-        self.worker_fetches += 1
         if not isinstance(resp, dict) or resp.get("status") != "OK" or not isinstance(resp.get("payload"), Payload):
             return {"direct": f"the worker answered {resp.get('status') if isinstance(resp, dict) else resp!r}"}
         frames = [memoryview(f).cast("B") for f in resp["payload"].frames]
@@ -164,8 +161,9 @@ class SharedPayloads:
         self.chunks.clear()
 
 
-def _sweep_dead() -> None:
-    """Remove the files a killed relay of this user left (its process is gone)."""
+def sweep_dead() -> None:
+    """Remove the files a killed relay of this user left (its process is gone); a relay does it
+    when it starts."""
     prefix = f"overlord-payload-{os.getuid()}-"
     try:
         names = [n for n in os.listdir(SHM) if n.startswith(prefix)]

@@ -48,7 +48,7 @@ from ..protocol import CHANNEL_INTERVAL
 from .ack_merge import AckMerge, row_of
 from .addressing import named, of_consumer
 from .comm import Comm
-from .host_fetch import SharedPayloads
+from .host_fetch import SharedPayloads, sweep_dead
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ class Relay:
 
     async def start(self) -> None:
         self.server = await asyncio.start_unix_server(self._serve, path=self.name)
+        sweep_dead()  # (once it holds the name: not at every process's try)
         self._up = asyncio.ensure_future(self._open_upstream())
 
     async def _open_upstream(self) -> None:

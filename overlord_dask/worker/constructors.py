@@ -246,12 +246,6 @@ class BlockRefs:
                 entries[k] = ("group", e[1], ref(e[2]))
         return cls(entries), deps
 
-    def __getstate__(self):
-        return self.entries
-
-    def __setstate__(self, entries):
-        self.entries = entries
-
     def resolve(self, deps: list) -> dict[str, SampleBlock]:
         """Block key -> the unit's block, from the tasks' results ``deps``."""
         out = {}
