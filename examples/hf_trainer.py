@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 
+import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from overlord_dask.trainer.integrations import HFBatches, PerRankTrainerMixin  # overlord
@@ -71,6 +72,8 @@ def main() -> None:
     trainer = OverlordTrainer(model=tiny_llama(args.vocab), args=training, train_dataset=batches, callbacks=callbacks)
     trainer.train()
     batches.dataset.close()
+    if dist.is_initialized():  # accelerate made the process group; a live gloo group can abort the exit
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
