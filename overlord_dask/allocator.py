@@ -16,8 +16,27 @@ MiB with ``mallopt``: batch-sized buffers come from the heap, and up to 64 MiB o
 stays mapped for reuse (per process; Dask's setting exists to return memory to the OS promptly,
 and a data-loading worker's buffers are reused within milliseconds; ``benchmarks/throughput.py``
 reports the service's CPU per step). ``RankStream`` calls
-it once per process, ``worker.keep_memory.KeepFreedMemory`` on every worker of a service;
-``OVERLORD_KEEP_FREED_MEMORY=0`` opts out. Elsewhere than glibc (macOS, musl) it does nothing.
+it once per process; ``OVERLORD_KEEP_FREED_MEMORY=0`` opts out. Elsewhere than glibc (macOS,
+musl) it does nothing.
+
+:func:`worker.allocator_setup.tune_service_process` is the service's own processes' setting
+(its workers, through that module's ``AllocatorSetup``; the process of ``overlord serve``; the
+process whose threads are the workers with ``--in-process``). Besides keeping freed memory it
+
+- caps glibc's malloc arenas at :data:`SERVICE_ARENAS` (:func:`cap_arenas`): glibc gives threads that allocate at
+  once arenas of their own, up to eight per core, and each keeps its freed memory; a service
+  process runs a dozen threads (Dask's event loop and offload threads, a worker's task threads,
+  the planner, Arrow's reader threads), most of them only bookkeeping, and its Python code
+  allocates under the GIL (a thread rarely waits for an arena);
+- reads through Arrow's system allocator instead of its bundled mimalloc, which keeps a heap per
+  thread that read once: a loader reads a unit's row groups and keeps numpy arrays, not Arrow
+  buffers, so the memory Arrow holds between reads is waste.
+
+A worker process the service starts gets both from its start through its environment
+(:func:`service_environ`). Set ``MALLOC_ARENA_MAX`` or ``ARROW_DEFAULT_MEMORY_POOL`` and the
+process keeps yours;
+``OVERLORD_SERVICE_ALLOCATOR=0`` leaves both alone (``benchmarks/memory.py`` measures the
+difference).
 """
 
 from __future__ import annotations
@@ -26,10 +45,23 @@ import ctypes
 import ctypes.util
 import os
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 4 << 20
 TRIM_THRESHOLD = 64 << 20
+SERVICE_ARENAS = 2
 _done: bool | None = None
+_arenas_capped: bool | None = None
+
+
+def _mallopt():
+    """glibc's ``mallopt``, or None elsewhere."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
 
 
 def keep_freed_memory() -> bool:
@@ -37,12 +69,29 @@ def keep_freed_memory() -> bool:
     global _done
     if _done is None:
         _done = False
-        if os.environ.get("OVERLORD_KEEP_FREED_MEMORY", "1") != "0":
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                mallopt = libc.mallopt
-            except (OSError, AttributeError):  # not glibc
-                return False
-            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        if os.environ.get("OVERLORD_KEEP_FREED_MEMORY", "1") != "0" and (mallopt := _mallopt()) is not None:
             _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _done
+
+
+def cap_arenas() -> bool:
+    """Cap this process's malloc arenas at :data:`SERVICE_ARENAS` (once; best before its threads
+    start: glibc fixes the limit when the ninth arena is made). True if it was; the user's
+    ``MALLOC_ARENA_MAX`` or ``OVERLORD_SERVICE_ALLOCATOR=0`` leaves it alone."""
+    global _arenas_capped
+    if _arenas_capped is None:
+        _arenas_capped = False
+        if os.environ.get("OVERLORD_SERVICE_ALLOCATOR", "1") != "0" and "MALLOC_ARENA_MAX" not in os.environ:
+            if (mallopt := _mallopt()) is not None:
+                _arenas_capped = bool(mallopt(M_ARENA_MAX, SERVICE_ARENAS))
+    return _arenas_capped
+
+
+def service_environ() -> dict[str, str]:
+    """Environment variables that give a worker process the service's arena cap
+    and Arrow pool from its first allocation (a Nanny's ``env``); none where the user set them or
+    opted out."""
+    if os.environ.get("OVERLORD_SERVICE_ALLOCATOR", "1") == "0":
+        return {}
+    env = {"MALLOC_ARENA_MAX": str(SERVICE_ARENAS), "ARROW_DEFAULT_MEMORY_POOL": "system"}
+    return {k: v for k, v in env.items() if k not in os.environ}

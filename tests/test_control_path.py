@@ -209,20 +209,6 @@ def test_consumers_decode_into_reused_memory_even_under_dasks_trim_setting():
     assert float(before) >= 8 and float(after) < 1, out.stdout  # a 128 KiB array is 32 pages, three per decode
 
 
-def _allocator_tuned() -> bool:
-    from overlord_dask import allocator
-
-    return allocator._done is True
-
-
-@pytest.mark.integration
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_every_worker_of_a_service_keeps_freed_memory(cluster, small_plan):
-    with Service.start(small_plan(), cluster=cluster) as service:
-        tuned = service.client.run(_allocator_tuned)
-    assert len(tuned) == 2 and all(tuned.values()), tuned
-
-
 def _consume_all(address, ranks, steps, **kw):
     out = {}
     streams = {r: connect(address, r, timeout=120, **kw) for r in ranks}

@@ -216,9 +216,11 @@ def _load(path: str):
 def cmd_serve(args) -> int:
     from .. import logs
     from ..protocol import write_scheduler_file
+    from ..worker.allocator_setup import tune_service_process
     from .service import Service
 
     logs.setup(args.log_format, args.log_level)
+    tune_service_process()  # this process is the service's (its scheduler, planner and indexing)
     plan = _with_settings(_load(args.plan), args.set or [], args.plan)
     if args.dp is not None:  # the trainers' world size decides, not the file
         plan = _with_dp(plan, args.dp, f"{args.plan} (--dp {args.dp})")

@@ -30,6 +30,7 @@ import dask
 from dask.utils import parse_timedelta
 from distributed import Client, LocalCluster
 
+from ..allocator import service_environ
 from ..protocol import Route
 from .priority import WorkerPriority
 from .priority import worker_nice as worker_nice_default
@@ -129,6 +130,7 @@ def local_cluster(
     scheduler's)."""
     if processes:
         kwargs.setdefault("config", worker_config())
+        kwargs.setdefault("env", service_environ())  # the workers' allocators from their start (allocator.py)
     else:
         n_workers, threads_per_worker = min(n_workers, 1), max(1, n_workers * threads_per_worker)
         kwargs["scheduler_kwargs"] = {"dashboard": kwargs.pop("dashboard", False), **kwargs.get("scheduler_kwargs", {})}

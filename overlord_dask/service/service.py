@@ -40,8 +40,8 @@ from ..planner.timeline import Decision, Timeline
 from ..protocol import resolve_address
 from ..scheduler.plugin import PlannerPlugin
 from ..sources.units import LoadUnit
+from ..worker.allocator_setup import AllocatorSetup, tune_service_process
 from ..worker.batch_server import BatchServer
-from ..worker.keep_memory import KeepFreedMemory
 from ..worker.log_setup import LogSetup
 from . import holdout
 from .indexing import index_sources, index_timeline
@@ -58,6 +58,8 @@ def _embedded_cluster(
     (default: loopback only); its workers are threads of this process with ``in_process``."""
     from .deploy import local_cluster
 
+    if in_process:  # the workers' threads are this process's: its allocators before they start
+        tune_service_process()
     extra = {"host": host} if host else {}
     return local_cluster(
         n_workers=n_workers,
@@ -259,7 +261,7 @@ class Service(ServiceViews):
             upload_plan_code(client, plan)
             if logs.settings() is not None and not (embedded and in_process):  # workers log their events the same way
                 client.register_plugin(LogSetup(**logs.settings()))
-            client.register_plugin(KeepFreedMemory())
+            client.register_plugin(AllocatorSetup())
             client.register_plugin(BatchServer())
             client.register_plugin(PlannerPlugin(plan, first_ids, run_id, pad_id=pad_id, **snap))
             registered = True

@@ -1,0 +1,123 @@
+"""The allocators of the service's processes (``worker.allocator_setup.tune_service_process``): glibc's arenas
+capped, Arrow reading through the system allocator, on every worker and in the ``--in-process``
+service; the user's own settings kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from overlord_dask import Service
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+
+_ARENAS = """
+import ctypes, ctypes.util, json, os, sys, tempfile, threading
+from overlord_dask.worker.allocator_setup import tune_service_process
+tuned = tune_service_process() if sys.argv[1] == "tune" else None
+barrier = threading.Barrier(12)
+def work():
+    held = [bytearray(200_000) for _ in range(4)]  # malloc'd in this thread's arena
+    barrier.wait()  # every thread alive at once: none inherits a finished thread's arena
+threads = [threading.Thread(target=work) for _ in range(12)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.fopen.restype = ctypes.c_void_p
+libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+path = tempfile.mktemp()
+fp = libc.fopen(path.encode(), b"w")
+libc.malloc_info(0, fp)
+libc.fclose(fp)
+arenas = open(path).read().count("<heap nr=")
+os.remove(path)
+import pyarrow as pa
+print(json.dumps({"tuned": tuned, "arenas": arenas, "pool": pa.default_memory_pool().backend_name}))
+"""
+
+
+def _arenas(mode: str, **env) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "ARROW_DEFAULT_MEMORY_POOL")} | env
+    out = subprocess.run(
+        [sys.executable, "-c", _ARENAS, mode], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def test_a_service_process_shares_two_arenas_and_reads_through_the_system_allocator():
+    """Twelve threads allocating at once get arenas of their own (glibc's default, up to eight per
+    core); in a tuned service process they share two, and Arrow allocates with malloc."""
+    plain, tuned = _arenas("plain"), _arenas("tune")
+    assert plain["arenas"] >= 8 and plain["pool"] != "system", plain
+    assert tuned == {"tuned": True, "arenas": 2, "pool": "system"}, tuned
+
+
+def test_the_users_allocator_settings_win():
+    """``MALLOC_ARENA_MAX`` and ``ARROW_DEFAULT_MEMORY_POOL`` set by the user are kept;
+    ``OVERLORD_SERVICE_ALLOCATOR=0`` leaves both alone."""
+    from overlord_dask import allocator
+
+    mine = _arenas("tune", MALLOC_ARENA_MAX="4", ARROW_DEFAULT_MEMORY_POOL="mimalloc")
+    assert mine == {"tuned": False, "arenas": 4, "pool": "mimalloc"}, mine
+    off = _arenas("tune", OVERLORD_SERVICE_ALLOCATOR="0")
+    assert not off["tuned"] and off["arenas"] >= 8 and off["pool"] != "system", off
+    os.environ["OVERLORD_SERVICE_ALLOCATOR"] = "0"
+    try:
+        assert allocator.service_environ() == {}
+    finally:
+        del os.environ["OVERLORD_SERVICE_ALLOCATOR"]
+
+
+def _worker_allocators() -> dict:
+    import pyarrow as pa
+
+    from overlord_dask import allocator
+
+    return {
+        "keeps_freed_memory": allocator._done,
+        "arena_max": os.environ.get("MALLOC_ARENA_MAX"),
+        "pool": pa.default_memory_pool().backend_name,
+    }
+
+
+@pytest.mark.integration
+def test_every_worker_of_a_service_gets_the_services_allocators(cluster, small_plan):
+    """Worker processes of the embedded cluster from their start (the nanny's environment); any
+    worker, a Slurm job's too, through the worker plugin."""
+    with Service.start(small_plan(), cluster=cluster) as service:
+        got = service.client.run(_worker_allocators)
+    assert len(got) == 2, got
+    for w in got.values():
+        assert w["keeps_freed_memory"] and w["arena_max"] == "2" and w["pool"] == "system", got
+
+
+_IN_PROCESS = """
+import json, sys
+import pyarrow as pa
+from overlord_dask import Service, load_plan
+plan = load_plan(sys.argv[1])
+with Service.start(plan, in_process=True, n_workers=2) as service:
+    print(json.dumps({"pool": pa.default_memory_pool().backend_name}))
+"""
+
+
+@pytest.mark.integration
+def test_an_in_process_service_tunes_its_process_before_its_workers_start(tmp_path, small_plan):
+    import yaml
+
+    from overlord_dask.plan import plan_to_dict
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan_to_dict(small_plan())))
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "ARROW_DEFAULT_MEMORY_POOL")}
+    out = subprocess.run(
+        [sys.executable, "-c", _IN_PROCESS, str(path)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"pool": "system"}
