@@ -55,7 +55,7 @@ def plan_report(plan: Plan, steps: int, sample_units: int = 2) -> dict:
     cumulative tokens per source (for a plot)."""
     timeline = PlanVersions(plan)
     names = timeline.source_names
-    budget = plan.topology.step_tokens * plan.balance.step_fill
+    budget = plan.topology.step_tokens * plan.balance.fill
     xs = np.unique(np.linspace(0, steps, min(CURVE_POINTS, steps + 1)).astype(np.int64))
     weights = np.array([timeline.declared_weights(int(s)) for s in xs])  # normalised shares at the sampled steps
     # tokens up to each sampled step: the shares integrated step by step (trapezoids between samples)
