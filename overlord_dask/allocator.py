@@ -23,20 +23,19 @@ musl) it does nothing.
 (its workers, through that module's ``AllocatorSetup``; the process of ``overlord serve``; the
 process whose threads are the workers with ``--in-process``). Besides keeping freed memory it
 
-- caps glibc's malloc arenas at :data:`SERVICE_ARENAS` (:func:`cap_arenas`): glibc gives threads that allocate at
-  once arenas of their own, up to eight per core, and each keeps its freed memory; a service
-  process runs a dozen threads (Dask's event loop and offload threads, a worker's task threads,
-  the planner, Arrow's reader threads), most of them only bookkeeping, and its Python code
-  allocates under the GIL (a thread rarely waits for an arena);
+- caps glibc's malloc arenas at :data:`SERVICE_ARENAS` (:func:`cap_arenas`): glibc gives
+  threads that allocate at once arenas of their own, up to eight per core, and each keeps its
+  freed memory; a service process runs a dozen threads (Dask's event loop and offload threads,
+  a worker's task threads, the planner, Arrow's reader threads), most of them only bookkeeping,
+  and its Python code allocates under the GIL (a thread rarely waits for an arena);
 - reads through Arrow's system allocator instead of its bundled mimalloc, which keeps a heap per
   thread that read once: a loader reads a unit's row groups and keeps numpy arrays, not Arrow
   buffers, so the memory Arrow holds between reads is waste.
 
 A worker process the service starts gets both from its start through its environment
 (:func:`service_environ`). Set ``MALLOC_ARENA_MAX`` or ``ARROW_DEFAULT_MEMORY_POOL`` and the
-process keeps yours;
-``OVERLORD_SERVICE_ALLOCATOR=0`` leaves both alone (``benchmarks/memory.py`` measures the
-difference).
+process keeps yours; ``OVERLORD_SERVICE_ALLOCATOR=0`` leaves both alone (:func:`service_sets`;
+``benchmarks/memory.py`` measures the difference).
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ import ctypes
 import ctypes.util
 import os
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
 MMAP_THRESHOLD = 4 << 20
 TRIM_THRESHOLD = 64 << 20
 SERVICE_ARENAS = 2
@@ -64,13 +63,20 @@ def _mallopt():
     return mallopt
 
 
+def service_sets(variable: str) -> bool:
+    """Whether the service's allocator setting that ``variable`` names is ours to make: not if
+    the user set the variable, nor where ``OVERLORD_SERVICE_ALLOCATOR=0`` opts out."""
+    return os.environ.get("OVERLORD_SERVICE_ALLOCATOR", "1") != "0" and variable not in os.environ
+
+
 def keep_freed_memory() -> bool:
     """Tune this process's allocator as the module docstring says (once); True if it was."""
     global _done
     if _done is None:
         _done = False
         if os.environ.get("OVERLORD_KEEP_FREED_MEMORY", "1") != "0" and (mallopt := _mallopt()) is not None:
-            _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+            _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+            _done = _done and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _done
 
 
@@ -81,9 +87,8 @@ def cap_arenas() -> bool:
     global _arenas_capped
     if _arenas_capped is None:
         _arenas_capped = False
-        if os.environ.get("OVERLORD_SERVICE_ALLOCATOR", "1") != "0" and "MALLOC_ARENA_MAX" not in os.environ:
-            if (mallopt := _mallopt()) is not None:
-                _arenas_capped = bool(mallopt(M_ARENA_MAX, SERVICE_ARENAS))
+        if service_sets("MALLOC_ARENA_MAX") and (mallopt := _mallopt()) is not None:
+            _arenas_capped = bool(mallopt(M_ARENA_MAX, SERVICE_ARENAS))
     return _arenas_capped
 
 
@@ -91,7 +96,5 @@ def service_environ() -> dict[str, str]:
     """Environment variables that give a worker process the service's arena cap
     and Arrow pool from its first allocation (a Nanny's ``env``); none where the user set them or
     opted out."""
-    if os.environ.get("OVERLORD_SERVICE_ALLOCATOR", "1") == "0":
-        return {}
     env = {"MALLOC_ARENA_MAX": str(SERVICE_ARENAS), "ARROW_DEFAULT_MEMORY_POOL": "system"}
-    return {k: v for k, v in env.items() if k not in os.environ}
+    return {k: v for k, v in env.items() if service_sets(k)}

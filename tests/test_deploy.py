@@ -193,7 +193,7 @@ def test_pools_scale_as_slurm_jobs_through_the_real_slurmcluster(corpus, tmp_pat
             _consume(service, 2, 80, compute_s=0.05)
             deadline = time.monotonic() + 30  # the photo stage is over: its pool shrinks after `down_after` decisions
             while time.monotonic() < deadline and not any(
-                h["pool"] == "photos" and h["delta"] < 0 for h in service.scaling_history()
+                h["pool"] == "photos" and h["delta"] < 0 and h["step"] >= 45 - 1 for h in service.scaling_history()
             ):
                 time.sleep(0.2)
             history = service.scaling_history()
@@ -210,7 +210,10 @@ def test_pools_scale_as_slurm_jobs_through_the_real_slurmcluster(corpus, tmp_pat
     grew = [h for h in history if h["pool"] == "photos" and h["delta"] > 0]
     shrank = [h for h in history if h["pool"] == "photos" and h["delta"] < 0]
     assert grew and len(by_pool["photos"]) >= 2, history  # (lead time: test_pools; jobs here take seconds to start)
-    assert shrank and shrank[0]["step"] >= 45 - 1, history
+    # a pool that grew past its demand (the starving planner's extra workers) may give some back
+    # during its stage, never its last worker; once the stage is over it is cancelled down
+    assert any(h["step"] >= 45 - 1 for h in shrank), history
+    assert all(h["to"] >= 1 for h in shrank if h["step"] < 45 - 1), history
     assert {n.rsplit("-", 1)[0] for n in names} <= {"overlord-pool-web", "overlord-pool-chat", "overlord-pool-photos"}
     cancelled = (slurm / "cancelled").read_text().split()
     assert len(cancelled) == len(scripts)  # every job ended by scancel: the shrink, then the close

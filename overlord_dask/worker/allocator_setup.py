@@ -5,12 +5,10 @@ allocator module stays free of Dask and Arrow for the trainers that import it.""
 
 from __future__ import annotations
 
-import os
-
 import pyarrow as pa
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from ..allocator import cap_arenas, keep_freed_memory
+from ..allocator import cap_arenas, keep_freed_memory, service_sets
 
 _arrow_pool: bool | None = None
 
@@ -25,7 +23,7 @@ def tune_service_process() -> bool:
     capped = cap_arenas()
     if _arrow_pool is None:
         _arrow_pool = False
-        if os.environ.get("OVERLORD_SERVICE_ALLOCATOR", "1") != "0" and "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:
+        if service_sets("ARROW_DEFAULT_MEMORY_POOL"):
             pa.set_memory_pool(pa.system_memory_pool())
             _arrow_pool = True
     return capped and _arrow_pool
