@@ -221,7 +221,8 @@ def summarize(bins: list) -> dict:
 
 def bench(name: str, dist: dict, steps: int, seed: int, **balance) -> dict:
     res = run_planner(dist, steps, seed, **balance)
-    fill = make_plan(dist, **balance).balance.fill
+    # the baseline packs whole documents: the budget of packing whole (with cut, ours fills the rest)
+    fill = make_plan(dist, **{k: v for k, v in balance.items() if k != "packing"}).balance.step_fill
     p = summarize(res["bins"])
     b = summarize(run_baseline(dist, res["lengths"], steps, seed, fill))
     capacity = make_plan(dist).topology.tokens_per_micro_batch

@@ -357,7 +357,7 @@ def test_plan_report_counts_tokens_and_epochs_without_a_cluster(tmp_path, corpus
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     plan = load_plan(path)
-    budget = plan.topology.step_tokens * plan.balance.fill
+    budget = plan.topology.step_tokens * plan.balance.step_fill
     by = {s["source"]: s for s in report["sources"]}
     assert abs(sum(s["tokens"] for s in by.values()) - 500 * budget) / (500 * budget) < 0.01
     w = plan.declared_weights(0)

@@ -9,6 +9,9 @@ from pydantic import Field
 
 from .base import Strict
 
+WHOLE_FILL = 0.97
+CUT_FILL = 0.93
+
 
 class Balance(Strict):
     """How the planner spreads attention cost over ranks (issue: stragglers from long documents)."""
@@ -22,9 +25,12 @@ class Balance(Strict):
     every micro-batch); the imbalance of that one is minimised."""
     window: int = Field(default=16, ge=1, le=256)
     """Steps planned together; long documents move between these steps (mix is exact per window)."""
-    fill: float = Field(default=0.97, gt=0.0, le=1.0)
+    fill: float | None = Field(default=None, gt=0.0, le=1.0)
     """Token budget of a step as a fraction of its capacity (slack for balancing); with
-    `packing: cut` the slack the balancer leaves is filled with cut pieces afterwards."""
+    `packing: cut` the slack the balancer leaves is filled with cut pieces afterwards. Default
+    (`step_fill`): 0.97; 0.93 with `policy: cost` and `packing: cut`, whose fill is chosen by
+    the mix each step delivered so far: the larger slack lets it even out what long pieces moved
+    between steps (`planner/policies/cost_balanced.py`), while micro-batches are full either way."""
     packing: Literal["whole", "cut"] = "whole"
     """`whole`: pieces go into micro-batches whole (documents over `max_doc_tokens` are still
     split), and the room no piece fits stays padding. `cut`: every micro-batch is filled to its
@@ -36,3 +42,10 @@ class Balance(Strict):
     """Pieces at least this long are balanced as outliers; default tokens_per_micro_batch // 16."""
     max_delay: int = Field(default=2, ge=0, le=64)
     """Windows a long piece may wait for similar ones before it is placed alone."""
+
+    @property
+    def step_fill(self) -> float:
+        """`fill`, or its default for this policy and packing."""
+        if self.fill is not None:
+            return self.fill
+        return CUT_FILL if self.policy == "cost" and self.packing == "cut" else WHOLE_FILL

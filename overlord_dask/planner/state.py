@@ -100,7 +100,7 @@ class PlannerState(PlanningLoop):
         consumed (and saved) the steps up to ``acked_through``."""
         self.plan = plan
         self.topology = plan.topology
-        self.step_budget = int(plan.balance.fill * plan.topology.step_tokens)
+        self.step_budget = int(plan.balance.step_fill * plan.topology.step_tokens)
         self.heavy_tokens = plan.balance.heavy_tokens or max(1, plan.topology.tokens_per_micro_batch // 16)
         self.progress = Progress(plan.checkpoint.commit, plan.topology.dp, plan.topology.cp, acked_through)
 

@@ -5,7 +5,8 @@ epochs of each source up to a step, where stages and schedules change) and ``ove
 Token counts of a pass over a source come from its index (documents per unit) and the documents
 of a few units read here (their mean length): exact where every unit is read, an estimate
 otherwise, and marked so. The tokens a step takes from a source are its declared share of the
-step's budget (``dp × micro_batches × tokens_per_micro_batch × balance.fill``).
+step's tokens (``dp × micro_batches × tokens_per_micro_batch``, times ``balance.step_fill`` unless
+``packing: cut`` fills every micro-batch).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def plan_report(plan: Plan, steps: int, sample_units: int = 2) -> dict:
     cumulative tokens per source (for a plot)."""
     timeline = PlanVersions(plan)
     names = timeline.source_names
-    budget = plan.topology.step_tokens * plan.balance.fill
+    budget = plan.topology.step_tokens * (1.0 if plan.balance.packing == "cut" else plan.balance.step_fill)
     xs = np.unique(np.linspace(0, steps, min(CURVE_POINTS, steps + 1)).astype(np.int64))
     weights = np.array([timeline.declared_weights(int(s)) for s in xs])  # normalised shares at the sampled steps
     # tokens up to each sampled step: the shares integrated step by step (trapezoids between samples)

@@ -1,6 +1,6 @@
 """Attention-cost-aware planning: choose a window of steps, then balance it across ranks.
 
-Why not a greedy per step: attention cost grows with L², and a step is nearly full (``balance.fill``),
+Why not a greedy per step: attention cost grows with L², and a step is nearly full (``balance.step_fill``),
 so a rank that holds a long document cannot shed enough short-document tokens to others to even
 out; the capacity binds before the cost does, and a central greedy does no better than per-rank
 loaders. What works is deciding *which* long documents share a step (``benchmarks/balance.py``

@@ -18,7 +18,13 @@ class CostBalanced(Policy):
 
     Pieces deferred by the balancer (heavy outliers without partners) leave room in the window;
     it is topped up with more selected pieces and balanced again, up to ``TOPUP_ROUNDS`` times,
-    so deferral does not cost fill."""
+    so deferral does not cost fill.
+
+    With ``packing: cut`` each step's fill is chosen by what the steps delivered, not by what
+    was selected: deferred pieces (selected in one window, delivered in a later one) move a
+    source's tokens across steps, and over a few steps that is most of the mix error; the fill
+    of step ``k`` gives each source what brings its delivered tokens, up to the end of step
+    ``k``, closest to its declared share (``delivered`` / ``delivered_declared``)."""
 
     name = "cost"
     plans_ahead = True
@@ -37,11 +43,14 @@ class CostBalanced(Policy):
             np.zeros((n_sources, 2), np.int64),
             np.zeros((n_sources, 2)),
         )  # per (source, short/long)
+        # tokens per source in planned steps, and each step's weights times its tokens
+        self.delivered, self.delivered_declared = np.zeros(n_sources, np.int64), np.zeros(n_sources)
 
     def grow(self, n: int) -> None:
         self.selected, self.declared, self.cls_selected, self.cls_declared = (
             grown(a, n) for a in (self.selected, self.declared, self.cls_selected, self.cls_declared)
         )
+        self.delivered, self.delivered_declared = grown(self.delivered, n), grown(self.delivered_declared, n)
 
     def plan(self, w: Window) -> list[Planned]:
         topo, bal = w.topology, w.balance
@@ -92,13 +101,45 @@ class CostBalanced(Policy):
             self.selected, self.declared, self.cls_selected, self.cls_declared = saved[1:]
             raise
         self.pending = wp.pending
+        self.delivered, self.delivered_declared = self._delivered(w, [rows for (rows, _), _ in planned])
         return [(rows, slot, costs) for (rows, slot), costs in planned]
 
+    def _delivered(self, w: Window, steps: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``delivered`` and ``delivered_declared`` after the window's first ``len(steps)`` steps."""
+        done, owed = self.delivered.copy(), self.delivered_declared.copy()
+        for k, rows in enumerate(steps):
+            got = P.source_tokens(rows, len(w.streams))
+            done += got
+            owed += w.mix_at(w.start + k) * got.sum()
+        return done, owed
+
     def _fill(self, w: Window, planned: list) -> list:
-        """Packing ``cut`` (``cut.py``): each step's room selected with its weights and laid
-        over its bins; each bin's cost grows by its filler's."""
+        """Packing ``cut`` (``cut.py``): each step's room selected with its weights, the sources
+        the steps so far delivered least of (for their share) first, and laid over its bins;
+        each bin's cost grows by its filler's."""
         rooms = [bin_room(slot, rows, w.topology) for (rows, slot), _ in planned]
-        filler = self._select_steps(w, np.array([int(r.sum()) for r in rooms], dtype=np.int64), cut=True)
+        n = len(w.streams)
+        placed = np.array([P.source_tokens(rows, n) for (rows, _), _ in planned]).reshape(-1, n)
+        weights = np.array([w.mix_at(w.start + k) for k in range(len(planned))]).reshape(-1, n)
+        totals = placed.sum(axis=1) + np.array([int(r.sum()) for r in rooms])
+        # what the balancer placed beyond a source's share of each step, which no fill can take back
+        excess = placed - weights * totals[:, None]
+        parts = []
+        done, owed = self.delivered.copy(), self.delivered_declared.copy()  # through the step before
+        for k, room in enumerate(rooms):
+            step = w.start + k
+            if w.class_weights_at(step) is None:
+                # a source the window's later steps deliver too much of, whatever their fill, is
+                # given less now: half of that excess before it, half after
+                ahead = np.cumsum(excess[k + 1 :], axis=0)
+                over = np.maximum(ahead.max(axis=0), 0) if len(ahead) else np.zeros(n)
+                surplus = done + placed[k] - owed - weights[k] * placed[k].sum() + over / 2
+                parts.append(self._select(w, int(room.sum()), step, cut=True, surplus=surplus))
+            else:  # (length classes keep their own counters)
+                parts.append(self._select(w, int(room.sum()), step, cut=True))
+            got = placed[k] + P.source_tokens(parts[-1], n)
+            done, owed = done + got, owed + weights[k] * got.sum()
+        filler = np.concatenate(parts) if parts else P.empty()
         steps, flat_bins = fill_steps([s for s, _ in planned], rooms, filler, w.topology)
         out = []
         for (rows, slot), (_, costs), b in zip(steps, planned, flat_bins):
@@ -108,9 +149,9 @@ class CostBalanced(Policy):
             out.append(((rows, slot), costs))
         return out
 
-    def _select_steps(self, w: Window, budgets: np.ndarray, cut: bool = False) -> np.ndarray:
+    def _select_steps(self, w: Window, budgets: np.ndarray) -> np.ndarray:
         """Select ``budgets[k]`` tokens with the weights of step ``start + k`` (runs of steps with
-        equal weights in one call; ``cut``: exactly that many, the last piece cut)."""
+        equal weights in one call)."""
         groups: list[list] = []  # [first step of the run, budget, weights]
         for k, b in enumerate(budgets):
             weights = w.mix_at(w.start + k)
@@ -118,16 +159,19 @@ class CostBalanced(Policy):
                 groups[-1][1] += int(b)
             else:
                 groups.append([w.start + k, int(b), weights])
-        parts = [self._select(w, b, step, cut) for step, b, _ in groups]
+        parts = [self._select(w, b, step) for step, b, _ in groups]
         return np.concatenate(parts) if parts else P.empty()
 
-    def _select(self, w: Window, budget: int, step: int, cut: bool = False) -> np.ndarray:
+    def _select(self, w: Window, budget: int, step: int, cut: bool = False, surplus=None) -> np.ndarray:
+        """``budget`` tokens with the weights of ``step``, the sources behind by ``surplus``
+        first (default: by what was selected)."""
         if budget <= 0:
             return P.empty()
         weights = w.mix_at(step)
         cw = w.class_weights_at(step)
         if cw is None:
-            rows = wfq_select(w.streams, weights, budget, self.selected - self.declared, cut)
+            surplus = self.selected - self.declared if surplus is None else surplus
+            rows = wfq_select(w.streams, weights, budget, surplus, cut)
         else:  # each (source, length class) is a source of its own, with its own cursor
             views = [ClassView(s, c) for s in w.streams for c in ("short", "long")]
             rows = wfq_select(views, cw.ravel(), budget, (self.cls_selected - self.cls_declared).ravel(), cut)
@@ -147,6 +191,8 @@ class CostBalanced(Policy):
             "declared": as_floats(self.declared),
             "cls_selected": P.to_bytes(self.cls_selected),
             "cls_declared": as_floats(self.cls_declared),
+            "delivered": [int(x) for x in self.delivered],
+            "delivered_declared": as_floats(self.delivered_declared),
         }
 
     def set_state(self, state: dict, n_sources: int) -> None:
@@ -155,3 +201,6 @@ class CostBalanced(Policy):
         self.declared = grown(np.asarray(state["declared"], np.float64), n_sources)
         self.cls_selected = grown(P.from_bytes(state["cls_selected"], 2), n_sources)
         self.cls_declared = grown(np.asarray(state["cls_declared"], np.float64).reshape(-1, 2), n_sources)
+        # (a snapshot of an older version holds no delivered counters: the fill starts them afresh)
+        self.delivered = grown(np.asarray(state.get("delivered", []), np.int64), n_sources)
+        self.delivered_declared = grown(np.asarray(state.get("delivered_declared", []), np.float64), n_sources)

@@ -1,6 +1,6 @@
 """Packing ``cut`` for the balancing policy: every micro-batch filled to its capacity.
 
-The balancer (``balance.py``) places whole pieces up to ``balance.fill`` of a step's capacity
+The balancer (``balance.py``) places whole pieces up to ``balance.step_fill`` of a step's capacity
 and leaves the rest of each bin as room: the slack it balances with, and what no piece fitted.
 With ``balance.packing: cut`` that room is filled afterwards: the policy selects exactly as
 many more tokens as the window's bins have room (weighted fair queuing with each step's
