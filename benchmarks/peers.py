@@ -48,7 +48,10 @@ epoch). ``dp_change_repeated_docs``: documents delivered with more tokens than t
 than the uninterrupted run gave them (a peer that upsamples a small source repeats documents);
 ``dp_change_lost_docs``: of the documents the uninterrupted run completed within the first 75%
 of the tokens the two jobs took from their source, those that arrived with fewer tokens than
-there (skipped). A peer whose loader refuses the state says why
+there (skipped), even in ``--dp-change-grace`` more steps of the resumed job: late is not lost
+(ours plans windows of 16 steps, and a plan for another dp orders a window's documents anew; a
+document the resumed job skips, as a per-rank reader that resumes another rank's position in its
+own share of the files does, never arrives). A peer whose loader refuses the state says why
 (``dp_change_error``).
 """
 
@@ -246,19 +249,23 @@ def _doc_tokens(pieces) -> Counter:
     return got
 
 
-def dp_change_errors(reference: list, resumed: list, lengths: dict, share: float = 0.75) -> tuple[int, int]:
+def dp_change_errors(
+    reference: list, resumed: list, lengths: dict, share: float = 0.75, late: list = ()
+) -> tuple[int, int]:
     """(documents lost, documents repeated) of ``resumed`` (``_pieces`` of the job before the
     stop and of the job resumed with another dp) against ``reference`` (an uninterrupted run
     over as many rank-steps, shorter than any source's epoch): repeated, a document with more
     tokens than it has (``lengths``) and than the reference gave it (a peer that upsamples a
     small source repeats its documents within an epoch, the uninterrupted run too); lost, a
     document the reference completed within the first ``share`` of the tokens the resumed jobs
-    took from its source, with fewer tokens than there."""
-    ref, got = _doc_tokens(reference), _doc_tokens(resumed)
+    took from its source, with fewer tokens than there, counting the pieces ``late`` (the
+    resumed job's steps past the check's) too. Repetitions are counted over the check's steps
+    only, where the reference ran as long (past them, a source a peer upsamples repeats)."""
+    ref, within, got = _doc_tokens(reference), _doc_tokens(resumed), _doc_tokens([*resumed, *late])
     taken: Counter = Counter()
-    for (src, _), n in got.items():
+    for (src, _), n in within.items():
         taken[src] += n
-    repeated = sum(n > max(lengths[key], ref[key]) for key, n in got.items())
+    repeated = sum(n > max(lengths[key], ref[key]) for key, n in within.items())
     done_at, seen = {}, Counter()  # document -> its source's tokens in the reference once its last piece is in
     for src, doc, n in reference:
         seen[src] += int(n)
@@ -407,15 +414,18 @@ def dp_changed(system: str, dp: int, cfg: dict, args, serve, full: dict) -> dict
     try:
         head = _run(system, dp, c, 0, at, sample=False)
         states = [head["ranks"][r % dp]["state"] for r in range(new_dp)]
-        tail = _run(system, new_dp, c, at, last, states=states, sample=False)
+        tail = _run(system, new_dp, c, at, last + args.dp_change_grace, states=states, sample=False)
     except RuntimeError as err:
         return {"dp_change": f"{dp}->{new_dp}", "dp_change_error": str(err)}
     finally:
         if proc:
             _stop(proc)
     reference = _pieces(full["ranks"], total)
-    resumed = _pieces(head["ranks"]) + _pieces(tail["ranks"])
-    lost, repeated = dp_change_errors(reference, resumed, doc_lengths(cfg["files"], _doc_tokens(reference)))
+    after = _pieces(tail["ranks"])
+    within = len(_pieces(tail["ranks"], last - at))  # (pieces come step by step)
+    resumed, late = _pieces(head["ranks"]) + after[:within], after[within:]
+    lengths = doc_lengths(cfg["files"], _doc_tokens(reference))
+    lost, repeated = dp_change_errors(reference, resumed, lengths, late=late)
     return {"dp_change": f"{dp}->{new_dp}", "dp_change_lost_docs": lost, "dp_change_repeated_docs": repeated}
 
 
@@ -455,6 +465,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--dp-change", type=int, default=4, help="dp of the resumed job in the dp-change check (0: none)")
     ap.add_argument("--dp-change-at", type=int, default=40, help="the step the dp-change check stops at")
     ap.add_argument("--dp-change-steps", type=int, default=100, help="the check's rank-steps, as steps of the first dp")
+    ap.add_argument(
+        "--dp-change-grace",
+        type=int,
+        default=16,
+        help="steps the resumed job runs on past the check's: a document delivered there is late, not lost "
+        "(ours orders each window of balance.window steps, 16, anew for the new dp)",
+    )
     ap.add_argument(
         "--row-group",
         type=int,
