@@ -26,6 +26,23 @@ def test_local_cluster_uses_worker_processes(cluster):
     assert len(worker_pids) == len(pids) == 2 and os.getpid() not in worker_pids
 
 
+def _imported(name: str) -> bool:
+    return name in sys.modules
+
+
+@pytest.mark.integration
+def test_worker_processes_import_the_loaders_as_they_start():
+    """A new run's first batch does not wait for a worker's first load task to import the
+    loaders: every worker process imports them as it starts (``deploy.WORKER_PRELOAD``, Dask's
+    worker preload; Slurm jobs get it on their command line: ``test_slurm_job_script_renders``)."""
+    from distributed import Client
+
+    from overlord_dask.service.deploy import WORKER_PRELOAD, local_cluster
+
+    with local_cluster(n_workers=1) as lc, Client(lc, set_as_default=False) as c:
+        assert list(c.run(_imported, WORKER_PRELOAD).values()) == [True]  # no task has run on it
+
+
 @pytest.mark.integration
 def test_the_embedded_cluster_quiets_dasks_housekeeping_timers(cluster):
     """Workers run without Dask's 100 Hz statistical profiler and with the slower loop-health tick,
@@ -139,6 +156,7 @@ def test_slurm_job_script_renders():
     assert "#SBATCH -p cpu" in script and "#SBATCH -A proj" in script and "#SBATCH -t 01:00:00" in script
     assert "distributed.cli.dask_worker tcp://127.0.0.1:" in script
     assert "--lifetime 3240s --lifetime-stagger 324s" in script  # before the 1 h walltime (a tenth less), staggered
+    assert "--preload overlord_dask.worker.loaders" in script  # (deploy.WORKER_PRELOAD)
 
 
 @pytest.mark.integration

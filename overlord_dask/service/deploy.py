@@ -17,6 +17,10 @@ cost the service throughput on few cores (``benchmarks/throughput.py --scaling``
 checked less often is safe here: a service's blocks and batches are bounded by its plan
 (``prefetch_steps``, ``units_ahead``), not grown by a user's task.
 
+Worker processes import the loaders as they start (Dask's worker ``preload``, ``WORKER_PRELOAD``):
+a worker's first load task would otherwise import them, and the first batch of a run that has
+just started waits for that.
+
 Each is a default only: a value other than Dask's default in Dask's config (YAML, ``DASK_*``
 environment variables, ``dask.config.set``) wins, and ``overlord.quiet-dask: false`` (e.g.
 ``DASK_OVERLORD__QUIET_DASK=false``) keeps all of Dask's defaults, the profiler included.
@@ -36,6 +40,9 @@ from .priority import WorkerPriority
 from .priority import worker_nice as worker_nice_default
 
 WORKER_CONNECT_TIMEOUT = "10s"
+WORKER_PRELOAD = "overlord_dask.worker.loaders"
+"""Imported by every worker process as it starts (the loaders, the source readers and the plan
+models): before the service hands out its first batch, not while a trainer waits for it."""
 WORKER_CONFIG = {"distributed": {"comm": {"timeouts": {"connect": WORKER_CONNECT_TIMEOUT}}}}
 """Set on every worker (``Nanny(config=...)``, pool workers too): a worker fetching a block from a
 peer that just died retries the refused connection this long, not Dask's 30 s."""
@@ -131,6 +138,7 @@ def local_cluster(
     if processes:
         kwargs.setdefault("config", worker_config())
         kwargs.setdefault("env", service_environ())  # the workers' allocators from their start (allocator.py)
+        kwargs.setdefault("preload", [WORKER_PRELOAD])
     else:
         n_workers, threads_per_worker = min(n_workers, 1), max(1, n_workers * threads_per_worker)
         kwargs["scheduler_kwargs"] = {"dashboard": kwargs.pop("dashboard", False), **kwargs.get("scheduler_kwargs", {})}
@@ -208,7 +216,7 @@ def slurm_cluster(
         raise ValueError(f"a worker's lifetime ({life:g}s) must end before its job's walltime ({walltime})")
     stagger = parse_timedelta(lifetime_stagger) if lifetime_stagger else min(600.0, 0.1 * life)
     extra = list(kwargs.pop("worker_extra_args", []))
-    extra += ["--lifetime", f"{life:g}s", "--lifetime-stagger", f"{stagger:g}s"]
+    extra += ["--lifetime", f"{life:g}s", "--lifetime-stagger", f"{stagger:g}s", "--preload", WORKER_PRELOAD]
     with dask.config.set(service_config()):
         cluster = SLURMCluster(
             cores=cores,
