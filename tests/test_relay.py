@@ -134,6 +134,25 @@ def test_a_relay_that_dies_is_replaced_without_a_step_lost_or_repeated(cluster, 
     assert all(resumed[s] == want[(0, s)] for s in resumed)
 
 
+def test_a_process_keeps_none_of_the_relays_it_closed(cluster, small_plan):
+    """A relay ends with its run (the service closes its channel): a long-lived process that
+    starts a relay for run after run (a notebook, a trainer restarted in place) does not keep
+    the closed ones."""
+    from overlord_dask import connect
+    from overlord_dask.trainer.connection import ProcessIO
+
+    io = ProcessIO.get()
+    plan = small_plan(topology={"dp": 1, "micro_batches": 1})
+    for _ in range(3):
+        with Service.start(plan, cluster=cluster) as service:
+            s = connect(service.address, 0, timeout=60, relay=True)
+            s.next_batch()
+            assert [r.run_id for r in io.relays].count(service.run_id) == 1
+            s.close()
+        _wait_for(lambda: service.run_id not in {r.run_id for r in io.relays}, 30, "the run's relay to be dropped")
+    assert not any(r.closed for r in io.relays)
+
+
 REPLICA = """
 import json, os, sys, time
 from overlord_dask import connect

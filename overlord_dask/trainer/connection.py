@@ -77,7 +77,7 @@ class ProcessIO:
             await asyncio.gather(*tasks, return_exceptions=True)
             for ch in list(self.channels.values()):
                 ch.abort()
-            for relay in self.relays:
+            for relay in list(self.relays):
                 relay.close()
             self.pool.abort_all()
 

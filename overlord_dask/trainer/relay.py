@@ -260,6 +260,8 @@ class Relay:
         if self.closed:
             return
         self.closed = True
+        if self in self.io.relays:  # (a process that starts relay after relay keeps none it closed)
+            self.io.relays.remove(self)
         self.server.close()
         self.payloads.close()
         bs = getattr(self, "bs", None)
