@@ -618,6 +618,39 @@ def test_the_trainers_own_comms_speak_to_a_dask_server_as_dasks_do():
     asyncio.run(main())
 
 
+def test_a_pooled_connection_to_a_server_that_went_away_is_not_reused():
+    """A trainer process keeps idle connections per address; a service restarted at the same
+    address (a fixed scheduler port) must get a new one, not the old server's closed socket."""
+    import asyncio
+
+    from distributed.core import Server
+
+    from overlord_dask.trainer.comm import Pool
+
+    def serving(name: str) -> Server:
+        async def who(comm=None):
+            return name
+
+        return Server({"who": who}, stream_handlers={})
+
+    async def main():
+        pool = Pool(timeout=5)
+        server = serving("first")
+        await server.listen("tcp://127.0.0.1:0")
+        address, port = server.address, int(server.address.rsplit(":", 1)[1])
+        try:
+            assert await pool.request(address, "who", {}) == "first"
+            await server.close()  # (its connections too: the pool's idle one sees the end)
+            server = serving("restarted")
+            await server.listen(f"tcp://127.0.0.1:{port}")
+            assert await pool.request(address, "who", {}) == "restarted"
+        finally:
+            pool.abort_all()
+            server.stop()
+
+    asyncio.run(main())
+
+
 def test_acknowledgements_of_a_channel_leave_as_one_message_per_chunk():
     """A channel holds its consumers' one-way acknowledgements until every consumer on it has
     acknowledged (or ``HOLD_S`` passed): one ``acks`` message per chunk, a row per consumer with

@@ -110,7 +110,9 @@ class Comm:
         self._closed = False
 
     def closed(self) -> bool:
-        return self._closed
+        """Closed here or by the other end: an idle pooled connection whose server went away (a
+        service restarted at the same address) is not reused, where its next request would fail."""
+        return self._closed or self.reader.at_eof() or self.writer.is_closing()
 
     async def read(self):
         try:
@@ -240,7 +242,10 @@ class Pool:
         comm = None
         while idle and comm is None:
             c = idle.pop()
-            comm = None if c.closed() else c
+            if c.closed():
+                c.abort()  # (its socket's resources)
+            else:
+                comm = c
         if comm is None:
             comm = await connect(address, self.timeout)
         try:
