@@ -110,9 +110,14 @@ class Comm:
         self._closed = False
 
     def closed(self) -> bool:
-        """Closed here or by the other end: an idle pooled connection whose server went away (a
-        service restarted at the same address) is not reused, where its next request would fail."""
-        return self._closed or self.reader.at_eof() or self.writer.is_closing()
+        return self._closed
+
+    def reusable(self) -> bool:
+        """Open at both ends: an idle pooled connection whose server went away (a service
+        restarted at the same address) has read its end or is closing, and a request on it would
+        fail. (``closed()`` stays "closed here": callers that abort a comm unless it is closed
+        must still release one the other end closed.)"""
+        return not (self._closed or self.reader.at_eof() or self.writer.is_closing())
 
     async def read(self):
         try:
@@ -242,10 +247,10 @@ class Pool:
         comm = None
         while idle and comm is None:
             c = idle.pop()
-            if c.closed():
-                c.abort()  # (its socket's resources)
-            else:
+            if c.reusable():
                 comm = c
+            else:
+                c.abort()  # (its socket's resources)
         if comm is None:
             comm = await connect(address, self.timeout)
         try:
