@@ -41,7 +41,8 @@ def test_piece_rows_recut_flatten_and_bytes():
     assert P.stream_lengths(pieces[:, 1:]).tolist() == P.lengths(pieces).tolist()
 
 
-@pytest.mark.parametrize("high", [50, 1 << 60])  # one int64 key per row / too wide for one: lexsort
+# keys from a small range (counted) / a wide one (sorted) / too wide for one int64 (lexsort)
+@pytest.mark.parametrize("high", [50, 100_000, 1 << 60])
 def test_unique_rows_match_numpy_unique_over_rows(high):
     rng = np.random.default_rng(3)
     rows = np.stack(
@@ -54,9 +55,43 @@ def test_unique_rows_match_numpy_unique_over_rows(high):
     assert np.array_equal(P.unique_rows(rows), want)
     got, inverse, counts = P.unique_rows(rows, return_counts=True, return_inverse=True)
     assert np.array_equal(got, want) and np.array_equal(counts, want_counts) and np.array_equal(got[inverse], rows)
+    got, inverse = P.unique_rows(rows, return_inverse=True)
+    assert np.array_equal(got, want) and np.array_equal(got[inverse], rows)
+    assert np.array_equal(
+        P.unique_rows(rows[:, 2:3].astype(np.int32)), np.unique(rows[:, 2:3].astype(np.int32), axis=0)
+    )
     empty = np.zeros((0, 3), np.int64)
     assert P.unique_rows(empty).shape == (0, 3) and P.unique_rows(empty, return_counts=True)[1].shape == (0,)
     assert P.unique_rows(empty, return_inverse=True)[1].shape == (0,)
+
+
+@pytest.mark.parametrize("docs_per_unit", [50, 40_000])  # gathered from every unit's lengths / unit by unit
+def test_loss_targets_count_the_pieces_that_end_before_their_document(docs_per_unit):
+    """A piece whose document goes on past it labels its last token with the document's next one:
+    cut_pieces counts them, from the units' document lengths, the same on either path."""
+    from overlord_dask.planner.streams.loss_targets import LossTargets
+
+    rng = np.random.default_rng(5)
+    targets, doc_lengths = LossTargets(), {}
+    for key in [(0, 0, 3), (0, 1, 3), (1, 0, 0), (2, 4, 17)]:
+        doc_lengths[key] = rng.integers(1, 300, docs_per_unit)
+        targets.keep_lengths(key, doc_lengths[key], None)
+    rows, want = [], 0
+    for _ in range(400):
+        key = list(doc_lengths)[rng.integers(len(doc_lengths))]
+        doc = int(rng.integers(docs_per_unit))
+        length = int(doc_lengths[key][doc])
+        start = int(rng.integers(length))
+        stop = int(rng.integers(start + 1, length + 1))
+        rows.append([*key, doc, start, stop])
+        want += stop < length
+    rows = np.array(rows, dtype=P.DTYPE)
+    assert 0 < want < len(rows)
+    assert targets.cut_pieces(rows) == want
+    assert targets.cut_pieces(rows[:0]) == 0
+    targets.forget((2, 4, 17))
+    with pytest.raises(KeyError):  # a piece of a unit whose lengths were let go: a bug, said loudly
+        targets.cut_pieces(rows)
 
 
 def test_progress_commits_and_makes_durable_by_mode():
