@@ -110,6 +110,28 @@ def unique_rows(rows: np.ndarray, return_counts: bool = False, return_inverse: b
 DENSE_KEYS_PER_ROW, DENSE_KEYS_MIN = 4, 1 << 16  # unique_rows counts keys up to this range (8 bytes each)
 
 
+def stable_order(keys: np.ndarray) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` of integer keys (equal keys in index order), in one or
+    two radix passes of 16 bits where the keys' range allows: numpy sorts 16-bit integers by
+    radix (linear), any wider integer by timsort. Grouping a window's pieces by bin or source
+    (millions of rows at thousands of ranks) takes a fifth of the time."""
+    keys = np.asarray(keys)
+    if len(keys) < RADIX_MIN_KEYS or not np.issubdtype(keys.dtype, np.integer):
+        return np.argsort(keys, kind="stable")
+    lo = int(keys.min())
+    span = int(keys.max()) - lo
+    if span < 1 << 16:
+        return np.argsort(np.subtract(keys, lo, dtype=np.int64).astype(np.uint16), kind="stable")
+    if span < 1 << 32:
+        k = np.subtract(keys, lo, dtype=np.int64)
+        order = np.argsort((k & 0xFFFF).astype(np.uint16), kind="stable")  # low digit first (LSD radix)
+        return order[np.argsort((k[order] >> 16).astype(np.uint16), kind="stable")]
+    return np.argsort(keys, kind="stable")
+
+
+RADIX_MIN_KEYS = 256  # stable_order sorts fewer keys directly (the passes cost more than they save)
+
+
 def source_tokens(rows: np.ndarray, n_sources: int) -> np.ndarray:
     """Tokens per source index, int64 ``[n_sources]``."""
     return np.bincount(rows[:, SOURCE], weights=lengths(rows), minlength=n_sources).astype(np.int64)

@@ -65,6 +65,18 @@ def test_unique_rows_match_numpy_unique_over_rows(high):
     assert P.unique_rows(empty, return_inverse=True)[1].shape == (0,)
 
 
+@pytest.mark.parametrize("low, high", [(0, 3), (-5, 70_000), (-(1 << 31), 1 << 31), (0, 1 << 40)])
+def test_stable_order_is_numpys_stable_argsort(low, high):
+    """Keys in one 16-bit pass, two, or too wide for radix passes: the same order as numpy's
+    stable argsort, equal keys in index order (a bin's pieces keep the planner's order)."""
+    rng = np.random.default_rng(11)
+    for n in (0, 5, 300, 20_000):
+        keys = rng.integers(low, high, n)
+        keys = np.concatenate([keys, keys[::2]])  # equal keys
+        for k in (keys, keys.astype(np.int32)) if high <= 1 << 31 else (keys,):
+            assert np.array_equal(P.stable_order(k), np.argsort(k, kind="stable")), (n, k.dtype)
+
+
 @pytest.mark.parametrize("docs_per_unit", [50, 40_000])  # gathered from every unit's lengths / unit by unit
 def test_loss_targets_count_the_pieces_that_end_before_their_document(docs_per_unit):
     """A piece whose document goes on past it labels its last token with the document's next one:

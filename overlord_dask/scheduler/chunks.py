@@ -62,7 +62,7 @@ def chunk_tasks(
     planned = []
     for sp in steps:  # each step's pieces by rank (stable: a bin's pieces keep their order), cut per group
         entry = ledger[sp["step"]]
-        by_rank = np.argsort(entry["slot"][:, 0], kind="stable")
+        by_rank = P.stable_order(entry["slot"][:, 0])
         cuts = np.searchsorted(entry["slot"][by_rank, 0], np.append(starts, dp))
         planned.append((sp, entry, by_rank, cuts))
     tasks = []

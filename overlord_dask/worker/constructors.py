@@ -203,7 +203,7 @@ def split_step(pieces: bytes, slot: bytes, ranks: range, micro_batches: int) -> 
     rows = P.unpack(pieces)
     sl = P.slot_from_bytes(slot)
     flat = P.flat_slots(sl, micro_batches)
-    order = np.argsort(flat, kind="stable")
+    order = P.stable_order(flat)
     bounds = np.searchsorted(flat[order], np.arange(ranks.start * micro_batches, ranks.stop * micro_batches + 1))
     return [
         [rows[order[bounds[i * micro_batches + m] : bounds[i * micro_batches + m + 1]]] for m in range(micro_batches)]
@@ -350,7 +350,7 @@ def wire_chunk(steps: list[dict], ranks: range, layout: BatchLayout, blocks: dic
         pt_l.append(np.full(len(rows), sp["piece_tokens"], dtype=np.int64))
     n_mb = len(steps) * n_ranks * micro_batches
     rows, mb_of = np.concatenate(rows_l), np.concatenate(mb_l)
-    order = np.argsort(mb_of, kind="stable")  # micro-batch by micro-batch, each in the planner's piece order
+    order = P.stable_order(mb_of)  # micro-batch by micro-batch, each in the planner's piece order
     rows, mb_of, piece_tokens = rows[order], mb_of[order], np.concatenate(pt_l)[order]
     n = len(rows)
     src, epoch, doc, start, stop = (rows[:, c] for c in (P.SOURCE, P.EPOCH, P.DOC, P.START, P.STOP))
@@ -366,7 +366,7 @@ def wire_chunk(steps: list[dict], ranks: range, layout: BatchLayout, blocks: dic
     sample_ids = np.empty(n, dtype=np.int64)
     ukey, uinv = P.unique_rows(P.units(rows), return_inverse=True)
     block_of: list[SampleBlock] = []
-    by_block = np.argsort(uinv, kind="stable")
+    by_block = P.stable_order(uinv)
     bb = np.searchsorted(uinv[by_block], np.arange(len(ukey) + 1))
     for j, (s, e, u) in enumerate(ukey.tolist()):
         block = blocks[block_key(s, e, u)]

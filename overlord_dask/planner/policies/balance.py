@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...pieces import AGE, SOURCE, START, STOP, WIDTH, lengths, slots, stream_lengths
+from ...pieces import AGE, SOURCE, START, STOP, WIDTH, lengths, slots, stable_order, stream_lengths
 from ..streams.stream import SourceStream
 from . import kernels
 from .base import Starved
@@ -175,7 +175,7 @@ def balance_window(
     # no Python object per rank, so the cost per step does not grow with dp)
     out_steps, out_costs = [], []
     placed = np.flatnonzero(where >= 0)
-    placed = placed[np.argsort(where[placed], kind="stable")]
+    placed = placed[stable_order(where[placed])]
     bins = where[placed]
     bounds = np.searchsorted(bins, np.arange(steps + 1) * n_bins)
     for s in range(steps):
@@ -311,7 +311,7 @@ def _light_to_steps(light, heavy, where, pieces, lens, intended, step_room, n_bi
     at = intended[counted] * n_src + src[counted]
     target = np.bincount(at, weights=lens[counted], minlength=cells).reshape(steps, n_src)
     cum_target, cum_heavy = np.cumsum(target, axis=0), np.cumsum(heavy_at, axis=0)
-    order = np.argsort(src[light], kind="stable")  # light pieces grouped by source, selection order kept
+    order = stable_order(src[light])  # light pieces grouped by source, selection order kept
     bounds = np.searchsorted(src[light][order], np.arange(n_src + 1))
     lq = lens[light][order].astype(np.float64)
     cq = np.concatenate([[0.0], np.cumsum(lq)])  # cumulative tokens along each source's queue

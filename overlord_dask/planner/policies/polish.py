@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ... import pieces as P
 from . import kernels
 
 MAX_MOVES = 32
@@ -61,7 +62,7 @@ def polish(
         )
     n_bins = dp * micro_batches
     placed = np.flatnonzero(where >= 0)
-    placed = placed[np.argsort(where[placed], kind="stable")]
+    placed = placed[P.stable_order(where[placed])]
     bounds = np.searchsorted(where[placed], np.arange(steps + 1) * n_bins)
     moves = 0
     rank_of_bin = np.arange(n_bins) // micro_batches

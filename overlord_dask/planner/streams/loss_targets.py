@@ -58,7 +58,7 @@ class LossTargets:
         if not len(rows):
             return
         units, inverse = P.unique_rows(P.units(rows), return_inverse=True)
-        order = np.argsort(inverse, kind="stable")
+        order = P.stable_order(inverse)
         bounds = np.searchsorted(inverse[order], np.arange(len(units) + 1))
         for k, key in enumerate(units.tolist()):
             yield tuple(key), rows[order[bounds[k] : bounds[k + 1]]]
