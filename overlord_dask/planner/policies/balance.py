@@ -32,6 +32,7 @@ waiting (fewer than ``dp`` heavy pieces plus the deferred overflow).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -373,7 +374,9 @@ def group_heavy(
     The programme's work is pieces × skip states; both grow with ``dp`` (``max_skip`` is
     ``4·dp``), so beyond ``SKIP_STATES`` states pieces are skipped in blocks of
     ``ceil(max_skip / SKIP_STATES)`` neighbours (similar costs, as the order is by cost): the
-    same choices as before up to dp 64, and work per piece that stays flat at any dp.
+    same choices as before up to dp 64, and work per piece that stays flat at any dp. Only the
+    positions and skip counts a plan can reach are computed (``kernels.programme``): where the
+    block divides ``dp`` (any power of two from dp 64 on), one position in a block.
     """
     n = len(costs)
     if n == 0:
@@ -401,10 +404,11 @@ def group_heavy(
     size = n - np.arange(n)  # a tail group from i has n - i members, padded with empty bins
     tail_mean = (csum[n] - csum[:-1] + np.maximum(dp - size, 0) * empty) / dp
     tail = np.log(np.maximum(c, empty) / np.maximum(tail_mean, 1e-300)) ** 2 + 0.01  # never free
-    choice = (kernels.programme if kernels.COMPILED else _programme_numpy)(n, dp, K, block, spread, skip, tail)
+    d = math.gcd(dp, block)  # a plan stands only on multiples of d (it moves by dp or by block)
+    choice = (kernels.programme if kernels.COMPILED else _programme_numpy)(n, dp, K, block, spread, skip, tail, d)
     groups, i, k = [], 0, 0
     while i < n:
-        ch = choice[i, k]
+        ch = choice[i // d, k]
         if ch == 1:
             groups.append(order[i : i + dp])
             i += dp
@@ -416,23 +420,29 @@ def group_heavy(
     return groups
 
 
-def _programme_numpy(n, dp, K, g, spread, skip, tail) -> np.ndarray:
+def _programme_numpy(n, dp, K, g, spread, skip, tail, d) -> np.ndarray:
     """:func:`group_heavy`'s programme vectorised over the skip count, where numba is missing
-    (``kernels.programme`` makes the same choices, with the same ring of rows)."""
-    choice = np.zeros((n + 1, K + 1), dtype=np.int8)  # 1 = group, 2 = skip a block, 3 = smaller tail group
-    R = max(dp, g) + 1
+    (``kernels.programme`` makes the same choices, over the same reachable positions and states,
+    with the same ring of rows)."""
+    m = (n - 1) // d + 1
+    choice = np.zeros((m, K + 1), dtype=np.int8)  # 1 = group, 2 = skip a block, 3 = smaller tail group
+    R = max(dp, g) // d + 1
     ring = np.full((R, K + 1), np.inf)
-    ring[n % R] = 0.0
-    sk = np.full(K + 1, np.inf)  # scratch rows, written in place: this loop runs once per heavy piece
-    better = np.zeros(K + 1, dtype=bool)
-    for i in range(n - 1, -1, -1):
-        v, ch = ring[i % R], choice[i]
+    if n % d == 0:
+        ring[(n // d) % R] = 0.0
+    sk_row = np.full(K + 1, np.inf)  # scratch rows, written in place: this loop runs once per position
+    better_row = np.zeros(K + 1, dtype=bool)
+    for j in range(m - 1, -1, -1):
+        i = j * d
+        kb = min(K, i // g) + 1  # the states reachable at i (k blocks skipped before it)
+        v, ch, sk, better = ring[j % R][:kb], choice[j][:kb], sk_row[:kb], better_row[:kb]
         v.fill(np.inf)
         if i + dp <= n:
-            np.add(ring[(i + dp) % R], spread[i], out=v)
+            np.add(ring[((i + dp) // d) % R][:kb], spread[i], out=v)
             ch.fill(1)
         if skip[i] < np.inf:
-            np.add(ring[(i + g) % R][1:], skip[i], out=sk[:K])
+            mk = min(kb, K)  # (sk[K] stays inf: no block is skipped past K)
+            np.add(ring[((i + g) // d) % R][1 : mk + 1], skip[i], out=sk[:mk])
             np.less(sk, v, out=better)
             np.copyto(v, sk, where=better)
             ch[better] = 2

@@ -157,39 +157,47 @@ def _argsort(keys):
 
 
 @_jit
-def programme(n, dp, K, g, spread, skip, tail):
-    """``balance.group_heavy``'s dynamic programme: ``choice[i, k]`` (1 = a group of ``dp`` from
-    ``i``, 2 = skip the block of ``g`` pieces from ``i`` (``skip[i]``: its cost, inf where it may
-    not be skipped), 3 = the rest as one smaller group) with ``k`` blocks skipped so far. The
-    costs to go live in a ring of ``max(dp, g) + 1`` rows: a row reads only the rows ``g`` and
-    ``dp`` after it, so memory is ``O(dp·K)``, not ``O(n·K)``."""
-    choice = np.zeros((n + 1, K + 1), dtype=np.int8)
-    R = max(dp, g) + 1
+def programme(n, dp, K, g, spread, skip, tail, d):
+    """``balance.group_heavy``'s dynamic programme: ``choice[i // d, k]`` (1 = a group of ``dp``
+    from ``i``, 2 = skip the block of ``g`` pieces from ``i`` (``skip[i]``: its cost, inf where
+    it may not be skipped), 3 = the rest as one smaller group) with ``k`` blocks skipped so far.
+
+    Only the states a plan can reach are computed: a plan moves from piece 0 by ``dp`` or ``g``,
+    so it stands only at multiples of ``d = gcd(dp, g)`` (at thousands of ranks ``g`` divides
+    ``dp``: one position in ``g``), and at piece ``i`` at most ``i // g`` blocks were skipped.
+    The costs to go live in a ring of ``max(dp, g) / d + 1`` rows: a row reads only the rows
+    ``g`` and ``dp`` after it, so memory is ``O(dp·K / d)``, not ``O(n·K)``."""
+    m = (n - 1) // d + 1  # positions 0, d, .., (m - 1)·d: every one before n
+    choice = np.zeros((m, K + 1), dtype=np.int8)
+    R = max(dp, g) // d + 1
     ring = np.full((R, K + 1), np.inf)
-    ring[n % R, :] = 0.0
-    for i in range(n - 1, -1, -1):
-        row = ring[i % R]
-        row[:] = np.inf
+    if n % d == 0:  # the end, where a plan can stand on it
+        ring[(n // d) % R, :] = 0.0
+    for j in range(m - 1, -1, -1):
+        i = j * d
+        kb = min(K, i // g)
+        row = ring[j % R]
+        row[: kb + 1] = np.inf
         if i + dp <= n:
             sp = spread[i]
-            nxt = ring[(i + dp) % R]
-            for k in range(K + 1):
+            nxt = ring[((i + dp) // d) % R]
+            for k in range(kb + 1):
                 row[k] = nxt[k] + sp
-                choice[i, k] = 1
+                choice[j, k] = 1
         sc = skip[i]
         if sc < np.inf:
-            nxt = ring[(i + g) % R]
-            for k in range(K):
+            nxt = ring[((i + g) // d) % R]
+            for k in range(min(kb + 1, K)):
                 x = nxt[k + 1] + sc
                 if x < row[k]:
                     row[k] = x
-                    choice[i, k] = 2
+                    choice[j, k] = 2
         if i + dp > n and tail[i] < np.inf:
             t = tail[i]
-            for k in range(K + 1):
+            for k in range(kb + 1):
                 if t < row[k]:
                     row[k] = t
-                    choice[i, k] = 3
+                    choice[j, k] = 3
     return choice
 
 
@@ -652,7 +660,7 @@ def warm(bins: int | None = None) -> bool:
 
 def _warm() -> None:
     f8, i8 = np.float64, np.int64
-    programme(8, 2, 8, 1, np.ones(8), np.ones(8), np.ones(8))
+    programme(8, 2, 8, 1, np.ones(8), np.ones(8), np.ones(8), 1)
     place_groups(
         np.arange(4, dtype=i8),
         np.array([0, 2, 4], dtype=i8),
