@@ -415,6 +415,53 @@ def test_level_matches_the_direct_evaluation(n, cols):
         np.testing.assert_allclose(q.sum(axis=0), np.minimum(tokens, room.sum(axis=0)), rtol=1e-9)
 
 
+def _full_programme(n, dp, K, g, spread, skip, tail):
+    """group_heavy's programme over every position and skip count (no pruning): the reference."""
+    choice = np.zeros((n + 1, K + 1), dtype=np.int8)
+    value = np.full((n + 1, K + 2), np.inf)
+    value[n, : K + 1] = 0.0
+    for i in range(n - 1, -1, -1):
+        for k in range(K + 1):
+            v, ch = np.inf, 0
+            if i + dp <= n:
+                v, ch = value[i + dp, k] + spread[i], 1
+            if skip[i] < np.inf and k < K and value[i + g, k + 1] + skip[i] < v:
+                v, ch = value[i + g, k + 1] + skip[i], 2
+            if i + dp > n and tail[i] < v:
+                v, ch = tail[i], 3
+            value[i, k], choice[i, k] = v, ch
+    return choice
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_group_heavy_computes_only_reachable_states_and_groups_as_the_full_programme(monkeypatch, compiled):
+    """The programme visits only the positions a plan can stand on (multiples of gcd(dp,
+    block)) and the skip counts it can have there; its groups are those of the programme over
+    every position and count, compiled or not, with blocks dividing dp (dp 128, 192), sharing a
+    factor with it (dp 100, 72) and not (dp 65), pieces that may not wait, and a tail group."""
+    from overlord_dask.planner.policies import balance, kernels
+
+    assert kernels.warm()
+    monkeypatch.setattr(kernels, "COMPILED", compiled)
+    rng = np.random.default_rng(4)
+    for dp in (1, 3, 8, 65, 72, 100, 128, 192):
+        for n in (1, dp - 1, 3 * dp + 7, 9 * dp):
+            if n < 1:
+                continue
+            costs = np.exp(rng.normal(10, 1.5, n))
+            must, age = rng.random(n) < 0.05, rng.integers(0, 3, n)
+            got = group_heavy(costs, must, dp, age=age, empty=1000.0)
+            monkeypatch.setattr(
+                kernels if compiled else balance,
+                "programme" if compiled else "_programme_numpy",
+                lambda n_, dp_, K, g, sp, sk, tl, d: _full_programme(n_, dp_, K, g, sp, sk, tl)[::d],
+            )
+            want = group_heavy(costs, must, dp, age=age, empty=1000.0)
+            monkeypatch.undo()
+            monkeypatch.setattr(kernels, "COMPILED", compiled)
+            assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)), (dp, n)
+
+
 def test_group_heavy_at_thousands_of_ranks_skips_in_blocks():
     """Beyond ``SKIP_STATES`` skip states the programme skips blocks of neighbours: groups are
     still whole (``dp`` pieces) but for the tail, a piece that waited long enough is never
