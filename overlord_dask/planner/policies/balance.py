@@ -266,10 +266,10 @@ def _groups_to_steps(groups, heavy, pieces, lens, intended, steps: int) -> np.nd
     group_of = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
     src = pieces[members, SOURCE]
     # token counts: whole numbers, so these float sums are exact in any order
-    vec = np.zeros((len(groups), n_src))
-    np.add.at(vec, (group_of, src), lens[members])
-    target = np.zeros((steps, n_src))
-    np.add.at(target, (intended[members], src), lens[members])
+    vec = np.bincount(group_of * n_src + src, weights=lens[members], minlength=len(groups) * n_src)
+    vec = vec.reshape(len(groups), n_src)
+    target = np.bincount(intended[members] * n_src + src, weights=lens[members], minlength=steps * n_src)
+    target = target.reshape(steps, n_src)
     cum_target = np.cumsum(target, axis=0)
     return (kernels.groups_to_steps if kernels.COMPILED else _groups_loop_numpy)(vec, cum_target, steps)
 
@@ -488,8 +488,9 @@ def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, quot
     ends = np.cumsum(c)
     rho = ends[-1] / max(float(lens[idx].sum()), 1.0) if len(idx) else 0.0
     b = np.minimum(np.searchsorted(np.cumsum(quota) * rho, ends - c, side="right"), len(quota) - 1)
-    np.add.at(bin_tok, b, lens[idx])
-    np.add.at(bin_cost, b, costs[idx])
+    add_at = kernels.add_at if kernels.COMPILED else np.add.at
+    add_at(bin_tok, b, lens[idx])
+    add_at(bin_cost, b, costs[idx].astype(np.float64, copy=False))
     where[idx] = base + b
     # repair: move the last pieces out of any bin over capacity (compiled where numba is at hand:
     # at thousands of ranks many bins overflow, and this loop was much of a window's planning)

@@ -202,6 +202,14 @@ def programme(n, dp, K, g, spread, skip, tail, d):
 
 
 @_jit
+def add_at(target, index, values):
+    """``np.add.at(target, index, values)`` for a 1-D ``target``: the same additions in the same
+    order (so float sums round alike), without numpy's general buffered path."""
+    for j in range(len(index)):
+        target[index[j]] += values[j]
+
+
+@_jit
 def place_groups(members, starts, step_of_group, lens, costs, where, flat_cost, flat_tok, steps, n_bins, dp, capacity):
     """``balance._place_groups_numpy``: each heavy group (``members[starts[g]:starts[g+1]]``, as
     ``group_heavy`` made it), biggest cost first, into one (step, micro-batch) row: its own step
@@ -661,6 +669,8 @@ def warm(bins: int | None = None) -> bool:
 def _warm() -> None:
     f8, i8 = np.float64, np.int64
     programme(8, 2, 8, 1, np.ones(8), np.ones(8), np.ones(8), 1)
+    add_at(np.zeros(4), np.arange(4, dtype=i8), np.ones(4))
+    add_at(np.zeros(4, i8), np.arange(4, dtype=i8), np.ones(4, i8))
     place_groups(
         np.arange(4, dtype=i8),
         np.array([0, 2, 4], dtype=i8),
