@@ -137,9 +137,16 @@ def source_tokens(rows: np.ndarray, n_sources: int) -> np.ndarray:
     return np.bincount(rows[:, SOURCE], weights=lengths(rows), minlength=n_sources).astype(np.int64)
 
 
-def with_age(rows: np.ndarray, age: int = 0) -> np.ndarray:
-    """Planned rows with the balancer's waiting-age column appended."""
-    return np.concatenate([rows, np.full((len(rows), 1), age, dtype=np.int64)], axis=1)
+def with_age(rows: np.ndarray, age: int = 0, after: np.ndarray | None = None) -> np.ndarray:
+    """Planned rows with the balancer's waiting-age column appended (after the rows ``after``,
+    which have it: one copy of a window's pieces, not two)."""
+    head = 0 if after is None else len(after)
+    out = np.empty((head + len(rows), WIDTH + 1), dtype=DTYPE)
+    if head:
+        out[:head] = after
+    out[head:, :WIDTH] = rows
+    out[head:, AGE] = age
+    return out
 
 
 def recut(rows: np.ndarray, piece_tokens: int) -> np.ndarray:

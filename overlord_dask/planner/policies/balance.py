@@ -179,10 +179,11 @@ def balance_window(
     placed = placed[stable_order(where[placed])]
     bins = where[placed]
     bounds = np.searchsorted(bins, np.arange(steps + 1) * n_bins)
+    # one gather of the window's placed rows and one of their slots, cut into steps (slices)
+    rows_out = pieces[:, :WIDTH][placed]
+    slot_out = slots(bins % n_bins, micro_batches)
     for s in range(steps):
-        sel = placed[bounds[s] : bounds[s + 1]]
-        b = bins[bounds[s] : bounds[s + 1]] - s * n_bins
-        out_steps.append((pieces[sel, :WIDTH], slots(b, micro_batches)))
+        out_steps.append((rows_out[bounds[s] : bounds[s + 1]], slot_out[bounds[s] : bounds[s + 1]]))
         out_costs.append(bin_cost[s].reshape(dp, micro_batches).copy())
     pending = pieces[where < 0].copy()
     pending[:, AGE] += 1

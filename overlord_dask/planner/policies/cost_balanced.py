@@ -76,7 +76,7 @@ class CostBalanced(Policy):
             for rnd in range(self.TOPUP_ROUNDS):
                 if need > 0:  # a top-up selects with the weights of the window's last step
                     new = self._select_steps(w, budgets) if rnd == 0 else self._select(w, need, w.start + w.steps - 1)
-                    rows = np.concatenate([rows, P.with_age(new)])
+                    rows = P.with_age(new, after=rows)
                 wp = balance_window(
                     rows,
                     w.costs(rows),
