@@ -651,6 +651,44 @@ def test_a_pooled_connection_to_a_server_that_went_away_is_not_reused():
     asyncio.run(main())
 
 
+def test_pooled_connections_idle_too_long_are_closed_and_their_addresses_forgotten():
+    """A trainer process that talks to workers that come and go (autoscaling) or to one service
+    after another (a notebook) keeps no socket per address it stopped using: a connection idle
+    longer than ``idle_close_s`` is closed at the next request's sweep, and its address
+    forgotten; one in use again within that time is reused, not reopened."""
+    import asyncio
+
+    from distributed.core import Server
+
+    from overlord_dask.trainer.comm import Pool
+
+    async def main():
+        async def who(comm=None):
+            return "here"
+
+        servers = [Server({"who": who}, stream_handlers={}) for _ in range(2)]
+        for srv in servers:
+            await srv.listen("tcp://127.0.0.1:0")
+        gone, kept = (srv.address for srv in servers)
+        pool = Pool(timeout=5, idle_close_s=0.4)
+        try:
+            assert await pool.request(gone, "who", {}) == "here"
+            assert await pool.request(kept, "who", {}) == "here"
+            assert pool.idle() == {gone: 1, kept: 1}
+            ((comm, _),) = pool._idle[kept]
+            for _ in range(6):  # in use every 0.1 s: the same connection throughout
+                await asyncio.sleep(0.1)
+                assert await pool.request(kept, "who", {}) == "here"
+            assert pool._idle[kept][0][0] is comm
+            assert pool.idle() == {kept: 1}  # the other one idled past 0.4 s: closed, address forgotten
+        finally:
+            pool.abort_all()
+            for srv in servers:
+                srv.stop()
+
+    asyncio.run(main())
+
+
 def test_acknowledgements_of_a_channel_leave_as_one_message_per_chunk():
     """A channel holds its consumers' one-way acknowledgements until every consumer on it has
     acknowledged (or ``HOLD_S`` passed): one ``acks`` message per chunk, a row per consumer with

@@ -30,6 +30,7 @@ import asyncio
 import socket
 import struct
 import sys
+import time
 from collections.abc import Awaitable, Callable
 
 import msgpack
@@ -38,6 +39,7 @@ from ..errors import ConnectionClosed
 from ..wire import Payload
 
 HANDSHAKE = {"compression": None, "python": tuple(sys.version_info)[:3], "pickle-protocol": 5}
+IDLE_CLOSE_S = 60.0  # a pooled connection unused this long is closed (its address may be gone for good)
 KEEPALIVE = (10, 2, 10)  # idle s, interval s, probes: a peer gone without a word is noticed in 30 s, as Dask's comms do
 _U64 = struct.Struct("<Q")
 
@@ -226,10 +228,16 @@ class Pool:
     on each), the way ``distributed.core.ConnectionPool`` keeps them; non-TCP addresses go to
     such a pool, made on first need."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, idle_close_s: float = IDLE_CLOSE_S):
         self.timeout = timeout
-        self._idle: dict[str, list[Comm]] = {}
+        # per address, idle connections and when each went idle (the newest last)
+        self._idle: dict[str, list[tuple[Comm, float]]] = {}
         self._dask = None  # distributed's ConnectionPool, for TLS and in-process addresses
+        # connections idle longer are closed, and their address forgotten: a long run talks to
+        # workers that come and go (autoscaling, replaced jobs), a notebook to service after
+        # service, and a socket per address it will never use again would otherwise stay open
+        self.idle_close_s = idle_close_s
+        self._swept = time.monotonic()
 
     def __call__(self, address: str):
         return _Requests(self, address) if native(address) else self._dask_pool()(address)
@@ -243,10 +251,10 @@ class Pool:
         return await dask_connect(address, timeout=timeout, **self._dask_pool().connection_args)
 
     async def request(self, address: str, route: str, arguments: dict):
-        idle = self._idle.setdefault(address, [])
+        idle = self._idle.get(address)
         comm = None
         while idle and comm is None:
-            c = idle.pop()
+            c, _ = idle.pop()
             if c.reusable():
                 comm = c
             else:
@@ -259,15 +267,41 @@ class Pool:
         except BaseException:  # a cancelled request leaves the connection mid-message: never reuse it
             comm.abort()
             raise
-        idle.append(comm)
+        now = time.monotonic()
+        self._idle.setdefault(address, []).append((comm, now))
+        if now - self._swept > self.idle_close_s / 4:
+            self.close_idle(now)
         if isinstance(answer, dict) and answer.get("status") == "uncaught-error":
             raise RuntimeError(f"{route} at {address} failed: {answer.get('exception_text')}")
         return answer
 
+    def close_idle(self, now: float | None = None) -> int:
+        """Close the connections idle for longer than ``idle_close_s`` and forget addresses left
+        with none (asked every quarter of that by :meth:`request`); returns how many closed."""
+        now = time.monotonic() if now is None else now
+        self._swept, closed = now, 0
+        for address in list(self._idle):
+            keep = []
+            for c, since in self._idle[address]:
+                if now - since > self.idle_close_s:
+                    c.abort()
+                    closed += 1
+                else:
+                    keep.append((c, since))
+            if keep:
+                self._idle[address] = keep
+            else:
+                del self._idle[address]
+        return closed
+
+    def idle(self) -> dict[str, int]:
+        """Idle connections per address."""
+        return {a: len(cs) for a, cs in self._idle.items()}
+
     def abort_all(self) -> None:
         """Close every idle connection (the process is ending)."""
         for comms in self._idle.values():
-            for c in comms:
+            for c, _ in comms:
                 c.abort()
         self._idle.clear()
 
