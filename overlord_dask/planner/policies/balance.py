@@ -391,12 +391,14 @@ def group_heavy(
         1 + 3 * (age[order] if age is not None else np.zeros(n))
     )  # ~(log 1.05)^2, more for older pieces
     skip_cost[must[order]] = np.inf  # waited long enough: never deferred
+    d = math.gcd(dp, block)  # a plan stands only on multiples of d (it moves by dp or by block)
     if block == 1:
         skip = skip_cost
-    else:  # a block's cost: its pieces' (inf if one of them may not wait, or it runs past the end)
+    else:  # a block's cost: its pieces' (inf if one of them may not wait, or it runs past the end),
+        # where a plan can stand
         skip = np.full(n, np.inf)
         if n >= block:
-            skip[: n - block + 1] = np.lib.stride_tricks.sliding_window_view(skip_cost, block).sum(axis=1)
+            skip[: n - block + 1 : d] = np.lib.stride_tricks.sliding_window_view(skip_cost, block)[::d].sum(axis=1)
     csum = np.concatenate([[0.0], np.cumsum(c)])
     spread = np.full(n, np.inf)
     if n >= dp:  # squared log of max/mean of the group starting at i
@@ -405,7 +407,6 @@ def group_heavy(
     size = n - np.arange(n)  # a tail group from i has n - i members, padded with empty bins
     tail_mean = (csum[n] - csum[:-1] + np.maximum(dp - size, 0) * empty) / dp
     tail = np.log(np.maximum(c, empty) / np.maximum(tail_mean, 1e-300)) ** 2 + 0.01  # never free
-    d = math.gcd(dp, block)  # a plan stands only on multiples of d (it moves by dp or by block)
     choice = (kernels.programme if kernels.COMPILED else _programme_numpy)(n, dp, K, block, spread, skip, tail, d)
     groups, i, k = [], 0, 0
     while i < n:
