@@ -70,6 +70,22 @@ def test_parquet_token_lists_with_nulls(tmp_path):
     assert docs == [[5, 6, 7], [], [], [9] * 10]
 
 
+def test_a_load_unit_travels_as_a_plain_dict_and_back():
+    """A unit goes to its load task as a dict of its fields (msgpack-friendly) and comes back
+    equal, a jsonl byte range and an integrity digest included."""
+    from dataclasses import asdict
+
+    from overlord_dask.sources.units import LoadUnit
+
+    for unit in (
+        LoadUnit("web", 3, "/d/web-0.parquet", 2, 0, 250, 750),
+        LoadUnit("chat", 0, "/d/chat.jsonl.zst", -1, 0, -1, 0, span=(1024, 4096), digest="blake2b:00ff"),
+    ):
+        d = unit.to_dict()
+        assert d == asdict(unit) and type(d) is dict
+        assert LoadUnit.from_dict(d) == unit
+
+
 def test_zarr_units_follow_document_boundaries(tmp_path):
     lens = np.array([10, 40, 5, 70, 3, 30])
     offsets = np.concatenate([[0], np.cumsum(lens)])

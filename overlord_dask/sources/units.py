@@ -9,7 +9,7 @@ unit is small and plain (msgpack-friendly) because the planner keeps one per uni
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +51,14 @@ class LoadUnit:
         return f"source {self.source!r} unit {self.index} ({self.path}, {where})"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # field by field: dataclasses.asdict deep-copies recursively, and the submitter turns a
+        # unit into a dict for every load task it submits
+        return {f: getattr(self, f) for f in FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict) -> LoadUnit:
         span = d.get("span")
         return cls(**{**d, "span": None if span is None else tuple(int(x) for x in span)})
+
+
+FIELDS = tuple(f.name for f in fields(LoadUnit))
