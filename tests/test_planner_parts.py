@@ -119,6 +119,14 @@ def test_progress_commits_and_makes_durable_by_mode():
     with pytest.raises(ValueError, match="only steps < 5 were planned"):
         p.ack(0, 5, planned=5)
     assert Progress("ack", 2, 1).durable_step == Progress("ack", 2, 1).committed == 0
+    # one call for what a rank consumed and what it saved (its replicas' least): saved never past consumed
+    q = Progress("checkpoint", dp=1, cp=1)
+    assert q.ack(0, 4, planned=9, saved=2) == 5 and q.durable_step == 3
+    assert q.ack(0, 5, planned=9, saved=7) == 6 and q.durable_step == 6
+    assert q.ack(0, 5, planned=9, saved=-1) == 6 and q.durable_step == 6  # nothing saved: unchanged
+    with pytest.raises(ValueError, match="only steps < 5 were planned"):
+        q.ack(0, 6, planned=5)
+    assert q.ack(0, 6, planned=5, checked=True) == 7  # (the caller checked against what was planned then)
     p.restart_at(7)
     assert p.committed == p.durable_step == 7
 

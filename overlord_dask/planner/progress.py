@@ -82,13 +82,27 @@ class Progress:
         if step >= planned:
             raise ValueError(f"rank {rank} acknowledged step {step}, but only steps < {planned} were planned")
 
-    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, *, planned: int) -> int:
+    def ack(
+        self,
+        rank: int,
+        step: int,
+        cp_rank: int = 0,
+        durable: bool = False,
+        *,
+        planned: int,
+        saved: int = -1,
+        checked: bool = False,
+    ) -> int:
         """(``rank``, ``cp_rank``) consumed every step up to ``step`` (and, if ``durable``, saved
-        them in its trainer checkpoint); idempotent. ``planned``: steps planned so far. Returns
-        ``committed``."""
-        self.check(rank, step, cp_rank, planned)
+        them in its trainer checkpoint; else, saved those up to ``saved``, if that is a step);
+        idempotent. ``planned``: steps planned so far (``checked``: the caller checked the
+        acknowledgement against it already). Returns ``committed``."""
+        if not checked:
+            self.check(rank, step, cp_rank, planned)
         i = rank * self.cp + cp_rank
         self.acked.raise_to(i, step)
         if durable:
             self.durable.raise_to(i, step)
+        elif saved >= 0:
+            self.durable.raise_to(i, min(saved, step))
         return self.committed

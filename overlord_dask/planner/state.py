@@ -251,11 +251,16 @@ class PlannerState(PlanningLoop):
         self.use_plan(self.final_plan, acked_through=self.replay_until - 1)
 
     # ---- acknowledgements and status ------------------------------------------------------------
-    def ack(self, rank: int, step: int, cp_rank: int = 0, durable: bool = False) -> int:
+    def ack(
+        self, rank: int, step: int, cp_rank: int = 0, durable: bool = False, saved: int = -1, checked: bool = False
+    ) -> int:
         """(``rank``, ``cp_rank``) consumed every step up to ``step`` (and, if ``durable``, saved
-        them in its trainer checkpoint); idempotent. Returns ``committed``."""
+        them in its trainer checkpoint; else those up to ``saved``, if that is a step);
+        idempotent (``checked``: ``Progress.check`` passed already). Returns ``committed``."""
         before = self.progress.committed
-        committed = self.progress.ack(rank, step, cp_rank, durable, planned=self.handed_out)
+        committed = self.progress.ack(
+            rank, step, cp_rank, durable, planned=self.handed_out, saved=saved, checked=checked
+        )
         for s in range(before, committed):  # a counter since this planner started (rewinds count again)
             m = self.metrics.get(s)
             self.tokens_committed += m["tokens"] if m is not None else 0

@@ -195,10 +195,10 @@ class TrainerRoutes:
             step = planned - 1  # (>= 0: planned >= replay_until > 0)
         try:
             st.progress.check(rank, step, cp_rank, planned)
-            acked, saved = self.replicas.ack(consumer, step, durable)
-            st.ack(rank, acked, cp_rank)
-            if saved >= 0:
-                st.ack(rank, saved, cp_rank, durable=True)
+            acked, saved = self.replicas.ack(
+                consumer, step, durable
+            )  # (saved <= acked: a replica saves what it consumed)
+            st.ack(rank, acked, cp_rank, saved=saved, checked=True)
         except ValueError as err:
             return str(err)
         self.timings.acked(consumer, step, wait_s)
