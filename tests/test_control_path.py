@@ -551,6 +551,30 @@ def test_fetched_batches_wait_in_wire_form_and_only_the_next_steps_are_decoded()
     assert decoded.count(s) == 1 and hand.buffered() == 40 - (s + 1)
 
 
+def test_a_take_finishes_the_step_before_and_acknowledges_a_chunk_end_at_once():
+    """The trainer's next take finishes the step it held (one lock for both): a step that ended
+    a chunk wakes the IO side with an acknowledgement, others do not; a chunk's end is forgotten
+    once finished (a long run kept them all), and a skip forgets the ends it passes."""
+    from overlord_dask.trainer.handover import HandOver
+
+    hand = HandOver(0, max_steps=64, max_bytes=1 << 30)
+    for s in range(12):
+        hand.put(s, {"step": s}, 10)
+    for end in (3, 7, 11):
+        hand.chunk_ends_at(end)
+    acks, finished = [], None
+    for s in range(8):
+        batch, _ = hand.take(s, 1.0, False, lambda room, ack: acks.append((s, ack)), finished=finished)
+        assert batch["step"] == s and hand.consumed == (finished if finished is not None else -1)
+        finished = s
+    assert [s for s, ack in acks if ack] == [4]  # step 3 ended a chunk: acknowledged as step 4 is taken
+    assert hand._chunk_ends == {7, 11}
+    hand.skip_to(10)
+    assert hand._chunk_ends == {11} and hand.consumed == 9
+    batch, _ = hand.take(10, 1.0, False, lambda room, ack: acks.append((10, ack)), finished=7)
+    assert batch["step"] == 10 and hand.consumed == 9  # (finishing an older step moves nothing back)
+
+
 @pytest.mark.integration
 def test_the_trainers_own_comms_speak_to_a_dask_server_as_dasks_do():
     """``trainer/comm.py`` against a real ``distributed`` server: requests and their answers

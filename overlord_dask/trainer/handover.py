@@ -52,20 +52,29 @@ class HandOver:
 
     # ---- the trainer's thread ---------------------------------------------------------------------
     def take(
-        self, step: int, timeout: float, chunk_done: bool, wake: Callable[[bool, bool], None]
+        self,
+        step: int,
+        timeout: float,
+        chunk_done: bool,
+        wake: Callable[[bool, bool], None],
+        finished: int | None = None,
     ) -> tuple[dict | None, float]:
         """Step ``step``'s batch, or that of the step after a skip that covers it (the batch says
         its ``step``; None on an error or a timeout: ``error`` says which) and the
-        seconds the trainer waited for it, at most ``timeout``. ``chunk_done``: the step finished before ended a chunk.
-        ``wake(room, ack)`` (called holding the lock; it must only schedule) lets the IO side
-        fetch into the room there is, decode ahead and, with ``ack``, acknowledge what the
-        trainer finished."""
+        seconds the trainer waited for it, at most ``timeout``. ``chunk_done``: the step finished
+        before ended a chunk; ``finished``: the step the trainer finished before, if any (what
+        :meth:`finish` does, under the same lock as the take). ``wake(room, ack)`` (called
+        holding the lock; it must only schedule) lets the IO side fetch into the room there is,
+        decode ahead and, with ``ack``, acknowledge what the trainer finished."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         with self._cond:
+            if finished is not None:
+                chunk_done = self._finish(finished) or chunk_done
             step = self._past(step)
-            for s in [s for s in self._ready if s < step]:  # skipped by skip_to
-                self._pop(s)
+            if self._ready and min(self._ready) < step:  # skipped by skip_to
+                for s in [s for s in self._ready if s < step]:
+                    self._pop(s)
             if step not in self._ready:  # about to wait: the service must hear everything first
                 self._wake(wake, ack=chunk_done)
                 chunk_done = False
@@ -99,8 +108,16 @@ class HandOver:
     def finish(self, step: int) -> bool:
         """The trainer is done with ``step``; True if it ended a chunk (acknowledge it now)."""
         with self._cond:
-            self.consumed = max(self.consumed, step)
-            return step in self._chunk_ends
+            return self._finish(step)
+
+    def _finish(self, step: int) -> bool:
+        """(lock held) :meth:`finish`. A chunk's end is forgotten once finished: steps only move
+        on (a run of a million steps kept every chunk's end)."""
+        self.consumed = max(self.consumed, step)
+        if step not in self._chunk_ends:
+            return False
+        self._chunk_ends.discard(step)
+        return True
 
     def skip_to(self, step: int) -> None:
         """The trainer resumes at ``step`` (its checkpoint): earlier steps count as consumed and
@@ -108,6 +125,7 @@ class HandOver:
         with self._cond:
             self.floor = step
             self.consumed = max(self.consumed, step - 1)
+            self._chunk_ends = {s for s in self._chunk_ends if s >= step}  # (ends of skipped chunks)
 
     def skipped(self, steps: list[int] | None) -> None:
         """(the IO side) The service skips steps ``first..last`` (a skip decision; None: no

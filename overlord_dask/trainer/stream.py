@@ -194,8 +194,8 @@ class RankStream(Reporting, Checkpointing):
         """The next step's batch for this rank; the previous step counts as consumed."""
         self._ensure_attached()
         self._requested()
-        chunk_done = self._finish_previous()
-        batch, waited = self.hand.take(self.next_step, self.timeout, chunk_done, self._wake_io)
+        finished, self._unacked = self._unacked, None  # (consumed now: finished in the take's lock)
+        batch, waited = self.hand.take(self.next_step, self.timeout, False, self._wake_io, finished=finished)
         if batch is None:
             raise ServiceError(self.hand.error or _why_stalled(self))
         step = batch["step"]  # the next step, or the one after steps the service skips
