@@ -411,3 +411,10 @@ def test_trainer_wait_and_step_time_histograms():
     t.committed(6, now=101.0)  # 2 steps in 1 s
     s = t.snapshot()["step_seconds"]
     assert s["count"] == 2 and s["sum"] == 1.0 and {str(le): c for le, c in s["buckets"]}["0.5"] == 2
+    # a value on a bound counts in that bound's bucket (le), one above every bound (or NaN) in +Inf
+    from overlord_dask.scheduler.timings import Histogram
+
+    h = Histogram((0.1, 1.0))
+    for v in (0.1, 0.2, 1.0, 5.0, float("nan")):
+        h.observe(v)
+    assert [c for _, c in h.as_dict()["buckets"]] == [1, 3, 5]
