@@ -106,6 +106,66 @@ def test_loss_targets_count_the_pieces_that_end_before_their_document(docs_per_u
         targets.cut_pieces(rows)
 
 
+def test_a_streams_slice_of_pieces_is_the_same_on_the_one_piece_path_and_without_keys():
+    """A block's slice of documents becomes piece rows the same way whether every document is
+    one piece (no expansion) or some are cut, emptied by a length class, dropped, or started
+    mid-document; without order keys the rows are the same."""
+    from types import SimpleNamespace
+
+    from overlord_dask.planner.streams import rows as R
+
+    class Ordering:
+        def file_docs(self, key, idx):
+            return idx * 3 + 1, idx + 7
+
+    def expanded(s, key, lens, lo, hi, tok):  # every document through the general expansion
+        L = lens[lo:hi].copy()
+        rem = L.copy()
+        rem[0] -= tok
+        if (mask := s.class_mask(L, None)) is not None:
+            rem[~mask] = 0
+        if s.drop_over is not None:
+            dropped = L > s.drop_over
+            dropped[0] &= tok == 0
+            rem[dropped] = 0
+        n = np.where(rem > 0, -(-rem // s.piece_tokens), 0)
+        if not n.sum():
+            return None
+        d = np.repeat(np.arange(len(L)), n)
+        k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        start = k * s.piece_tokens + np.where(d == 0, tok, 0)
+        stop = np.minimum(start + s.piece_tokens, L[d])
+        units, docs = s.ordering.file_docs(key, d + lo)
+        rows = np.stack([np.full(len(d), key[0]), units, docs, start, stop], axis=1)
+        keys = np.stack([np.full(len(d), key[0]), np.full(len(d), key[1]), d + lo, start], axis=1)
+        return rows, keys, int((stop - start).sum())
+
+    rng = np.random.default_rng(8)
+    fast = 0
+    for _ in range(1500):
+        n = int(rng.integers(1, 30))
+        lens = rng.integers(0 if rng.random() < 0.2 else 1, int(rng.choice([5, 64, 3000])), n).astype(np.int64)
+        lo = int(rng.integers(0, n))
+        hi = int(rng.integers(lo + 1, n + 1))
+        tok = int(rng.integers(0, max(1, lens[lo]))) if rng.random() < 0.4 else 0
+        masked = rng.random() < 0.2
+        s = SimpleNamespace(
+            piece_tokens=int(rng.choice([4, 64, 1000])),
+            drop_over=int(rng.integers(1, 100)) if rng.random() < 0.2 else None,
+            ordering=Ordering(),
+            class_mask=lambda L, cls, m=masked: (L > 20) if m else None,
+        )
+        got, want = R._slice_rows(s, None, (2, 5), lens, lo, hi, tok), expanded(s, (2, 5), lens, lo, hi, tok)
+        assert (got is None) == (want is None)
+        if got is None:
+            continue
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
+        bare = R._slice_rows(s, None, (2, 5), lens, lo, hi, tok, want_keys=False)
+        assert bare[1] is None and np.array_equal(bare[0], want[0])
+        fast += len(want[0]) == hi - lo and (lens[lo:hi] <= s.piece_tokens).all()
+    assert fast > 100  # (the one-piece path was taken often)
+
+
 def test_progress_commits_and_makes_durable_by_mode():
     p = Progress("checkpoint", dp=2, cp=1)
     assert p.ack(0, 3, planned=5) == 0  # rank 1 has not consumed anything yet

@@ -25,7 +25,7 @@ def pieces_ahead(s: SourceStream, min_tokens: int, cls: str | None = None) -> tu
     ``cls``, or every class in the source's order), covering at least ``min_tokens`` tokens
     if that much metadata is loaded. Returns (rows, enough); numpy per block."""
     if not s.split or cls is not None:
-        rows, _, total, enough = _scan(s, cls if s.split else None, min_tokens)
+        rows, _, total, enough = _scan(s, cls if s.split else None, min_tokens, keys=False)
         return rows, enough
     # merged order: the trailing class for min_tokens, the other one up to where that ends
     trail = "short" if tuple(s.class_cursor("short")) <= tuple(s.long_cur) else "long"
@@ -45,14 +45,15 @@ SCAN_DOCS = 4096  # documents of a block turned into rows at a time (doubling): 
 
 
 def _scan(
-    s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None = None
+    s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None = None, keys: bool = True
 ) -> tuple[np.ndarray, np.ndarray, int, bool]:
     """Rows of class ``cls`` from its cursor, their order keys ``[epoch, block position, doc
-    position, start]``, their tokens, and whether ``min_tokens`` were reached (with ``until``, a
-    key: every block up to that key's block instead, and whether they were all loaded). A large
-    block is read a slice at a time, so a call costs what it returns, not what its block holds."""
+    position, start]`` (with ``keys``; else none: only a merge of length classes reads them),
+    their tokens, and whether ``min_tokens`` were reached (with ``until``, a key: every block up
+    to that key's block instead, and whether they were all loaded). A large block is read a
+    slice at a time, so a call costs what it returns, not what its block holds."""
     rows: list[np.ndarray] = []
-    keys: list[np.ndarray] = []
+    order_keys: list[np.ndarray] = []
     total = 0
     e, pos, doc, tok = s.class_cursor(cls)
     empty_blocks, chunk = 0, SCAN_DOCS
@@ -64,14 +65,14 @@ def _scan(
         lens = s.lengths.get((e, pos))
         if lens is None:
             out = np.concatenate(rows) if rows else np.zeros((0, 5), np.int64)
-            return out, np.concatenate(keys) if keys else np.zeros((0, 4), np.int64), total, False
+            return out, _joined_keys(order_keys), total, False
         found = False
         while doc < len(lens) and more():
             hi = len(lens) if until is not None else min(len(lens), doc + chunk)
-            got = _slice_rows(s, cls, (e, pos), lens, doc, hi, tok)
+            got = _slice_rows(s, cls, (e, pos), lens, doc, hi, tok, want_keys=keys)
             if got is not None:
                 rows.append(got[0])
-                keys.append(got[1])
+                order_keys.append(got[1])
                 total += got[2]
                 found = True
             doc, tok, chunk = hi, 0, 2 * chunk
@@ -88,13 +89,27 @@ def _scan(
         doc, tok = 0, 0
         e, pos = s.ordering.next_block(e, pos)
     out = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.int64)
-    kout = np.concatenate(keys) if keys else np.zeros((0, 4), dtype=np.int64)
-    return out, kout, total, (total >= min_tokens) if until is None else True
+    return out, _joined_keys(order_keys), total, (total >= min_tokens) if until is None else True
 
 
-def _slice_rows(s: SourceStream, cls: str | None, key: tuple[int, int], lens: np.ndarray, lo: int, hi: int, tok: int):
-    """Rows, order keys and tokens of block ``key``'s documents ``[lo, hi)`` (shuffled order; the
-    first from token ``tok`` on), or None if they yield no piece."""
+def _joined_keys(parts: list) -> np.ndarray:
+    parts = [k for k in parts if k is not None]
+    return np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
+
+
+def _slice_rows(
+    s: SourceStream,
+    cls: str | None,
+    key: tuple[int, int],
+    lens: np.ndarray,
+    lo: int,
+    hi: int,
+    tok: int,
+    want_keys: bool = True,
+):
+    """Rows, order keys (None without ``want_keys``) and tokens of block ``key``'s documents
+    ``[lo, hi)`` (shuffled order; the first from token ``tok`` on), or None if they yield no
+    piece."""
     L = lens[lo:hi]
     if not len(L):
         return None
@@ -111,15 +126,23 @@ def _slice_rows(s: SourceStream, cls: str | None, key: tuple[int, int], lens: np
     k_total = int(n.sum())
     if not k_total:
         return None
-    d = np.repeat(np.arange(len(L)), n)
-    k = np.arange(k_total) - np.repeat(np.cumsum(n) - n, n)
-    start = k * s.piece_tokens + np.where(d == 0, tok, 0)
-    stop = np.minimum(start + s.piece_tokens, L[d])
+    if k_total == len(L) and n.min() == 1:  # every document one piece (the usual slice): nothing to expand
+        d = np.arange(len(L))
+        start = np.zeros(len(L), dtype=np.int64)
+        start[0] = tok
+        stop = L.astype(np.int64, copy=False)
+    else:
+        d = np.repeat(np.arange(len(L)), n)
+        k = np.arange(k_total) - np.repeat(np.cumsum(n) - n, n)
+        start = k * s.piece_tokens + np.where(d == 0, tok, 0)
+        stop = np.minimum(start + s.piece_tokens, L[d])
     units, docs = s.ordering.file_docs(key, d + lo)
     block = np.empty((k_total, 5), dtype=np.int64)
     block[:, 0], block[:, 1], block[:, 2], block[:, 3], block[:, 4] = key[0], units, docs, start, stop
-    order = np.empty((k_total, 4), dtype=np.int64)
-    order[:, 0], order[:, 1], order[:, 2], order[:, 3] = key[0], key[1], d + lo, start
+    order = None
+    if want_keys:
+        order = np.empty((k_total, 4), dtype=np.int64)
+        order[:, 0], order[:, 1], order[:, 2], order[:, 3] = key[0], key[1], d + lo, start
     return block, order, int((stop - start).sum())
 
 
