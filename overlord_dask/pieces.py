@@ -113,8 +113,8 @@ DENSE_KEYS_PER_ROW, DENSE_KEYS_MIN = 4, 1 << 16  # unique_rows counts keys up to
 def stable_order(keys: np.ndarray) -> np.ndarray:
     """``np.argsort(keys, kind="stable")`` of integer keys (equal keys in index order), in one or
     two radix passes of 16 bits where the keys' range allows: numpy sorts 16-bit integers by
-    radix (linear), any wider integer by timsort. Grouping a window's pieces by bin or source
-    (millions of rows at thousands of ranks) takes a fifth of the time."""
+    radix (linear), any wider integer by timsort: grouping a window's pieces by bin or source
+    (millions of rows at thousands of ranks) is linear in them."""
     keys = np.asarray(keys)
     if len(keys) < RADIX_MIN_KEYS or not np.issubdtype(keys.dtype, np.integer):
         return np.argsort(keys, kind="stable")
@@ -130,6 +130,14 @@ def stable_order(keys: np.ndarray) -> np.ndarray:
 
 
 RADIX_MIN_KEYS = 256  # stable_order sorts fewer keys directly (the passes cost more than they save)
+
+
+def grouped(inverse: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices grouped by their group index ``inverse`` (``unique_rows``' inverse), each
+    group's rows in their order, and the bounds: group ``k``'s rows are
+    ``order[bounds[k]:bounds[k + 1]]``."""
+    order = stable_order(inverse)
+    return order, np.searchsorted(inverse[order], np.arange(n_groups + 1))
 
 
 def source_tokens(rows: np.ndarray, n_sources: int) -> np.ndarray:

@@ -538,14 +538,14 @@ def test_fetched_batches_wait_in_wire_form_and_only_the_next_steps_are_decoded()
     wakes = []
     got = []
     for s in range(DECODE_AHEAD // 2 + 1):
-        batch, _ = hand.take(s, timeout=1.0, chunk_done=False, wake=lambda room, ack: wakes.append(s))
+        batch, _ = hand.take(s, timeout=1.0, wake=lambda room, ack: wakes.append(s))
         got.append(batch)
     assert wakes == [DECODE_AHEAD // 2]  # once, when fewer than half were left decoded
     hand.decode_ahead()  # (what the wake runs on the IO loop)
     assert decoded == list(range(DECODE_AHEAD // 2 + 1 + DECODE_AHEAD))
     s = DECODE_AHEAD // 2 + 1 + DECODE_AHEAD  # not decoded ahead: the trainer decodes it itself
     for step in range(DECODE_AHEAD // 2 + 1, s + 1):
-        batch, _ = hand.take(step, timeout=1.0, chunk_done=False, wake=lambda room, ack: None)
+        batch, _ = hand.take(step, timeout=1.0, wake=lambda room, ack: None)
         got.append(batch)
     assert [b["step"] for b in got] == list(range(s + 1)) and all(b["decoded"] for b in got)
     assert decoded.count(s) == 1 and hand.buffered() == 40 - (s + 1)
@@ -564,14 +564,14 @@ def test_a_take_finishes_the_step_before_and_acknowledges_a_chunk_end_at_once():
         hand.chunk_ends_at(end)
     acks, finished = [], None
     for s in range(8):
-        batch, _ = hand.take(s, 1.0, False, lambda room, ack: acks.append((s, ack)), finished=finished)
+        batch, _ = hand.take(s, 1.0, lambda room, ack: acks.append((s, ack)), finished=finished)
         assert batch["step"] == s and hand.consumed == (finished if finished is not None else -1)
         finished = s
     assert [s for s, ack in acks if ack] == [4]  # step 3 ended a chunk: acknowledged as step 4 is taken
     assert hand._chunk_ends == {7, 11}
     hand.skip_to(10)
     assert hand._chunk_ends == {11} and hand.consumed == 9
-    batch, _ = hand.take(10, 1.0, False, lambda room, ack: acks.append((10, ack)), finished=7)
+    batch, _ = hand.take(10, 1.0, lambda room, ack: acks.append((10, ack)), finished=7)
     assert batch["step"] == 10 and hand.consumed == 9  # (finishing an older step moves nothing back)
 
 

@@ -195,9 +195,8 @@ class TrainerRoutes:
             step = planned - 1  # (>= 0: planned >= replay_until > 0)
         try:
             st.progress.check(rank, step, cp_rank, planned)
-            acked, saved = self.replicas.ack(
-                consumer, step, durable
-            )  # (saved <= acked: a replica saves what it consumed)
+            # the rank's least over its replicas (saved <= acked: a replica saves what it consumed)
+            acked, saved = self.replicas.ack(consumer, step, durable)
             st.ack(rank, acked, cp_rank, saved=saved, checked=True)
         except ValueError as err:
             return str(err)

@@ -275,24 +275,22 @@ class Pool:
             raise RuntimeError(f"{route} at {address} failed: {answer.get('exception_text')}")
         return answer
 
-    def close_idle(self, now: float | None = None) -> int:
+    def close_idle(self, now: float | None = None) -> None:
         """Close the connections idle for longer than ``idle_close_s`` and forget addresses left
-        with none (asked every quarter of that by :meth:`request`); returns how many closed."""
+        with none (asked every quarter of that by :meth:`request`)."""
         now = time.monotonic() if now is None else now
-        self._swept, closed = now, 0
+        self._swept = now
         for address in list(self._idle):
             keep = []
             for c, since in self._idle[address]:
                 if now - since > self.idle_close_s:
                     c.abort()
-                    closed += 1
                 else:
                     keep.append((c, since))
             if keep:
                 self._idle[address] = keep
             else:
                 del self._idle[address]
-        return closed
 
     def idle(self) -> dict[str, int]:
         """Idle connections per address."""

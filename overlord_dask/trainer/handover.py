@@ -55,22 +55,20 @@ class HandOver:
         self,
         step: int,
         timeout: float,
-        chunk_done: bool,
         wake: Callable[[bool, bool], None],
         finished: int | None = None,
     ) -> tuple[dict | None, float]:
         """Step ``step``'s batch, or that of the step after a skip that covers it (the batch says
         its ``step``; None on an error or a timeout: ``error`` says which) and the
-        seconds the trainer waited for it, at most ``timeout``. ``chunk_done``: the step finished
-        before ended a chunk; ``finished``: the step the trainer finished before, if any (what
-        :meth:`finish` does, under the same lock as the take). ``wake(room, ack)`` (called
+        seconds the trainer waited for it, at most ``timeout``. ``finished``: the step the
+        trainer finished before, if any (what :meth:`finish` does, under the same lock as the
+        take; if it ended a chunk, the IO side acknowledges it now). ``wake(room, ack)`` (called
         holding the lock; it must only schedule) lets the IO side fetch into the room there is,
         decode ahead and, with ``ack``, acknowledge what the trainer finished."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         with self._cond:
-            if finished is not None:
-                chunk_done = self._finish(finished) or chunk_done
+            chunk_done = finished is not None and self._finish(finished)
             step = self._past(step)
             if self._ready and min(self._ready) < step:  # skipped by skip_to
                 for s in [s for s in self._ready if s < step]:

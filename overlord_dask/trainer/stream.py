@@ -195,7 +195,7 @@ class RankStream(Reporting, Checkpointing):
         self._ensure_attached()
         self._requested()
         finished, self._unacked = self._unacked, None  # (consumed now: finished in the take's lock)
-        batch, waited = self.hand.take(self.next_step, self.timeout, False, self._wake_io, finished=finished)
+        batch, waited = self.hand.take(self.next_step, self.timeout, self._wake_io, finished=finished)
         if batch is None:
             raise ServiceError(self.hand.error or _why_stalled(self))
         step = batch["step"]  # the next step, or the one after steps the service skips

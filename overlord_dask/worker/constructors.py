@@ -366,8 +366,7 @@ def wire_chunk(steps: list[dict], ranks: range, layout: BatchLayout, blocks: dic
     sample_ids = np.empty(n, dtype=np.int64)
     ukey, uinv = P.unique_rows(P.units(rows), return_inverse=True)
     block_of: list[SampleBlock] = []
-    by_block = P.stable_order(uinv)
-    bb = np.searchsorted(uinv[by_block], np.arange(len(ukey) + 1))
+    by_block, bb = P.grouped(uinv, len(ukey))
     for j, (s, e, u) in enumerate(ukey.tolist()):
         block = blocks[block_key(s, e, u)]
         sel = by_block[bb[j] : bb[j + 1]]

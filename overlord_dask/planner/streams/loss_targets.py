@@ -39,12 +39,11 @@ class LossTargets:
         units, inverse = P.unique_rows(P.units(rows), return_inverse=True)
         lens = [self.doc_lengths[key] for key in map(tuple, units.tolist())]
         sizes = np.fromiter(map(len, lens), np.int64, len(lens))
-        if sizes.sum() > GATHER_DOCS_PER_UNIT * len(lens) + GATHER_DOCS_PER_PIECE * len(
-            rows
-        ):  # few documents of large units
+        few_of_large_units = sizes.sum() > GATHER_DOCS_PER_UNIT * len(lens) + GATHER_DOCS_PER_PIECE * len(rows)
+        if few_of_large_units:
             return sum(
                 int(np.count_nonzero(mine[:, P.STOP] < self.doc_lengths[key][mine[:, P.DOC]]))
-                for key, mine in self._by_unit(rows)
+                for key, mine in self._by_unit(rows, units, inverse)
             )
         # every piece's document length in one gather from the units' lengths laid end to end
         # (a loop over a step's units cost a sort and three array operations per unit)
@@ -52,14 +51,15 @@ class LossTargets:
         return int(np.count_nonzero(rows[:, P.STOP] < doc_len))
 
     @staticmethod
-    def _by_unit(rows: np.ndarray):
-        """``((source, epoch, unit), its rows)`` for each unit ``rows`` reference: one sort, not a
-        scan of all rows per unit (a step at thousands of ranks holds pieces of hundreds of units)."""
+    def _by_unit(rows: np.ndarray, units: np.ndarray | None = None, inverse: np.ndarray | None = None):
+        """``((source, epoch, unit), its rows)`` for each unit ``rows`` reference (``units`` and
+        ``inverse``: their ``unique_rows``, if the caller has it): one sort, not a scan of all
+        rows per unit (a step at thousands of ranks holds pieces of hundreds of units)."""
         if not len(rows):
             return
-        units, inverse = P.unique_rows(P.units(rows), return_inverse=True)
-        order = P.stable_order(inverse)
-        bounds = np.searchsorted(inverse[order], np.arange(len(units) + 1))
+        if units is None:
+            units, inverse = P.unique_rows(P.units(rows), return_inverse=True)
+        order, bounds = P.grouped(inverse, len(units))
         for k, key in enumerate(units.tolist()):
             yield tuple(key), rows[order[bounds[k] : bounds[k + 1]]]
 
