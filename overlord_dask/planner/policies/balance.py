@@ -108,7 +108,72 @@ class WindowPlan:
     bin_costs: list[np.ndarray]  # per step: cost[rank, micro_batch]
 
 
-def balance_window(
+def balance_window(pieces: np.ndarray, costs: np.ndarray, **kw) -> WindowPlan:
+    """Assign a window's pieces (rows ``[source, epoch, unit, doc, start, stop, age]``, oldest
+    first) to ``steps × dp × micro_batches`` bins of ``capacity`` tokens (the keywords of
+    :func:`place_window`)."""
+    return place_window(pieces, costs, **kw).finish()
+
+
+@dataclass(slots=True)
+class Placement:
+    """A window's pieces placed in bins (:func:`place_window`), before the last pass: which
+    pieces wait for the next window is known here (the last pass moves pieces only between the
+    bins of their step), so a planner that tops the window up with more pieces and places it
+    again (``cost_balanced.py``) need not finish a placement it discards."""
+
+    pieces: np.ndarray
+    lens: np.ndarray
+    costs: np.ndarray
+    where: np.ndarray  # flat bin per piece, -1: pending
+    bin_cost: np.ndarray
+    bin_tok: np.ndarray
+    dp: int
+    micro_batches: int
+    capacity: int
+    sync: str
+
+    def pending_tokens(self) -> int:
+        """Tokens of the pieces that wait for the next window."""
+        return int(self.lens[self.where < 0].sum())
+
+    def finish(self) -> WindowPlan:
+        """The last pass (``polish.py``), then the window's plan."""
+        where, bin_cost, pieces = self.where, self.bin_cost, self.pieces
+        steps, n_bins = bin_cost.shape
+        dp, micro_batches = self.dp, self.micro_batches
+        # --- 4. single pieces off the costliest container of each step (or micro-batch row)
+        polish(
+            where,
+            self.lens,
+            self.costs,
+            bin_cost,
+            self.bin_tok,
+            steps=steps,
+            dp=dp,
+            micro_batches=micro_batches,
+            capacity=self.capacity,
+            sync=self.sync,
+        )
+        # --- outputs: per step, its rows by (rank, micro-batch), each bin's in window order (flat:
+        # no Python object per rank, so the cost per step does not grow with dp)
+        out_steps, out_costs = [], []
+        placed = np.flatnonzero(where >= 0)
+        placed = placed[stable_order(where[placed])]
+        bins = where[placed]
+        bounds = np.searchsorted(bins, np.arange(steps + 1) * n_bins)
+        # one gather of the window's placed rows and one of their slots, cut into steps (slices)
+        rows_out = pieces[:, :WIDTH][placed]
+        slot_out = slots(bins % n_bins, micro_batches)
+        for s in range(steps):
+            out_steps.append((rows_out[bounds[s] : bounds[s + 1]], slot_out[bounds[s] : bounds[s + 1]]))
+            out_costs.append(bin_cost[s].reshape(dp, micro_batches).copy())
+        pending = pieces[where < 0].copy()
+        pending[:, AGE] += 1
+        return WindowPlan(out_steps, pending, out_costs)
+
+
+def place_window(
     pieces: np.ndarray,
     costs: np.ndarray,
     *,
@@ -120,9 +185,9 @@ def balance_window(
     heavy_tokens: int,
     sync: str = "micro_batch",
     max_delay: int = 2,
-) -> WindowPlan:
-    """Assign a window's pieces (rows ``[source, epoch, unit, doc, start, stop, age]``, oldest
-    first) to ``steps × dp × micro_batches`` bins of ``capacity`` tokens."""
+) -> Placement:
+    """Steps 2 and 3 of the module docstring: heavy groups and light pieces placed in the
+    window's bins (:meth:`Placement.finish` does the rest)."""
     lens = lengths(pieces)
     n_bins = dp * micro_batches
     bin_cost = np.zeros((steps, n_bins))
@@ -158,36 +223,7 @@ def balance_window(
     )
     for s, quota in quotas.items():  # a step's quotas read only its own bins: all are known before any fill
         _water_fill(mine[s], lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, quota)
-    # --- 4. single pieces off the costliest container of each step (or micro-batch row)
-    polish(
-        where,
-        lens,
-        costs,
-        bin_cost,
-        bin_tok,
-        steps=steps,
-        dp=dp,
-        micro_batches=micro_batches,
-        capacity=capacity,
-        sync=sync,
-    )
-
-    # --- outputs: per step, its rows by (rank, micro-batch), each bin's in window order (flat:
-    # no Python object per rank, so the cost per step does not grow with dp)
-    out_steps, out_costs = [], []
-    placed = np.flatnonzero(where >= 0)
-    placed = placed[stable_order(where[placed])]
-    bins = where[placed]
-    bounds = np.searchsorted(bins, np.arange(steps + 1) * n_bins)
-    # one gather of the window's placed rows and one of their slots, cut into steps (slices)
-    rows_out = pieces[:, :WIDTH][placed]
-    slot_out = slots(bins % n_bins, micro_batches)
-    for s in range(steps):
-        out_steps.append((rows_out[bounds[s] : bounds[s + 1]], slot_out[bounds[s] : bounds[s + 1]]))
-        out_costs.append(bin_cost[s].reshape(dp, micro_batches).copy())
-    pending = pieces[where < 0].copy()
-    pending[:, AGE] += 1
-    return WindowPlan(out_steps, pending, out_costs)
+    return Placement(pieces, lens, costs, where, bin_cost, bin_tok, dp, micro_batches, capacity, sync)
 
 
 def _groups_in_order(groups, heavy, costs, step_of_group, steps: int):

@@ -1,5 +1,5 @@
 """Policy ``cost``: a window of steps selected by weighted fair queuing (``balance.wfq_select``)
-and balanced over ranks by attention cost (``balance.balance_window``)."""
+and balanced over ranks by attention cost (``balance.place_window``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 from ... import pieces as P
 from ...plan import Balance
 from ..streams import ClassView
-from .balance import balance_window, wfq_select
+from .balance import place_window, wfq_select
 from .base import Planned, Policy, Starved, Window, as_floats, grown
 from .cut import bin_room, fill_steps
 
@@ -77,7 +77,7 @@ class CostBalanced(Policy):
                 if need > 0:  # a top-up selects with the weights of the window's last step
                     new = self._select_steps(w, budgets) if rnd == 0 else self._select(w, need, w.start + w.steps - 1)
                     rows = P.with_age(new, after=rows)
-                wp = balance_window(
+                placed = place_window(
                     rows,
                     w.costs(rows),
                     steps=w.steps,
@@ -89,9 +89,10 @@ class CostBalanced(Policy):
                     sync=bal.sync,
                     max_delay=bal.max_delay,
                 )
-                need = target - (P.tokens(rows) - P.tokens(wp.pending))  # room left by deferred pieces
-                if need <= slack:
-                    break
+                need = target - (P.tokens(rows) - placed.pending_tokens())  # room left by deferred pieces
+                if need <= slack or rnd == self.TOPUP_ROUNDS - 1:
+                    break  # (a placement topped up and placed again is not finished)
+            wp = placed.finish()
             planned = list(zip(wp.steps, wp.bin_costs))
             if bal.packing == "cut":
                 planned = self._fill(w, planned)
