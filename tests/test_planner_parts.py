@@ -166,6 +166,69 @@ def test_a_streams_slice_of_pieces_is_the_same_on_the_one_piece_path_and_without
     assert fast > 100  # (the one-piece path was taken often)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rows_kept_ahead_of_a_cursor_are_those_a_fresh_scan_gives(seed):
+    """A stream keeps the rows it scanned and the planner did not take (``rows._ahead``); asked
+    again from the same cursor it starts from them. Two streams of one source, one keeping rows
+    and one scanning afresh at every call, go through the same asks and takes (prefixes, a last
+    piece cut short as ``packing: cut`` cuts it), partly loaded blocks, a drop policy and a
+    piece size that change on the way, and cursors put back: they give the same rows and move
+    their cursors alike; many asks need no scan."""
+    from overlord_dask.planner.streams import SourceStream
+    from overlord_dask.planner.streams import rows as R
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(5, 40, 12)
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    lens = [rng.integers(0, 60, int(n)).astype(np.int64) for n in sizes]
+    kept, fresh = (SourceStream("src", 0, len(sizes), first, seed, 16, block_units=3) for _ in range(2))
+    scans = {"kept": 0}
+    scan = R._scan
+
+    def counting(s, *a, **k):
+        scans["kept"] += s is kept
+        return scan(s, *a, **k)
+
+    R._scan = counting
+    try:
+        hits, asked = 0, []
+        for _ in range(600):
+            want = kept.loads.want(kept, 400, 2)
+            assert want == fresh.loads.want(fresh, 400, 2)
+            asked += want
+            arrive = len(asked) if rng.random() < 0.7 else int(rng.integers(0, len(asked) + 1))  # (or a part)
+            for e, u in asked[:arrive]:
+                kept.add_lengths(e, u, lens[u])
+                fresh.add_lengths(e, u, lens[u])
+            del asked[:arrive]
+            if rng.random() < 0.05:
+                pt, drop = int(rng.choice([8, 16, 40])), (45 if rng.random() < 0.5 else None)
+                for s in (kept, fresh):
+                    s.piece_tokens, s.drop_over = pt, drop
+            n = int(rng.integers(1, 150))
+            fresh.ahead = None
+            before = scans["kept"]
+            (a, ok_a), (b, ok_b) = kept.pieces_ahead(n), fresh.pieces_ahead(n)
+            hits += scans["kept"] == before
+            m = min(len(a), len(b))
+            assert ok_a == ok_b and np.array_equal(a[:m], b[:m])
+            if not ok_a or not m:
+                continue
+            taken = a[: int(rng.integers(1, m + 1))].copy()
+            if rng.random() < 0.3 and taken[-1, 4] - taken[-1, 3] > 1:
+                taken[-1, 4] -= 1  # cut short: the rest of the document comes next
+            saved = kept.cursor()
+            kept.take(taken), fresh.take(taken)
+            assert kept.cursor() == fresh.cursor()
+            if rng.random() < 0.1:  # a later source of the window starved: the planner puts the cursors back
+                kept.restore(saved), fresh.restore(saved)
+            else:
+                kept.finished_units(), fresh.finished_units()
+    finally:
+        R._scan = scan
+    assert hits >= 150, hits  # (asks the kept rows answered without a scan)
+
+
 def test_progress_commits_and_makes_durable_by_mode():
     p = Progress("checkpoint", dp=2, cp=1)
     assert p.ack(0, 3, planned=5) == 0  # rank 1 has not consumed anything yet

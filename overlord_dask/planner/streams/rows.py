@@ -24,8 +24,11 @@ def pieces_ahead(s: SourceStream, min_tokens: int, cls: str | None = None) -> tu
     """Upcoming pieces as int64 rows ``[epoch, unit, doc, start, stop]`` (of length class
     ``cls``, or every class in the source's order), covering at least ``min_tokens`` tokens
     if that much metadata is loaded. Returns (rows, enough); numpy per block."""
-    if not s.split or cls is not None:
-        rows, _, total, enough = _scan(s, cls if s.split else None, min_tokens, keys=False)
+    if not s.split:
+        return _ahead(s, min_tokens)
+    s.ahead = None
+    if cls is not None:
+        rows, _, total, enough = _scan(s, cls, min_tokens, keys=False)
         return rows, enough
     # merged order: the trailing class for min_tokens, the other one up to where that ends
     trail = "short" if tuple(s.class_cursor("short")) <= tuple(s.long_cur) else "long"
@@ -41,21 +44,68 @@ def pieces_ahead(s: SourceStream, min_tokens: int, cls: str | None = None) -> tu
     return rows[np.lexsort(keys.T[::-1])], True
 
 
+def _key(s: SourceStream) -> tuple:
+    """What the rows ahead of a (single) cursor depend on, besides the lengths of the blocks."""
+    return (s.epoch, s.pos, s.doc, s.tok, s.piece_tokens, s.drop_over, s.split)
+
+
+def _ahead(s: SourceStream, min_tokens: int) -> tuple[np.ndarray, bool]:
+    """:func:`pieces_ahead` of a source read with one cursor. The rows a call scanned and the
+    planner did not take (weighted fair queuing asks for a quarter more than it takes, and a
+    window's top-up asks again) are kept (``s.ahead``) with the cursor they start at, and the
+    next call from that cursor starts from them, scanning on from where they end only if they
+    hold fewer than ``min_tokens``. The rows from a cursor are the same however they were
+    scanned: a block's lengths never change while it is ahead of the cursor, and anything else
+    they depend on is in the key."""
+    key = _key(s)
+    if s.ahead is None or s.ahead[0] != key:
+        rows, _, total, enough = _scan(s, None, min_tokens, keys=False)
+        s.ahead = (key, rows, total)
+        return rows, enough
+    _, rows, total = s.ahead
+    if total >= min_tokens:
+        return rows, True
+    start, started = _past(s, rows[-1]) if len(rows) else (None, False)
+    more, _, got, enough = _scan(s, None, min_tokens - total, keys=False, start=start, started=started)
+    rows, total = (np.concatenate([rows, more]) if len(rows) else more), total + got
+    s.ahead = (key, rows, total)
+    return rows, enough
+
+
+def _past(s: SourceStream, row: np.ndarray) -> tuple[tuple, bool]:
+    """The cursor just past piece ``row`` as a scan from the start would reach it, and whether
+    that is inside the block the row is in (whose rows a scan counts as found)."""
+    e, unit, file_doc, _, stop = (int(x) for x in row)
+    _, pos, doc = s.order_key(e, unit, file_doc)
+    lens = s.lengths[(e, pos)]
+    doc, tok = (doc + 1, 0) if stop >= int(lens[doc]) else (doc, stop)
+    if doc < len(lens):
+        return (e, pos, doc, tok), True
+    return (*s.ordering.next_block(e, pos), 0, 0), False
+
+
 SCAN_DOCS = 4096  # documents of a block turned into rows at a time (doubling): work follows what is asked for
 
 
 def _scan(
-    s: SourceStream, cls: str | None, min_tokens: int, until: tuple | None = None, keys: bool = True
+    s: SourceStream,
+    cls: str | None,
+    min_tokens: int,
+    until: tuple | None = None,
+    keys: bool = True,
+    start: tuple | None = None,
+    started: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, int, bool]:
-    """Rows of class ``cls`` from its cursor, their order keys ``[epoch, block position, doc
-    position, start]`` (with ``keys``; else none: only a merge of length classes reads them),
-    their tokens, and whether ``min_tokens`` were reached (with ``until``, a key: every block up
-    to that key's block instead, and whether they were all loaded). A large block is read a
-    slice at a time, so a call costs what it returns, not what its block holds."""
+    """Rows of class ``cls`` from its cursor (or from ``start``, inside a block that yielded
+    rows already with ``started``), their order keys ``[epoch, block position, doc position,
+    start]`` (with ``keys``; else none: only a merge of length classes reads them), their
+    tokens, and whether ``min_tokens`` were reached (with ``until``, a key: every block up to
+    that key's block instead, and whether they were all loaded). A large block is read a slice
+    at a time, so a call costs what it returns, not what its block holds."""
     rows: list[np.ndarray] = []
     order_keys: list[np.ndarray] = []
     total = 0
-    e, pos, doc, tok = s.class_cursor(cls)
+    e, pos, doc, tok = start if start is not None else s.class_cursor(cls)
     empty_blocks, chunk = 0, SCAN_DOCS
 
     def more() -> bool:
@@ -66,7 +116,7 @@ def _scan(
         if lens is None:
             out = np.concatenate(rows) if rows else np.zeros((0, 5), np.int64)
             return out, _joined_keys(order_keys), total, False
-        found = False
+        found, started = started, False
         while doc < len(lens) and more():
             hi = len(lens) if until is not None else min(len(lens), doc + chunk)
             got = _slice_rows(s, cls, (e, pos), lens, doc, hi, tok, want_keys=keys)
@@ -169,8 +219,18 @@ def take(s: SourceStream, rows: np.ndarray, cls: str | None = None) -> None:
     """The planner took ``rows``, a prefix of ``pieces_ahead(.., cls)``: move the cursors past them."""
     if not len(rows):
         return
-    if not s.split or cls is not None:
-        advance_past(s, rows[-1], cls if s.split else None)
+    if not s.split:
+        held = s.ahead if s.ahead is not None and s.ahead[0] == _key(s) else None
+        advance_past(s, rows[-1])
+        s.ahead = None
+        k = len(rows)
+        if held is not None and k <= len(held[1]) and np.array_equal(held[1][k - 1], rows[-1]):
+            rest = held[1][k:]  # (a piece cut at its end leaves rows that start elsewhere: scanned again)
+            s.ahead = (_key(s), rest, int((rest[:, 4] - rest[:, 3]).sum()))
+        return
+    s.ahead = None
+    if cls is not None:
+        advance_past(s, rows[-1], cls)
         return
     lens = np.array([s.lengths[k[:2]][k[2]] for k in (s.order_key(e, u, d) for e, u, d in rows[:, :3].tolist())])
     is_long = lens > s.split

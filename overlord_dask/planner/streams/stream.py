@@ -103,6 +103,7 @@ class SourceStream:
     evict_after: int = 4  # blocks between the class cursors further than this past the trailing one are evicted
     ordering: SourceOrder = field(init=False)  # unit and document order (order.py)
     loads: LoadRequests = field(init=False)  # the loading look-ahead (lookahead.py)
+    ahead: tuple | None = field(default=None, init=False, repr=False)  # rows scanned, not taken (rows.py)
 
     def __post_init__(self) -> None:
         self.ordering = SourceOrder(self.name, self.seed, self.n_units, self.block_units, self.warmup_units)
@@ -255,8 +256,7 @@ class SourceStream:
         the trailing one (evicted: loaded again when the trailing cursor gets near)."""
         done = [key for key in self.lengths if self._behind(key)]
         if self.split:
-            te, tp = self.trailing()[:2]
-            le, lp = self.leading()[:2]
+            (te, tp), (le, lp) = self.trailing()[:2], self.leading()[:2]
             far = (te * self.ordering.n_blocks + tp) + max(self.evict_after, self.loads.keep_units)
             for e, b in self.lengths:
                 if (e, b) < (le, lp) and e * self.ordering.n_blocks + b > far:
