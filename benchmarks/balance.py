@@ -298,9 +298,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--scaling-dp", type=int, nargs="+", default=[256, 1024, 4096, 16_384])
     ap.add_argument("--scaling-tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per rank and step")
     args = ap.parse_args(argv)
-    from overlord_dask.planner.policies import kernels
+    from overlord_dask.scheduler.planner_thread import warm
+    from overlord_dask.worker.allocator_setup import tune_service_process
 
-    kernels.warm()  # as the service does at its start: loading the compiled loops is not planning
+    # this process as the service's (``overlord serve`` tunes its allocator), prepared as its
+    # planner prepares it at the start (the compiled loops loaded: not planning)
+    tune_service_process()
+    warm(None)
     if args.scaling:
         rows = scaling(args.scaling_dp, args.scaling_tokens, seed=args.seed)
         if args.json:

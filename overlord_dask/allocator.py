@@ -17,7 +17,8 @@ stays mapped for reuse (per process; Dask's setting exists to return memory to t
 and a data-loading worker's buffers are reused within milliseconds; ``benchmarks/throughput.py``
 reports the service's CPU per step). ``RankStream`` calls
 it once per process; ``OVERLORD_KEEP_FREED_MEMORY=0`` opts out. Elsewhere than glibc (macOS,
-musl) it does nothing.
+musl) it does nothing. The planner of large steps raises the threshold further in its process
+(:func:`keep_large_arrays`: its arrays are tens of MiB).
 
 :func:`worker.allocator_setup.tune_service_process` is the service's own processes' setting
 (its workers, through that module's ``AllocatorSetup``; the process of ``overlord serve``; the
@@ -46,6 +47,7 @@ import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
 MMAP_THRESHOLD = 4 << 20
+PLANNER_MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for the threshold it adjusts itself (64-bit)
 TRIM_THRESHOLD = 64 << 20
 SERVICE_ARENAS = 2
 _done: bool | None = None
@@ -78,6 +80,19 @@ def keep_freed_memory() -> bool:
             _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
             _done = _done and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _done
+
+
+def keep_large_arrays() -> bool:
+    """Serve allocations up to ``PLANNER_MMAP_THRESHOLD`` from the heap in this process, where
+    :func:`keep_freed_memory` fixed the threshold lower (True if it raised it). For the planner
+    of large steps (``scheduler/planner_thread.py``): a window's piece rows and their copies are
+    tens of MiB at thousands of ranks, and served by ``mmap`` each faulted in its pages anew on
+    every window (a fifth of planning at dp 4,096 × 4k tokens; ``benchmarks/balance.py
+    --scaling``). glibc adjusts an unset threshold up to this itself: a process
+    :func:`keep_freed_memory` left alone is left alone here too."""
+    if not _done or (mallopt := _mallopt()) is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, PLANNER_MMAP_THRESHOLD))
 
 
 def cap_arenas() -> bool:

@@ -121,3 +121,55 @@ def test_an_in_process_service_tunes_its_process_before_its_workers_start(tmp_pa
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"pool": "system"}
+
+
+_LARGE = """
+import json, resource
+import numpy as np
+from overlord_dask.allocator import keep_freed_memory, keep_large_arrays
+
+def faults_per_array():
+    np.ones(2 << 20)  # (the first one faults in the heap's pages either way)
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        a = np.empty(2 << 20)  # 16 MiB, written whole: a window's piece rows at thousands of ranks
+        a[:] = 1.0
+        del a
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 20
+
+alone = keep_large_arrays()  # glibc still adjusts its threshold itself here: left alone
+pinned = keep_freed_memory()
+before = faults_per_array()
+raised = keep_large_arrays()
+print(json.dumps({"alone": alone, "pinned": pinned, "before": before, "raised": raised, "after": faults_per_array()}))
+"""
+
+
+def test_a_large_planner_takes_its_arrays_from_the_heap_where_the_threshold_was_fixed():
+    """A service process fixes glibc's mmap threshold at 4 MiB (``keep_freed_memory``), so every
+    array over it is mapped anew and faulted in page by page; the planner of large steps raises
+    it (``keep_large_arrays``), after which a freed 16 MiB array is reused. A process whose
+    threshold glibc adjusts itself is left alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _LARGE], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    got = json.loads(out.stdout)
+    assert got["alone"] is False and got["pinned"] is True and got["raised"] is True, got
+    assert got["before"] > 100 and got["after"] < 5, got  # its pages (huge ones where numpy asks) every time, then none
+
+
+def test_the_planner_raises_the_threshold_only_for_large_steps(monkeypatch):
+    """``planner_thread.warm`` raises it where a step has the bins the compiled kernels are for
+    (or when asked without a size), not for a few ranks, whose arrays are small."""
+    from overlord_dask.planner.policies import kernels
+    from overlord_dask.scheduler import planner_thread
+
+    raised = []
+    monkeypatch.setattr(kernels, "warm", lambda bins=None: False)
+    monkeypatch.setattr(planner_thread, "keep_large_arrays", lambda: raised.append(True))
+    planner_thread.warm(8)
+    assert not raised
+    planner_thread.warm(kernels.COMPILE_FROM_BINS)
+    planner_thread.warm(None)
+    assert len(raised) == 2

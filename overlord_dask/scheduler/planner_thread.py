@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import logs
+from ..allocator import keep_large_arrays
 from ..batch_layout import BatchLayout
 from ..planner.feedback import FeedbackLoop
 from ..planner.policies import kernels
@@ -52,11 +53,14 @@ class Work:
         return {"loads": self.loads, "tasks": self.tasks, "release": self.release, "finished": self.finished}
 
 
-def _warm(bins: int | None) -> None:
-    """Load (or compile) the balancer's kernels where steps are large enough to be worth it
-    (``kernels.warm``), then freeze the objects that brought (``heap.py``): numba's registries
-    are most of a full collection's walk otherwise."""
+def warm(bins: int | None) -> None:
+    """Prepare this process for planning steps of ``bins`` (dp × micro-batches): where they are
+    large, load (or compile) the balancer's kernels (``kernels.warm``) and let its large arrays
+    come from the heap (``allocator.keep_large_arrays``); then freeze the objects that brought
+    (``heap.py``): numba's registries are most of a full collection's walk otherwise."""
     kernels.warm(bins)
+    if bins is None or bins >= kernels.COMPILE_FROM_BINS:
+        keep_large_arrays()
     heap.freeze()
 
 
@@ -89,7 +93,7 @@ class PlannerThread:
         self.decided = 0  # decisions made so far (what a snapshot written since holds)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
         # the balancer's compiled loops (where worth it), ready (or compiling) while the first units load
-        self.executor.submit(_warm, bins)
+        self.executor.submit(warm, bins)
         self.state: PlannerState | None = None
         self.rewinds = 0  # times the run was rewound (a new planner state each time)
         self.observed: dict | None = None  # what /overlord and the Prometheus gauges show (observe.dashboard)
