@@ -52,23 +52,26 @@ def _key(s: SourceStream) -> tuple:
 def _ahead(s: SourceStream, min_tokens: int) -> tuple[np.ndarray, bool]:
     """:func:`pieces_ahead` of a source read with one cursor. The rows a call scanned and the
     planner did not take (weighted fair queuing asks for a quarter more than it takes, and a
-    window's top-up asks again) are kept (``s.ahead``) with the cursor they start at, and the
-    next call from that cursor starts from them, scanning on from where they end only if they
-    hold fewer than ``min_tokens``. The rows from a cursor are the same however they were
-    scanned: a block's lengths never change while it is ahead of the cursor, and anything else
-    they depend on is in the key."""
+    window's top-up asks again) are kept (``s.ahead``: the cursor they start at, the rows, and
+    the tokens up to the end of each, counted from an earlier cursor), and the next call from
+    that cursor answers with as many of them as hold ``min_tokens``, scanning on from where they
+    end only if they hold fewer. The rows from a cursor are the same however they were scanned:
+    a block's lengths never change while it is ahead of the cursor, and anything else they
+    depend on is in the key."""
     key = _key(s)
-    if s.ahead is None or s.ahead[0] != key:
-        rows, _, total, enough = _scan(s, None, min_tokens, keys=False)
-        s.ahead = (key, rows, total)
-        return rows, enough
-    _, rows, total = s.ahead
-    if total >= min_tokens:
-        return rows, True
-    start, started = _past(s, rows[-1]) if len(rows) else (None, False)
-    more, _, got, enough = _scan(s, None, min_tokens - total, keys=False, start=start, started=started)
-    rows, total = (np.concatenate([rows, more]) if len(rows) else more), total + got
-    s.ahead = (key, rows, total)
+    if s.ahead is not None and s.ahead[0] == key:
+        _, rows, ends, base = s.ahead
+        total = int(ends[-1]) - base if len(rows) else 0
+        if total >= min_tokens:
+            return rows[: int(np.searchsorted(ends, base + min_tokens)) + 1], True
+        start, started = _past(s, rows[-1]) if len(rows) else (None, False)
+        more, _, got, enough = _scan(s, None, min_tokens - total, keys=False, start=start, started=started)
+        ends = np.concatenate([ends, base + total + np.cumsum(more[:, 4] - more[:, 3])])
+        rows = np.concatenate([rows, more])
+    else:
+        rows, _, _, enough = _scan(s, None, min_tokens, keys=False)
+        ends, base = np.cumsum(rows[:, 4] - rows[:, 3]), 0
+    s.ahead = (key, rows, ends, base)
     return rows, enough
 
 
@@ -225,8 +228,8 @@ def take(s: SourceStream, rows: np.ndarray, cls: str | None = None) -> None:
         s.ahead = None
         k = len(rows)
         if held is not None and k <= len(held[1]) and np.array_equal(held[1][k - 1], rows[-1]):
-            rest = held[1][k:]  # (a piece cut at its end leaves rows that start elsewhere: scanned again)
-            s.ahead = (_key(s), rest, int((rest[:, 4] - rest[:, 3]).sum()))
+            _, kept, ends, _ = held  # (a piece cut at its end leaves rows that start elsewhere: scanned again)
+            s.ahead = (_key(s), kept[k:], ends[k:], int(ends[k - 1]))
         return
     s.ahead = None
     if cls is not None:
