@@ -140,6 +140,19 @@ def grouped(inverse: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]
     return order, np.searchsorted(inverse[order], np.arange(n_groups + 1))
 
 
+def units_of_each(parts: list[np.ndarray]) -> list[np.ndarray]:
+    """``unique_rows(units(part))`` of each of ``parts`` (a window's steps), found together."""
+    if len(parts) == 1:
+        return [unique_rows(units(parts[0]))]
+    rows = np.concatenate(parts)
+    keyed = np.empty((len(rows), UNIT + 2), dtype=DTYPE)
+    keyed[:, 0] = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    keyed[:, 1:] = units(rows)
+    uniq = unique_rows(keyed)
+    bounds = np.searchsorted(uniq[:, 0], np.arange(len(parts) + 1))
+    return [np.ascontiguousarray(uniq[a:b, 1:]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def source_tokens(rows: np.ndarray, n_sources: int) -> np.ndarray:
     """Tokens per source index, int64 ``[n_sources]``."""
     return np.bincount(rows[:, SOURCE], weights=lengths(rows), minlength=n_sources).astype(np.int64)

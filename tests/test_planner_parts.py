@@ -63,6 +63,12 @@ def test_unique_rows_match_numpy_unique_over_rows(high):
     empty = np.zeros((0, 3), np.int64)
     assert P.unique_rows(empty).shape == (0, 3) and P.unique_rows(empty, return_counts=True)[1].shape == (0,)
     assert P.unique_rows(empty, return_inverse=True)[1].shape == (0,)
+    # a window's steps: the units of each, found together
+    pieces = np.zeros((len(rows), P.WIDTH), P.DTYPE)
+    pieces[:, : P.UNIT + 1] = rows[:, :3]
+    steps = np.split(pieces, [100, 100, 700])
+    for got, part in zip(P.units_of_each(steps), steps):
+        assert np.array_equal(got, np.unique(part[:, :3], axis=0).reshape(-1, 3))
 
 
 @pytest.mark.parametrize("low, high", [(0, 3), (-5, 70_000), (-(1 << 31), 1 << 31), (0, 1 << 40)])
@@ -80,7 +86,8 @@ def test_stable_order_is_numpys_stable_argsort(low, high):
 @pytest.mark.parametrize("docs_per_unit", [50, 40_000])  # gathered from every unit's lengths / unit by unit
 def test_loss_targets_count_the_pieces_that_end_before_their_document(docs_per_unit):
     """A piece whose document goes on past it labels its last token with the document's next one:
-    cut_pieces counts them, from the units' document lengths, the same on either path."""
+    cut_pieces counts them, from the units' document lengths, the same on either path; a window's
+    steps have the loss tokens counted together that they have one by one."""
     from overlord_dask.planner.streams.loss_targets import LossTargets
 
     rng = np.random.default_rng(5)
@@ -101,6 +108,31 @@ def test_loss_targets_count_the_pieces_that_end_before_their_document(docs_per_u
     assert 0 < want < len(rows)
     assert targets.cut_pieces(rows) == want
     assert targets.cut_pieces(rows[:0]) == 0
+    # a window's steps counted together, as one by one; two of the units mask some tokens
+    from overlord_dask import masked_runs
+
+    runs = {}
+    for key in [(0, 1, 3), (2, 4, 17)][: 2 if docs_per_unit < 1000 else 0]:
+        lens = doc_lengths[key]
+        offsets = np.concatenate([[0], np.cumsum(lens)])
+        runs[key] = masked_runs.encode(rng.random(int(offsets[-1])) < 0.7, offsets)
+        targets.keep_lengths(key, lens, runs[key])
+
+    def expected(step_rows):  # piece by piece, from the runs
+        shifted = hf = 0
+        for *key, doc, start, stop in step_rows.tolist():
+            L = int(doc_lengths[tuple(key)][doc])
+            shifted += stop - start - 1 + (stop < L)
+            hf += stop - start - 1
+            if tuple(key) in runs:
+                r, n, d = runs[tuple(key)], len(doc_lengths[tuple(key)]), np.array([doc])
+                shifted -= int(masked_runs.masked_in(r, n, d, np.array([start + 1]), np.array([min(stop + 1, L)]))[0])
+                hf -= int(masked_runs.masked_in(r, n, d, np.array([start + 1]), np.array([stop]))[0])
+        return shifted, hf
+
+    steps = np.split(rows, [30, 30, 170, 390])  # (an empty step among them)
+    assert targets.loss_tokens_of(steps) == [expected(r) for r in steps]
+    assert (min(targets.masked_targets(rows)) > 0) == bool(runs)
     targets.forget((2, 4, 17))
     with pytest.raises(KeyError):  # a piece of a unit whose lengths were let go: a bug, said loudly
         targets.cut_pieces(rows)

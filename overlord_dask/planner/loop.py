@@ -59,7 +59,7 @@ class PlanningLoop:
             if self.next_step == self.replay_until and self.final_plan.topology != self.topology:
                 self.switch_topology()
             try:
-                rows, slot, mb_costs, drops = self._next_planned()
+                rows, slot, mb_costs, drops, loss_tokens = self._next_planned()
             except Starved as e:
                 self.starved_on = e.source
                 break
@@ -68,7 +68,7 @@ class PlanningLoop:
             self.next_step += 1
             if step < self.replay_until:
                 continue  # delivered before the restore: only the planner state had to catch up
-            entry = self._record(step, rows, slot, mb_costs, drops)
+            entry = self._record(step, rows, slot, mb_costs, drops, loss_tokens)
             m = self.ledger.metrics[step]
             if skip is not None:
                 m["skipped"] = True  # planned (its documents count as used), never handed out
@@ -94,14 +94,14 @@ class PlanningLoop:
             self._units_of = (pending, P.unique_rows(P.units(pending)))
         return self._units_of[1]
 
-    def _next_planned(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    def _next_planned(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, tuple]:
         """The next step's pieces as int64 rows with their int32 ``[rank, micro_batch]``, the
-        bins' costs, and (on a window's first step) the documents a drop policy skipped while
-        planning the window."""
+        bins' costs, (on a window's first step) the documents a drop policy skipped while
+        planning the window, and the step's loss tokens (``LossTargets.loss_tokens``)."""
         if not self.ready:
             self._plan_next_window()
-        rows, slot, mb_costs, drops, _ = self.ready.popleft()
-        return rows, slot, mb_costs, drops
+        rows, slot, mb_costs, drops, loss_tokens, _ = self.ready.popleft()
+        return rows, slot, mb_costs, drops, loss_tokens
 
     def _plan_next_window(self) -> None:
         """Plan the window that starts at ``planned_until`` into ``ready``; its state beforehand
@@ -141,11 +141,13 @@ class PlanningLoop:
             )
             raise
         drops = self.streams.drain_drops()
-        for k, (rows, slot, mb_costs) in enumerate(planned):
-            # (with the units its pieces come from, found once: which units are still in use is
-            # asked after every hand-out, and at thousands of ranks a window holds ~1M pieces)
-            units = P.unique_rows(P.units(rows))
-            self.ready.append((rows, slot, mb_costs, drops if k == 0 else None, units))
+        # each step with the units its pieces come from (which units are still in use is asked
+        # after every hand-out, and at thousands of ranks a window holds ~1M pieces) and its loss
+        # tokens, found for the whole window at once (per step they cost more than the finding)
+        steps = [rows for rows, _, _ in planned]
+        per_step = zip(P.units_of_each(steps), self.streams.targets.loss_tokens_of(steps)) if steps else ()
+        for k, ((rows, slot, mb_costs), (units, loss_tokens)) in enumerate(zip(planned, per_step)):
+            self.ready.append((rows, slot, mb_costs, drops if k == 0 else None, loss_tokens, units))
         self.windows.prune(self.progress.durable_step - self.plan.checkpoint.keep_steps)
 
     def _starves_again(self, source: str, inputs: tuple, tokens: int, waits_for: tuple, units: int) -> bool:
@@ -188,7 +190,9 @@ class PlanningLoop:
             self.starved_on = None  # planning is ahead: no source holds it back
         return n
 
-    def _record(self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops) -> dict:
+    def _record(
+        self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops, loss_tokens: tuple
+    ) -> dict:
         """Step ``step`` into the ledger with its metrics (a window's drops go with its first step)."""
         drops = drops if drops is not None else np.zeros((0, 5), np.int64)
         ctx = self.timeline.context_at(step)
@@ -212,7 +216,7 @@ class PlanningLoop:
             dp=topo.dp,
             context=context,
         )
-        metrics["loss_tokens"] = self.streams.targets.loss_tokens(pieces)
+        metrics["loss_tokens"] = loss_tokens
         if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
             metrics["pool_workers"] = dict(self.pool_workers)
         return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)

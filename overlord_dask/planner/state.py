@@ -84,7 +84,9 @@ class PlannerState(PlanningLoop):
         self.failure: str | None = None
         self.starved_on: str | None = None
         self._starved: tuple | None = None  # (source, what planning saw) when a window last starved
-        self.ready: deque = deque()  # planned steps not yet handed out: (rows, slot, bin costs, drops or None, units)
+        self.ready: deque = (
+            deque()
+        )  # planned steps not yet handed out: (rows, slot, bin costs, drops or None, loss tokens, units)
         self._units_of: tuple = (None, None)  # (the carried pieces, their units): PlanningLoop._pending_units
         self.plan_seconds: list[float] = []  # wall time of each planning call that produced steps
         self.windows = WindowStarts(lambda: {**self.streams.get_state(), **self.policy.get_state()})
