@@ -130,7 +130,7 @@ def decode(w: dict, dtypes: dict = DTYPES, pad_id: int = PAD_ID) -> dict:
             lengths, last = table[:, 0], table[:, 1]
             cu = np.empty(len(table) + 1, dtype=dtypes["cu_seqlens"])
             cu[0] = 0
-            np.cumsum(lengths, out=cu[1:])
+            np.add.accumulate(lengths, dtype=cu.dtype, out=cu[1:])  # (half of what cumsum's casting out= costs)
         else:
             cu, last = w["cu_seqlens"], w["last_labels"]
             lengths = np.diff(cu)
