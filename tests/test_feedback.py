@@ -337,15 +337,20 @@ def test_controller_options_and_bounds_out_of_range_are_plan_errors(mixing, erro
 def test_a_plan_update_that_changes_the_sources_overrides_the_controller_until_its_next_decision():
     plan = plan_from_dict(plan_dict(cost={"hidden": 8192}))
     tl = Timeline(plan)
+    assert tl.mix_at(12) == pytest.approx([0.4, 0.3, 0.3])  # (remembered until a decision or an update)
     tl.decide("weights", 10, {"web": 0.1, "books": 0.1, "chat": 0.8}, "test")
     assert tl.weights_in_force(9) == pytest.approx([0.4, 0.3, 0.3]) and tl.weights_in_force(10) == pytest.approx(
         [0.1, 0.1, 0.8]
     )
+    assert tl.mix_at(12) == pytest.approx([0.1, 0.1, 0.8]) and tl.mix_at(25) == pytest.approx([0.1, 0.1, 0.8])
+    with pytest.raises(ValueError):
+        tl.mix_at(12)[0] = 1.0  # what it remembers nobody changes
     d = plan_to_dict(plan)
     d["sources"][0]["weight"] = 0.6  # a user's update at step 20
     tl.add(plan_from_dict(d), 20)
     assert tl.weights_in_force(19) == pytest.approx([0.1, 0.1, 0.8])
     assert tl.weights_in_force(20) == pytest.approx(np.array([0.6, 0.3, 0.3]) / 1.2)
+    assert tl.mix_at(25) == pytest.approx(np.array([0.6, 0.3, 0.3]) / 1.2)
     tl.decide("weights", 30, {"web": 0.5, "books": 0.5, "chat": 0.0}, "test")
     assert tl.weights_in_force(30) == pytest.approx([0.5, 0.5, 0.0])
     assert tl.next_jump(25) == 30 and tl.next_jump(5) == 10

@@ -47,6 +47,10 @@ def with_dp(plan: Plan, dp: int) -> Plan:
     return plan.model_copy(update={"topology": plan.topology.model_copy(update={"dp": dp})})
 
 
+MEMO_STEPS = 4096  # steps' shares remembered (a few windows' worth)
+_UNSET = object()
+
+
 class Decision(NamedTuple):
     """A decision of the planner's own, in force from step ``at``."""
 
@@ -80,6 +84,8 @@ class Timeline(PlanVersions):
         self.decisions: list[Decision] = []
         self._by_kind: dict[str, list[Decision]] = {k: [] for k in KINDS}
         self._costs: dict[tuple, CostModel] = {}
+        self._decided = 0  # decisions made or dropped: what the memo of shares by step depends on
+        self._shares: dict[tuple, object] = {}
         for d in decisions:
             self._append(d)
 
@@ -159,10 +165,12 @@ class Timeline(PlanVersions):
         self.decisions = [d for d in self.decisions if id(d) not in gone]
         self._by_kind = {k: [d for d in lst if id(d) not in gone] for k, lst in self._by_kind.items()}
         self._costs = {}
+        self._decided += 1
 
     def _append(self, d: Decision) -> None:
         self.decisions.append(d)
         self._by_kind[d.kind].append(d)
+        self._decided += 1
 
     def in_force(self, kind: str, step: int) -> Decision | None:
         """The decision of ``kind`` that governs ``step``, if any (a later plan version that
@@ -201,8 +209,27 @@ class Timeline(PlanVersions):
                 out = mine / mine.sum()
         return out
 
+    def _memo(self, what: str, step: int, make):
+        """``make(step)``, remembered (read-only) for as long as the plan versions and the
+        decisions stay as they are: the planner asks for a step's shares several times (per
+        selection, top-up and fill, and when it records the step), and each answer walks the
+        plan's stages, sources and weight functions."""
+        key = (what, step, len(self.versions), self._decided)
+        got = self._shares.get(key, _UNSET)
+        if got is _UNSET:
+            if len(self._shares) >= MEMO_STEPS:
+                self._shares = {}
+            got = make(step)
+            if got is not None:
+                got.flags.writeable = False
+            self._shares[key] = got
+        return got
+
     def class_weights_at(self, step: int) -> np.ndarray | None:
         """``[source, (short, long)]`` shares of step ``step`` in a stage with a long share, else None."""
+        return self._memo("classes", step, self._class_weights_at)
+
+    def _class_weights_at(self, step: int) -> np.ndarray | None:
         ctx = self.context_at(step)
         if ctx.long_share is None:
             return None
@@ -218,6 +245,9 @@ class Timeline(PlanVersions):
     def mix_at(self, step: int) -> np.ndarray:
         """Each source's share of step ``step``'s tokens: its weight in force, or in a stage with a
         long share, ``(1 - share)·weight + share·long weight``."""
+        return self._memo("mix", step, self._mix_at)
+
+    def _mix_at(self, step: int) -> np.ndarray:
         cw = self.class_weights_at(step)
         return self.weights_in_force(step) if cw is None else cw.sum(axis=1)
 
