@@ -41,6 +41,26 @@ def test_piece_rows_recut_flatten_and_bytes():
     assert P.stream_lengths(pieces[:, 1:]).tolist() == P.lengths(pieces).tolist()
 
 
+def test_rows_appended_to_a_window_are_those_with_age_gives_and_reuse_its_buffer():
+    """A window topped up (``pieces.appended``): the rows are the pending ones followed by the new
+    ones with age 0, as ``with_age`` makes them; a top-up that fits writes into the buffer of the
+    one before (no copy of the window's rows), one that does not gets a new buffer."""
+    rng = np.random.default_rng(2)
+
+    def new(n):
+        return rng.integers(0, 1000, (n, P.WIDTH)).astype(P.DTYPE)
+
+    pending = P.with_age(new(5), age=2)
+    rows, buf = P.appended(pending, first := new(40))
+    assert np.array_equal(rows, P.with_age(first, after=pending)) and not np.shares_memory(rows, pending)
+    more = new(6)
+    rows2, buf2 = P.appended(rows, more, buf)
+    assert buf2 is buf and np.array_equal(rows2, P.with_age(more, after=P.with_age(first, after=pending)))
+    assert np.array_equal(rows2[: len(rows)], rows)  # (the earlier rows stay as they were)
+    rows3, buf3 = P.appended(rows2, lots := new(100), buf2)
+    assert buf3 is not buf2 and np.array_equal(rows3, P.with_age(lots, after=rows2))
+
+
 # keys from a small range (counted) / a wide one (sorted) / too wide for one int64 (lexsort)
 @pytest.mark.parametrize("high", [50, 100_000, 1 << 60])
 def test_unique_rows_match_numpy_unique_over_rows(high):

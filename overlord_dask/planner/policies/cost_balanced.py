@@ -63,7 +63,7 @@ class CostBalanced(Policy):
             self.cls_selected.copy(),
             self.cls_declared.copy(),
         )
-        rows = self.pending
+        rows, buf = self.pending, None  # (the window's rows lie in buf once topped up: P.appended)
         # pieces still waiting fill the window's first steps; every other step selects with its own weights
         budgets = np.full(w.steps, w.step_budget, dtype=np.int64)
         carried = P.tokens(rows)
@@ -76,7 +76,7 @@ class CostBalanced(Policy):
             for rnd in range(self.TOPUP_ROUNDS):
                 if need > 0:  # a top-up selects with the weights of the window's last step
                     new = self._select_steps(w, budgets) if rnd == 0 else self._select(w, need, w.start + w.steps - 1)
-                    rows = P.with_age(new, after=rows)
+                    rows, buf = P.appended(rows, new, buf)
                 placed = place_window(
                     rows,
                     w.costs(rows),
