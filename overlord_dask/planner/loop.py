@@ -145,7 +145,13 @@ class PlanningLoop:
         # after every hand-out, and at thousands of ranks a window holds ~1M pieces) and its loss
         # tokens, found for the whole window at once (per step they cost more than the finding)
         steps = [rows for rows, _, _ in planned]
-        per_step = zip(P.units_of_each(steps), self.streams.targets.loss_tokens_of(steps)) if steps else ()
+        try:
+            losses = self.streams.targets.loss_tokens_of(steps) if steps else []
+        except KeyError:
+            # pieces restored from a snapshot whose units are loaded again and have not arrived
+            # yet: counted as their steps go out (replayed ones never are), as one step alone is
+            losses = [None] * len(steps)
+        per_step = zip(P.units_of_each(steps), losses) if steps else ()
         for k, ((rows, slot, mb_costs), (units, loss_tokens)) in enumerate(zip(planned, per_step)):
             self.ready.append((rows, slot, mb_costs, drops if k == 0 else None, loss_tokens, units))
         self.windows.prune(self.progress.durable_step - self.plan.checkpoint.keep_steps)
@@ -191,7 +197,7 @@ class PlanningLoop:
         return n
 
     def _record(
-        self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops, loss_tokens: tuple
+        self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops, loss_tokens: tuple | None
     ) -> dict:
         """Step ``step`` into the ledger with its metrics (a window's drops go with its first step)."""
         drops = drops if drops is not None else np.zeros((0, 5), np.int64)
@@ -216,7 +222,7 @@ class PlanningLoop:
             dp=topo.dp,
             context=context,
         )
-        metrics["loss_tokens"] = loss_tokens
+        metrics["loss_tokens"] = loss_tokens if loss_tokens is not None else self.streams.targets.loss_tokens(pieces)
         if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
             metrics["pool_workers"] = dict(self.pool_workers)
         return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)
