@@ -626,7 +626,11 @@ def run(args) -> dict:
                 time.sleep(0.5)
             job.watch()
             if job.current["proc"].poll() is None:
-                raise RuntimeError(f"the job did not reach step {target} within 600 s after the faults")
+                services = "".join(f.read_text()[-2000:] for f in sorted(tmp.glob("service*.stderr")))
+                raise RuntimeError(
+                    f"the job did not reach step {target} within 600 s after the faults (a life that fails is "
+                    f"started again); its lives' errors: {job.errors}; the service's log ends: {services}"
+                )
             with Service.attach(served.address, timeout=60) as svc:
                 timeline = svc.timeline()
             replayed = replay(load_plan(plan_file), timeline, target)
