@@ -140,6 +140,59 @@ def test_deterministic_and_independent_of_load_timing():
         assert [[p.as_list() for p in bin_] for bin_ in x.bins] == [[p.as_list() for p in bin_] for bin_ in y.bins]
 
 
+@pytest.mark.parametrize("seed", range(24))
+def test_wfq_select_takes_the_smallest_tags_over_every_piece_ahead(seed):
+    """``wfq_select`` equals its definition over every piece the streams have ahead: the pieces
+    sorted by tag ``(surplus + tokens before it) / weight`` (ties: the lower source), taken while
+    they fit the budget (with ``cut``, the next one cut to the tokens left), each source's
+    cursor moved past what it gave; window after window, a surplus carried."""
+    from overlord_dask.pieces import SOURCE, STOP, WIDTH, stream_lengths
+    from overlord_dask.planner.policies.balance import wfq_select
+
+    rng = np.random.default_rng(seed)
+    sources = [  # units of documents of 0 to 3,000 tokens, each with one of at least 1,000
+        [
+            np.append(rng.integers(0, 3000, int(rng.integers(0, 12))), rng.integers(1000, 3000))
+            for _ in range(rng.integers(1, 5))
+        ]
+        for _ in range(rng.integers(1, 5))
+    ]
+    weights = rng.choice([0.0, 0.05, 0.3, 1.0], len(sources))
+    weights[rng.integers(len(sources))] = 1.0
+    weights = weights / weights.sum()
+    budgets = rng.integers(1, 6000, 6)
+    piece_tokens, cut = int(rng.choice([64, 700, 4096])), bool(seed % 2)
+    got = make_streams(sources, piece_tokens, epochs=80, seed=seed)
+    ref = make_streams(sources, piece_tokens, epochs=80, seed=seed)
+    surplus = np.zeros(len(sources))
+    for budget in budgets:
+        active = np.flatnonzero(weights > 0)
+        ahead = {int(i): ref[i].pieces_ahead(int(budget) + 2 * piece_tokens)[0] for i in active}
+        keys = []
+        for i, rows in ahead.items():
+            lens = stream_lengths(rows)
+            before = np.cumsum(lens) - lens
+            keys += [((surplus[i] + b) / weights[i], i, k, int(n)) for k, (b, n) in enumerate(zip(before, lens))]
+        keys.sort(key=lambda t: (t[0], t[1]))
+        want, total = [], 0
+        for _, i, k, n in keys:
+            if total + n > budget:
+                if cut and budget > total:
+                    want.append([i, *ahead[i][k]])
+                    want[-1][STOP] -= total + n - budget
+                break
+            want.append([i, *ahead[i][k]])
+            total += n
+        want = np.array(want, dtype=np.int64).reshape(-1, WIDTH)
+        rows = wfq_select(got, weights, budget, surplus, cut)
+        assert rows.tolist() == want.tolist()
+        for i in active:
+            ref[i].take(want[want[:, SOURCE] == i, 1:])
+        assert [s.cursor() for s in got] == [s.cursor() for s in ref]
+        for i in range(len(sources)):
+            surplus[i] += stream_lengths(rows[rows[:, SOURCE] == i, 1:]).sum() - weights[i] * budget
+
+
 def test_long_documents_are_split_into_pieces():
     streams = make_streams([[np.array([10_000, 100])]], piece_tokens=4096)
     sel = select_step(streams, np.array([1.0]), 4, 4096)

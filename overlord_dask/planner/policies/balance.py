@@ -75,30 +75,40 @@ def wfq_select(
             idx.append(np.arange(len(lens)))
             lens_parts.append(lens)
         tags_a, src_a, idx_a = np.concatenate(tags), np.concatenate(src), np.concatenate(idx)
-        order = np.lexsort((src_a, tags_a))
+        # (stable: equal tags keep the sources' order, as the candidates are concatenated by source)
+        order = np.argsort(tags_a, kind="stable")
         lens_all = np.concatenate(lens_parts)[order]
         n_take = int(np.searchsorted(np.cumsum(lens_all), budget, side="right"))
-        taken = order[:n_take]
+        counts = np.bincount(src_a[order[:n_take]], minlength=len(streams))
         # a source whose every candidate was taken might have had more to give: widen and redo
-        short = [int(i) for i in active if np.count_nonzero(src_a[taken] == i) == len(cand[int(i)])]
+        short = [int(i) for i in active if counts[i] == len(cand[int(i)])]
         if not short:
             break
         for i in short:
             need[i] *= 2
     rest = budget - (int(lens_all[:n_take].sum()) if n_take else 0)
+    taken = order[:n_take]
     if cut and rest > 0 and n_take < len(order):
         taken = order[: n_take + 1]  # the next piece, cut to the tokens left (it is longer)
-    out = np.empty((len(taken), WIDTH), dtype=np.int64)
-    out[:, SOURCE] = src_a[taken]
-    per_source = [(int(i), src_a[taken] == i) for i in active]
-    for i, sel in per_source:
-        out[sel, 1:] = cand[i][idx_a[taken][sel]]
+    src_t = src_a[taken]
+    # a source's tags rise along its candidates, so what it gives is a prefix of them: each
+    # source's prefix goes into one block of rows (in source order), gathered into selection order
+    counts = np.bincount(src_t, minlength=len(streams))
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    by_source = np.empty((len(taken), WIDTH), dtype=np.int64)
+    for i in active:
+        i = int(i)
+        a, k = int(first[i]), int(counts[i])
+        by_source[a : a + k, SOURCE] = i
+        by_source[a : a + k, 1:] = cand[i][:k]
+    at = first[src_t] + idx_a[taken]
     if len(taken) > n_take:
-        out[-1, STOP] = out[-1, START] + rest
-    for i, sel in per_source:  # (after the cut: a cut source's cursor stops inside the document)
-        if sel.any():
-            streams[i].take(out[sel, 1:])
-    return out
+        by_source[at[-1], STOP] = by_source[at[-1], START] + rest
+    for i in active:  # (after the cut: a cut source's cursor stops inside the document)
+        i = int(i)
+        if counts[i]:
+            streams[i].take(by_source[first[i] : first[i] + counts[i], 1:])
+    return by_source[at]
 
 
 @dataclass(slots=True)
