@@ -106,7 +106,7 @@ def test_stable_order_is_numpys_stable_argsort(low, high):
 @pytest.mark.parametrize("docs_per_unit", [50, 40_000])  # gathered from every unit's lengths / unit by unit
 def test_loss_targets_count_the_pieces_that_end_before_their_document(docs_per_unit):
     """A piece whose document goes on past it labels its last token with the document's next one:
-    cut_pieces counts them, from the units' document lengths, the same on either path; a window's
+    ``cut`` finds them, from the units' document lengths, the same on either path; a window's
     steps have the loss tokens counted together that they have one by one."""
     from overlord_dask.planner.streams.loss_targets import LossTargets
 
@@ -126,8 +126,8 @@ def test_loss_targets_count_the_pieces_that_end_before_their_document(docs_per_u
         want += stop < length
     rows = np.array(rows, dtype=P.DTYPE)
     assert 0 < want < len(rows)
-    assert targets.cut_pieces(rows) == want
-    assert targets.cut_pieces(rows[:0]) == 0
+    assert int(targets.cut(rows).sum()) == want
+    assert targets.cut(rows[:0]).tolist() == []
     # a window's steps counted together, as one by one; two of the units mask some tokens
     from overlord_dask import masked_runs
 
@@ -155,7 +155,7 @@ def test_loss_targets_count_the_pieces_that_end_before_their_document(docs_per_u
     assert (min(targets.masked_targets(rows)) > 0) == bool(runs)
     targets.forget((2, 4, 17))
     with pytest.raises(KeyError):  # a piece of a unit whose lengths were let go: a bug, said loudly
-        targets.cut_pieces(rows)
+        targets.cut(rows)
 
 
 def test_a_streams_slice_of_pieces_is_the_same_on_the_one_piece_path_and_without_keys():

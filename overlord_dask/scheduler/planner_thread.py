@@ -59,7 +59,7 @@ def warm(bins: int | None) -> None:
     come from the heap (``allocator.keep_large_arrays``); then freeze the objects that brought
     (``heap.py``): numba's registries are most of a full collection's walk otherwise."""
     kernels.warm(bins)
-    if bins is None or bins >= kernels.COMPILE_FROM_BINS:
+    if kernels.worth_compiling(bins):
         keep_large_arrays()
     heap.freeze()
 

@@ -644,6 +644,12 @@ def _move(p, dst, where, lens, costs, bin_cost, bin_tok, base):
     where[p] = base + dst
 
 
+def worth_compiling(bins: int | None) -> bool:
+    """Whether steps of ``bins`` (dp × micro-batches; None: any size) are large enough for the
+    compiled kernels (and for the planner's other preparations for large steps)."""
+    return bins is None or bins >= COMPILE_FROM_BINS
+
+
 def warm(bins: int | None = None) -> bool:
     """Compile (or load from the cache) every kernel and run it once for the argument types the
     balancer passes, on a toy window, where a step has ``bins`` (dp × micro-batches) of at least
@@ -651,7 +657,7 @@ def warm(bins: int | None = None) -> bool:
     The planner calls this first thing on its thread, so that compiling overlaps the first
     loads; ``scripts/install.sh`` calls it to fill the cache."""
     global COMPILED
-    if COMPILED or (bins is not None and bins < COMPILE_FROM_BINS):
+    if COMPILED or not worth_compiling(bins):
         return COMPILED
     try:
         _compile()

@@ -14,7 +14,7 @@ import numpy as np
 from ... import masked_runs
 from ... import pieces as P
 
-# cut_pieces gathers from units of up to this many documents on average (copying ~8k lengths costs
+# cut gathers from units of up to this many documents on average (copying ~8k lengths costs
 # about what one unit's turn of the per-unit loop does), or as many as 16 per piece
 GATHER_DOCS_PER_UNIT, GATHER_DOCS_PER_PIECE = 8192, 16
 
@@ -31,13 +31,9 @@ class LossTargets:
         self.doc_lengths.pop(key, None)
         self.masked.pop(key, None)
 
-    def cut_pieces(self, rows: np.ndarray) -> int:
-        """How many of ``rows`` end before their document does (a split document's pieces but
-        its last): their last token's label is the document's next token."""
-        return int(np.count_nonzero(self._cut(rows)))
-
-    def _cut(self, rows: np.ndarray) -> np.ndarray:
-        """Per row of ``rows``, whether it ends before its document does (:meth:`cut_pieces`)."""
+    def cut(self, rows: np.ndarray) -> np.ndarray:
+        """Per row of ``rows``, whether it ends before its document does (a split document's
+        pieces but its last): its last token's label is the document's next token."""
         if not len(rows):
             return np.zeros(0, bool)
         units, inverse = P.unique_rows(P.units(rows), return_inverse=True)
@@ -85,7 +81,7 @@ class LossTargets:
         counting itself at a few hundred ranks."""
         rows = np.concatenate(steps) if len(steps) > 1 else steps[0]
         step = np.repeat(np.arange(len(steps)), [len(r) for r in steps])
-        cut = np.bincount(step[self._cut(rows)], minlength=len(steps))
+        cut = np.bincount(step[self.cut(rows)], minlength=len(steps))
         masked = [np.zeros(len(steps), np.int64)] * 2
         for j, per_row in enumerate(self._masked(rows)):
             if per_row is not None:  # (whole numbers well under 2**53: exact as float64 weights)

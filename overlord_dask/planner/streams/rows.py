@@ -78,13 +78,19 @@ def _ahead(s: SourceStream, min_tokens: int) -> tuple[np.ndarray, bool]:
 def _past(s: SourceStream, row: np.ndarray) -> tuple[tuple, bool]:
     """The cursor just past piece ``row`` as a scan from the start would reach it, and whether
     that is inside the block the row is in (whose rows a scan counts as found)."""
-    e, unit, file_doc, _, stop = (int(x) for x in row)
-    _, pos, doc = s.order_key(e, unit, file_doc)
-    lens = s.lengths[(e, pos)]
-    doc, tok = (doc + 1, 0) if stop >= int(lens[doc]) else (doc, stop)
-    if doc < len(lens):
+    e, pos, doc, tok = _just_past(s, row)
+    if doc < len(s.lengths[(e, pos)]):
         return (e, pos, doc, tok), True
     return (*s.ordering.next_block(e, pos), 0, 0), False
+
+
+def _just_past(s: SourceStream, row: np.ndarray) -> tuple[int, int, int, int]:
+    """``(epoch, block, doc, tok)`` just past piece ``row`` = [epoch, unit, doc, start, stop] in
+    the block's order: the next document where the piece ends its own (``doc`` may then be the
+    block's length), else the same document at the piece's stop."""
+    e, unit, file_doc, _, stop = (int(x) for x in row)
+    _, pos, doc = s.order_key(e, unit, file_doc)
+    return (e, pos, doc + 1, 0) if stop >= int(s.lengths[(e, pos)][doc]) else (e, pos, doc, stop)
 
 
 SCAN_DOCS = 4096  # documents of a block turned into rows at a time (doubling): work follows what is asked for
@@ -246,12 +252,11 @@ def take(s: SourceStream, rows: np.ndarray, cls: str | None = None) -> None:
 def advance_past(s: SourceStream, row: np.ndarray, cls: str | None = None) -> None:
     """Move the cursor (of class ``cls``) just past piece ``row`` = [epoch, unit, doc, start,
     stop], recording the documents the drop policy skipped on the way."""
-    e, unit, file_doc, _, stop = (int(x) for x in row)
-    _, pos, doc = s.order_key(e, unit, file_doc)
+    e, pos, doc, tok = _just_past(s, row)
     if s.drop_over is not None:
-        _record_drops(s, e, pos, doc, cls)
-    L = int(s.lengths[(e, pos)][doc])
-    s.set_class_cursor(cls, e, pos, *((doc + 1, 0) if stop >= L else (doc, stop)))
+        own = doc if tok else doc - 1  # the piece's document (the cursor is at its next only where it ended it)
+        _record_drops(s, e, pos, own, cls)
+    s.set_class_cursor(cls, e, pos, doc, tok)
     s.epoch_tokens = 1  # this epoch has tokens: the empty-source check is satisfied
 
 
