@@ -581,6 +581,39 @@ def test_with_snapshots_no_step_a_decision_governs_goes_out_before_a_snapshot_ho
     thread.stop()
 
 
+def test_a_rewind_to_another_dp_drops_the_replaced_plans_step_tables():
+    """A job restarted at another dp while a step's times waited for its other ranks: the rewind
+    drops the replaced plan's per-step tables (``FeedbackLoop.rewound``, from the planner
+    thread's ``replace_state``), and the new ranks' reports of that step measure it at the new
+    dp; a report that still meets a table of another dp starts the step's table afresh (the
+    service's planner stopped with an IndexError on it)."""
+    from overlord_dask.planner.rewind import memory_source, rebuild_at
+    from overlord_dask.scheduler.planner_thread import PlannerThread
+
+    plan = plan_from_dict(plan_dict(topology={"dp": 2, "micro_batches": 2, "tokens_per_micro_batch": 32768}))
+    thread = PlannerThread("run", 2, pad_id=0, on_tasks=lambda *a: None, observe=dict, on_failure=pytest.fail)
+    thread.state = st = PlannerState(plan, IDS)
+    thread.feedback = fb = FeedbackLoop(st)
+    run(st, None, 12)
+
+    def report(ranks, step=10):
+        return [(r, 0, {"s": step, "t": 0.1 * (r + 1), "mb": [0.05 * (r + 1)] * 2}) for r in ranks]
+
+    fb.take(st, report([0]))  # rank 1 of dp 2 has not reported step 10 yet
+    assert 10 in fb._times and fb.rank_seconds.keys() == {0}
+    back = rebuild_at(st, 8, memory_source(st, 8), dp=4)
+    thread.replace_state(back, 2)
+    assert not fb._times and not fb._features
+    run(back, None, 12)
+    fb.take(back, report(range(4)))
+    assert fb.imbalance[-1] == (10, pytest.approx(0.4 / 0.25))  # the dp 4 ranks' times alone
+    # a table of another dp (a late report of the replaced plan after the rewind) is started afresh
+    fb.take(st, report([0], step=11))
+    fb.take(back, report(range(4), step=11))
+    assert fb.imbalance[-1] == (11, pytest.approx(0.4 / 0.25))
+    thread.stop()
+
+
 @pytest.mark.integration
 def test_settled_decisions_are_archived_bases_stay_bounded_and_replays_still_see_them(
     tmp_path, small_plan, cluster, monkeypatch

@@ -49,13 +49,25 @@ class FeedbackLoop:
         self.reports = 0
         self.newest = -1  # newest step any rank reported
         self.decided_at = -1  # newest reported step when the controller last decided
-        self._features: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._features: OrderedDict[int, tuple[dict, np.ndarray]] = (
+            OrderedDict()
+        )  # step -> (ledger entry, its features)
         self._times: OrderedDict[int, np.ndarray] = (
             OrderedDict()
         )  # step -> [dp, micro-batches] seconds (nan: not reported yet)
         self.imbalance: deque = deque(maxlen=HISTORY)  # (step, measured max/mean over ranks)
         self.rank_seconds: dict[int, tuple[int, float]] = {}  # rank -> (its newest reported step, its compute time)
         self.metrics: deque = deque(maxlen=HISTORY)  # (step, rank, extra metrics) as reported
+
+    def rewound(self, st: PlannerState) -> None:
+        """The run was rewound (a job restarted from a checkpoint, perhaps at another dp) and
+        ``st`` plans its steps again: the per-step tables of the replaced plan (times waiting for
+        their other ranks, micro-batch features) describe steps that will be planned anew, and a
+        table of another dp would not fit this one's ranks."""
+        self._times.clear()
+        self._features.clear()
+        dp = st.topology.dp
+        self.rank_seconds = {r: v for r, v in self.rank_seconds.items() if r < dp}
 
     # ---- reports ------------------------------------------------------------------------------
     def take(self, st: PlannerState, reports: list) -> None:
@@ -117,22 +129,25 @@ class FeedbackLoop:
                         self.learner.observe(f[~whole].reshape(-1, f.shape[-1]), t[~whole].reshape(-1), s)
 
     def _step_features(self, st: PlannerState, step: int) -> np.ndarray | None:
-        """``[dp, micro_batches, terms]`` of a handed-out step (None if the ledger no longer has it)."""
-        feats = self._features.get(step)
-        if feats is None:
-            entry = st.ledger.entries.get(step)
-            if entry is None:
-                return None
-            pieces = entry["pieces"]
-            vision = (
-                st.streams.piece_vision(pieces)
-                if st.timeline.cost_at(step).encoder > 0 or self.learner.declared.encoder > 0
-                else None
-            )
-            feats = step_features(pieces, entry["slot"], vision, st.topology.dp, st.topology.micro_batches)
-            self._features[step] = feats
-            while len(self._features) > 64:
-                self._features.popitem(last=False)
+        """``[dp, micro_batches, terms]`` of a handed-out step (None if the ledger no longer has
+        it), remembered with the ledger entry they were computed from: a step planned again
+        (after a rewind, perhaps at another dp) is another entry."""
+        entry = st.ledger.entries.get(step)
+        if entry is None:
+            return None
+        known = self._features.get(step)
+        if known is not None and known[0] is entry:
+            return known[1]
+        pieces = entry["pieces"]
+        vision = (
+            st.streams.piece_vision(pieces)
+            if st.timeline.cost_at(step).encoder > 0 or self.learner.declared.encoder > 0
+            else None
+        )
+        feats = step_features(pieces, entry["slot"], vision, st.topology.dp, st.topology.micro_batches)
+        self._features[step] = (entry, feats)
+        while len(self._features) > 64:
+            self._features.popitem(last=False)
         return feats
 
     def _rank_times(self, step: int, ranks: np.ndarray, secs: np.ndarray, dp: int, per_step: bool) -> None:
@@ -142,7 +157,7 @@ class FeedbackLoop:
         if len(ranks) == 0:
             return
         got = self._times.get(step)
-        if got is None:
+        if got is None or got.shape != (dp, secs.shape[1]):  # (a report of a step planned at another dp)
             got = self._times[step] = np.full((dp, secs.shape[1]), np.nan)
         got[ranks] = secs
         if not np.isnan(got[:, 0]).any():

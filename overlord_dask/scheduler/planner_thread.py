@@ -125,6 +125,8 @@ class PlannerThread:
         is dropped, and the keys of its constructor tasks returned."""
         self.state, self.chunk_steps = state, chunk_steps
         self.rewinds += 1
+        if self.feedback is not None:
+            self.feedback.rewound(state)
         return [t["key"] for t in self.work.tasks]
 
     def restart_work(self, release: list[str]) -> None:
