@@ -128,13 +128,14 @@ def run_planner(dist: dict, steps: int, seed: int, **balance) -> dict:
     st = PlannerState(plan, {n: list(range(0, n_units * per_unit, per_unit)) for n in dist["sources"]})
     gens = {n: g for n, (_, g) in dist["sources"].items()}
     rng = np.random.default_rng(seed)
-    out, plan_s, samples, lengths = [], 0.0, 0, []
+    out, plan_s, cpu_s, samples, lengths = [], 0.0, 0.0, 0, []
     while len(out) < steps:
         for name, epoch, unit in st.wanted():
             st.add_lengths(name, epoch, unit, gens[name](rng, per_unit))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         planned, _ = st.plan_steps(plan.balance.window)
         plan_s += time.perf_counter() - t0
+        cpu_s += time.thread_time() - c0
         for p in planned:
             entry = st.ledger[p["step"]]
             samples += len(entry["pieces"])
@@ -149,6 +150,7 @@ def run_planner(dist: dict, steps: int, seed: int, **balance) -> dict:
         "ms_per_step": per_step_ms,
         "samples_per_step": samples / len(out),
         "ms_per_1m_tokens": plan_s * 1e3 / max(1e-9, sum(int(x.sum()) for x in lengths) / 1e6),
+        "cpu_ms_per_1m_tokens": cpu_s * 1e3 / max(1e-9, sum(int(x.sum()) for x in lengths) / 1e6),
         "lengths": np.concatenate(lengths),
     }
 
@@ -260,26 +262,64 @@ SCALING_SOURCES = {
 }
 
 
-def scaling(dps=(256, 1024, 4096, 16_384), tokens=(1024, 4096), seed: int = 0) -> list[dict]:
-    """The planner's CPU per 1M tokens and per step as dp grows (``--scaling``)."""
+def scaling(
+    dps=(256, 1024, 4096, 16_384), tokens=(1024, 4096), seed: int = 0, balancer_process: bool = False
+) -> list[dict]:
+    """The planner's CPU per 1M tokens and per step as dp grows (``--scaling``); with
+    ``balancer_process``, each row again with the windows placed in the balancer's process
+    (``planner/policies/balancer_process.py``, as the service places them at large dp): the
+    planner's wall time, its thread's CPU (what stays on the scheduler process's GIL) and the
+    process's CPU, per 1M tokens."""
+    import psutil
+
+    from overlord_dask.planner.policies import balancer_process as B
+
     rows = []
     for t in tokens:
         for dp in dps:
             dist = {"topology": {"dp": dp, "micro_batches": 1, "tokens_per_micro_batch": t}, "sources": SCALING_SOURCES}
             steps = max(32, min(256, (1 << 26) // (dp * t)))  # enough windows, a bounded run
-            c0 = time.process_time()
-            res = run_planner(dist, steps, seed, heavy_tokens=t // 2, window=16)
-            rows.append(
-                {
-                    "dp": dp,
-                    "tokens_per_rank": t,
-                    "steps": steps,
-                    "planner_ms_per_1m_tokens": round(res["ms_per_1m_tokens"], 3),
-                    "planner_ms_per_step_p50": round(float(np.percentile(res["ms_per_step"], 50)), 2),
-                    "run_cpu_s": round(time.process_time() - c0, 1),
-                }
-            )
+            for in_process in (False, True) if balancer_process else (False,):
+                proc = _started_balancer() if in_process else None
+                try:
+                    B.use(proc)
+                    c0 = time.process_time()
+                    b0 = sum(psutil.Process(proc.proc.pid).cpu_times()[:2]) if proc else 0.0
+                    res = run_planner(dist, steps, seed, heavy_tokens=t // 2, window=16)
+                    b1 = sum(psutil.Process(proc.proc.pid).cpu_times()[:2]) if proc else 0.0
+                    assert proc is None or proc.local == 0, "windows placed in the thread: the process failed"
+                finally:
+                    B.use(None)
+                    if proc is not None:
+                        proc.close()
+                tokens_m = float(res["lengths"].sum()) / 1e6
+                rows.append(
+                    {
+                        "dp": dp,
+                        "tokens_per_rank": t,
+                        "balancer": "process" if in_process else "thread",
+                        "steps": steps,
+                        "planner_ms_per_1m_tokens": round(res["ms_per_1m_tokens"], 3),
+                        "thread_cpu_ms_per_1m_tokens": round(res["cpu_ms_per_1m_tokens"], 3),
+                        "process_cpu_ms_per_1m_tokens": round((b1 - b0) * 1e3 / tokens_m, 3) if proc else None,
+                        "planner_ms_per_step_p50": round(float(np.percentile(res["ms_per_step"], 50)), 2),
+                        "run_cpu_s": round(time.process_time() - c0, 1),
+                    }
+                )
     return rows
+
+
+def _started_balancer():
+    """A balancer process that answers (its kernels loaded), warmed on a small window."""
+    from overlord_dask.planner.policies import balancer_process as B
+
+    proc = B.BalancerProcess()
+    deadline = time.monotonic() + 120
+    while not proc.available():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the balancer process did not start within 120 s")
+        time.sleep(0.05)
+    return proc
 
 
 def main(argv=None) -> dict:
@@ -297,6 +337,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--scaling", action="store_true", help="planner ms per 1M tokens from dp 256 to 16,384")
     ap.add_argument("--scaling-dp", type=int, nargs="+", default=[256, 1024, 4096, 16_384])
     ap.add_argument("--scaling-tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per rank and step")
+    ap.add_argument(
+        "--balancer-process", action="store_true", help="--scaling: each row also with the balancer in its process"
+    )
     args = ap.parse_args(argv)
     from overlord_dask.scheduler.planner_thread import warm
     from overlord_dask.worker.allocator_setup import tune_service_process
@@ -306,7 +349,7 @@ def main(argv=None) -> dict:
     tune_service_process()
     warm(None)
     if args.scaling:
-        rows = scaling(args.scaling_dp, args.scaling_tokens, seed=args.seed)
+        rows = scaling(args.scaling_dp, args.scaling_tokens, seed=args.seed, balancer_process=args.balancer_process)
         if args.json:
             print(json.dumps({"benchmark": "balance_scaling", "rows": rows}))
         else:

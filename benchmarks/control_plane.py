@@ -44,6 +44,7 @@ at dp 256; at least 12 steps/s at dp 1,024 and 3 at dp 4,096. Issue 49: control 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -182,6 +183,18 @@ def _planner_cpu(me) -> float:
     return sum(t.user_time + t.system_time for t in me.threads() if t.id in ids)
 
 
+def _balancer_cpu(me) -> float | None:
+    """CPU seconds of the balancer's process (``planner/policies/balancer_process.py``), None
+    where the planner thread balances."""
+    import psutil
+
+    for child in me.children():
+        with contextlib.suppress(psutil.Error):
+            if any("balancer_process" in part for part in child.cmdline()):
+                return sum(child.cpu_times()[:2])
+    return None
+
+
 def measure(
     cluster,
     data: str,
@@ -227,10 +240,12 @@ def measure(
         st = service.wait_for_step(warmup_steps, timeout=900)
         service.loop_stats(reset=True)
         c0, cpu0, p0, t0 = st["committed"], sum(me.cpu_times()[:2]), _planner_cpu(me), time.perf_counter()
+        b0 = _balancer_cpu(me)
         tok0 = st["tokens_committed"]
         time.sleep(seconds)
         st = service.status()
         c1, cpu1, p1, t1 = st["committed"], sum(me.cpu_times()[:2]), _planner_cpu(me), time.perf_counter()
+        b1 = _balancer_cpu(me)
         tok1 = st["tokens_committed"]
         loop = service.loop_stats()
         for p in ps:  # the consumers run until stopped: the figures above are taken while they stream
@@ -250,6 +265,9 @@ def measure(
         "cpu_ms_per_step": round((cpu1 - cpu0) * 1e3 / max(1, steps), 2),
         "control_ms_per_step_host": round(control_s * 1e3 / max(1, steps * len(hosts)), 4),
         "planner_ms_per_1m_tokens": round((p1 - p0) * 1e3 / max(1e-9, (tok1 - tok0) / 1e6), 3),
+        "balancer_process_ms_per_1m_tokens": (
+            round((b1 - b0) * 1e3 / max(1e-9, (tok1 - tok0) / 1e6), 3) if b0 is not None and b1 is not None else None
+        ),
         "loop_block_max_ms": loop["block_max_ms"],
         "loop_block_p99_ms": loop["block_p99_ms"],
         "consumer_processes": len(ps),
@@ -287,7 +305,16 @@ def main(argv=None) -> dict:
         help="dp 1,024 / 4,096 / 16,384 with 8 ranks per host, and dp/8 ranks of 8 tp replicas "
         "(payload-free above dp 1,024); no baseline",
     )
+    ap.add_argument(
+        "--balancer",
+        choices=["auto", "thread", "process"],
+        default="auto",
+        help="where the service places windows: its planner thread, the balancer's process, or by step size",
+    )
     args = ap.parse_args(argv)
+    from overlord_dask.planner.policies import balancer_process
+
+    os.environ[balancer_process.ENV] = {"auto": "", "thread": "0", "process": "1"}[args.balancer]
 
     from overlord_dask.service.demo import generate_demo_corpus
     from overlord_dask.service.deploy import local_cluster

@@ -616,3 +616,59 @@ def test_cut_packing_keeps_the_balancers_gains_and_the_mix():
     assert got["cost", "cut"][0] < 1.02 < got["none", "cut"][0]  # balancing still pays with every bin full
     for key, (_, _, mix) in got.items():
         assert np.abs(mix - w).max() < 0.005, key
+
+
+@pytest.mark.integration
+def test_the_balancer_process_places_windows_as_the_planner_thread_does():
+    """Windows placed in the balancer's process (``balancer_process``) make the very plan the
+    planner thread makes itself; a window the child fails on is placed by the thread, which
+    raises the same error, and the child places the next; a child killed mid-run costs no step
+    (the thread places the rest: the same plan); a child whose parent closed its end exits."""
+    import time
+
+    from overlord_dask.planner.policies import balancer_process as B
+    from overlord_dask.planner.policies.balance import place_window
+
+    gens = [
+        lambda r, n: np.clip((r.pareto(0.9, n) + 1) * 700, 16, 16_384).astype(np.int64),
+        lambda r, n: np.clip(r.lognormal(6.0, 1.0, n), 16, 16_384).astype(np.int64),
+    ]
+    topo = {"dp": 24, "micro_batches": 2, "tokens_per_micro_batch": 4096}
+
+    def plan(between=lambda: None) -> list:
+        st_ = make_state([0.6, 0.4], topo, {"policy": "cost", "window": 4}, seed=5)
+        steps = drive(st_, gens, 16, seed=5)
+        between()
+        steps += drive(st_, gens, 24, seed=6)
+        return [(st_.ledger[s]["pieces"].tobytes(), st_.ledger[s]["slot"].tobytes()) for s in steps]
+
+    def started() -> B.BalancerProcess:
+        proc = B.BalancerProcess()
+        deadline = time.monotonic() + 120
+        while not proc.available():
+            assert time.monotonic() < deadline, "the balancer process did not start"
+            time.sleep(0.05)
+        return proc
+
+    here = plan()
+    proc = started()
+    try:
+        B.use(proc)
+        assert plan() == here
+        assert proc.remote >= 10 and proc.local == 0
+        bad = np.zeros((3, 4), np.int64)  # (rows too narrow)
+        kw = {"steps": 1, "dp": 2, "micro_batches": 1, "capacity": 8, "step_budget": 16, "heavy_tokens": 4}
+        with pytest.raises(IndexError):
+            place_window(bad, np.ones(3), **kw)
+        with pytest.raises(IndexError):
+            B.place(bad, np.ones(3), **kw)
+        assert proc.local == 1 and proc.conn is not None
+        remote = proc.remote
+        assert plan(between=proc.proc.kill) == here
+        assert proc.remote > remote and proc.local > 1 and proc.conn is None  # (gone: used no more)
+    finally:
+        B.use(None)
+        proc.close()
+    orphan = started()
+    orphan.conn.close()
+    assert orphan.proc.wait(timeout=60) == 0

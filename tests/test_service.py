@@ -22,6 +22,7 @@ from overlord_dask.observe.figures import delivered_identities, delivered_record
 from overlord_dask.plan import plan_from_dict
 from overlord_dask.worker.constructors import check_micro_batch
 
+from . import harness as h
 from .harness import run_ranks
 from .reference import read_source
 
@@ -418,3 +419,27 @@ def test_trainer_wait_and_step_time_histograms():
     for v in (0.1, 0.2, 1.0, 5.0, float("nan")):
         h.observe(v)
     assert [c for _, c in h.as_dict()["buckets"]] == [1, 3, 5]
+
+
+@pytest.mark.integration
+def test_a_service_balancing_in_a_process_of_its_own_delivers_the_same_stream(cluster, small_plan, monkeypatch):
+    """With the balancer in its own process (``balancer_process``; forced here, where the steps
+    are small) the service delivers, piece for piece, what it delivers balancing in the planner
+    thread; its status names the process and the windows it placed."""
+    from overlord_dask.planner.policies import balancer_process
+
+    plan = small_plan(balance={"window": 3})
+    steps, dp = 20, plan.topology.dp
+    streams, balancers = [], []
+    for setting in ("0", "1"):
+        monkeypatch.setenv(balancer_process.ENV, setting)
+        with Service.start(plan, cluster=cluster) as service:
+            deadline = time.monotonic() + 120
+            while setting == "1" and not service.status()["balancer"]["ready"]:  # (the first windows: the thread's)
+                assert time.monotonic() < deadline, "the balancer process did not start"
+                time.sleep(0.1)
+            streams.append(h.consume(service.address, range(dp), steps=steps, timeout=60).digests)
+            balancers.append(service.status()["balancer"])
+    assert streams[0] == streams[1] and len(streams[0]) == steps * dp
+    assert balancers[0] is None
+    assert balancers[1]["ready"] and balancers[1]["windows_in_process"] > 0, balancers[1]

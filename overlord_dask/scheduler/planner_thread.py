@@ -22,7 +22,7 @@ from .. import logs
 from ..allocator import keep_large_arrays
 from ..batch_layout import BatchLayout
 from ..planner.feedback import FeedbackLoop
-from ..planner.policies import kernels
+from ..planner.policies import balancer_process, kernels
 from ..planner.state import PlannerState
 from . import heap
 from .chunks import chunk_tasks
@@ -64,6 +64,20 @@ def warm(bins: int | None) -> None:
     heap.freeze()
 
 
+def _start_balancer(bins: int | None) -> balancer_process.BalancerProcess | None:
+    """The balancer's process for steps of ``bins`` bins, in use (``balancer_process.wanted``),
+    or None: the planner thread balances itself (also where the process cannot start)."""
+    if not balancer_process.wanted(bins):
+        return None
+    try:
+        process = balancer_process.BalancerProcess()
+    except OSError:
+        logger.warning("the balancer process did not start: the planner thread balances", exc_info=True)
+        return None
+    balancer_process.use(process)
+    return process
+
+
 class PlannerThread:
     """Runs the planner state's work in its own thread; ``on_tasks(key, steps, lo, hi, skip)`` learns
     each constructor task handed out, ``observe()`` (called in the thread every
@@ -92,6 +106,7 @@ class PlannerThread:
         self.held_from: int | None = None  # the earliest step of decisions no snapshot holds yet
         self.decided = 0  # decisions made so far (what a snapshot written since holds)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="overlord-planner")
+        self.balancer = _start_balancer(bins)  # large steps: windows placed on a core of their own
         # the balancer's compiled loops (where worth it), ready (or compiling) while the first units load
         self.executor.submit(warm, bins)
         self.state: PlannerState | None = None
@@ -112,6 +127,9 @@ class PlannerThread:
 
     def stop(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.balancer is not None:
+            balancer_process.use(None)
+            self.balancer.close()
 
     async def run(self, fn, *args, **kwargs):
         """Run ``fn`` in the planner thread (the one thread that touches the planner state)."""
@@ -247,6 +265,19 @@ class PlannerThread:
         if decided >= self.decided:
             self.held_from = None
         self._kick.set()
+
+    def balancer_status(self) -> dict | None:
+        """(planner thread) The balancer's process (``balancer_process.py``), None where the
+        thread balances."""
+        b = self.balancer
+        if b is None:
+            return None
+        return {
+            "pid": b.proc.pid,
+            "ready": b.available(),  # (False while it starts, and once it is gone)
+            "windows_in_process": b.remote,
+            "windows_here": b.local,
+        }
 
     def feedback_status(self) -> dict:
         """(planner thread) What the trainers reported and what the planner made of it."""

@@ -123,7 +123,7 @@ class ServiceRoutes:
     async def status(self) -> dict:
         thread = self.p.thread
         st = await thread.run(
-            lambda: {**self.state.status(), "feedback": thread.feedback_status()}
+            lambda: {**self.state.status(), "feedback": thread.feedback_status(), "balancer": thread.balancer_status()}
         )  # one hop to the planner thread
         snaps = self.p.snapshots_loop
         return {

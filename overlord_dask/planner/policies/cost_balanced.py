@@ -8,7 +8,8 @@ import numpy as np
 from ... import pieces as P
 from ...plan import Balance
 from ..streams import ClassView
-from .balance import place_window, wfq_select
+from . import balancer_process
+from .balance import wfq_select
 from .base import Planned, Policy, Starved, Window, as_floats, grown
 from .cut import bin_room, fill_steps
 
@@ -77,7 +78,7 @@ class CostBalanced(Policy):
                 if need > 0:  # a top-up selects with the weights of the window's last step
                     new = self._select_steps(w, budgets) if rnd == 0 else self._select(w, need, w.start + w.steps - 1)
                     rows, buf = P.appended(rows, new, buf)
-                placed = place_window(
+                placed = balancer_process.place(
                     rows,
                     w.costs(rows),
                     steps=w.steps,
