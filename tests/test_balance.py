@@ -623,7 +623,8 @@ def test_the_balancer_process_places_windows_as_the_planner_thread_does():
     """Windows placed in the balancer's process (``balancer_process``) make the very plan the
     planner thread makes itself; a window the child fails on is placed by the thread, which
     raises the same error, and the child places the next; a child killed mid-run costs no step
-    (the thread places the rest: the same plan); a child whose parent closed its end exits."""
+    (the thread places the rest: the same plan); two threads planning at once share it; a child
+    whose parent closed its end exits."""
     import time
 
     from overlord_dask.planner.policies import balancer_process as B
@@ -656,6 +657,17 @@ def test_the_balancer_process_places_windows_as_the_planner_thread_does():
         B.use(proc)
         assert plan() == here
         assert proc.remote >= 10 and proc.local == 0
+        # two threads planning at once with the one process (a replay beside the service's planner)
+        import threading
+
+        both = [None, None]
+        threads = [threading.Thread(target=lambda k=k: both.__setitem__(k, plan())) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert both == [here, here]
+        proc.local = 0
         bad = np.zeros((3, 4), np.int64)  # (rows too narrow)
         kw = {"steps": 1, "dp": 2, "micro_batches": 1, "capacity": 8, "step_budget": 16, "heavy_tokens": 4}
         with pytest.raises(IndexError):

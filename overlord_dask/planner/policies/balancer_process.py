@@ -32,6 +32,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -122,7 +123,9 @@ class SharedArrays:
 
 
 class BalancerProcess:
-    """The child process and the planner thread's end of its socket (one caller at a time)."""
+    """The child process and the planner's end of its socket. One caller at a time: a second
+    thread that plans in this process (a replay in the notebook that embeds the service) waits
+    for the lock, and a placement the other's replaced in the child is finished here."""
 
     def __init__(self) -> None:
         memory = os.memfd_create("overlord-balancer")
@@ -145,35 +148,39 @@ class BalancerProcess:
         self.placed = 0  # placements the child made; the newest is the one it can finish
         self.remote = self.local = 0  # windows placed by the child / here (the views, tests)
         self._inputs_end = 0  # where the newest placement's arrays end in the shared memory
+        self._lock = threading.RLock()
 
     def available(self) -> bool:
         """Whether the child answers now (never waits for it to start)."""
-        if not self.ready and self.conn is not None:
-            try:
-                if self.conn.poll():
-                    self.ready = self.conn.recv() == "ready"
-            except (EOFError, OSError):
-                self._lost("it exited while starting")
-        return self.ready and self.conn is not None
+        with self._lock:
+            if not self.ready and self.conn is not None:
+                try:
+                    if self.conn.poll():
+                        self.ready = self.conn.recv() == "ready"
+                except (EOFError, OSError):
+                    self._lost("it exited while starting")
+            return self.ready and self.conn is not None
 
     def place(self, pieces: np.ndarray, costs: np.ndarray, **kw) -> Placement | RemotePlacement:
         """``balance.place_window(pieces, costs, **kw)``, in the child where it answers."""
-        if self.available():
-            arrays, self._inputs_end = self.shared.write({"pieces": pieces, "costs": costs})
-            answer = self._ask(("place", arrays, kw))
-            if answer is not None:
-                self.placed += 1
-                self.remote += 1
-                return RemotePlacement(self, self.placed, int(answer), (pieces, costs, kw))
-        self.local += 1
+        with self._lock:
+            if self.available():
+                arrays, self._inputs_end = self.shared.write({"pieces": pieces, "costs": costs})
+                answer = self._ask(("place", arrays, kw))
+                if answer is not None:
+                    self.placed += 1
+                    self.remote += 1
+                    return RemotePlacement(self, self.placed, int(answer), (pieces, costs, kw))
+            self.local += 1
         return place_window(pieces, costs, **kw)
 
     def finish(self, placement: RemotePlacement) -> WindowPlan:
         """The child's newest placement finished; here, from its inputs, where it cannot."""
-        if placement.number == self.placed and self.conn is not None:
-            answer = self._ask(("finish", self._inputs_end))
-            if answer is not None:
-                return _window_plan(self.shared.read(answer, copy=True))
+        with self._lock:
+            if placement.number == self.placed and self.conn is not None:
+                answer = self._ask(("finish", self._inputs_end))
+                if answer is not None:
+                    return _window_plan(self.shared.read(answer, copy=True))
         pieces, costs, kw = placement.inputs
         return place_window(pieces, costs, **kw).finish()
 
