@@ -45,8 +45,6 @@ logger = logging.getLogger(__name__)
 
 PROCESS_FROM_BINS = 512  # dp × micro-batches from which the service balances in a child process
 ENV = "OVERLORD_BALANCER_PROCESS"  # "0": never; "1": whatever the size (tests); unset: from PROCESS_FROM_BINS
-
-
 ALIGN = 64  # arrays in the shared memory start at multiples of this
 CHILD = f"import sys; from {__name__} import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
 
@@ -111,6 +109,14 @@ class SharedArrays:
             a = np.asarray(a)
             np.copyto(np.ndarray(a.shape, a.dtype, m, start), a)
         return out, end
+
+    def close(self) -> None:
+        if self.map is not None:
+            self.map.close()
+            self.map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def read(self, descriptors: list, copy: bool) -> dict[str, np.ndarray]:
         """The arrays ``descriptors`` name: copies, or views valid until the next write."""
@@ -206,6 +212,7 @@ class BalancerProcess:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        self.shared.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
