@@ -623,8 +623,10 @@ def test_the_balancer_process_places_windows_as_the_planner_thread_does():
     """Windows placed in the balancer's process (``balancer_process``) make the very plan the
     planner thread makes itself; a window the child fails on is placed by the thread, which
     raises the same error, and the child places the next; a child killed mid-run costs no step
-    (the thread places the rest: the same plan); two threads planning at once share it; a child
-    whose parent closed its end exits."""
+    (the thread places the rest: the same plan); two threads planning at once share it; closed
+    from another thread mid-run, it leaves the same plan; a child whose parent closed its end
+    exits."""
+    import threading
     import time
 
     from overlord_dask.planner.policies import balancer_process as B
@@ -658,8 +660,6 @@ def test_the_balancer_process_places_windows_as_the_planner_thread_does():
         assert plan() == here
         assert proc.remote >= 10 and proc.local == 0
         # two threads planning at once with the one process (a replay beside the service's planner)
-        import threading
-
         both = [None, None]
         threads = [threading.Thread(target=lambda k=k: both.__setitem__(k, plan())) for k in range(2)]
         for t in threads:
@@ -681,6 +681,18 @@ def test_the_balancer_process_places_windows_as_the_planner_thread_does():
     finally:
         B.use(None)
         proc.close()
+    # closed from another thread while windows are placed (the service stopping): the same plan
+    for delay in (0.0, 0.05, 0.2):
+        proc = started()
+        B.use(proc)
+        try:
+            closer = threading.Timer(delay, proc.close)
+            closer.start()
+            assert plan() == here
+            closer.join()
+        finally:
+            B.stop_using(proc)
+            proc.close()
     orphan = started()
     orphan.conn.close()
     assert orphan.proc.wait(timeout=60) == 0

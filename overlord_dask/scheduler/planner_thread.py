@@ -128,7 +128,7 @@ class PlannerThread:
     def stop(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self.balancer is not None:
-            balancer_process.use(None)
+            balancer_process.stop_using(self.balancer)
             self.balancer.close()
 
     async def run(self, fn, *args, **kwargs):

@@ -26,6 +26,7 @@ stopped, or died).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -112,7 +113,8 @@ class SharedArrays:
 
     def close(self) -> None:
         if self.map is not None:
-            self.map.close()
+            with contextlib.suppress(BufferError):  # (a placement still copying: the map goes with it)
+                self.map.close()
             self.map = None
         if self.fd >= 0:
             os.close(self.fd)
@@ -192,10 +194,14 @@ class BalancerProcess:
 
     def _ask(self, message: tuple):
         """The child's answer, or None where it has none (it failed: the caller computes the
-        same here, and raises the same error if it is one; it is gone: used no more)."""
+        same here, and raises the same error if it is one; it is gone, or closed meanwhile:
+        used no more)."""
+        conn = self.conn
+        if conn is None:
+            return None
         try:
-            self.conn.send(message)
-            kind, value = self.conn.recv()
+            conn.send(message)
+            kind, value = conn.recv()
         except (EOFError, OSError) as err:
             self._lost(f"{type(err).__name__}: {err}")
             return None
@@ -209,10 +215,7 @@ class BalancerProcess:
         self.close()
 
     def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-        self.shared.close()
+        """Stop the child (from any thread: a placement waiting on it wakes and is made here)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -220,6 +223,11 @@ class BalancerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+        with self._lock:  # (a placement talking to the child has heard it is gone)
+            self.shared.close()
 
 
 def _window_arrays(wp: WindowPlan) -> dict[str, np.ndarray]:
@@ -246,6 +254,13 @@ def use(process: BalancerProcess | None) -> None:
     """The process this process's planner balances in from now on (None: in its own thread)."""
     global _active
     _active = process
+
+
+def stop_using(process: BalancerProcess) -> None:
+    """``process`` is closed: no planner uses it any more (another's, started since, stays)."""
+    global _active
+    if _active is process:
+        _active = None
 
 
 def place(pieces: np.ndarray, costs: np.ndarray, **kw) -> Placement | RemotePlacement:
