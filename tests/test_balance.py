@@ -624,8 +624,8 @@ def test_the_balancer_process_places_windows_as_the_planner_thread_does():
     planner thread makes itself; a window the child fails on is placed by the thread, which
     raises the same error, and the child places the next; a child killed mid-run costs no step
     (the thread places the rest: the same plan); two threads planning at once share it; closed
-    from another thread mid-run, it leaves the same plan; a child whose parent closed its end
-    exits."""
+    from another thread mid-run, or out of shared memory, it leaves the same plan; a child whose
+    parent closed its end exits."""
     import threading
     import time
 
@@ -693,6 +693,19 @@ def test_the_balancer_process_places_windows_as_the_planner_thread_does():
         finally:
             B.stop_using(proc)
             proc.close()
+    # shared memory that cannot grow (no room left): the thread balances, the same plan
+    proc = started()
+    B.use(proc)
+    try:
+
+        def full(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        proc.shared.write = full
+        assert plan() == here and proc.conn is None and proc.remote == 0
+    finally:
+        B.stop_using(proc)
+        proc.close()
     orphan = started()
     orphan.conn.close()
     assert orphan.proc.wait(timeout=60) == 0

@@ -173,8 +173,13 @@ class BalancerProcess:
         """``balance.place_window(pieces, costs, **kw)``, in the child where it answers."""
         with self._lock:
             if self.available():
-                arrays, self._inputs_end = self.shared.write({"pieces": pieces, "costs": costs})
-                answer = self._ask(("place", arrays, kw))
+                try:
+                    arrays, self._inputs_end = self.shared.write({"pieces": pieces, "costs": costs})
+                except OSError as err:  # (the shared memory cannot grow: no room left for it)
+                    self._lost(f"its shared memory: {err}")
+                    answer = None
+                else:
+                    answer = self._ask(("place", arrays, kw))
                 if answer is not None:
                     self.placed += 1
                     self.remote += 1
@@ -188,7 +193,10 @@ class BalancerProcess:
             if placement.number == self.placed and self.conn is not None:
                 answer = self._ask(("finish", self._inputs_end))
                 if answer is not None:
-                    return _window_plan(self.shared.read(answer, copy=True))
+                    try:
+                        return _window_plan(self.shared.read(answer, copy=True))
+                    except OSError as err:
+                        self._lost(f"its shared memory: {err}")
         pieces, costs, kw = placement.inputs
         return place_window(pieces, costs, **kw).finish()
 
