@@ -58,10 +58,22 @@ def test_balance_benchmark_runs():
 
 
 def test_balance_scaling_rows_run():
-    """``--scaling``: the planner's ms per 1M tokens per (dp, tokens per rank)."""
-    out, _ = run_benchmark("balance", ["--scaling", "--scaling-dp", "16", "64", "--scaling-tokens", "512", "--json"])
-    assert [(r["dp"], r["tokens_per_rank"]) for r in out["rows"]] == [(16, 512), (64, 512)]
+    """``--scaling``: the planner's ms per 1M tokens per (dp, tokens per rank); with
+    ``--balancer-process`` each row again with the windows placed in the balancer's process,
+    its CPU and the planner thread's apart."""
+    args = ["--scaling", "--scaling-dp", "16", "64", "--scaling-tokens", "512", "--balancer-process", "--json"]
+    out, _ = run_benchmark("balance", args)
+    assert [(r["dp"], r["tokens_per_rank"], r["balancer"]) for r in out["rows"]] == [
+        (16, 512, "thread"),
+        (16, 512, "process"),
+        (64, 512, "thread"),
+        (64, 512, "process"),
+    ]
     assert all(r["planner_ms_per_1m_tokens"] > 0 and r["steps"] >= 32 for r in out["rows"])
+    for r in out["rows"]:
+        assert r["thread_cpu_ms_per_1m_tokens"] > 0
+        # (the process's CPU counts in clock ticks: at these sizes it may read 0)
+        assert (r["process_cpu_ms_per_1m_tokens"] is None) == (r["balancer"] == "thread"), r
 
 
 def test_shuffle_benchmark_runs():
@@ -192,12 +204,13 @@ def test_model_trainer_names_a_token_past_its_vocabulary():
 
 @pytest.mark.parametrize("consumers,replicas", [("lean", 1), ("rankstream", 1), ("lean", 3)])
 def test_control_plane_benchmark_runs(corpus, consumers, replicas):
-    """A row per dp; with replicas (tensor-parallel consumers of each rank, payload-free here)
-    the same columns, the control path per (step, host) and the planner's cost per token."""
+    """A row per dp; with replicas (tensor-parallel consumers of each rank, payload-free here,
+    the balancer in its process) the same columns, the control path per (step, host) and the
+    planner's cost per token."""
     out, stdout = run_benchmark(
         "control_plane",
         [
-            *(["--replicas", str(replicas), "--no-fetch"] if replicas > 1 else []),
+            *(["--replicas", str(replicas), "--no-fetch", "--balancer", "process"] if replicas > 1 else []),
             "--dp",
             "6",
             "--ranks-per-host",
@@ -229,6 +242,8 @@ def test_control_plane_benchmark_runs(corpus, consumers, replicas):
     assert row["connections"] == 2 and row["consumer_processes"] == 2 and row["consumers"] == consumers
     assert row["replicas"] == replicas and row["fetch"] == (replicas == 1)
     assert row["control_ms_per_step_host"] > 0 and row["planner_ms_per_1m_tokens"] > 0
+    # (with replicas, the windows placed in the balancer's process: its CPU is a column of its own)
+    assert (row["balancer_process_ms_per_1m_tokens"] is not None) == (replicas > 1), row
     assert '"control_plane"' in stdout
 
 
