@@ -52,8 +52,8 @@ CHILD = f"import sys; from {__name__} import serve; serve(int(sys.argv[1]), int(
 
 def wanted(bins: int | None) -> bool:
     """Whether a planner of steps of ``bins`` bins balances in a child process: worth its
-    start (~1 s), its memory (numpy and the compiled kernels, ~100 MB) and the copies of each
-    window's rows only for large steps (and only where shared memory files exist: Linux)."""
+    start, its memory (a Python process with numpy and the compiled kernels) and the copies of
+    each window's rows only for large steps (and only where shared memory files exist: Linux)."""
     if not hasattr(os, "memfd_create"):
         return False
     setting = os.environ.get(ENV, "")
