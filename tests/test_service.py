@@ -425,21 +425,31 @@ def test_trainer_wait_and_step_time_histograms():
 def test_a_service_balancing_in_a_process_of_its_own_delivers_the_same_stream(cluster, small_plan, monkeypatch):
     """With the balancer in its own process (``balancer_process``; forced here, where the steps
     are small) the service delivers, piece for piece, what it delivers balancing in the planner
-    thread; its status names the process and the windows it placed."""
+    thread; its status names the process and the windows it placed. The process killed mid-run:
+    the planner thread places the rest, the same stream."""
+    import signal
+
     from overlord_dask.planner.policies import balancer_process
 
     plan = small_plan(balance={"window": 3})
     steps, dp = 20, plan.topology.dp
     streams, balancers = [], []
-    for setting in ("0", "1"):
+    for setting, kill_at in (("0", None), ("1", None), ("1", 8)):
         monkeypatch.setenv(balancer_process.ENV, setting)
         with Service.start(plan, cluster=cluster) as service:
             deadline = time.monotonic() + 120
             while setting == "1" and not service.status()["balancer"]["ready"]:  # (the first windows: the thread's)
                 assert time.monotonic() < deadline, "the balancer process did not start"
                 time.sleep(0.1)
-            streams.append(h.consume(service.address, range(dp), steps=steps, timeout=60).digests)
+            pid = service.status()["balancer"]["pid"] if kill_at is not None else None
+
+            def kill(rank, batch, pid=pid, kill_at=kill_at):
+                if pid is not None and rank == 0 and batch["step"] == kill_at:
+                    os.kill(pid, signal.SIGKILL)
+
+            streams.append(h.consume(service.address, range(dp), steps=steps, timeout=60, on_batch=kill).digests)
             balancers.append(service.status()["balancer"])
-    assert streams[0] == streams[1] and len(streams[0]) == steps * dp
+    assert streams[0] == streams[1] == streams[2] and len(streams[0]) == steps * dp
     assert balancers[0] is None
     assert balancers[1]["ready"] and balancers[1]["windows_in_process"] > 0, balancers[1]
+    assert not balancers[2]["ready"] and balancers[2]["windows_here"] > 0, balancers[2]  # (killed: the thread's)
