@@ -158,11 +158,13 @@ def test_serve_status_update_stop_and_resume_through_a_scheduler_file(tmp_path, 
         assert status["committed"] >= 5 and status["dp"] == 2 and set(status["rank_lag"]) == {"0", "1"}
         assert set(status["rank_wait_share"]) == {"0", "1"}  # each trainer's own count, sent with its acks
         assert status["imbalance"] >= 1.0 and status["mix_error"] is not None and status["failure"] is None
+        assert 0 < status["mix_grain"] <= 1  # (policy cost: long pieces go dp at a time)
         assert status["dashboard"] == hello["dashboard"] and status["tokens_committed"] > 0
         assert status["status"]["committed"] == status["committed"]  # --json: Service.status() too
         text = _cli("status", str(sf)).stdout  # for a person: labelled lines
         assert f"dashboard   {hello['dashboard']}" in text and f"{status['committed']} committed" in text
         assert "rank 0" in text and "imbalance" in text and "{" not in text
+        assert "long pieces go dp at a time: one such group is up to" in text
         update = dict(plan, sources=[{**s, "weight": 1.0 if s["name"] == "books" else 0.1} for s in plan["sources"]])
         (tmp_path / "update.yaml").write_text(yaml.safe_dump(update))
         out = _cli("update", str(sf), str(tmp_path / "update.yaml"))  # the file lacks the service's --set
@@ -258,7 +260,12 @@ def test_every_command_shows_its_defaults_in_help():
 
 
 def test_status_text_reads_as_a_person_would():
+    from overlord_dask.observe.figures import mix_grain
     from overlord_dask.service.status_text import render
+
+    # what one group of dp long pieces weighs in a window: dp × its longest piece over its tokens
+    assert mix_grain([{"tokens": 100, "longest_piece": 10}, {"tokens": 100, "longest_piece": 30}], 4) == 0.6
+    assert mix_grain([], 4) is None
 
     s = {
         "run_id": "demo-1",
@@ -275,6 +282,7 @@ def test_status_text_reads_as_a_person_would():
         "imbalance": 1.0213,
         "mb_imbalance": 1.05,
         "mix_error": 0.0126,
+        "mix_grain": 0.025,
         "starved_on": None,
         "pools": {},
         "last_snapshot": {"kind": "delta", "bytes": 3300, "seconds": 0.01, "committed": 48, "time": 1000.0},
@@ -290,6 +298,8 @@ def test_status_text_reads_as_a_person_would():
     assert lines["lag"] == "rank 1: 2 steps behind the leader"
     assert lines["waiting"].startswith("rank 1 40.0%") and "starve" in lines["waiting"]
     assert lines["mix"].startswith("error 1.26%") and "snapshot" in lines and "10 s ago" in lines["snapshot"]
+    assert lines["mix"].endswith("(long pieces go dp at a time: one such group is up to 2.50% of them)")
+    assert "group" not in dict(line.split(None, 1) for line in render({**s, "mix_grain": None}).splitlines())["mix"]
     assert lines["dashboard"] == s["dashboard"] and lines["tokens"].startswith("2.5M")
     quiet = render(
         {**s, "committed": 0, "imbalance": None, "mb_imbalance": None, "mix_error": None, "last_snapshot": None}

@@ -323,6 +323,7 @@ def test_dashboard_page_in_a_browser_and_prometheus_gauges_over_http(cluster, sm
     cards = dict(re.findall(r'id="v-([\w-]+)">([^<]*)<', page))
     assert re.search(rf'id="run-id">{service.run_id}<', page) and 'data-committed="8"' in page
     assert cards["state"] == "running" and cards["mix-error"] == f"{100 * snap['mix_error']:.2f}%"
+    assert f"long pieces go dp at a time, a group up to {100 * snap['mix_grain']:.2f}%" in page  # the error's scale
     assert cards["imbalance"] == f"{snap['imbalance']:.3f}" and cards["max-lag"] == f"{max(snap['rank_lag'])} steps"
     assert cards["tokens-s"] not in ("", "–") and cards["worst-wait-share"].endswith("%")
     assert "8 committed" in page and all(f"<td>{n}</td>" in page for n in ("web", "chat", "books"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from .figures import MIX_WINDOW, per_source, rank_lag, window_figures
+from .figures import MIX_WINDOW, mix_grain, per_source, rank_lag, window_figures
 
 HISTORY = 200  # steps the page and the series show
 RATE_WINDOW_S = 60.0  # the headline tokens/s and steps/s are over this much wall-clock time
@@ -106,6 +106,7 @@ def snapshot(
         "failure": state.failure,
         "rank_lag": rank_lag(acked),
         "mix_error": window["mix_error"],
+        "mix_grain": mix_grain(recent, state.topology.dp) if state.final_plan.balance.policy == "cost" else None,
         "imbalance": window["imbalance"],
         "mb_imbalance": window["mb_imbalance"],
         "series": {

@@ -82,7 +82,10 @@ def render(s: dict, previous: tuple[float, dict] | None = None, now: float | Non
                 "(max / mean cost over ranks; 1 is even), last 20 committed steps",
             )
         )
-        lines.append(("mix", f"error {s['mix_error']:.2%} of tokens off the declared shares, last 20 committed steps"))
+        mix = f"error {s['mix_error']:.2%} of tokens off the declared shares, last 20 committed steps"
+        if s.get("mix_grain"):  # (what a group of long pieces weighs there: the error's own scale)
+            mix += f" (long pieces go dp at a time: one such group is up to {s['mix_grain']:.2%} of them)"
+        lines.append(("mix", mix))
     if s.get("starved_on"):
         lines.append(("waiting on", f"source {s['starved_on']!r} (its loads are behind the planner)"))
     w = s.get("waiting")

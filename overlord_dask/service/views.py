@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import pieces as P
 from ..loading.pools import pool_resource, uses_pools
-from ..observe.figures import rank_lag, window_figures
+from ..observe.figures import mix_grain, rank_lag, window_figures
 from ..observe.tables import (
     DEFAULT_EDGES,
     decisions_table,
@@ -67,6 +67,11 @@ class ServiceViews:
                 k: None if figures[k] is None else round(figures[k], 4)
                 for k in ("imbalance", "mb_imbalance", "mix_error")
             },
+            "mix_grain": (
+                None
+                if self.plan.balance.policy != "cost" or (g := mix_grain(recent, info["dp"])) is None
+                else round(g, 4)
+            ),
             "starved_on": st["starved_on"],
             "waiting": st.get("waiting"),
             "pools": {p["pool"]: {"workers": p["workers"], "target": p["target"]} for p in self.pools()}
