@@ -126,7 +126,10 @@ def test_an_in_process_service_tunes_its_process_before_its_workers_start(tmp_pa
 _LARGE = """
 import json, resource
 import numpy as np
+from numpy._core.multiarray import _set_madvise_hugepage
 from overlord_dask.allocator import keep_freed_memory, keep_large_arrays
+
+_set_madvise_hugepage(False)  # (a page per fault: numpy's huge pages fault 2 MiB at a time where free ones exist)
 
 def faults_per_array():
     np.ones(2 << 20)  # (the first one faults in the heap's pages either way)
@@ -156,7 +159,8 @@ def test_a_large_planner_takes_its_arrays_from_the_heap_where_the_threshold_was_
     )
     got = json.loads(out.stdout)
     assert got["alone"] is False and got["pinned"] is True and got["raised"] is True, got
-    assert got["before"] > 100 and got["after"] < 5, got  # its pages (huge ones where numpy asks) every time, then none
+    # its pages every time (at least one per 2 MiB, should the kernel give huge pages anyway), then none
+    assert got["before"] >= 8 and got["after"] <= 1, got
 
 
 def test_the_planner_raises_the_threshold_only_for_large_steps(monkeypatch):
