@@ -314,11 +314,9 @@ def _started_balancer():
     from overlord_dask.planner.policies import balancer_process as B
 
     proc = B.BalancerProcess()
-    deadline = time.monotonic() + 120
-    while not proc.available():
-        if time.monotonic() > deadline:
-            raise RuntimeError("the balancer process did not start within 120 s")
-        time.sleep(0.05)
+    if not proc.wait_ready(120):
+        proc.close()
+        raise RuntimeError("the balancer process did not start within 120 s")
     return proc
 
 

@@ -627,7 +627,6 @@ def test_the_balancer_process_places_windows_as_the_planner_thread_does():
     from another thread mid-run, or out of shared memory, it leaves the same plan; a child whose
     parent closed its end exits."""
     import threading
-    import time
 
     from overlord_dask.planner.policies import balancer_process as B
     from overlord_dask.planner.policies.balance import place_window
@@ -647,10 +646,7 @@ def test_the_balancer_process_places_windows_as_the_planner_thread_does():
 
     def started() -> B.BalancerProcess:
         proc = B.BalancerProcess()
-        deadline = time.monotonic() + 120
-        while not proc.available():
-            assert time.monotonic() < deadline, "the balancer process did not start"
-            time.sleep(0.05)
+        assert proc.wait_ready(120), "the balancer process did not start"
         return proc
 
     here = plan()

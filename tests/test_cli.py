@@ -264,8 +264,9 @@ def test_status_text_reads_as_a_person_would():
     from overlord_dask.service.status_text import render
 
     # what one group of dp long pieces weighs in a window: dp × its longest piece over its tokens
-    assert mix_grain([{"tokens": 100, "longest_piece": 10}, {"tokens": 100, "longest_piece": 30}], 4) == 0.6
-    assert mix_grain([], 4) is None
+    assert mix_grain([{"tokens": 100, "longest_piece": 10}, {"tokens": 100, "longest_piece": 30}], 4, "cost") == 0.6
+    assert mix_grain([], 4, "cost") is None
+    assert mix_grain([{"tokens": 100, "longest_piece": 10}], 4, "none") is None  # (pieces not placed dp at a time)
 
     s = {
         "run_id": "demo-1",

@@ -106,7 +106,7 @@ def snapshot(
         "failure": state.failure,
         "rank_lag": rank_lag(acked),
         "mix_error": window["mix_error"],
-        "mix_grain": mix_grain(recent, state.topology.dp) if state.final_plan.balance.policy == "cost" else None,
+        "mix_grain": mix_grain(recent, state.topology.dp, state.final_plan.balance.policy),
         "imbalance": window["imbalance"],
         "mb_imbalance": window["mb_imbalance"],
         "series": {

@@ -76,14 +76,15 @@ def window_mix_errors(source_tokens: np.ndarray, weights: np.ndarray, window: in
     return mix_error(ct[window:] - ct[:-window], cw[window:] - cw[:-window])
 
 
-def mix_grain(metrics: list[dict], dp: int) -> float | None:
+def mix_grain(metrics: list[dict], dp: int, policy: str) -> float | None:
     """How far one group of long pieces moves the mix of a window of planned-step ``metrics``:
-    ``dp`` of the window's longest pieces over its tokens (None for an empty window). The cost
-    balancer places long pieces ``dp`` at a time, one per rank in one micro-batch row, so a
-    source's share over the window runs up to about this much off the declared one, whatever
-    the window; pieces of at most ``topology.max_doc_tokens`` tokens make it smaller."""
+    ``dp`` of the window's longest pieces over its tokens (None for an empty window, and for a
+    ``policy`` other than the cost balancer's). The cost balancer places long pieces ``dp`` at a
+    time, one per rank in one micro-batch row, so a source's share over the window runs up to
+    about this much off the declared one, whatever the window; pieces of at most
+    ``topology.max_doc_tokens`` tokens make it smaller. (The balance policy is fixed for a run.)"""
     tokens = sum(m["tokens"] for m in metrics)
-    if not tokens:
+    if policy != "cost" or not tokens:
         return None
     return dp * max(m.get("longest_piece", 0) for m in metrics) / tokens
 

@@ -67,11 +67,9 @@ class ServiceViews:
                 k: None if figures[k] is None else round(figures[k], 4)
                 for k in ("imbalance", "mb_imbalance", "mix_error")
             },
-            "mix_grain": (
-                None
-                if self.plan.balance.policy != "cost" or (g := mix_grain(recent, info["dp"])) is None
-                else round(g, 4)
-            ),
+            "mix_grain": None
+            if (g := mix_grain(recent, info["dp"], self.plan.balance.policy)) is None
+            else round(g, 4),
             "starved_on": st["starved_on"],
             "waiting": st.get("waiting"),
             "pools": {p["pool"]: {"workers": p["workers"], "target": p["target"]} for p in self.pools()}

@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -168,6 +169,16 @@ class BalancerProcess:
                 except (EOFError, OSError):
                     self._lost("it exited while starting")
             return self.ready and self.conn is not None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the child answers within ``timeout`` seconds (False also where it is gone).
+        For benchmarks and tests that measure the child: the planner never waits for it."""
+        deadline = time.monotonic() + timeout
+        while not self.available():
+            if self.conn is None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def place(self, pieces: np.ndarray, costs: np.ndarray, **kw) -> Placement | RemotePlacement:
         """``balance.place_window(pieces, costs, **kw)``, in the child where it answers."""
