@@ -11,13 +11,18 @@ what a first batch costs when files are fetched by ranged requests). Per format:
 
 - ``index_s``: indexing the source (what every service start pays: ``discover_units``; for
   ``arrow.s3`` the first indexing, whose walk of the message headers later starts find cached);
-- ``first_batch_s``: from ``Service.start`` (2 worker processes) to the first batch at a rank;
+- ``service_start_s``: ``Service.start`` (2 worker processes) until it returns (the cluster and
+  the plugin up; loading and planning go on in the background);
+- ``first_batch_s``: from ``Service.start`` to the first batch at a rank;
 - ``tokens_per_s``: documents' tokens delivered by the service to ``--dp`` ranks (threads that
   only take batches), over ``--tokens`` tokens after the first batch;
 - ``peer_tokens_per_s``: the format's usual reader in the same run, one process, producing the same
   documents' byte-tokenized ids over the same number of tokens: HF ``datasets`` streaming for
   parquet, jsonl and Arrow, local or on S3 (``load_dataset(..., streaming=True)``), the ``webdataset`` library's
-  ``WebDataset`` for the shards, a plain memory-mapped read of ``.bin`` by the ``.idx`` for Megatron.
+  ``WebDataset`` for the shards, a plain memory-mapped read of ``.bin`` by the ``.idx`` for Megatron;
+- ``peer_first_batch_s``: from the peer's start (opening the dataset) to its first batch's worth of
+  tokens (a rank's micro-batches: 2 × ``--tokens-per-mb``), byte-tokenized. A lower bound on what a
+  loader built on it would take: it packs nothing, and its first tokens are its first file's.
 
 The peers hand out documents; the service hands out packed, balanced, resumable batches on several
 processes: the ratio says what that costs or gains per format on this machine.
@@ -69,13 +74,15 @@ def _index_s(plan) -> tuple[float, int]:
     return time.perf_counter() - t0, len(units)
 
 
-def _service(plan, dp: int, tokens: int) -> tuple[float, float]:
-    """(first batch seconds, delivered tokens per second after it)."""
+def _service(plan, dp: int, tokens: int) -> tuple[float, float, float]:
+    """(seconds until ``Service.start`` returned, first batch seconds, delivered tokens per
+    second after it)."""
     from overlord_dask import Service, connect
 
     t0 = time.perf_counter()
     first, counts, done = [], [0] * dp, threading.Event()
     with Service.start(plan, n_workers=2) as service:
+        started = time.perf_counter() - t0
 
         def rank(r):
             with connect(service.address, r, timeout=600) as s:
@@ -95,7 +102,7 @@ def _service(plan, dp: int, tokens: int) -> tuple[float, float]:
             t.join()
         t_end = time.perf_counter()
     start = min(first)
-    return start - t0, sum(counts) / max(t_end - start, 1e-9)
+    return started, start - t0, sum(counts) / max(t_end - start, 1e-9)
 
 
 def _tokenize(texts: list[str]) -> int:
@@ -107,22 +114,32 @@ def _tokenize(texts: list[str]) -> int:
     return len(toks)
 
 
-def _stream_texts(texts, tokens: int, batch: int = 1000) -> float:
-    """Tokens per second of byte-tokenizing ``texts`` (an iterator) in batches until ``tokens``."""
-    t0, n, buf = time.perf_counter(), 0, []
+def _stream_texts(texts, tokens: int, first: tuple[float, int], batch: int = 1000) -> tuple[float, float]:
+    """Byte-tokenizing ``texts`` (an iterator) in batches until ``tokens``: tokens per second, and
+    the seconds from ``first[0]`` (the peer's start) until it had ``first[1]`` tokens (batches of
+    100 texts until then, so that a first batch is not timed at the end of a large one)."""
+    t0, n, buf, first_s = time.perf_counter(), 0, [], None
     for t in texts:
         buf.append(t)
-        if len(buf) == batch:
+        if len(buf) == (batch if first_s is not None else 100):
             n += _tokenize(buf)
             buf = []
+            if first_s is None and n >= first[1]:
+                first_s = time.perf_counter() - first[0]
             if n >= tokens:
                 break
     if buf and n < tokens:
         n += _tokenize(buf)
-    return n / (time.perf_counter() - t0)
+    if first_s is None:  # (fewer tokens than a first batch: the whole corpus)
+        first_s = time.perf_counter() - first[0]
+    return n / (time.perf_counter() - t0), first_s
 
 
-def _peer(root: Path, fmt: str, url: str, tokens: int, options: dict | None = None) -> tuple[str, float]:
+def _peer(
+    root: Path, fmt: str, url: str, tokens: int, first_tokens: int, options: dict | None = None
+) -> tuple[str, float, float]:
+    """(the peer's name, its tokens per second, seconds to its first ``first_tokens``)."""
+    first = (time.perf_counter(), first_tokens)
     if fmt in ("parquet", "jsonl.zst"):
         import datasets
 
@@ -131,13 +148,13 @@ def _peer(root: Path, fmt: str, url: str, tokens: int, options: dict | None = No
         ds = datasets.load_dataset(
             "parquet" if fmt == "parquet" else "json", data_files=files, split="train", streaming=True
         )
-        return "datasets streaming", _stream_texts((r["text"] for r in ds), tokens)
+        return "datasets streaming", *_stream_texts((r["text"] for r in ds), tokens, first)
     if fmt == "arrow":
         import datasets
 
         files = sorted(str(p) for p in (root / url).glob("*.arrow"))
         ds = datasets.load_dataset("arrow", data_files=files, split="train", streaming=True)
-        return "datasets streaming", _stream_texts((r["text"] for r in ds), tokens)
+        return "datasets streaming", *_stream_texts((r["text"] for r in ds), tokens, first)
     if fmt == "arrow.s3":
         import datasets
         import fsspec
@@ -145,22 +162,23 @@ def _peer(root: Path, fmt: str, url: str, tokens: int, options: dict | None = No
         fs = fsspec.filesystem("s3", **options)
         files = sorted(f"s3://{p}" for p in fs.glob(f"{url}/*.arrow"))
         ds = datasets.load_dataset("arrow", data_files=files, split="train", streaming=True, storage_options=options)
-        return "datasets streaming (S3)", _stream_texts((r["text"] for r in ds), tokens)
+        return "datasets streaming (S3)", *_stream_texts((r["text"] for r in ds), tokens, first)
     if fmt == "webdataset":
         import webdataset as wds
 
         shards = sorted(str(p) for p in (root / "wds").glob("*.tar"))
         ds = wds.WebDataset(shards, shardshuffle=False).decode()
-        return "webdataset.WebDataset", _stream_texts((s["txt"] for s in ds), tokens)
-    return "memory map (.bin by .idx)", _megatron_mmap(root / url, tokens)
+        return "webdataset.WebDataset", *_stream_texts((s["txt"] for s in ds), tokens, first)
+    return "memory map (.bin by .idx)", *_megatron_mmap(root / url, tokens, first_tokens)
 
 
-def _megatron_mmap(folder: Path, tokens: int) -> float:
+def _megatron_mmap(folder: Path, tokens: int, first_tokens: int) -> tuple[float, float]:
     """Documents of every ``.bin`` by the offsets in its ``.idx``, memory-mapped (what Megatron's
-    own ``IndexedDataset`` does), touched once each: tokens per second."""
+    own ``IndexedDataset`` does), touched once each: tokens per second, and seconds to the first
+    ``first_tokens``."""
     import struct
 
-    t0, n = time.perf_counter(), 0
+    t0, n, first_s = time.perf_counter(), 0, None
     for idx in sorted(folder.glob("*.idx")):
         raw = idx.read_bytes()
         seqs = struct.unpack_from("<Q", raw, 18)[0]
@@ -169,9 +187,12 @@ def _megatron_mmap(folder: Path, tokens: int) -> float:
         data = np.memmap(str(idx)[:-4] + ".bin", dtype=np.uint16, mode="r")
         for p, s in zip(pointers // 2, sizes):
             n += int(np.asarray(data[p : p + s], dtype=np.int32).size)
+            if first_s is None and n >= first_tokens:
+                first_s = time.perf_counter() - t0
             if n >= tokens:
-                return n / (time.perf_counter() - t0)
-    return n / (time.perf_counter() - t0)
+                return n / (time.perf_counter() - t0), first_s
+    elapsed = time.perf_counter() - t0
+    return n / elapsed, elapsed if first_s is None else first_s
 
 
 def _on_s3(root: Path, url: str, state: dict) -> tuple[str, dict]:
@@ -220,8 +241,8 @@ def main(argv=None) -> dict:
             write_s = time.perf_counter() - tw
             plan = _plan(root, fmt, url, args.dp, args.tokens_per_mb, **source)
             index_s, units = _index_s(plan)
-            first_s, tps = _service(plan, args.dp, args.tokens)
-            peer, peer_tps = _peer(root, fmt, url, args.tokens, options)
+            start_s, first_s, tps = _service(plan, args.dp, args.tokens)
+            peer, peer_tps, peer_first_s = _peer(root, fmt, url, args.tokens, 2 * args.tokens_per_mb, options)
             rows.append(
                 {
                     "format": fmt,
@@ -229,10 +250,12 @@ def main(argv=None) -> dict:
                     "write_s": round(write_s, 1),
                     "units": units,
                     "index_s": float(f"{index_s:.3g}"),
+                    "service_start_s": float(f"{start_s:.3g}"),
                     "first_batch_s": float(f"{first_s:.3g}"),
                     "tokens_per_s": round(tps),
                     "peer": peer,
                     "peer_tokens_per_s": round(peer_tps),
+                    "peer_first_batch_s": float(f"{peer_first_s:.3g}"),
                     "ratio": round(tps / peer_tps, 2),
                 }
             )
@@ -246,7 +269,10 @@ def main(argv=None) -> dict:
             "total_s": round(time.perf_counter() - t0, 1),
             "rows": rows,
             "formats": {
-                r["format"]: {k: r[k] for k in ("index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s")}
+                r["format"]: {
+                    k: r[k]
+                    for k in ("index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s", "peer_first_batch_s")
+                }
                 for r in rows
             },
         }
@@ -264,10 +290,12 @@ def main(argv=None) -> dict:
             "write_s",
             "units",
             "index_s",
+            "service_start_s",
             "first_batch_s",
             "tokens_per_s",
             "peer",
             "peer_tokens_per_s",
+            "peer_first_batch_s",
             "ratio",
         ],
     )

@@ -484,7 +484,13 @@ def test_formats_benchmark_runs(tmp_path):
     )
     assert set(out["formats"]) == {"parquet", "jsonl.zst", "arrow", "arrow.s3", "webdataset", "megatron"}
     for fmt, figures in out["formats"].items():
-        assert set(figures) == {"index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s"}, fmt
+        assert set(figures) == {
+            "index_s",
+            "first_batch_s",
+            "tokens_per_s",
+            "peer_tokens_per_s",
+            "peer_first_batch_s",
+        }, fmt
         assert all(v > 0 for v in figures.values()), (fmt, figures)
     assert '"formats"' in stdout
 

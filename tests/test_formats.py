@@ -119,6 +119,49 @@ def test_units_read_every_document_once_in_file_order(fc, fmt, small):
         assert len(units) > 2 * FILES  # a file is cut into several units
 
 
+_READ_IN_A_FRESH_PROCESS = """
+import json, sys
+from overlord_dask.plan import plan_from_dict
+from overlord_dask.sources import discover_units, load_unit
+plan = plan_from_dict(json.loads(sys.argv[1]), where="<test plan>")
+for u in discover_units(plan.sources[0], plan):
+    load_unit(plan.sources[0], plan, u)
+print(json.dumps(sorted(m for m in ("pandas", "pyarrow.compute") if m in sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "parquet tokens", "jsonl.zst", "arrow", "webdataset", "megatron"])
+def test_reading_a_format_imports_neither_pandas_nor_arrows_compute_kernels(fc, tmp_path, fmt):
+    """A loader process holds what it reads and little else: pyarrow's numpy conversions
+    (``to_numpy``, ``np.asarray(array)``, ``pa.array``) import pandas where it is installed
+    (beside Dask's dashboard it is), tens of MB in every worker that never uses it
+    (``sources/arrow_views.py`` reads and writes the buffers instead)."""
+    import subprocess
+
+    import pyarrow.parquet as pq
+
+    root, records, urls = fc
+    if fmt == "parquet tokens":  # pre-tokenized lists, one of them null
+        toks = ref.tokens_of([r["text"] for r in records[:40]])
+        lists = pa.array([t.tolist() for t in toks[:-1]] + [None], pa.list_(pa.int32()))
+        (tmp_path / "tok").mkdir()
+        pq.write_table(pa.table({"input_ids": lists}), tmp_path / "tok" / "part-0.parquet", row_group_size=16)
+        source = {"name": "tok", "format": "parquet", "url": str(tmp_path / "tok"), "tokens_field": "input_ids"}
+    else:
+        source = source_for(fmt, str(root / urls[fmt]))
+    data = {
+        "name": "fresh",
+        "seed": 1,
+        "sources": [source],
+        "topology": {"dp": 1, "micro_batches": 1, "tokens_per_micro_batch": 2048},
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _READ_IN_A_FRESH_PROCESS, json.dumps(data)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [], fmt
+
+
 def test_jsonl_units_follow_the_file(fc):
     """How jsonl files are cut: plain files by byte ranges (counted when loaded), multi-frame zstd by
     runs of frames, gzip by its cached one-pass line index (counted: dense ids)."""

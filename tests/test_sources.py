@@ -323,3 +323,61 @@ def test_blocks_keep_ids_in_the_narrowest_dtype_and_packing_widens_them():
     mb = pack_micro_batch(pieces, blocks, capacity=8, piece_tokens=8)
     assert mb["input_ids"].dtype == np.int32 and mb["input_ids"][:5].tolist() == [5, 65535, 70000, 3, 7]
     assert mb["labels"][:5].tolist() == [65535, -100, 3, -100, -100]  # each piece ends its document
+
+
+# ---- numpy views of Arrow arrays (sources/arrow_views.py) ----------------------------------------
+def test_arrow_views_equal_pyarrows_own_conversions():
+    """What the loaders read through the buffers is what pyarrow's conversions give: every
+    fixed-width type, sliced arrays, several chunks, nulls (through pyarrow), built arrays."""
+    import pyarrow.compute as pc
+
+    from overlord_dask.sources import arrow_views as V
+    from overlord_dask.sources.records import _list_parts
+
+    rng = np.random.default_rng(0)
+    for dt in (
+        np.int8,
+        np.uint8,
+        np.int16,
+        np.uint16,
+        np.int32,
+        np.uint32,
+        np.int64,
+        np.uint64,
+        np.float32,
+        np.float64,
+    ):
+        a = (rng.random(50) * 100).astype(dt)
+        arr = pa.array(a)
+        for part in (arr, arr.slice(7), arr.slice(3, 20), arr.slice(50)):
+            got = V.values(part)
+            assert got.dtype == part.to_numpy().dtype and np.array_equal(got, part.to_numpy())
+        assert np.array_equal(V.values(pa.chunked_array([arr.slice(0, 10), arr.slice(10)])), a)
+        back = V.from_numpy(a)
+        assert back.type == arr.type and back.equals(arr)
+    with_nulls = pa.array([1, None, 3], pa.int32())
+    assert np.array_equal(V.values(with_nulls), with_nulls.to_numpy(zero_copy_only=False), equal_nan=True)
+    with pytest.raises(TypeError, match="bool"):
+        V.from_numpy(np.zeros(3, bool))
+
+    for items, typ in [
+        (["a", None, "héllo", ""], pa.string()),
+        ([b"x", None, b"\x00\x01"], pa.binary()),
+        ([[1, 2], None, [], [3]], pa.list_(pa.int64())),
+        ([], pa.string()),
+        ([None, None], pa.list_(pa.int64())),
+        ([{"role": "user"}], pa.struct([("role", pa.string())])),  # (any other type: pa.array)
+    ]:
+        built = V.from_items(items, typ)
+        built.validate(full=True)
+        assert built.type == typ and built.to_pylist() == items
+
+    # a list column whose null rows span values (Arrow allows it): they read as empty lists
+    offsets = pa.array(np.array([0, 2, 5, 5, 7, 9], np.int32))
+    for flat in (pa.array(np.arange(9, dtype=np.int32)), pa.array([str(i) for i in range(9)])):
+        col = pa.ListArray.from_arrays(offsets, flat, mask=pa.array([False, True, True, False, False]))
+        for part in (col, col.slice(1), col.slice(1, 3), col.slice(3)):
+            got_offsets, got_values = _list_parts(part)
+            want = pc.fill_null(part, pa.scalar([], type=part.type))
+            assert got_offsets.tolist() == [0, *np.cumsum([len(x) for x in want.to_pylist()]).tolist()]
+            assert got_values.to_pylist() == [v for x in want.to_pylist() for v in x]

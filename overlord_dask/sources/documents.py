@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from . import arrow_views
 from .chat import ChatError, check_messages, encode_rendered, trained_spans
 from .tokenizers import ByteTokenizer, LoadedTokenizer, TokenizerError, flatten
 
@@ -56,7 +57,7 @@ def chat_documents(
 def token_documents(source, table: pa.Table, list_parts) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Pre-tokenized records, with their mask from a labels or mask column."""
     offsets, values = list_parts(table.column(source.tokens_field).combine_chunks())
-    tokens = values.to_numpy(zero_copy_only=False) if len(values) else np.zeros(0, np.int64)
+    tokens = arrow_views.values(values) if len(values) else np.zeros(0, np.int64)
     field = source.labels_field or source.loss_mask_field
     if field is None:
         return tokens, offsets, None
@@ -67,7 +68,7 @@ def token_documents(source, table: pa.Table, list_parts) -> tuple[np.ndarray, np
             f"row {row}: {field!r} has {m_off[row + 1] - m_off[row]} entries for {offsets[row + 1] - offsets[row]} "
             "tokens"
         )
-    vals = m_val.to_numpy(zero_copy_only=False) if len(m_val) else np.zeros(0, np.int64)
+    vals = arrow_views.values(m_val) if len(m_val) else np.zeros(0, np.int64)
     if source.labels_field:
         ignored = vals == -100
         wrong = ~ignored & (vals != tokens)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..errors import SourceError
 from ..logs import event
 from ..plan import Source, SourcePlan
 from ..plan.base import import_callable
+from . import arrow_views
 from .blocks import SampleBlock, check_tokens
 from .documents import Bad, chat_documents, emptied, placeholder_pattern, take_placeholders, token_documents
 from .images import decode_images, processor_of, with_image_tokens
@@ -145,7 +145,7 @@ def _to_block(source: Source, plan: SourcePlan, unit: LoadUnit, table: pa.Table)
                 )
         else:
             pos_off, pos = _list_parts(table.column(source.image_positions_field).combine_chunks())
-            positions = pos.to_numpy(zero_copy_only=False).astype(np.int64)
+            positions = arrow_views.values(pos).astype(np.int64)
             pos_doc = np.repeat(np.arange(len(kept)), np.diff(pos_off))
             for row in np.flatnonzero(np.diff(img_off) != np.diff(pos_off)).tolist():
                 raise SourceError(
@@ -212,11 +212,11 @@ def _in_place(offsets: np.ndarray, kept: np.ndarray, n: int) -> np.ndarray:
 
 def prepare(source: Source, table: pa.Table, unit: LoadUnit) -> tuple[pa.Table, np.ndarray]:
     """Apply the source's prepare steps in order: the records kept (in order) and their rows."""
-    cur = table.append_column(ROW, pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    cur = table.append_column(ROW, arrow_views.from_numpy(np.arange(table.num_rows, dtype=np.int64)))
     for step in source.prepare:
         fn = import_callable(step.function)
         cur = _record_step(source, unit, cur, fn, step) if step.record else _batch_step(source, unit, cur, fn, step)
-    rows = cur.column(ROW).to_numpy()
+    rows = arrow_views.values(cur.column(ROW))
     if len(rows) > 1 and np.any(np.diff(rows) <= 0):
         raise SourceError(
             f"source {source.name!r}: prepare steps must keep the records in their order, once each ({unit.describe()})"
@@ -271,8 +271,10 @@ def _batch_step(source: Source, unit: LoadUnit, table: pa.Table, fn, step) -> pa
 def _list_parts(col: pa.Array) -> tuple[np.ndarray, pa.Array]:
     """Row offsets and flat values of a list column (a null row: no entries)."""
     if pa.types.is_null(col.type):
-        return np.zeros(len(col) + 1, np.int64), pa.array([], pa.int64())
+        return np.zeros(len(col) + 1, np.int64), arrow_views.from_numpy(np.zeros(0, np.int64))
+    offs = arrow_views.values(col.offsets).astype(np.int64)
+    values = col.values.slice(int(offs[0]), int(offs[-1] - offs[0]))
+    offs -= offs[0]
     if col.null_count:
-        col = pc.fill_null(col, pa.scalar([], type=col.type))
-    offs = np.asarray(col.offsets, dtype=np.int64)
-    return offs - offs[0], col.values.slice(int(offs[0]), int(offs[-1] - offs[0]))
+        return arrow_views.nulls_emptied(offs, values, arrow_views.validity(col))
+    return offs, values

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from ..errors import SourceError
 from ..plan import Source, SourcePlan
-from . import tar_cuts
+from . import arrow_views, tar_cuts
 from .formats import UNKNOWN_BASE, Format
 from .fs import list_files, source_fs
 from .units import LoadUnit
@@ -246,9 +246,9 @@ def _table(source: Source, rows: list[dict]) -> pa.Table:
         typ = types.get(k)
         if typ is None:
             typ = pa.string() if all(v is None or isinstance(v, str) for v in values) else pa.binary()
-        out[k] = pa.array(values, type=typ)
+        out[k] = arrow_views.from_items(values, typ)
     return (
         pa.table(out)
         if out
-        else pa.table({field: pa.array([], types[field] or pa.list_(pa.struct([("role", pa.string())])))})
+        else pa.table({field: arrow_views.from_items([], types[field] or pa.list_(pa.struct([("role", pa.string())])))})
     )
