@@ -11,6 +11,8 @@ has nulls or is not a fixed-width number (the same result, with pandas imported 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pyarrow as pa
 
@@ -55,9 +57,11 @@ def from_numpy(a: np.ndarray) -> pa.Array:
 
 def _validity(items: list) -> tuple[pa.Buffer | None, int]:
     """The validity bitmap of ``items`` (None where every item is there) and its null count."""
+    nulls = items.count(None)
+    if not nulls:
+        return None, 0
     valid = np.fromiter((v is not None for v in items), bool, len(items))
-    nulls = len(items) - int(valid.sum())
-    return (pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None), nulls
+    return pa.py_buffer(np.packbits(valid, bitorder="little")), nulls
 
 
 def from_items(items: list, typ: pa.DataType) -> pa.Array:
@@ -65,21 +69,32 @@ def from_items(items: list, typ: pa.DataType) -> pa.Array:
     and lists of integers (``list<int64>``), built from their buffers; any other type through
     ``pa.array``."""
     mask, nulls = _validity(items)
+    present = items if not nulls else [() if v is None else v for v in items]
     if typ in (pa.string(), pa.binary()):
-        data = [b"" if v is None else v.encode() if isinstance(v, str) else bytes(v) for v in items]
+        if nulls:
+            present = [b"" if v == () else v for v in present]
+        try:
+            if typ == pa.string():
+                text = "".join(present)
+                joined = text.encode()
+                data = present if len(joined) == len(text) else list(map(str.encode, present))  # (ASCII: as long)
+            else:
+                data, joined = present, b"".join(present)
+        except TypeError:  # (text given as bytes, or the other way round)
+            data = [v.encode() if isinstance(v, str) else bytes(v) for v in present]
+            joined = b"".join(data)
         offsets = np.zeros(len(data) + 1, np.int64)
         np.cumsum(np.fromiter(map(len, data), np.int64, len(data)), out=offsets[1:])
         if offsets[-1] >= 2**31:  # (past 32-bit offsets: pyarrow splits it into chunks)
             return pa.array(items, type=typ)
-        buffers = [mask, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data))]
+        buffers = [mask, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(joined)]
         return pa.Array.from_buffers(typ, len(data), buffers, null_count=nulls)
     if typ == pa.list_(pa.int64()):
-        lists = [() if v is None else v for v in items]
-        offsets = np.zeros(len(lists) + 1, np.int32)
-        np.cumsum(np.fromiter(map(len, lists), np.int64, len(lists)), out=offsets[1:])
-        flat = np.fromiter((x for v in lists for x in v), np.int64, int(offsets[-1]))
+        offsets = np.zeros(len(present) + 1, np.int32)
+        np.cumsum(np.fromiter(map(len, present), np.int64, len(present)), out=offsets[1:])
+        flat = np.fromiter(itertools.chain.from_iterable(present), np.int64, int(offsets[-1]))
         return pa.ListArray.from_buffers(
-            typ, len(lists), [mask, pa.py_buffer(offsets)], null_count=nulls, children=[from_numpy(flat)]
+            typ, len(present), [mask, pa.py_buffer(offsets)], null_count=nulls, children=[from_numpy(flat)]
         )
     return pa.array(items, type=typ)
 
