@@ -49,9 +49,9 @@ def from_numpy(a: np.ndarray) -> pa.Array:
     """A 1-D numpy array of fixed-width numbers as an Arrow array sharing its memory (kept
     alive by the array), without nulls."""
     a = np.ascontiguousarray(a)
-    if _numpy_dtype(pa.from_numpy_dtype(a.dtype)) is None:
-        raise TypeError(f"from_numpy takes integer or float arrays, got {a.dtype}")
     t = pa.from_numpy_dtype(a.dtype)
+    if _numpy_dtype(t) is None:
+        raise TypeError(f"from_numpy takes integer or float arrays, got {a.dtype}")
     return pa.Array.from_buffers(t, len(a), [None, pa.py_buffer(a)])
 
 
@@ -69,10 +69,9 @@ def from_items(items: list, typ: pa.DataType) -> pa.Array:
     and lists of integers (``list<int64>``), built from their buffers; any other type through
     ``pa.array``."""
     mask, nulls = _validity(items)
-    present = items if not nulls else [() if v is None else v for v in items]
     if typ in (pa.string(), pa.binary()):
-        if nulls:
-            present = [b"" if v == () else v for v in present]
+        empty = "" if typ == pa.string() else b""
+        present = [empty if v is None else v for v in items] if nulls else items
         try:
             if typ == pa.string():
                 text = "".join(present)
@@ -90,6 +89,7 @@ def from_items(items: list, typ: pa.DataType) -> pa.Array:
         buffers = [mask, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(joined)]
         return pa.Array.from_buffers(typ, len(data), buffers, null_count=nulls)
     if typ == pa.list_(pa.int64()):
+        present = [() if v is None else v for v in items] if nulls else items
         offsets = np.zeros(len(present) + 1, np.int32)
         np.cumsum(np.fromiter(map(len, present), np.int64, len(present)), out=offsets[1:])
         flat = np.fromiter(itertools.chain.from_iterable(present), np.int64, int(offsets[-1]))
