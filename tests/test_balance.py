@@ -597,6 +597,69 @@ def test_cut_fill_evens_out_the_mix_the_balancer_moves_between_steps(seed):
     assert np.median([state.metrics[s]["imbalance"] for s in steps]) < 1.005
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_whole_pieces_steps_go_in_the_order_that_keeps_the_mix(monkeypatch, seed):
+    """With whole pieces the balancer places a source's long pieces dp at a time, so a step may
+    hold one source's group and the next none of it; the window's steps then go out in the
+    order that keeps each source's delivered tokens closest to its share. The same steps (pieces,
+    ranks, costs) in another order: the balance is unchanged and the worst 20 steps are closer
+    to the declared mix than in the order they were placed in."""
+    from overlord_dask.planner.policies import cost_balanced
+
+    gens = [
+        lambda r, n: np.clip(r.lognormal(5.5, 1.0, n), 1, 40_000).astype(np.int64),
+        lambda r, n: np.clip((r.pareto(0.9, n) + 1) * 2000, 16, 16_384).astype(np.int64),
+        lambda r, n: np.clip(r.lognormal(6.5, 1.0, n), 1, 40_000).astype(np.int64),
+    ]
+    topo = {"dp": 4, "micro_batches": 2, "tokens_per_micro_batch": 16_384}
+
+    def run():
+        state = make_state([0.5, 0.3, 0.2], topo, {"window": 8}, seed=seed)
+        steps = drive(state, gens, 160, seed)
+        m = [state.metrics[s] for s in steps]
+        tokens = np.array([x["source_tokens"] for x in m])
+        per_window = [sorted((x["imbalance"], x["source_tokens"]) for x in m[i : i + 8]) for i in range(0, 160, 8)]
+        return window_mix_errors(tokens, np.array([x["weights"] for x in m]), 20), per_window
+
+    ordered, ordered_steps = run()
+    monkeypatch.setattr(cost_balanced.CostBalanced, "_in_mix_order", lambda self, w, planned: planned)
+    placed, placed_steps = run()
+    assert ordered_steps == placed_steps  # each window: the same steps
+    assert ordered.max() < placed.max() and np.median(ordered) < np.median(placed)
+
+
+def test_only_steps_of_equal_weights_trade_places():
+    """A window whose weights change within it (a ramp, a live update) reorders only the runs of
+    steps that share theirs: a step's pieces were selected with its own step's weights."""
+    from overlord_dask.planner.policies.base import Window
+    from overlord_dask.planner.policies.cost_balanced import CostBalanced
+
+    def step(a, b):  # rows of one piece per source: [source, epoch, unit, doc, start, stop]
+        return (np.array([[0, 0, 0, 0, 0, a], [1, 0, 0, 1, 0, b]], np.int64), None), np.zeros((1, 1))
+
+    planned = [step(10, 0), step(10, 0), step(0, 10), step(10, 0), step(0, 10), step(0, 10)]
+    mixes = {0: [0.5, 0.5], 1: [0.5, 0.5], 2: [0.5, 0.5], 3: [0.9, 0.1], 4: [0.9, 0.1], 5: [0.9, 0.1]}
+    w = Window(
+        start=0,
+        steps=6,
+        streams=[None, None],
+        topology=None,
+        balance=None,
+        step_budget=10,
+        heavy_tokens=1,
+        mix_at=lambda k: np.array(mixes[k]),
+        class_weights_at=lambda k: None,
+        costs=None,
+    )
+    policy = CostBalanced(2)
+    out = policy._in_mix_order(w, planned)
+    order = [next(i for i, p in enumerate(planned) if p is q) for q in out]
+    # where the weights are equal the sources alternate; the three steps of the second weights
+    # (0.9 of the first source) trade places among themselves only, the step that brings the
+    # surplus closest to none first: [5, -5] after the first three, then [-4, 4], then [-3, 3]
+    assert order == [0, 2, 1, 4, 3, 5]
+
+
 def test_cut_packing_keeps_the_balancers_gains_and_the_mix():
     gens = [
         lambda r, n: np.clip((r.pareto(0.9, n) + 1) * 700, 16, 16_384).astype(np.int64),

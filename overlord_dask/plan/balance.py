@@ -24,7 +24,9 @@ class Balance(Strict):
     """What the trainer waits on: `step` (DDP: ranks sync once per step) or `micro_batch` (FSDP:
     every micro-batch); the imbalance of that one is minimised."""
     window: int = Field(default=16, ge=1, le=256)
-    """Steps planned together; long documents move between these steps (mix is exact per window)."""
+    """Steps planned together; long documents move between these steps, and the steps go out in
+    the order that keeps the mix closest to the declared one (the mix over a window is exact up
+    to the pieces deferred to the next)."""
     fill: float | None = Field(default=None, gt=0.0, le=1.0)
     """Token budget of a step as a fraction of its capacity (slack for balancing); with
     `packing: cut` the slack the balancer leaves is filled with cut pieces afterwards. Default

@@ -97,6 +97,8 @@ class CostBalanced(Policy):
             planned = list(zip(wp.steps, wp.bin_costs))
             if bal.packing == "cut":
                 planned = self._fill(w, planned)
+            else:
+                planned = self._in_mix_order(w, planned)
         except Starved:
             for s, cur in zip(w.streams, saved[0]):
                 s.restore(cur)
@@ -114,6 +116,35 @@ class CostBalanced(Policy):
             done += got
             owed += w.mix_at(w.start + k) * got.sum()
         return done, owed
+
+    def _in_mix_order(self, w: Window, planned: list) -> list:
+        """The window's steps in the order that keeps each source's delivered tokens closest to
+        its declared share, step after step (greedy, the first step on a tie). The balancer
+        places long pieces ``dp`` at a time, so one step may hold a source's whole group and
+        the next none of it; over a stretch of steps that ends inside a window, the order of
+        its steps is most of the mix error. Each step keeps its pieces and their ranks (the
+        balance is the same); only steps whose weights are equal trade places."""
+        n = len(w.streams)
+        tokens = [P.source_tokens(rows, n).astype(np.float64) for (rows, _), _ in planned]
+        surplus = (self.delivered - self.delivered_declared).astype(np.float64)
+        out, k = [], 0
+        while k < len(planned):
+            mix, classes = w.mix_at(w.start + k), w.class_weights_at(w.start + k)
+            end = k + 1
+            while (
+                end < len(planned)
+                and _same(w.mix_at(w.start + end), mix)
+                and _same(w.class_weights_at(w.start + end), classes)
+            ):
+                end += 1
+            left = list(range(k, end))
+            while left:
+                gaps = [surplus + tokens[i] - mix * tokens[i].sum() for i in left]
+                j = int(np.argmin([float(g @ g) for g in gaps]))
+                surplus = gaps[j]
+                out.append(planned[left.pop(j)])
+            k = end
+        return out
 
     def _fill(self, w: Window, planned: list) -> list:
         """Packing ``cut`` (``cut.py``): each step's room selected with its weights, the sources
@@ -206,3 +237,8 @@ class CostBalanced(Policy):
         # (a snapshot of an older version holds no delivered counters: the fill starts them afresh)
         self.delivered = grown(np.asarray(state.get("delivered", []), np.int64), n_sources)
         self.delivered_declared = grown(np.asarray(state.get("delivered_declared", []), np.float64), n_sources)
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Equal weights (None: no length classes)."""
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
