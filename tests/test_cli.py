@@ -267,6 +267,7 @@ def test_status_text_reads_as_a_person_would():
     assert mix_grain([{"tokens": 100, "longest_piece": 10}, {"tokens": 100, "longest_piece": 30}], 4, "cost") == 0.6
     assert mix_grain([], 4, "cost") is None
     assert mix_grain([{"tokens": 100, "longest_piece": 10}], 4, "none") is None  # (pieces not placed dp at a time)
+    assert mix_grain(None, 4, "cost") is None  # (no metrics: the service stopped while it was asked)
 
     s = {
         "run_id": "demo-1",

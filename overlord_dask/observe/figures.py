@@ -83,8 +83,10 @@ def mix_grain(metrics: list[dict], dp: int, policy: str) -> float | None:
     time, one per rank in one micro-batch row, so a source's share over the window runs up to
     about this much off the declared one, whatever the window; pieces of at most
     ``topology.max_doc_tokens`` tokens make it smaller. (The balance policy is fixed for a run.)"""
+    if policy != "cost" or not metrics:  # (none: a service that stopped meanwhile)
+        return None
     tokens = sum(m["tokens"] for m in metrics)
-    if policy != "cost" or not tokens:
+    if not tokens:
         return None
     return dp * max(m.get("longest_piece", 0) for m in metrics) / tokens
 
