@@ -622,7 +622,7 @@ def test_whole_pieces_steps_go_in_the_order_that_keeps_the_mix(monkeypatch, seed
         return window_mix_errors(tokens, np.array([x["weights"] for x in m]), 20), per_window
 
     ordered, ordered_steps = run()
-    monkeypatch.setattr(cost_balanced.CostBalanced, "_in_mix_order", lambda self, w, planned: planned)
+    monkeypatch.setattr(cost_balanced.CostBalanced, "_mix_order", lambda self, w, tokens: list(range(len(tokens))))
     placed, placed_steps = run()
     assert ordered_steps == placed_steps  # each window: the same steps
     assert ordered.max() < placed.max() and np.median(ordered) < np.median(placed)
@@ -634,10 +634,7 @@ def test_only_steps_of_equal_weights_trade_places():
     from overlord_dask.planner.policies.base import Window
     from overlord_dask.planner.policies.cost_balanced import CostBalanced
 
-    def step(a, b):  # rows of one piece per source: [source, epoch, unit, doc, start, stop]
-        return (np.array([[0, 0, 0, 0, 0, a], [1, 0, 0, 1, 0, b]], np.int64), None), np.zeros((1, 1))
-
-    planned = [step(10, 0), step(10, 0), step(0, 10), step(10, 0), step(0, 10), step(0, 10)]
+    tokens = [np.array(t, np.int64) for t in ([10, 0], [10, 0], [0, 10], [10, 0], [0, 10], [0, 10])]  # per source
     mixes = {0: [0.5, 0.5], 1: [0.5, 0.5], 2: [0.5, 0.5], 3: [0.9, 0.1], 4: [0.9, 0.1], 5: [0.9, 0.1]}
     w = Window(
         start=0,
@@ -652,8 +649,7 @@ def test_only_steps_of_equal_weights_trade_places():
         costs=None,
     )
     policy = CostBalanced(2)
-    out = policy._in_mix_order(w, planned)
-    order = [next(i for i, p in enumerate(planned) if p is q) for q in out]
+    order = policy._mix_order(w, tokens)
     # where the weights are equal the sources alternate; the three steps of the second weights
     # (0.9 of the first source) trade places among themselves only, the step that brings the
     # surplus closest to none first: [5, -5] after the first three, then [-4, 4], then [-3, 3]

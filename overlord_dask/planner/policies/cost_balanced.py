@@ -97,42 +97,43 @@ class CostBalanced(Policy):
             planned = list(zip(wp.steps, wp.bin_costs))
             if bal.packing == "cut":
                 planned = self._fill(w, planned)
-            else:
-                planned = self._in_mix_order(w, planned)
+            tokens = [P.source_tokens(rows, len(w.streams)) for (rows, _), _ in planned]
+            if bal.packing != "cut":
+                order = self._mix_order(w, tokens)
+                planned, tokens = [planned[i] for i in order], [tokens[i] for i in order]
         except Starved:
             for s, cur in zip(w.streams, saved[0]):
                 s.restore(cur)
             self.selected, self.declared, self.cls_selected, self.cls_declared = saved[1:]
             raise
         self.pending = wp.pending
-        self.delivered, self.delivered_declared = self._delivered(w, [rows for (rows, _), _ in planned])
+        self.delivered, self.delivered_declared = self._delivered(w, tokens)
         return [(rows, slot, costs) for (rows, slot), costs in planned]
 
-    def _delivered(self, w: Window, steps: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """``delivered`` and ``delivered_declared`` after the window's first ``len(steps)`` steps."""
+    def _delivered(self, w: Window, tokens: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``delivered`` and ``delivered_declared`` after the window's first ``len(tokens)``
+        steps (``tokens``: each step's tokens per source)."""
         done, owed = self.delivered.copy(), self.delivered_declared.copy()
-        for k, rows in enumerate(steps):
-            got = P.source_tokens(rows, len(w.streams))
+        for k, got in enumerate(tokens):
             done += got
             owed += w.mix_at(w.start + k) * got.sum()
         return done, owed
 
-    def _in_mix_order(self, w: Window, planned: list) -> list:
-        """The window's steps in the order that keeps each source's delivered tokens closest to
-        its declared share, step after step (greedy, the first step on a tie). The balancer
-        places long pieces ``dp`` at a time, so one step may hold a source's whole group and
-        the next none of it; over a stretch of steps that ends inside a window, the order of
-        its steps is most of the mix error. Each step keeps its pieces and their ranks (the
-        balance is the same); only steps whose weights are equal trade places."""
-        n = len(w.streams)
-        tokens = [P.source_tokens(rows, n).astype(np.float64) for (rows, _), _ in planned]
+    def _mix_order(self, w: Window, tokens: list[np.ndarray]) -> list[int]:
+        """The order of the window's steps (``tokens``: each one's tokens per source) that keeps
+        each source's delivered tokens closest to its declared share, step after step (greedy,
+        the first step on a tie). The balancer places long pieces ``dp`` at a time, so one step
+        may hold a source's whole group and the next none of it; over a stretch of steps that
+        ends inside a window, the order of its steps is most of the mix error. Each step keeps
+        its pieces and their ranks (the balance is the same); only steps whose weights are
+        equal trade places."""
         surplus = (self.delivered - self.delivered_declared).astype(np.float64)
         out, k = [], 0
-        while k < len(planned):
+        while k < len(tokens):
             mix, classes = w.mix_at(w.start + k), w.class_weights_at(w.start + k)
             end = k + 1
             while (
-                end < len(planned)
+                end < len(tokens)
                 and _same(w.mix_at(w.start + end), mix)
                 and _same(w.class_weights_at(w.start + end), classes)
             ):
@@ -142,7 +143,7 @@ class CostBalanced(Policy):
                 gaps = [surplus + tokens[i] - mix * tokens[i].sum() for i in left]
                 j = int(np.argmin([float(g @ g) for g in gaps]))
                 surplus = gaps[j]
-                out.append(planned[left.pop(j)])
+                out.append(left.pop(j))
             k = end
         return out
 
