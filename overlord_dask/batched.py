@@ -14,12 +14,19 @@ The interface is the part of ``BatchedSend`` that the channels use: ``start(comm
 ``send(msg)`` (``errors.ConnectionClosed``, an ``OSError``, once the stream is gone), ``abort()``
 and ``close()``. It writes to Dask's comms (the scheduler's side) and to the trainer's own
 (``trainer/comm.py``), so it imports nothing of Dask.
+
+A comm's ``write`` is a coroutine, so each batch costs a task. Given ``write_now(comm, batch)``
+(the scheduler's channels: ``scheduler/channel_write.py``), a batch that function can write
+synchronously leaves without one: at thousands of channels, making a task per batch was a
+large share of the scheduler's event loop per chunk. A batch it declines (False) goes the
+comm's way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from .errors import ConnectionClosed
 
@@ -27,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 class BatchedWriter:
-    def __init__(self, interval: float):
+    def __init__(self, interval: float, write_now: Callable[[object, list], bool] | None = None):
         self.interval = float(interval)  # seconds
+        self._write_now = write_now  # writes a batch at once (True), or declines it (False)
         self.comm = None
         self.buffer: list = []
         self.batch_count = 0
@@ -63,6 +71,13 @@ class BatchedWriter:
         payload, self.buffer = self.buffer, []
         self.batch_count += 1
         self._next_ok = self._loop.time() + self.interval
+        if self._write_now is not None:
+            try:
+                if self._write_now(self.comm, payload):
+                    return
+            except OSError:  # closed (errors.ConnectionClosed)
+                self._closed = True
+                return
         self._writing = asyncio.ensure_future(self._write(payload))
 
     async def _write(self, payload: list) -> None:

@@ -460,6 +460,79 @@ def test_batched_writer_batches_and_leaves_no_cyclic_garbage():
     asyncio.run(main())
 
 
+def test_channel_batches_are_written_at_once_as_dask_writes_them():
+    """The scheduler writes a channel's batch to its Dask comm without a task
+    (``scheduler/channel_write.py``): the bytes are those Dask's ``TCP.write`` sends (sets and
+    all), the trainer's comm and Dask's read them, a batch msgpack cannot pack alone still goes
+    Dask's way, and a closed stream is a ``ConnectionClosed``."""
+    import asyncio
+
+    from distributed.comm import connect as dask_connect
+    from distributed.comm import listen
+    from distributed.comm.tcp import _add_frames_header
+    from distributed.protocol.core import dumps
+
+    from overlord_dask.batched import BatchedWriter
+    from overlord_dask.errors import ConnectionClosed
+    from overlord_dask.scheduler.channel_write import frame, write_now
+    from overlord_dask.trainer import comm as native
+
+    batch = [
+        {
+            "op": "descriptors",
+            "to": [(3, 0, 1, 2)],
+            "items": [{"key": "k-1", "steps": [4, 5], "workers": ["tcp://a:1"]}],
+        },
+        {"op": "error", "rank": None, "message": "stopped ✓", "resumable": True, "ranks": {1, 2}},
+    ]
+    frames, _, _ = _add_frames_header(dumps(batch))
+    assert frame(dumps(batch)[0]) == b"".join(bytes(f) for f in frames)
+
+    async def main():
+        served: asyncio.Queue = asyncio.Queue()
+        listener = listen("tcp://127.0.0.1:0", served.put)
+        await listener.start()
+        try:
+            reader = await native.connect(listener.contact_address, timeout=10)  # the trainer's own comm
+            server = await served.get()
+            dask_writes = []
+            dask_write = server.write
+
+            async def counted(msg, **kw):  # Dask's coroutine, counted
+                dask_writes.append(msg)
+                return await dask_write(msg, **kw)
+
+            server.write = counted
+            w = BatchedWriter(0.0, write_now=write_now)
+            w.start(server)
+            w.send(*batch)
+            got = await asyncio.wait_for(reader.read(), 10)
+            assert w.batch_count == 1 and dask_writes == []  # written in the flush: no coroutine, no task
+            assert got[0]["items"][0]["steps"] == (4, 5) and got[1]["ranks"] == {1, 2}
+            assert got[1]["message"] == "stopped ✓"
+
+            dask_reader = await dask_connect(listener.contact_address)
+            server2 = await served.get()
+            w2 = BatchedWriter(0.0, write_now=write_now)
+            w2.start(server2)
+            w2.send({"op": "x", "array": np.arange(3)})  # msgpack alone cannot: Dask serializes it (declined)
+            got = await asyncio.wait_for(dask_reader.read(), 10)
+            assert got[0]["array"].tolist() == [0, 1, 2]
+
+            server2.stream.close()  # the connection went away under the comm
+            with pytest.raises(ConnectionClosed):
+                write_now(server2, batch)
+            assert server2.closed()  # aborted, as Dask's write leaves it
+            assert not write_now(server2, batch)  # no stream: Dask's write says it is closed
+            server.abort()
+            reader.abort()
+            await dask_reader.close()
+        finally:
+            listener.stop()
+
+    asyncio.run(main())
+
+
 @pytest.mark.integration
 def test_a_slow_rank_bounds_everyone(cluster, small_plan):
     """Rank 1 never asks: the service plans at most prefetch_steps ahead of it, rank 0 gets no

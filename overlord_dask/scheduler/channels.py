@@ -5,7 +5,8 @@ opens one stream per run (``overlord_channel``) and subscribes its consumers on 
 constructor task is built, its descriptor (the task's key, its steps, the workers holding it)
 goes out once per channel, naming the consumers it is for: the event loop's work per chunk is
 a message per channel (per host, with relays), not one per rank and replica. Messages are
-batched every few ms (``batched.BatchedWriter``) in both directions.
+batched every few ms (``batched.BatchedWriter``) in both directions; a batch out is written to
+its comm at once, without a task (``channel_write.py``).
 
 A consumer is a (rank, cp rank, replica): the tensor- and pipeline-parallel ranks of one
 data-parallel rank are replicas that receive the same descriptors, each on its own
@@ -22,6 +23,7 @@ from collections.abc import Callable
 
 from ..batched import BatchedWriter
 from ..protocol import CHANNEL_INTERVAL
+from .channel_write import write_now
 
 Consumer = tuple[int, int, int]  # (rank, cp rank, replica)
 
@@ -138,7 +140,7 @@ class RankChannels:
             self._closed(channel_id, bs)
 
     def _open(self, channel_id: str, comm) -> BatchedWriter:
-        bs = BatchedWriter(interval=CHANNEL_INTERVAL)
+        bs = BatchedWriter(interval=CHANNEL_INTERVAL, write_now=write_now)
         bs.start(comm)
         self.streams[channel_id] = bs
         return bs
