@@ -603,9 +603,8 @@ def test_fetched_batches_wait_in_wire_form_and_only_the_next_steps_are_decoded()
         decoded.append(raw["step"])
         return {**raw, "decoded": True}
 
-    hand = HandOver(0, max_steps=64, max_bytes=1 << 30, decode=decode)
-    for s in range(40):
-        hand.put(s, {"step": s}, 100)
+    hand = HandOver(0, max_steps=64, max_bytes=1 << 30, decode=decode, away_to_decode_ahead=0.0)  # (it computes)
+    hand.put(list(range(40)), [{"step": s} for s in range(40)], [100] * 40)
     hand.decode_ahead()
     assert decoded == list(range(DECODE_AHEAD))  # the rest waits in wire form
     wakes = []
@@ -624,6 +623,50 @@ def test_fetched_batches_wait_in_wire_form_and_only_the_next_steps_are_decoded()
     assert decoded.count(s) == 1 and hand.buffered() == 40 - (s + 1)
 
 
+def test_a_trainer_that_takes_steps_back_to_back_decodes_them_itself_and_one_that_computes_is_decoded_ahead():
+    """Decoding ahead on the IO side while the trainer's thread decodes too hands the GIL back
+    and forth: a trainer that takes steps back to back decodes each itself (no wake-up asks the
+    IO side to decode, and a decode_ahead then does nothing); once it computes between takes
+    (longer than ``away_to_decode_ahead``), the IO side decodes ahead again. A fetch's steps go
+    in under one lock and wake a waiting trainer once."""
+    import threading
+
+    from overlord_dask.trainer.handover import DECODE_AHEAD, HandOver
+
+    decoded = []
+
+    def decode(raw):
+        decoded.append((raw["step"], threading.current_thread().name))
+        return {**raw, "decoded": True}
+
+    hand = HandOver(0, max_steps=64, max_bytes=1 << 30, decode=decode, away_to_decode_ahead=0.05)
+    hand.put(list(range(30)), [{"step": s} for s in range(30)], [100] * 30)
+    hand.decode_ahead()  # the trainer has not taken a step yet: it may be computing
+    assert [s for s, _ in decoded] == list(range(DECODE_AHEAD))
+    wakes = []
+    for s in range(20):  # back to back
+        batch, _ = hand.take(s, timeout=1.0, wake=lambda room, ack: wakes.append(s))
+        assert batch["decoded"] and batch["step"] == s
+    assert wakes == []  # never asked to decode ahead
+    hand.decode_ahead()  # (a wake for room or an ack still runs it): nothing is decoded
+    assert [s for s, _ in decoded] == list(range(20))  # each step once, steps 8-19 by the trainer itself
+    time.sleep(0.06)  # the trainer computes
+    hand.take(20, timeout=1.0, wake=lambda room, ack: wakes.append(20))
+    assert wakes == [20]  # fewer than half decoded ahead: the IO side is asked
+    hand.decode_ahead()
+    assert [s for s, _ in decoded][21:] == list(range(21, 21 + DECODE_AHEAD))
+
+    # one wake-up for a fetch's steps: the waiting trainer gets the first of them
+    waiting = HandOver(0, max_steps=64, max_bytes=1 << 30)
+    got = []
+    t = threading.Thread(target=lambda: got.append(waiting.take(0, 5.0, lambda room, ack: None)[0]))
+    t.start()
+    time.sleep(0.05)
+    waiting.put([0, 1, 2], [{"step": s} for s in range(3)], [10, 20, 30])
+    t.join(5)
+    assert got == [{"step": 0}] and waiting.buffered() == 2 and waiting._ready_bytes == 50
+
+
 def test_a_take_finishes_the_step_before_and_acknowledges_a_chunk_end_at_once():
     """The trainer's next take finishes the step it held (one lock for both): a step that ended
     a chunk wakes the IO side with an acknowledgement, others do not; a chunk's end is forgotten
@@ -631,8 +674,7 @@ def test_a_take_finishes_the_step_before_and_acknowledges_a_chunk_end_at_once():
     from overlord_dask.trainer.handover import HandOver
 
     hand = HandOver(0, max_steps=64, max_bytes=1 << 30)
-    for s in range(12):
-        hand.put(s, {"step": s}, 10)
+    hand.put(list(range(12)), [{"step": s} for s in range(12)], [10] * 12)
     for end in (3, 7, 11):
         hand.chunk_ends_at(end)
     acks, finished = [], None

@@ -12,6 +12,14 @@ whenever the trainer's take leaves fewer than half of them), so a deep buffer co
 trainer's process little memory and the trainer's thread still finds its next step decoded. A
 step it reaches still in wire form it decodes itself.
 
+Decoding ahead pays while the trainer computes. A trainer that takes steps back to back (away
+from :meth:`HandOver.take` less than ``AWAY_TO_DECODE_AHEAD_S`` before its last take: an
+evaluation pass, a data-only benchmark, a loop that is ahead of its accelerator) decodes each step
+itself and the IO side decodes none ahead: both at once would hand the GIL back and forth at
+every numpy call (numpy releases it for arrays of this size), which cost the process more CPU
+than the decoding itself. A fetch's steps go in under one lock, with one wake-up of a trainer
+that waits for them.
+
 Waking the IO thread is the one cost of a hand-over when the batch is ready (the woken thread
 takes the GIL from the trainer), so :meth:`HandOver.take` wakes it once per chunk of steps (to
 acknowledge it and fetch into the room it leaves) and otherwise only when the trainer would wait
@@ -25,14 +33,23 @@ import time
 from collections.abc import Callable
 
 DECODE_AHEAD = 8  # steps kept decoded ahead of the trainer
+AWAY_TO_DECODE_AHEAD_S = 0.001  # the IO side decodes ahead for a trainer away from take() this long between steps
 
 
 class HandOver:
     """Batches of steps from ``first_step`` on, at most ``max_steps`` and ``max_bytes`` ahead
     (one step always, however large)."""
 
-    def __init__(self, first_step: int, max_steps: int, max_bytes: int, decode: Callable[[dict], dict] = lambda b: b):
+    def __init__(
+        self,
+        first_step: int,
+        max_steps: int,
+        max_bytes: int,
+        decode: Callable[[dict], dict] = lambda b: b,
+        away_to_decode_ahead: float = AWAY_TO_DECODE_AHEAD_S,
+    ):
         self._cond = threading.Condition()
+        self.away_to_decode_ahead = away_to_decode_ahead
         self.max_steps, self.max_bytes = max_steps, max_bytes
         self.decode = decode  # a fetched (wire-form) batch as the trainer receives it
         self._ready: dict[int, dict] = {}  # step -> batch, fetched (and decoded unless in _raw)
@@ -49,6 +66,8 @@ class HandOver:
         self.consumed = first_step - 1  # the trainer finished every step up to this one
         self.wait_total = 0.0  # seconds the trainer waited in take()
         self.t_created = time.perf_counter()
+        self._left = self.t_created  # when the trainer's last take returned
+        self._away = float("inf")  # how long the trainer was away from take() before its last one
 
     # ---- the trainer's thread ---------------------------------------------------------------------
     def take(
@@ -66,6 +85,7 @@ class HandOver:
         holding the lock; it must only schedule) lets the IO side fetch into the room there is,
         decode ahead and, with ``ack``, acknowledge what the trainer finished."""
         t0 = time.perf_counter()
+        self._away = t0 - self._left
         deadline = time.monotonic() + timeout
         with self._cond:
             chunk_done = finished is not None and self._finish(finished)
@@ -84,13 +104,19 @@ class HandOver:
                 step = self._past(step)  # (a skip may have become known meanwhile)
             raw = step in self._raw
             batch = self._pop(step)
-            decode = bool(self._raw) and not self._want_decode and self._decoded() < DECODE_AHEAD // 2
+            decode = (
+                bool(self._raw)
+                and not self._want_decode
+                and self._decoded() < DECODE_AHEAD // 2
+                and self._away >= self.away_to_decode_ahead
+            )
             if chunk_done or (self._want_room and not self._ready) or decode:
                 self._want_decode |= decode
                 self._wake(wake, ack=chunk_done, decode=decode)
         if raw and batch is not None:
             batch = self.decode(batch)  # (the IO side had not got to it)
-        waited = time.perf_counter() - t0
+        self._left = time.perf_counter()
+        waited = self._left - t0
         self.wait_total += waited
         return batch, waited
 
@@ -163,15 +189,17 @@ class HandOver:
                 self._want_room = True
             return room
 
-    def put(self, step: int, batch: dict, nbytes: int) -> None:
-        """A fetched step, in wire form (``nbytes`` of it)."""
+    def put(self, steps: list[int], batches: list[dict], sizes: list[int]) -> None:
+        """Fetched steps, in wire form (``sizes``: bytes of each), under one lock and with one
+        wake-up of a waiting trainer (a wake-up per step handed the GIL back and forth)."""
         with self._cond:
-            self._step_bytes = nbytes
-            if step >= self.floor:
-                self._ready[step] = batch
-                self._raw.add(step)
-                self._sizes[step] = nbytes
-                self._ready_bytes += nbytes
+            for step, batch, nbytes in zip(steps, batches, sizes):
+                self._step_bytes = nbytes
+                if step >= self.floor:
+                    self._ready[step] = batch
+                    self._raw.add(step)
+                    self._sizes[step] = nbytes
+                    self._ready_bytes += nbytes
             self._cond.notify_all()
 
     def decode_ahead(self) -> None:
@@ -179,6 +207,8 @@ class HandOver:
         still in wire form (outside the lock: the trainer takes decoded steps meanwhile)."""
         with self._cond:
             self._want_decode = False
+            if self._away < self.away_to_decode_ahead:
+                return  # a trainer taking steps back to back decodes each itself (both at once contend for the GIL)
             todo = [s for s in sorted(self._ready)[:DECODE_AHEAD] if s in self._raw]
         for s in todo:
             with self._cond:

@@ -118,8 +118,8 @@ class RankIO(Acknowledging):
                     if not await self._reattaching(attachment):
                         raise
                     continue
-                for s, b in zip(steps, batches):
-                    h.put(s, b, nbytes(b))  # in wire form: decoded a few steps ahead of the trainer
+                h.put(steps, batches, [nbytes(b) for b in batches])  # in wire form: decoded a few steps ahead
+                for s in steps:
                     self._descs.pop(s, None)
                 self._fetch_next = steps[-1] + 1
                 h.decode_ahead()
