@@ -379,15 +379,15 @@ def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
             "slot": np.array([[r, 0] for r in range(dp)], np.int64),
         }
         steps.append({"step": s, "piece_tokens": 10})
-    for tpmb in (1024, 16384, 65536):  # chunks of 64k, 1M and 4M tokens: one task each
+    for tpmb in (1024, 65536, 262144):  # chunks of 64k, 4M and 16M tokens: one task each
         topo = Topology(dp=dp, micro_batches=1, tokens_per_micro_batch=tpmb)
         assert 8 * topo.step_tokens <= TASK_TOKENS
         (task,) = chunk_tasks(steps, ledger, topo, BatchLayout(1, tpmb), run_id="r")
         assert task["ranks"] == [0, dp] and [len(P.slot_from_bytes(p["slot"])) for p in task["steps"]] == [dp] * 8
-    big = Topology(dp=dp, micro_batches=2, tokens_per_micro_batch=65536)  # 8M tokens: two tasks of 4M
-    assert [t["ranks"] for t in chunk_tasks(steps, ledger, big, BatchLayout(2, 65536), run_id="r")] == [[0, 4], [4, 8]]
-    huge = Topology(dp=dp, micro_batches=8, tokens_per_micro_batch=65536)  # 32M tokens: one task per rank
-    tasks = chunk_tasks(steps, ledger, huge, BatchLayout(8, 65536), run_id="r")
+    big = Topology(dp=dp, micro_batches=8, tokens_per_micro_batch=65536)  # 32M tokens: two tasks of 16M
+    assert [t["ranks"] for t in chunk_tasks(steps, ledger, big, BatchLayout(8, 65536), run_id="r")] == [[0, 4], [4, 8]]
+    huge = Topology(dp=dp, micro_batches=32, tokens_per_micro_batch=65536)  # 128M tokens: one task per rank
+    tasks = chunk_tasks(steps, ledger, huge, BatchLayout(32, 65536), run_id="r")
     assert [t["ranks"] for t in tasks] == [[r, r + 1] for r in range(dp)]
     assert all(
         (t["ranks"][1] - t["ranks"][0]) * 8 * huge.micro_batches * huge.tokens_per_micro_batch <= TASK_TOKENS

@@ -31,7 +31,10 @@ from ..batch_layout import BatchLayout
 from ..plan import Topology
 from ..protocol import batch_key
 
-TASK_TOKENS = 1 << 22  # at most this many tokens per constructor task (~8 MB of uint16 ids)
+TASK_TOKENS = 1 << 24  # at most this many tokens per constructor task (~32 MB of uint16 ids)
+"""The cap bounds a task's result. Each task depends on the load task of nearly every block of
+its chunk, so the scheduler's bookkeeping per chunk grows with tasks × blocks: a lower cap makes
+more tasks and costs the event loop more at large steps (``benchmarks/control_plane.py``)."""
 CHUNK_TOKENS = 1 << 20  # a default chunk holds at least this many tokens (within half the prefetch bound)
 
 
