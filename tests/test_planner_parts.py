@@ -368,9 +368,10 @@ def test_chunks_default_to_a_million_tokens_within_half_the_prefetch_bound():
 
 def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
     """Each group of ranks draws on nearly every block, so a chunk split over workers copies its
-    blocks to each of them: a chunk is one task unless that task would exceed ``TASK_TOKENS``."""
+    blocks to each of them: a chunk is one task unless that task would exceed ``TASK_TOKENS`` or
+    ``TASK_RANKS``."""
     from overlord_dask.plan import Topology
-    from overlord_dask.scheduler.chunks import TASK_TOKENS, chunk_tasks
+    from overlord_dask.scheduler.chunks import TASK_RANKS, TASK_TOKENS, chunk_tasks
 
     dp, steps, ledger = 8, [], {}
     for s in range(8):
@@ -393,6 +394,20 @@ def test_a_chunk_is_split_into_tasks_only_to_keep_each_within_its_token_cap():
         (t["ranks"][1] - t["ranks"][0]) * 8 * huge.micro_batches * huge.tokens_per_micro_batch <= TASK_TOKENS
         for t in tasks
     )
+    # many small ranks: at most TASK_RANKS per task, however few their tokens
+    wide = 2 * TASK_RANKS + 1
+    ledger = {
+        s: {
+            "pieces": np.array([[0, 0, r, 0, 0, 10] for r in range(wide)], np.int64),
+            "slot": np.array([[r, 0] for r in range(wide)], np.int64),
+        }
+        for s in range(8)
+    }
+    small = Topology(dp=wide, micro_batches=1, tokens_per_micro_batch=16)
+    tasks = chunk_tasks(steps, ledger, small, BatchLayout(1, 16), run_id="r")
+    spans = [t["ranks"] for t in tasks]
+    assert len(tasks) == 3 and spans[0][0] == 0 and spans[-1][1] == wide
+    assert all(hi - lo <= TASK_RANKS for lo, hi in spans) and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
 def test_a_chunk_task_holds_its_ranks_pieces_in_the_order_the_planner_put_them_in_each_bin():

@@ -1,16 +1,17 @@
 """Chunks: how consecutive handed-out steps become constructor tasks.
 
 One constructor task builds a chunk of steps for a group of ranks, and a chunk is split into
-groups only to keep each task within ``TASK_TOKENS`` tokens. Splitting a chunk over workers does
-not buy parallel construction: the chunks in flight (at least two, as a chunk holds at most half
-of ``prefetch_steps``) already build side by side, and building is fast next to loading. It costs
-instead: every group draws pieces from nearly every block, so each group's worker fetches a peer
-copy of each block, and a chunk split over ``G`` workers copies its blocks up to ``G`` times
-(``benchmarks/throughput.py --scaling`` compares worker counts). One queue item per rank then names the whole chunk, so
-queue items, constructor tasks and acks are per chunk, not per (step, rank). A task carries only
-its ranks' pieces (``pieces.pack``: each column narrowed, since a task's arguments cross the
-scheduler), the units whose blocks it needs and the layout its
-micro-batches are packed to (``batch_layout.BatchLayout``: the one the planner budgeted).
+groups only to keep each task within ``TASK_TOKENS`` tokens and ``TASK_RANKS`` ranks. Splitting
+a chunk over workers does not buy parallel construction: the chunks in flight (at least two, as
+a chunk holds at most half of ``prefetch_steps``) already build side by side, and building is
+fast next to loading. It costs instead: every group draws pieces from nearly every block, so
+each group's worker fetches a peer copy of each block, and a chunk split over ``G`` workers
+copies its blocks up to ``G`` times (``benchmarks/throughput.py --scaling`` compares worker
+counts). One queue item per rank then names the whole chunk, so queue items, constructor tasks
+and acks are per chunk, not per (step, rank). A task carries only its ranks' pieces
+(``pieces.pack``: each column narrowed, since a task's arguments cross the scheduler), the units
+whose blocks it needs and the layout its micro-batches are packed to
+(``batch_layout.BatchLayout``: the one the planner budgeted).
 
 How many steps a chunk holds (:func:`chunk_steps`, unless the plan sets ``loading.batch_steps``):
 a quarter of the prefetch bound, raised until a chunk holds ``CHUNK_TOKENS`` tokens, but never
@@ -35,6 +36,11 @@ TASK_TOKENS = 1 << 24  # at most this many tokens per constructor task (~32 MB o
 """The cap bounds a task's result. Each task depends on the load task of nearly every block of
 its chunk, so the scheduler's bookkeeping per chunk grows with tasks × blocks: a lower cap makes
 more tasks and costs the event loop more at large steps (``benchmarks/control_plane.py``)."""
+TASK_RANKS = 2048
+"""Nor more ranks than this per constructor task: a task builds a batch per (step, rank), and its
+completion tells each of its ranks' channels in one event-loop callback, so many small ranks in
+one task make a long build and a long block of the loop (``benchmarks/control_plane.py`` at dp
+16,384 with small steps)."""
 CHUNK_TOKENS = 1 << 20  # a default chunk holds at least this many tokens (within half the prefetch bound)
 
 
@@ -56,10 +62,10 @@ def chunk_tasks(
     pieces in ``ledger``): ``{"key", "steps", "ranks": [lo, hi], "layout", "units"}``, the
     layout as a dict (``batch_layout.py``), the units ``[source, epoch, unit]`` rows as bytes
     (``pieces.to_bytes``: one object, where a list of lists is a few hundred to encode and decode
-    on the way to the submitter); as few groups of ranks as keep each within ``TASK_TOKENS``."""
+    on the way to the submitter); as few groups of ranks as keep each within ``TASK_TOKENS`` and ``TASK_RANKS``."""
     dp = topology.dp
     tokens = len(steps) * topology.step_tokens
-    groups = max(1, math.ceil(tokens / TASK_TOKENS))
+    groups = max(1, math.ceil(tokens / TASK_TOKENS), math.ceil(dp / TASK_RANKS))
     per = math.ceil(dp / min(groups, dp))
     starts = np.arange(0, dp, per)
     planned = []
