@@ -524,6 +524,21 @@ def test_channel_batches_are_written_at_once_as_dask_writes_them():
                 write_now(server2, batch)
             assert server2.closed()  # aborted, as Dask's write leaves it
             assert not write_now(server2, batch)  # no stream: Dask's write says it is closed
+
+            class Failing:  # a stream that fails mid-write (a full buffer, say): the comm is aborted
+                def write(self, data):
+                    raise RuntimeError("buffer full")
+
+            class Comm:
+                stream, aborted = Failing(), False
+
+                def abort(self):
+                    self.aborted = True
+
+            broken = Comm()
+            with pytest.raises(ConnectionClosed, match="buffer full"):
+                write_now(broken, batch)
+            assert broken.aborted
             server.abort()
             reader.abort()
             await dask_reader.close()

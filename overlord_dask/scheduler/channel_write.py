@@ -51,4 +51,7 @@ def write_now(comm, batch: list) -> bool:
     except StreamClosedError as err:
         comm.abort()
         raise ConnectionClosed(f"{comm!r} closed: {err}") from None
+    except Exception as err:  # what was written is unknown: the stream cannot go on (as Dask's write aborts)
+        comm.abort()
+        raise ConnectionClosed(f"{comm!r} aborted after a failed write: {type(err).__name__}: {err}") from None
     return True
