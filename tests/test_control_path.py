@@ -474,8 +474,9 @@ def test_channel_batches_are_written_at_once_as_dask_writes_them():
 
     from overlord_dask.batched import BatchedWriter
     from overlord_dask.errors import ConnectionClosed
-    from overlord_dask.scheduler.channel_write import frame, write_now
+    from overlord_dask.scheduler.channel_write import write_now
     from overlord_dask.trainer import comm as native
+    from overlord_dask.trainer.comm import frame
 
     batch = [
         {

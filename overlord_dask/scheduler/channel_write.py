@@ -5,7 +5,7 @@ batch a channel sends costs a task on the scheduler's event loop, and its serial
 Dask's protocol (a frame list, a search for out-of-band objects, a header per frame). A
 channel's messages are small and plain (descriptors, errors: strings, numbers, lists), so
 :func:`write_now` packs them with msgpack the way Dask's ``dumps`` does (Dask's own default
-for sets and enums), frames them as Dask's ``TCP.write`` does (one frame behind its prelude),
+for sets and enums), frames them as Dask's ``TCP.write`` does (``trainer.comm.frame``: one frame behind its prelude),
 and appends them to the comm's Tornado stream, which is all Dask's write does after
 serializing. Whoever reads the channel (``trainer/comm.py``, or Dask's comms under TLS) reads
 the same bytes as before.
@@ -17,22 +17,12 @@ Dask's way (``batched.BatchedWriter``).
 
 from __future__ import annotations
 
-import struct
-
 import msgpack
 from distributed.protocol.serialize import msgpack_encode_default
 from tornado.iostream import StreamClosedError
 
 from ..errors import ConnectionClosed
-
-_U64 = struct.Struct("<Q")
-
-
-def frame(body: bytes) -> bytes:
-    """One msgpack frame as Dask's TCP comms send a message: the size of what follows, the number
-    of frames, each frame's size, the frame."""
-    prelude = _U64.pack(1) + _U64.pack(len(body))
-    return _U64.pack(len(prelude) + len(body)) + prelude + body
+from ..trainer.comm import frame  # the one framing of Dask's TCP messages spoken without distributed
 
 
 def write_now(comm, batch: list) -> bool:

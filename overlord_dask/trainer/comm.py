@@ -97,7 +97,13 @@ def decode(frames: list):
 
 def encode(msg) -> bytes:
     """``msg`` as one message on the wire (prelude and its one msgpack frame)."""
-    body = msgpack.packb(msg, use_bin_type=True, default=_pack_default)
+    return frame(msgpack.packb(msg, use_bin_type=True, default=_pack_default))
+
+
+def frame(body: bytes) -> bytes:
+    """One msgpack frame as a message on the wire, as Dask's TCP comms send it: the size of what
+    follows, the number of frames, each frame's size, the frame (the scheduler's channel writes
+    use it too: ``scheduler/channel_write.py``)."""
     prelude = _U64.pack(1) + _U64.pack(len(body))
     return _U64.pack(len(prelude) + len(body)) + prelude + body
 
