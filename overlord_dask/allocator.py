@@ -33,8 +33,14 @@ process whose threads are the workers with ``--in-process``). Besides keeping fr
   thread that read once: a loader reads a unit's row groups and keeps numpy arrays, not Arrow
   buffers, so the memory Arrow holds between reads is waste.
 
-A worker process the service starts gets both from its start through its environment
-(:func:`service_environ`). Set ``MALLOC_ARENA_MAX`` or ``ARROW_DEFAULT_MEMORY_POOL`` and the
+Arrow's C++ code (file reads, decompression, compute kernels) allocates from the default pool
+Arrow chose from ``ARROW_DEFAULT_MEMORY_POOL`` when pyarrow was imported; ``pa.set_memory_pool``
+changes only the pool pyarrow's Python functions pass. So the setting has to be in the
+environment before pyarrow is imported: a worker process the service starts gets both from its
+start through its environment (:func:`service_environ`), and the ``overlord`` command sets
+Arrow's in its own process before it imports pyarrow (:func:`arrow_pool_from_start`; a script
+that embeds the service and reads in its own process, ``in_process=True``, does the same by
+setting the variable before its imports). Set ``MALLOC_ARENA_MAX`` or ``ARROW_DEFAULT_MEMORY_POOL`` and the
 process keeps yours; ``OVERLORD_SERVICE_ALLOCATOR=0`` leaves both alone (:func:`service_sets`;
 ``benchmarks/memory.py`` measures the difference).
 """
@@ -44,6 +50,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
 MMAP_THRESHOLD = 4 << 20
@@ -105,6 +112,17 @@ def cap_arenas() -> bool:
         if service_sets("MALLOC_ARENA_MAX") and (mallopt := _mallopt()) is not None:
             _arenas_capped = bool(mallopt(M_ARENA_MAX, SERVICE_ARENAS))
     return _arenas_capped
+
+
+def arrow_pool_from_start() -> bool:
+    """``ARROW_DEFAULT_MEMORY_POOL=system`` in this process's environment, if pyarrow is not
+    imported yet (Arrow reads the variable then) and the setting is ours to make; True if it
+    was set. For the ``overlord`` command's process (the service's scheduler, its planner and,
+    with ``--in-process``, its loaders); the processes it starts inherit it."""
+    if "pyarrow" in sys.modules or not service_sets("ARROW_DEFAULT_MEMORY_POOL"):
+        return False
+    os.environ["ARROW_DEFAULT_MEMORY_POOL"] = "system"
+    return True
 
 
 def service_environ() -> dict[str, str]:

@@ -123,6 +123,41 @@ def test_an_in_process_service_tunes_its_process_before_its_workers_start(tmp_pa
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"pool": "system"}
 
 
+_COMMAND = """
+import json, sys
+from overlord_dask.service.cli import main
+main(["preview", sys.argv[1], "--source", "web", "-n", "50", "--json"])  # reads a parquet unit in this process
+import pyarrow as pa
+print(json.dumps({"mimalloc": pa.mimalloc_memory_pool().max_memory(), "system": pa.system_memory_pool().max_memory()}))
+"""
+
+
+def test_the_overlord_command_reads_through_the_system_allocator_in_arrows_own_code_too(tmp_path, small_plan):
+    """``pa.set_memory_pool`` changes the pool pyarrow's Python functions pass, not the one Arrow's
+    C++ code (file reads, decompression) takes, which Arrow chose from the environment when pyarrow
+    was imported: the ``overlord`` command sets the variable before that, so its reads never touch
+    mimalloc, whose cached pages stayed in the process (a fifth of an in-process service's
+    memory). Without it (``OVERLORD_SERVICE_ALLOCATOR=0``) they do."""
+    import yaml
+
+    from overlord_dask.plan import plan_to_dict
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan_to_dict(small_plan())))
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "ARROW_DEFAULT_MEMORY_POOL")}
+
+    def pools(**extra) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", _COMMAND, str(path)], env=env | extra, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    ours, off = pools(), pools(OVERLORD_SERVICE_ALLOCATOR="0")
+    assert ours["mimalloc"] == 0 and ours["system"] > 0, ours
+    assert off["mimalloc"] > 0, off
+
+
 _LARGE = """
 import json, resource
 import numpy as np

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from ..allocator import arrow_pool_from_start
 from ..errors import OverlordError, PlanError, ServiceError
 
 SERVICE_MODULES = {"pyarrow", "zarr", "pydantic", "yaml", "numba", "PIL", "prometheus_client", "tqdm", "fsspec"}
@@ -621,6 +622,7 @@ def _non_negative(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    arrow_pool_from_start()  # before anything imports pyarrow: Arrow picks its allocator then (allocator.py)
     if argv[:1] == ["slurm"]:  # its own parser (slurm_job.py): also run as cluster/slurm.py
         from .slurm_job import main as slurm_main
 
