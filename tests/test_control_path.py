@@ -607,6 +607,73 @@ def test_pin_memory_without_an_accelerator_warns_and_still_delivers(cluster, sma
     )
 
 
+def test_a_channels_connection_is_taken_over_from_dasks_comm_and_speaks_the_same_frames():
+    """``scheduler/channel_transport.py``: a plain TCP comm's connection is read by a protocol
+    of its own, messages handed over as they arrive (those Dask's stream had already read first,
+    in order), written in Dask's frames (``write_now``'s and Dask-serialized ones alike); the Dask
+    comm is closed without shutting the connection down, aborting it aborts the connection, and
+    the connection ending ends ``ended``. A comm that is not plain TCP is left to Dask."""
+    import asyncio
+
+    from distributed.comm import listen
+    from distributed.comm.inproc import InProc
+
+    from overlord_dask.batched import BatchedWriter
+    from overlord_dask.scheduler.channel_transport import take_over
+    from overlord_dask.scheduler.channel_write import write_now
+    from overlord_dask.trainer import comm as native
+
+    async def main():
+        served: asyncio.Queue = asyncio.Queue()
+        listener = listen("tcp://127.0.0.1:0", served.put)
+        await listener.start()
+        try:
+            client = await native.connect(listener.contact_address, timeout=10)
+            server = await served.get()
+            # three messages in one write: Dask's read returns the first, Tornado has read the rest
+            client.writer.write(b"".join(native.encode([{"op": "m", "n": n}]) for n in range(3)))
+            assert (await server.read())[0]["n"] == 0
+            got: list = []
+            conn = take_over(server, got.append)
+            assert conn is not None and server.closed() and server.stream is None
+            w = BatchedWriter(0.0, write_now=write_now)
+            w.start(conn)
+            w.send({"op": "descriptors", "to": [(1, 0, 0, 1)], "items": [{"key": "k", "steps": [2, 3]}]})
+            await conn.start()
+            assert [m[0]["n"] for m in got] == [1, 2]  # (what Tornado had buffered, before any new byte)
+            await client.write([{"op": "m", "n": 3}, {"op": "m", "n": 4, "rows": [[1, 2]]}])
+            for _ in range(100):
+                if len(got) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert [m["n"] for m in got[2]] == [3, 4] and got[2][1]["rows"] == ((1, 2),)  # (tuples, as Dask reads them)
+            first = await asyncio.wait_for(client.read(), 10)
+            assert first[0]["items"][0]["steps"] == (2, 3)
+            w.send({"op": "x", "array": np.arange(3)})  # msgpack alone cannot: Dask serializes it, framed alike
+            await asyncio.sleep(0.05)
+            second = await asyncio.wait_for(client.read(), 10)
+            assert second[0]["op"] == "x"
+            client.abort()  # the consumer process goes away
+            await asyncio.wait_for(conn.ended, 10)
+            assert conn.closed()
+            with pytest.raises(OSError):
+                w.send({"op": "late"})
+
+            other = await native.connect(listener.contact_address, timeout=10)
+            server2 = await served.get()
+            conn2 = take_over(server2, lambda m: None)
+            await conn2.start()
+            server2.abort()  # what Dask's server does to its comms when it closes
+            await asyncio.wait_for(conn2.ended, 10)
+            with pytest.raises(native.ConnectionClosed):
+                await asyncio.wait_for(other.read(), 10)
+        finally:
+            listener.stop()
+        assert take_over(InProc.__new__(InProc), lambda m: None) is None  # not a TCP comm: Dask's
+
+    asyncio.run(main())
+
+
 def test_fetched_batches_wait_in_wire_form_and_only_the_next_steps_are_decoded():
     """A rank's buffer holds its fetched steps in wire form; the IO side keeps ``DECODE_AHEAD``
     of them decoded, asks to be woken when a take leaves fewer than half, and a step the trainer

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from ..batched import BatchedWriter
 from ..protocol import CHANNEL_INTERVAL
+from .channel_transport import take_over
 from .channel_write import write_now
 
 Consumer = tuple[int, int, int]  # (rank, cp rank, replica)
@@ -116,24 +117,32 @@ class RankChannels:
         (``on_ack(stream, **ack)``; merged per chunk, ``on_acks(stream, rows)``: see
         ``trainer/ack_merge.py``) and reports (``on_feedback(stream, **report)``) in,
         descriptors out."""
-        bs = self._open(channel_id, comm)
+        bs: BatchedWriter | None = None
+
+        def handle(msgs) -> None:
+            for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
+                op = msg.pop("op", None)
+                if op == "acks":
+                    if on_acks is not None:
+                        on_acks(bs, msg.get("rows") or ())
+                elif op == "ack":
+                    on_ack(bs, **msg)
+                elif op == "feedback":
+                    if on_feedback is not None:
+                        on_feedback(bs, **msg)
+                elif op == "subscribe":
+                    self.subscribe(channel_id, **msg)
+                elif op == "unsubscribe":
+                    self.unsubscribe(channel_id, **msg)
+
+        conn = take_over(comm, handle)  # read as it arrives, without Dask's comm (channel_transport.py)
+        bs = self._open(channel_id, conn or comm)
         try:
+            if conn is not None:
+                await conn.start()
+                await conn.ended
             while not comm.closed():
-                msgs = await comm.read()
-                for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
-                    op = msg.pop("op", None)
-                    if op == "acks":
-                        if on_acks is not None:
-                            on_acks(bs, msg.get("rows") or ())
-                    elif op == "ack":
-                        on_ack(bs, **msg)
-                    elif op == "feedback":
-                        if on_feedback is not None:
-                            on_feedback(bs, **msg)
-                    elif op == "subscribe":
-                        self.subscribe(channel_id, **msg)
-                    elif op == "unsubscribe":
-                        self.unsubscribe(channel_id, **msg)
+                handle(await comm.read())
         except OSError:  # (Dask's CommClosedError is one)
             pass
         finally:
