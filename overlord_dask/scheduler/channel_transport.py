@@ -17,12 +17,13 @@ TCP comm of Dask's is taken over (``take_over`` declines TLS, Dask's in-process 
 stream with a read or write in flight): those channels stay on Dask's comm
 (``channels.RankChannels.serve`` reads them as before).
 
-Taking over: the Tornado stream's socket is duplicated and its own descriptor closed without a
-shutdown (the connection stays open on the duplicate), the bytes the stream had read but nobody
-consumed are handed to the protocol first, and the Dask comm is marked closed, so that Dask's
-server, whose handler this runs in, neither reads nor writes it again when the handler returns
-(it returns once the connection ends). Dask aborting the comm (a scheduler that closes) aborts
-the connection.
+Taking over, with the public interfaces of Dask's comm and Tornado's stream only: the
+stream's socket is duplicated, the bytes the stream had read but nobody consumed are taken from
+it (partial reads, until one would wait) and handed to the protocol first, and the Dask comm is
+aborted, which closes the stream's own descriptor without shutting the connection down (it
+stays open on the duplicate); Dask's server, whose handler this runs in, then neither reads nor
+writes the comm again when the handler returns (once the connection ends). Dask aborting the
+comm (a scheduler that closes) aborts the connection.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import struct
 from collections.abc import Callable
 
 from distributed.protocol import dumps
+from tornado.iostream import StreamClosedError
 
 from ..errors import ConnectionClosed
 from ..trainer.comm import decode
@@ -45,40 +47,42 @@ _U64 = struct.Struct("<Q")
 
 def take_over(comm, on_messages: Callable[[list], None]) -> ChannelConnection | None:
     """``comm``'s connection as a :class:`ChannelConnection` whose messages go to
-    ``on_messages(msgs)`` (each read's messages, a list per message as Dask's ``read`` returns
-    them); None where it is left to Dask (not a plain TCP comm, or its stream busy). Call
+    ``on_messages(msgs)`` (each message's list, as Dask's ``read`` returns it); None where it is
+    left to Dask (not a plain TCP comm, or its stream busy). Call
     :meth:`ChannelConnection.start` (on the event loop) to begin reading."""
     from distributed.comm.tcp import TCP
 
     stream = getattr(comm, "stream", None)
-    if type(comm) is not TCP or stream is None or stream.closed():  # (TLS is a subclass: declined)
-        return None
-    buffered = getattr(stream, "_read_buffer", None)
-    size = getattr(stream, "_read_buffer_size", None)
-    if (
-        not isinstance(buffered, bytearray)
-        or size != len(buffered)
-        or getattr(stream, "_user_read_buffer", True)
-        or stream.reading()
-        or stream.writing()
-    ):
-        return None  # Tornado's stream is not as this module knows it, or busy: Dask's comm goes on
+    if type(comm) is not TCP or stream is None or stream.closed() or stream.reading() or stream.writing():
+        return None  # (TLS is a subclass: declined)
     try:
         sock = stream.socket.dup()
     except OSError:
         return None
-    leftover = bytes(buffered)
-    # Dask's comm and Tornado's stream let go of the connection: the stream's descriptor is
-    # closed (the duplicate keeps the connection), nothing shut down
-    comm.stream = None
-    comm._closed = True
-    finalizer = getattr(comm, "_finalizer", None)
-    if finalizer is not None:
-        finalizer.detach()
-    stream.close()
-    conn = ChannelConnection(sock, leftover, on_messages, repr(comm))
+    # what the stream read and nobody consumed yet, then what the socket holds now: a partial read
+    # returns at once while there is any; the first that would wait is where the stream stops
+    leftover = bytearray()
+    while True:
+        try:
+            pending = stream.read_bytes(1 << 20, partial=True)
+        except StreamClosedError:
+            break
+        if not pending.done():
+            pending.add_done_callback(_failed_as_expected)  # (it fails when the stream closes below)
+            break
+        if pending.exception() is not None:
+            break
+        leftover += pending.result()
+    # Dask's comm lets go: its stream's descriptor is closed (the duplicate keeps the connection:
+    # nothing is shut down), and it reads and writes no more
+    comm.abort()
+    conn = ChannelConnection(sock, bytes(leftover), on_messages, repr(comm))
     comm.abort = conn.abort  # (Dask's server aborts its comms when it closes: this one's connection goes too)
     return conn
+
+
+def _failed_as_expected(future) -> None:
+    future.exception()  # retrieved: no "exception was never retrieved" when it is collected
 
 
 class _Stream:
