@@ -642,15 +642,13 @@ def test_a_channels_connection_is_taken_over_from_dasks_comm_and_speaks_the_same
             await conn.start()
             assert [m[0]["n"] for m in got] == [1, 2]  # (what Tornado had buffered, before any new byte)
             await client.write([{"op": "m", "n": 3}, {"op": "m", "n": 4, "rows": [[1, 2]]}])
-            for _ in range(100):
-                if len(got) == 3:
-                    break
+            deadline = asyncio.get_running_loop().time() + 10
+            while len(got) < 3 and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.01)
             assert [m["n"] for m in got[2]] == [3, 4] and got[2][1]["rows"] == ((1, 2),)  # (tuples, as Dask reads them)
             first = await asyncio.wait_for(client.read(), 10)
             assert first[0]["items"][0]["steps"] == (2, 3)
             w.send({"op": "x", "array": np.arange(3)})  # msgpack alone cannot: Dask serializes it, framed alike
-            await asyncio.sleep(0.05)
             second = await asyncio.wait_for(client.read(), 10)
             assert second[0]["op"] == "x"
             client.abort()  # the consumer process goes away
