@@ -40,9 +40,9 @@ environment before pyarrow is imported: a worker process the service starts gets
 start through its environment (:func:`service_environ`), and the ``overlord`` command sets
 Arrow's in its own process before it imports pyarrow (:func:`arrow_pool_from_start`; a script
 that embeds the service and reads in its own process, ``in_process=True``, does the same by
-setting the variable before its imports). Set ``MALLOC_ARENA_MAX`` or ``ARROW_DEFAULT_MEMORY_POOL`` and the
-process keeps yours; ``OVERLORD_SERVICE_ALLOCATOR=0`` leaves both alone (:func:`service_sets`;
-``benchmarks/memory.py`` measures the difference).
+setting the variable before its imports). Set ``MALLOC_ARENA_MAX`` or
+``ARROW_DEFAULT_MEMORY_POOL`` and the process keeps yours; ``OVERLORD_SERVICE_ALLOCATOR=0``
+leaves both alone (:func:`service_sets`; ``benchmarks/memory.py`` measures the difference).
 """
 
 from __future__ import annotations
@@ -119,9 +119,10 @@ def arrow_pool_from_start() -> bool:
     imported yet (Arrow reads the variable then) and the setting is ours to make; True if it
     was set. For the ``overlord`` command's process (the service's scheduler, its planner and,
     with ``--in-process``, its loaders); the processes it starts inherit it."""
-    if "pyarrow" in sys.modules or not service_sets("ARROW_DEFAULT_MEMORY_POOL"):
+    pool = service_environ().get("ARROW_DEFAULT_MEMORY_POOL")
+    if "pyarrow" in sys.modules or pool is None:
         return False
-    os.environ["ARROW_DEFAULT_MEMORY_POOL"] = "system"
+    os.environ["ARROW_DEFAULT_MEMORY_POOL"] = pool
     return True
 
 

@@ -614,7 +614,9 @@ def test_a_channels_connection_is_taken_over_from_dasks_comm_and_speaks_the_same
     comm is closed without shutting the connection down, aborting it aborts the connection, and
     the connection ending ends ``ended``. A comm that is not plain TCP is left to Dask."""
     import asyncio
+    import struct
 
+    import msgpack
     from distributed.comm import listen
     from distributed.comm.inproc import InProc
 
@@ -646,6 +648,20 @@ def test_a_channels_connection_is_taken_over_from_dasks_comm_and_speaks_the_same
             while len(got) < 3 and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.01)
             assert [m["n"] for m in got[2]] == [3, 4] and got[2][1]["rows"] == ((1, 2),)  # (tuples, as Dask reads them)
+            # a frame sent after the part the leading size counts (as Dask sends large buffers),
+            # the message arriving in two pieces, then a plain one
+            body = msgpack.packb([{"op": "m", "n": 5}])
+            later = bytes(100_000)
+            head = struct.pack("<3Q", 2, len(body), len(later)) + body
+            wire = struct.pack("<Q", len(head)) + head + later
+            client.writer.write(wire[: len(wire) // 2])
+            await client.writer.drain()
+            await asyncio.sleep(0.05)
+            client.writer.write(wire[len(wire) // 2 :] + native.encode([{"op": "m", "n": 6}]))
+            deadline = asyncio.get_running_loop().time() + 10
+            while len(got) < 5 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            assert [m[0]["n"] for m in got[3:]] == [5, 6]
             first = await asyncio.wait_for(client.read(), 10)
             assert first[0]["items"][0]["steps"] == (2, 3)
             w.send({"op": "x", "array": np.arange(3)})  # msgpack alone cannot: Dask serializes it, framed alike

@@ -38,7 +38,7 @@ from distributed.protocol import dumps
 from tornado.iostream import StreamClosedError
 
 from ..errors import ConnectionClosed
-from ..trainer.comm import decode
+from ..trainer.comm import decode, frames_of, prelude
 
 logger = logging.getLogger(__name__)
 
@@ -139,17 +139,15 @@ class ChannelConnection(asyncio.Protocol):
                 (size,) = _U64.unpack_from(buf, at)
                 if end - at - 8 < size:
                     break
-                body = memoryview(buf)[at + 8 : at + 8 + size]
-                try:
-                    (n,) = _U64.unpack_from(body, 0)
-                    lengths = struct.unpack_from(f"<{n}Q", body, 8)
-                    frames, offset = [], 8 * (n + 1)
-                    for length in lengths:
-                        frames.append(bytes(body[offset : offset + length]))
-                        offset += length
-                finally:
-                    body.release()
-                at += 8 + size
+                frames, rest = frames_of(bytes(buf[at + 8 : at + 8 + size]))  # (a copy: buf moves on)
+                stop = at + 8 + size + sum(rest)
+                if stop > end:
+                    break  # frames Dask sends after the first part are still on their way
+                offset = at + 8 + size
+                for length in rest:
+                    frames.append(bytes(buf[offset : offset + length]))
+                    offset += length
+                at = stop
                 msgs.append(decode(frames))
         except Exception:
             logger.exception("a channel message could not be read; the channel closes: %s", self.name)
@@ -187,12 +185,10 @@ class ChannelConnection(asyncio.Protocol):
         """``msg`` serialized by Dask (a batch ``channel_write.write_now`` declined), framed as
         Dask's ``TCP.write`` frames it."""
         frames = dumps(msg, on_error=on_error)
-        lengths = [memoryview(f).nbytes for f in frames]
-        prelude = _U64.pack(len(frames)) + struct.pack(f"<{len(frames)}Q", *lengths)
-        self.write_bytes(_U64.pack(len(prelude) + sum(lengths)) + prelude)
+        self.write_bytes(prelude(frames))
         for f in frames:
             self.write_bytes(f)
-        return sum(lengths)
+        return sum(memoryview(f).nbytes for f in frames)
 
     def abort(self) -> None:
         self._closed = True

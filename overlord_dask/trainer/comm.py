@@ -104,8 +104,30 @@ def frame(body: bytes) -> bytes:
     """One msgpack frame as a message on the wire, as Dask's TCP comms send it: the size of what
     follows, the number of frames, each frame's size, the frame (the scheduler's channel writes
     use it too: ``scheduler/channel_write.py``)."""
-    prelude = _U64.pack(1) + _U64.pack(len(body))
-    return _U64.pack(len(prelude) + len(body)) + prelude + body
+    return prelude([body]) + body
+
+
+def prelude(frames: list) -> bytes:
+    """What goes on the wire before ``frames`` (sent right after it, all of them counted in the
+    leading size): the size, the number of frames, each frame's size."""
+    lengths = [memoryview(f).nbytes for f in frames]
+    head = _U64.pack(len(lengths)) + struct.pack(f"<{len(lengths)}Q", *lengths)
+    return _U64.pack(len(head) + sum(lengths)) + head
+
+
+def frames_of(head) -> tuple[list, list[int]]:
+    """A message's frames that lie in ``head`` (the bytes its leading size counts: the frame
+    count, the frames' sizes and the frames Dask sends with them), as views of it, and the sizes
+    of the frames that follow ``head`` on the wire (Dask sends large buffers after it)."""
+    (n,) = _U64.unpack_from(head, 0)
+    lengths = struct.unpack_from(f"<{n}Q", head, 8)
+    view, at, frames = memoryview(head), 8 * (n + 1), []
+    for i, length in enumerate(lengths):
+        if at + length > len(head):
+            return frames, list(lengths[i:])
+        frames.append(view[at : at + length])
+        at += length
+    return frames, []
 
 
 class Comm:
@@ -130,16 +152,9 @@ class Comm:
     async def read(self):
         try:
             (first,) = _U64.unpack(await self.reader.readexactly(8))
-            head = await self.reader.readexactly(first)
-            (n,) = _U64.unpack_from(head, 0)
-            lengths = struct.unpack_from(f"<{n}Q", head, 8)
-            view, at, frames = memoryview(head), 8 * (n + 1), []
-            for length in lengths:
-                if at + length <= len(head):  # inside the first piece
-                    frames.append(view[at : at + length])
-                    at += length
-                else:
-                    frames.append(await self.reader.readexactly(length))
+            frames, rest = frames_of(await self.reader.readexactly(first))
+            for length in rest:
+                frames.append(await self.reader.readexactly(length))
         except (asyncio.IncompleteReadError, OSError) as err:
             self.abort()
             raise ConnectionClosed(f"connection to {self.address} closed: {type(err).__name__}: {err}") from None
