@@ -240,3 +240,37 @@ def test_a_transform_takes_arguments_from_the_plan(tmp_path):
     assert docs == [
         ([b + 3 for b in (t or "").encode()] + [2])[:3] for t in TEXTS
     ]  # the byte tokenizer's documents, cut to 3
+
+
+def _boundaries_by_two_insertions(tokens, offsets, bos, eos, mask):
+    """What add_boundaries computed before it did one pass: int64 ids, BOS then EOS inserted."""
+    n = len(offsets) - 1
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if bos is not None:
+        tokens = np.insert(tokens, offsets[:-1], bos)
+        mask = None if mask is None else np.insert(mask, offsets[:-1], np.uint8(0))
+        offsets = offsets + np.arange(n + 1)
+    if eos is not None:
+        tokens = np.insert(tokens, offsets[1:], eos)
+        mask = None if mask is None else np.insert(mask, offsets[1:], np.uint8(1))
+        offsets = offsets + np.arange(n + 1)
+    return tokens, offsets, mask
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.uint8, np.int64])
+@pytest.mark.parametrize("bos,eos", [(1, 2), (None, 2), (1, None), (1, 300)])
+def test_boundaries_are_added_in_one_pass_in_the_ids_own_dtype(dtype, bos, eos):
+    from overlord_dask.sources.tokenizers import add_boundaries
+
+    rng = np.random.default_rng(0)
+    lengths = np.array([3, 0, 5, 0, 0, 1, 7])  # empty documents get their BOS and EOS too, in order
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = rng.integers(3, 250, offsets[-1]).astype(dtype)
+    mask = rng.integers(0, 2, offsets[-1]).astype(np.uint8)
+    got, got_offsets, got_mask, got_positions = add_boundaries(tokens, offsets, bos, eos, mask, np.array([0, 2]))
+    want, want_offsets, want_mask = _boundaries_by_two_insertions(tokens, offsets, bos, eos, mask)
+    assert got.tolist() == want.tolist() and got_offsets.tolist() == want_offsets.tolist()
+    assert got_mask.tolist() == want_mask.tolist()
+    assert got_positions.tolist() == ([1, 3] if bos is not None else [0, 2])  # image positions move past a BOS
+    fits = max(v for v in (bos, eos) if v is not None) <= np.iinfo(dtype).max
+    assert got.dtype == (np.dtype(dtype) if fits else np.dtype(np.int64))  # no copy to int64 where the ids fit

@@ -31,7 +31,8 @@ def check_tokens(source: str, tokens, narrow: bool = False) -> np.ndarray:
     if t.ndim != 1:
         raise ValueError(f"source {source!r}: tokens must be a 1-D array of ids, got shape {t.shape}")
     dtype = NARROW_TOKEN_DTYPE if narrow else TOKEN_DTYPE
-    if t.size:
+    every_value_fits = t.dtype.kind == "u" and t.dtype.itemsize <= np.dtype(NARROW_TOKEN_DTYPE).itemsize
+    if t.size and not every_value_fits:  # (uint8/uint16 ids, as pre-tokenized shards often are: no scan)
         if not np.issubdtype(t.dtype, np.integer):
             raise ValueError(f"source {source!r}: token ids must be integers, got {t.dtype}")
         lo, hi = int(t.min()), int(t.max())

@@ -90,21 +90,26 @@ def add_boundaries(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Documents with ``bos`` before and ``eos`` after each one (None: not that one): (tokens,
     offsets, loss mask, image positions). A BOS is never a loss target, an EOS is (the model
-    learns to end a document); image positions shift past the BOS."""
+    learns to end a document); image positions shift past the BOS.
+
+    One pass over the tokens, in their own integer dtype where the boundary ids fit it: a load
+    task's tokens are millions of ids, and a cast to int64 followed by one insertion per side
+    was three copies of them (a fifth of reading a jsonl unit with the byte tokenizer)."""
     n = len(offsets) - 1
     if bos is None and eos is None:
         return tokens, offsets, mask, positions
-    tokens = np.asarray(tokens, dtype=np.int64)
-    if bos is not None:
-        tokens = np.insert(tokens, offsets[:-1], bos)
-        if mask is not None:
-            mask = np.insert(mask, offsets[:-1], np.uint8(0))
-        offsets = offsets + np.arange(n + 1)
-        if positions is not None:
-            positions = positions + 1
-    if eos is not None:
-        tokens = np.insert(tokens, offsets[1:], eos)
-        if mask is not None:
-            mask = np.insert(mask, offsets[1:], np.uint8(1))
-        offsets = offsets + np.arange(n + 1)
+    tokens = np.asarray(tokens)
+    ids = [v for v in (bos, eos) if v is not None]
+    if tokens.dtype.kind not in "iu" or not all(np.can_cast(np.min_scalar_type(v), tokens.dtype) for v in ids):
+        tokens = tokens.astype(np.int64)
+    # each document's BOS at its start and EOS at its end, in document order: np.insert keeps
+    # the given order among equal positions (an EOS, then the next document's BOS)
+    at = np.stack([offsets[:-1]] * (bos is not None) + [offsets[1:]] * (eos is not None), axis=1).reshape(-1)
+    tokens = np.insert(tokens, at, np.tile(np.asarray(ids, tokens.dtype), n))
+    if mask is not None:
+        trained = [0] * (bos is not None) + [1] * (eos is not None)  # a BOS is never a target, an EOS is
+        mask = np.insert(mask, at, np.tile(np.asarray(trained, np.uint8), n))
+    offsets = offsets + len(ids) * np.arange(n + 1)
+    if positions is not None and bos is not None:
+        positions = positions + 1
     return tokens, offsets, mask, positions
