@@ -16,6 +16,10 @@ what a first batch costs when files are fetched by ranged requests). Per format:
 - ``first_batch_s``: from ``Service.start`` to the first batch at a rank;
 - ``tokens_per_s``: documents' tokens delivered by the service to ``--dp`` ranks (threads that
   only take batches), over ``--tokens`` tokens after the first batch;
+- ``read_tokens_per_s``: what a load task costs on a worker, as tokens per second of this
+  process's CPU: units read into blocks (read, tokenize, document boundaries, narrowing) one after
+  another until ``--tokens`` tokens, the first unit read before the clock (imports, the
+  tokenizer); for ``arrow.s3`` the server's CPU is not counted;
 - ``peer_tokens_per_s``: the format's usual reader in the same run, one process, producing the same
   documents' byte-tokenized ids over the same number of tokens: HF ``datasets`` streaming for
   parquet, jsonl and Arrow, local or on S3 (``load_dataset(..., streaming=True)``), the ``webdataset`` library's
@@ -72,6 +76,21 @@ def _index_s(plan) -> tuple[float, int]:
     t0 = time.perf_counter()
     units = discover_units(plan.sources[0], plan)
     return time.perf_counter() - t0, len(units)
+
+
+def _read_tokens_per_s(plan, tokens: int) -> float:
+    from overlord_dask.sources import discover_units, read_unit
+
+    source = plan.sources[0]
+    sp = plan.source_plan(source.name)
+    units = discover_units(source, sp)
+    read_unit(source, sp, units[0])  # imports and the tokenizer, before the clock
+    t0, got = time.process_time(), 0
+    for u in units[1:] or units:
+        got += len(read_unit(source, sp, u).block.tokens)
+        if got >= tokens:
+            break
+    return got / max(time.process_time() - t0, 1e-9)
 
 
 def _service(plan, dp: int, tokens: int) -> tuple[float, float, float]:
@@ -241,6 +260,7 @@ def main(argv=None) -> dict:
             write_s = time.perf_counter() - tw
             plan = _plan(root, fmt, url, args.dp, args.tokens_per_mb, **source)
             index_s, units = _index_s(plan)
+            read_tps = _read_tokens_per_s(plan, args.tokens)
             start_s, first_s, tps = _service(plan, args.dp, args.tokens)
             peer, peer_tps, peer_first_s = _peer(root, fmt, url, args.tokens, 2 * args.tokens_per_mb, options)
             rows.append(
@@ -253,6 +273,7 @@ def main(argv=None) -> dict:
                     "service_start_s": float(f"{start_s:.3g}"),
                     "first_batch_s": float(f"{first_s:.3g}"),
                     "tokens_per_s": round(tps),
+                    "read_tokens_per_s": round(read_tps),
                     "peer": peer,
                     "peer_tokens_per_s": round(peer_tps),
                     "peer_first_batch_s": float(f"{peer_first_s:.3g}"),
@@ -271,7 +292,14 @@ def main(argv=None) -> dict:
             "formats": {
                 r["format"]: {
                     k: r[k]
-                    for k in ("index_s", "first_batch_s", "tokens_per_s", "peer_tokens_per_s", "peer_first_batch_s")
+                    for k in (
+                        "index_s",
+                        "first_batch_s",
+                        "tokens_per_s",
+                        "read_tokens_per_s",
+                        "peer_tokens_per_s",
+                        "peer_first_batch_s",
+                    )
                 }
                 for r in rows
             },
@@ -293,6 +321,7 @@ def main(argv=None) -> dict:
             "service_start_s",
             "first_batch_s",
             "tokens_per_s",
+            "read_tokens_per_s",
             "peer",
             "peer_tokens_per_s",
             "peer_first_batch_s",

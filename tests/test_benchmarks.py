@@ -488,6 +488,7 @@ def test_formats_benchmark_runs(tmp_path):
             "index_s",
             "first_batch_s",
             "tokens_per_s",
+            "read_tokens_per_s",
             "peer_tokens_per_s",
             "peer_first_batch_s",
         }, fmt
