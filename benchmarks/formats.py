@@ -51,6 +51,8 @@ from benchmarks.output import emit_rows  # noqa: E402
 from overlord_dask.testing.format_corpus import make_records, source_for, write  # noqa: E402
 
 FORMATS = ("parquet", "jsonl.zst", "arrow", "arrow.s3", "webdataset", "megatron")
+SUMMARY = ("index_s", "first_batch_s", "tokens_per_s", "read_tokens_per_s", "peer_tokens_per_s", "peer_first_batch_s")
+"""Each format's figures in the output's ``formats`` summary."""
 WORDS_PER_DOC = 80  # about 450 bytes of text per record (lognormal lengths)
 
 
@@ -289,20 +291,7 @@ def main(argv=None) -> dict:
             "cpus": os.cpu_count(),
             "total_s": round(time.perf_counter() - t0, 1),
             "rows": rows,
-            "formats": {
-                r["format"]: {
-                    k: r[k]
-                    for k in (
-                        "index_s",
-                        "first_batch_s",
-                        "tokens_per_s",
-                        "read_tokens_per_s",
-                        "peer_tokens_per_s",
-                        "peer_first_batch_s",
-                    )
-                }
-                for r in rows
-            },
+            "formats": {r["format"]: {k: r[k] for k in SUMMARY} for r in rows},
         }
     finally:
         if "proc" in s3:
