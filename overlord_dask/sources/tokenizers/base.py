@@ -98,18 +98,19 @@ def add_boundaries(
     n = len(offsets) - 1
     if bos is None and eos is None:
         return tokens, offsets, mask, positions
+    # each document's BOS at its start and EOS at its end, with its loss mask bit (a BOS is never
+    # a target, an EOS is); inserted in document order: np.insert keeps the given order among
+    # equal positions (an EOS, then the next document's BOS)
+    sides = [(at, v, trained) for at, v, trained in ((offsets[:-1], bos, 0), (offsets[1:], eos, 1)) if v is not None]
+    ids = [v for _, v, _ in sides]
     tokens = np.asarray(tokens)
-    ids = [v for v in (bos, eos) if v is not None]
     if tokens.dtype.kind not in "iu" or not all(np.can_cast(np.min_scalar_type(v), tokens.dtype) for v in ids):
         tokens = tokens.astype(np.int64)
-    # each document's BOS at its start and EOS at its end, in document order: np.insert keeps
-    # the given order among equal positions (an EOS, then the next document's BOS)
-    at = np.stack([offsets[:-1]] * (bos is not None) + [offsets[1:]] * (eos is not None), axis=1).reshape(-1)
+    at = np.stack([a for a, _, _ in sides], axis=1).reshape(-1)
     tokens = np.insert(tokens, at, np.tile(np.asarray(ids, tokens.dtype), n))
     if mask is not None:
-        trained = [0] * (bos is not None) + [1] * (eos is not None)  # a BOS is never a target, an EOS is
-        mask = np.insert(mask, at, np.tile(np.asarray(trained, np.uint8), n))
-    offsets = offsets + len(ids) * np.arange(n + 1)
+        mask = np.insert(mask, at, np.tile(np.asarray([t for _, _, t in sides], np.uint8), n))
+    offsets = offsets + len(sides) * np.arange(n + 1)
     if positions is not None and bos is not None:
         positions = positions + 1
     return tokens, offsets, mask, positions
