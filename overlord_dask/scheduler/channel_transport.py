@@ -3,10 +3,10 @@ protocol on the scheduler's event loop, in the frames Dask's TCP comms use.
 
 Why: a channel's messages in (acknowledgements, subscriptions, reports) each went through
 Dask's ``TCP.read``: a coroutine resumed by Tornado's stream, two stream reads with their
-futures, a buffer allocated per message and Dask's deserialization walk, about 120 µs of the
-event loop per message more than parsing the same bytes as they arrive (measured on loopback,
-one message every 2 ms). At thousands of hosts a message per host and chunk each way is most
-of the control path's cost per host. Here ``data_received`` cuts the frames out of what arrived
+futures, a buffer allocated per message and Dask's deserialization walk: more of the event
+loop than parsing the same bytes as they arrive (``benchmarks/RESULTS.md``, the control plane's
+transport table). At thousands of hosts a message per host and chunk each way is most of the
+control path's cost per host. Here ``data_received`` cuts the frames out of what arrived
 and hands each message to the channel's handler at once: no task, no future, one call per
 read. Messages out go to the transport as the channel's ``BatchedWriter`` writes them
 (``channel_write.write_now`` appends to ``stream.write``, which is the transport's here).
