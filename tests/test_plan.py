@@ -95,7 +95,8 @@ def test_missing_required_and_out_of_range(tmp_path):
 def test_weights(tmp_path):
     data = _base()
     data["sources"][0]["weight"] = -0.5
-    assert "sources[0](web).weight" in _error(data, tmp_path)
+    msg = _error(data, tmp_path)
+    assert "sources[0](web).weight" in msg and msg.count("(got ") == 1, msg  # the value named once
     data = _base()
     for s in data["sources"]:
         s["weight"] = 0

@@ -64,7 +64,9 @@ def format_validation_error(err: ValidationError, where: str, data: Any = None) 
         elif e["type"] == "missing":
             msg = "required field is missing"
         got = e.get("input")
-        suffix = f" (got {got!r})" if e["type"] not in ("missing",) and not isinstance(got, (dict, list)) else ""
+        # the value the user wrote, unless the message says it already (our validators name it)
+        said = "(got " in msg or isinstance(got, (dict, list)) or e["type"] == "missing"
+        suffix = "" if said else f" (got {got!r})"
         lines.append(f"{where}: {path}: {msg}{suffix}")
     return "invalid plan:\n  " + "\n  ".join(lines)
 
