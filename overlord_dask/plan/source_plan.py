@@ -7,9 +7,19 @@ the shape of a :class:`~overlord_dask.plan.Plan` where readers look (``base_dir`
 ``tokenizer_of(source)``, ``source(name)``), so a format reader written against a plan reads a
 slice unchanged. Built from an already validated plan (:meth:`Plan.source_plan`), it is not
 validated again, and a worker never re-validates the plan it came from.
+
+Every load task carries its source's slice as an argument, so the scheduler (which unpickles a
+task's arguments when it is submitted, and holds them while the task's block is wanted) and the
+workers would each hold one copy of it per task, and build each of its nested models anew per
+task. A slice is immutable, so it pickles as its content and a digest of it (:func:`shared`):
+unpickled in a process that already holds a slice with that digest, it is that slice. A process
+holds one copy per source and plan version, however many tasks name it.
 """
 
 from __future__ import annotations
+
+import hashlib
+import pickle
 
 from pydantic import Field
 
@@ -44,3 +54,25 @@ class SourcePlan(Strict):
     def tokenizer_of(self, source: Source) -> Tokenizer:
         """The tokenizer a source's text is encoded with: its own, else the plan's."""
         return source.tokenizer or self.tokenizer
+
+    def __reduce__(self):
+        state = pickle.dumps(self.__getstate__(), protocol=pickle.HIGHEST_PROTOCOL)
+        return shared, (hashlib.blake2b(state, digest_size=16).digest(), state)
+
+
+SHARED_MAX = 1024  # slices kept per process (sources × plan versions; the oldest go first)
+_SHARED: dict[bytes, SourcePlan] = {}  # digest of a slice's pickled state -> this process's copy
+
+
+def shared(digest: bytes, state: bytes) -> SourcePlan:
+    """The slice pickled as ``state`` (``digest`` names its content): the copy this process
+    already holds, else one made from ``state`` and kept (the unpickling side of
+    ``SourcePlan.__reduce__``)."""
+    sp = _SHARED.get(digest)
+    if sp is None:
+        sp = SourcePlan.__new__(SourcePlan)
+        sp.__setstate__(pickle.loads(state))
+        if len(_SHARED) >= SHARED_MAX:
+            del _SHARED[next(iter(_SHARED))]
+        _SHARED[digest] = sp
+    return sp
