@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import threading
 
 from pydantic import Field
 
@@ -62,6 +63,7 @@ class SourcePlan(Strict):
 
 SHARED_MAX = 1024  # slices kept per process (sources × plan versions; the oldest go first)
 _SHARED: dict[bytes, SourcePlan] = {}  # digest of a slice's pickled state -> this process's copy
+_SHARED_LOCK = threading.Lock()  # (the scheduler's loop and a worker's task threads unpickle at once)
 
 
 def shared(digest: bytes, state: bytes) -> SourcePlan:
@@ -70,9 +72,12 @@ def shared(digest: bytes, state: bytes) -> SourcePlan:
     ``SourcePlan.__reduce__``)."""
     sp = _SHARED.get(digest)
     if sp is None:
-        sp = SourcePlan.__new__(SourcePlan)
-        sp.__setstate__(pickle.loads(state))
-        if len(_SHARED) >= SHARED_MAX:
-            del _SHARED[next(iter(_SHARED))]
-        _SHARED[digest] = sp
+        made = SourcePlan.__new__(SourcePlan)
+        made.__setstate__(pickle.loads(state))
+        with _SHARED_LOCK:
+            sp = _SHARED.get(digest)
+            if sp is None:
+                if len(_SHARED) >= SHARED_MAX:
+                    del _SHARED[next(iter(_SHARED))]
+                sp = _SHARED[digest] = made
     return sp
