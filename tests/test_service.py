@@ -119,6 +119,35 @@ def test_an_in_process_service_runs_its_loaders_as_threads_and_plans_the_same_st
     assert runs[0] == runs[1]
 
 
+@pytest.mark.integration
+def test_a_trainer_fetches_from_a_new_worker_at_the_address_of_one_it_saw_lost(small_plan):
+    """A trainer process keeps the addresses of workers the scheduler reported lost, to skip them
+    at once. A port is used again: by a worker that replaces a lost one, or by the next service
+    the same process (a notebook, a test session) connects to. The new worker's batches are
+    fetched: the planner naming it as their holder clears the loss."""
+    from overlord_dask.trainer.connection import ProcessIO
+
+    plan = small_plan()
+    steps, dp = 3, plan.topology.dp
+    with Service.start(plan, in_process=True, n_workers=1) as service:
+        (worker,) = service.client.scheduler_info()["workers"]
+        io = ProcessIO.get()
+
+        async def an_earlier_worker_there_was_lost():  # what a worker_lost message does
+            io.lost(worker).set()
+
+        io.run(an_earlier_worker_there_was_lost(), timeout=5)
+        out = {}
+
+        def run(rank: int) -> None:
+            with connect(service.address, rank, timeout=30) as stream:
+                out[rank] = [stream.next_batch() for _ in range(steps)]
+                stream.commit()
+
+        run_ranks(run, list(range(dp)))
+    assert sorted(out) == list(range(dp)) and all(len(b) == steps for b in out.values())
+
+
 CONSUMER_SCRIPT = """
 import json, sys
 from overlord_dask import connect

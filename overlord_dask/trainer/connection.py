@@ -108,6 +108,13 @@ class ProcessIO:
             ev = self.lost_workers[address] = asyncio.Event()
         return ev
 
+    def found(self, addresses) -> None:
+        """(IO loop) The scheduler names ``addresses`` as holding a batch now: a worker lives at
+        each, so a loss reported for one of them was an earlier worker's at the same address (a
+        port used again by a replacement, or by the next service this process connects to)."""
+        for address in addresses:
+            self.lost_workers.pop(address, None)
+
     def planner(self, address: str) -> PlannerClient:
         """The planner's routes at ``address``, over this process's connection pool."""
         return PlannerClient(self.pool(address))
