@@ -322,6 +322,34 @@ def test_a_script_without_a_main_guard_is_told_what_to_do(tmp_path):
     assert "Nanny failed to start" not in out.stderr
 
 
+def test_a_service_started_in_a_spawned_child_is_not_taken_for_a_module_level_one(tmp_path):
+    """A child process that multiprocessing spawned runs its own bootstrap as ``__main__`` (one
+    line of ``-c`` code); a service its function starts is inside the script's guard, not at
+    the script's line 1."""
+    script = tmp_path / "launch.py"
+    script.write_text(
+        '"""A launcher: each service runs in a child process."""\n'
+        "import multiprocessing as mp\n\n\n"
+        "def child(q):\n"
+        "    from overlord_dask.service.service import _check_main_guard\n\n"
+        "    try:\n"
+        "        _check_main_guard()\n"
+        "        q.put('ok')\n"
+        "    except Exception as err:\n"
+        "        q.put(repr(err))\n\n\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('spawn')\n"
+        "    q = ctx.Queue()\n"
+        "    p = ctx.Process(target=child, args=(q,))\n"
+        "    p.start()\n"
+        "    print(q.get(timeout=60))\n"
+        "    p.join()\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok", out.stdout
+
+
 def _demo_plan_file(tmp_path, corpus, **changes) -> Path:
     plan = yaml.safe_load((ROOT / "overlord_dask" / "service" / "demo_plan.yaml").read_text())
     for s in plan["sources"]:

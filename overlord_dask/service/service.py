@@ -71,6 +71,13 @@ def _embedded_cluster(
     )
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # "<string>", a file gone since
+        return False
+
+
 def _check_main_guard() -> None:
     """Worker processes start by importing the main script again (Dask spawns them): a script
     that starts a service at module level, outside ``if __name__ == "__main__":``, would start
@@ -89,8 +96,10 @@ def _check_main_guard() -> None:
         (
             f.lineno
             for f in inspect.stack(context=0)
-            if f.function == "<module>" and f.frame.f_globals.get("__name__") == "__main__"
-        ),
+            if f.function == "<module>"
+            and f.frame.f_globals.get("__name__") == "__main__"
+            and _same_file(f.filename, path)
+        ),  # (a child that multiprocessing spawned runs its own `-c` code as __main__: the script's lines are not it)
         None,
     )
     try:
