@@ -316,6 +316,67 @@ def test_a_fetch_given_up_for_a_shadow_leaves_no_unretrieved_error():
     assert not [r for r in records if "never retrieved" in r], records
 
 
+def test_a_rank_whose_fetches_fail_says_what_they_met():
+    """Batches built on a worker this rank cannot fetch from (the scheduler still names it, the
+    connection fails): the rank's timeout error says which steps, how often and the last failure,
+    not only that the service's status shows no cause; a fetch that succeeds clears it."""
+    import asyncio
+
+    from overlord_dask.errors import ServiceError
+    from overlord_dask.trainer.fetch import fetch_batches
+    from overlord_dask.trainer.stalls import fetch_trouble
+
+    told = []
+
+    class IO:
+        inflight, fetches_shared = {}, 0
+
+        def __init__(self, fail: bool):
+            self.fail = fail
+
+        async def call_worker(self, address, call, abort=None):
+            if self.fail:
+                raise OSError(f"Timed out trying to connect to {address} after 5 s")
+            return {"status": "OK", "payload": Payload([pack_batch({"step": 7})])}
+
+        def found(self, addresses):
+            pass
+
+    class Planner:
+        async def where(self, key, timeout, run_id=None):
+            await asyncio.sleep(0.02)
+            return {"error": None, "workers": ["tcp://10.0.0.2:1"]}
+
+    from overlord_dask.wire import Payload, pack_batch
+
+    desc = {"key": "build-7", "workers": ["tcp://10.0.0.2:1"], "steps": [7, 8]}
+
+    async def fetch(io, timeout):
+        return await fetch_batches(
+            io,
+            Planner(),
+            desc,
+            [7, 8],
+            rank=0,
+            cp_rank=None,
+            timeout=timeout,
+            abort=asyncio.Event(),
+            address="tcp://127.0.0.1:8786",
+            trouble=told.append,
+        )
+
+    with pytest.raises(ServiceError, match="could not be fetched"):
+        asyncio.run(fetch(IO(fail=True), 0.3))
+    assert (
+        len(told) > 2
+        and told[-1] == "worker tcp://10.0.0.2:1: OSError: Timed out trying to connect to tcp://10.0.0.2:1 after 5 s"
+    )
+    text = fetch_trouble(([7, 8], told[-1], 100.0, len(told)), now=112.4)
+    assert text == f"this rank's fetch of steps 7-8 failed {len(told)} times in 12 s, last: {told[-1]}"
+    assert fetch_trouble(None) is None
+    assert asyncio.run(fetch(IO(fail=False), 5)) == [{"step": 7}] and told[-1] is None
+
+
 def test_a_rank_back_on_a_restored_service_acknowledges_steps_it_is_still_replaying():
     """A service restored from its snapshot at step R replays from its window start up to R;
     meanwhile a reconnected rank (its replica entry starts at R - 1, as the restore says) sends

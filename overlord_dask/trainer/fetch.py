@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from ..client import PlannerClient, fetch
 from ..errors import ConnectionClosed, ServiceError
@@ -56,12 +57,15 @@ async def fetch_batches(
     address: str,
     host=None,
     replica: int = 0,
+    trouble: Callable[[str | None], None] | None = None,
 ) -> list[dict]:
     """Rank ``rank``'s batches of ``steps`` (wire form) from the task ``desc`` names. ``io`` is the
     process's ``connection.ProcessIO``; ``abort`` is set when the service itself went away;
     ``host``: the channel's ``host_fetch.HostFetches`` (through a relay: the host's replicas of
-    the rank share one transfer). Raises ``ConnectionClosed`` when the service restarted
-    (reconnect first), ``ServiceError`` when the batch is gone for good or ``timeout`` passed."""
+    the rank share one transfer). ``trouble(text)`` hears each holder that failed to answer, and
+    ``trouble(None)`` the fetch's success (a rank that times out says what its fetches met).
+    Raises ``ConnectionClosed`` when the service restarted (reconnect first), ``ServiceError``
+    when the batch is gone for good or ``timeout`` passed."""
     deadline = time.monotonic() + timeout
     addresses = list(desc.get("workers", ()))
     slow: set[str] = set()  # holders that did not answer within the hedge time (hung, say: SIGSTOP)
@@ -81,12 +85,16 @@ async def fetch_batches(
                 resp = await asyncio.wait_for(from_worker(addr), hedge)
             except asyncio.TimeoutError:
                 slow.add(addr)  # a hung worker is only removed after the worker TTL: use a shadow meanwhile
+                _tell(trouble, f"worker {addr} did not answer within {hedge:g} s")
                 hedge *= 2
                 continue
-            except OSError:
-                continue  # the worker went away; ask where the batch lives now (a shadow, or rebuilt)
+            except OSError as err:  # the worker went away; ask where the batch lives now (a shadow, or rebuilt)
+                _tell(trouble, f"worker {addr}: {type(err).__name__}: {err}")
+                continue
             if resp.get("status") == "OK":
+                _tell(trouble, None)
                 return resp["payload"].batches()
+            _tell(trouble, f"worker {addr} answered {resp.get('status')!r}")
         if time.monotonic() > deadline:
             raise ServiceError(
                 f"batch {desc['key']} could not be fetched within {timeout}s (last known workers: {addresses})"
@@ -98,3 +106,8 @@ async def fetch_batches(
             raise ServiceError(resp["error"])
         io.found(resp["workers"])  # alive now, whatever an earlier worker at the same address did
         addresses = [a for a in resp["workers"] if a not in slow] or resp["workers"]  # the slow ones last resort
+
+
+def _tell(trouble: Callable[[str | None], None] | None, text: str | None) -> None:
+    if trouble is not None:
+        trouble(text)

@@ -1,9 +1,12 @@
 """Why a rank waits: the error a trainer gets when no batch came within its timeout names the
 cause the service's status shows (a failure, the load or build the step's batches wait on, a
 step not planned yet, a source whose units are still loading, a rank that holds planning back, a
-quarantined unit, a snapshot that cannot be written) and the step, instead of the status as a raw dict."""
+quarantined unit, a snapshot that cannot be written) and the step, instead of the status as a raw dict,
+and what the rank's own fetches met where they failed."""
 
 from __future__ import annotations
+
+import time
 
 FAR = 1000  # steps beyond the planned ones: not a service catching up, a state from elsewhere
 
@@ -54,3 +57,15 @@ def why_waiting(status: dict, rank: int, step: int, timeout: float) -> str:
             "cause (a load or build task may be retrying: see the service's log)"
         )
     return f"rank {rank}: no batch for step {step:,} within {timeout:g}s: " + "; ".join(causes)
+
+
+def fetch_trouble(trouble: tuple | None, now: float | None = None) -> str | None:
+    """What the rank's own fetches met (``RankIO.fetch_trouble``: the steps, the last failure,
+    since when, how many), said beside the service's status: batches that are built but that
+    this rank cannot fetch from the workers holding them show nowhere else."""
+    if trouble is None:
+        return None
+    steps, text, since, n = trouble
+    span = f"step {steps[0]:,}" if len(steps) == 1 else f"steps {steps[0]:,}-{steps[-1]:,}"
+    took = (time.monotonic() if now is None else now) - since
+    return f"this rank's fetch of {span} failed {n:,} time{'s' if n > 1 else ''} in {took:.0f} s, last: {text}"

@@ -59,7 +59,7 @@ from .handover import HandOver
 from .options import StreamOptions
 from .prefetch import RankIO
 from .reporting import Reporting
-from .stalls import why_waiting
+from .stalls import fetch_trouble, why_waiting
 from .tensors import for_trainer
 
 
@@ -298,7 +298,9 @@ def _why_stalled(s: RankStream) -> str:
         return (
             f"rank {s.rank}: no batch for step {s.next_step} within {s.timeout}s and the service does not answer: {err}"
         )
-    return why_waiting(st, s.rank, s.next_step, s.timeout)
+    why = why_waiting(st, s.rank, s.next_step, s.timeout)
+    trouble = fetch_trouble(s.rio.fetch_trouble if s.rio is not None else None)
+    return why if trouble is None else f"{why}; {trouble}"
 
 
 def connect(address: str, rank: int, dp: int | None = None, **kwargs) -> RankStream:
