@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from overlord_dask.plan import source_plan as sp_module
 from overlord_dask.service.demo import demo_plan
 
@@ -58,3 +60,50 @@ def test_load_tasks_share_one_slice_on_the_scheduler_and_on_each_worker(tmp_path
         held = [cluster.scheduler.tasks[f.key].run_spec.args[0] for f in futs]
         assert all(h is held[0] for h in held) and held[0] == web  # the scheduler holds one copy too
         client.run(lambda dask_worker: dask_worker.__dict__.pop("overlord_test_slices", None))
+
+
+def _write_zarr(path, docs: list[list[int]]) -> None:
+    import numpy as np
+    import zarr
+
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+    g = zarr.open_group(str(path), mode="w")
+    g.create_array("tokens", shape=(int(offsets[-1]),), chunks=(64,), dtype="int32")[:] = np.concatenate(docs)
+    g.create_array("offsets", shape=offsets.shape, chunks=(64,), dtype="int64")[:] = offsets
+    zarr.consolidate_metadata(str(path))  # (as xarray writes them: a group opened reads every array's shape once)
+
+
+@pytest.mark.filterwarnings("ignore:Consolidated metadata:UserWarning")  # (zarr 3 on its format 3 stores)
+def test_a_run_started_after_a_zarr_source_was_rewritten_reads_it_anew(tmp_path):
+    """A process keeps one slice per source, plan version and run, and one opened zarr group per
+    slice. A notebook (or a long-lived cluster's worker) that runs the plan again after the
+    store was rewritten with more documents reads the new ones, not through the first run's
+    group (whose arrays still had the old shapes)."""
+    import numpy as np
+
+    from overlord_dask.plan import plan_from_dict
+    from overlord_dask.sources import discover_units
+    from overlord_dask.worker.loaders import load_block
+
+    spec = {
+        "name": "rewritten",
+        "sources": [{"name": "books", "format": "zarr", "url": "books.zarr", "tokens_field": "tokens"}],
+        "topology": {"dp": 1, "micro_batches": 1, "tokens_per_micro_batch": 4096},
+        "loading": {"unit_tokens": 100},
+    }
+    plan = plan_from_dict(spec, base_dir=tmp_path)
+    src = plan.sources[0]
+
+    def run(run_id: str) -> list[list[int]]:
+        sp = pickle.loads(pickle.dumps(plan.source_plan("books", run_id)))  # as a load task receives it
+        blocks = [load_block(sp, u.to_dict()) for u in discover_units(src, sp)]
+        return [b.tokens[b.offsets[i] : b.offsets[i + 1]].tolist() for b in blocks for i in range(len(b.sample_ids))]
+
+    first = [[i] * 30 for i in range(1, 6)]
+    _write_zarr(tmp_path / "books.zarr", first)
+    assert run("run-1") == first
+    again = pickle.loads(pickle.dumps(plan.source_plan("books", "run-1")))
+    assert again is pickle.loads(pickle.dumps(plan.source_plan("books", "run-1")))  # one slice per run
+    second = [list(np.arange(40) + 100 * i) for i in range(1, 12)]
+    _write_zarr(tmp_path / "books.zarr", second)
+    assert run("run-2") == second

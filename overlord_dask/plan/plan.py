@@ -262,8 +262,9 @@ class Plan(Strict):
         then the micro-batches carry a mask."""
         return any(s.masks_loss for s in self.sources)
 
-    def source_plan(self, name: str) -> SourcePlan:
-        """Source ``name``'s slice of this plan (what its load tasks carry; not validated again)."""
+    def source_plan(self, name: str, run_id: str | None = None) -> SourcePlan:
+        """Source ``name``'s slice of this plan for run ``run_id`` (what its load tasks carry;
+        not validated again)."""
         return SourcePlan.model_construct(
             name=self.name,
             seed=self.seed,
@@ -271,6 +272,7 @@ class Plan(Strict):
             tokenizer=self.tokenizer,
             loading=self.loading,
             sources=[self.source(name)],
+            run_id=run_id,
         )
 
     def source(self, name: str) -> Source:

@@ -13,7 +13,7 @@ task's arguments when it is submitted, and holds them while the task's block is 
 workers would each hold one copy of it per task, and build each of its nested models anew per
 task. A slice is immutable, so it pickles as its content and a digest of it (:func:`shared`):
 unpickled in a process that already holds a slice with that digest, it is that slice. A process
-holds one copy per source and plan version, however many tasks name it.
+holds one copy per source, plan version and run, however many tasks name it.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ class SourcePlan(Strict):
     """The plan's loading settings."""
     sources: list[Source] = Field(min_length=1, max_length=1)
     """The one source."""
+    run_id: str | None = None
+    """The run whose load tasks carry the slice. What a process keeps per slice (the shared copy
+    itself, a zarr group opened once for every load) lasts one run: a run started after the
+    source's files were rewritten opens them anew."""
 
     def source(self, name: str) -> Source:
         (s,) = self.sources

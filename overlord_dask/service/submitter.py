@@ -96,7 +96,7 @@ class Submitter(threading.Thread):
         self.resources = {}  # source -> the worker resource its loads need (its pool), or None
         for _, p in timeline.versions:
             for src in p.sources:
-                self.source_plan[src.name] = p.source_plan(src.name)
+                self.source_plan[src.name] = p.source_plan(src.name, self.run_id)
                 self.resources[src.name] = {pool_resource(src.pool_name): 1} if uses_pools(p) else None
                 if src.name not in self.units:  # a source a live update added: its training units
                     self.units[src.name] = holdout.split(p.seed, src, discover_units(src, p))[0]

@@ -57,10 +57,10 @@ _GROUPS_LOCK = threading.Lock()
 
 
 def _loading_group(source: Source, plan: SourcePlan):
-    """The source's group, opened once per plan object in this process (a worker's loads of one
-    run version share the plan object: ``loaders._plan``). Opening reads the group's and the
-    arrays' metadata (a few object-store requests on S3), for every unit otherwise. Chunks are
-    still read at every load."""
+    """The source's group, opened once per plan object in this process (a process holds one
+    slice per source, plan version and run: ``SourcePlan``'s shared copies; a later run opens
+    the group anew). Opening reads the group's and the arrays' metadata (a few object-store
+    requests on S3), for every unit otherwise. Chunks are still read at every load."""
     key = (id(plan), source.name)
     with _GROUPS_LOCK:
         hit = _GROUPS.get(key)
