@@ -319,7 +319,8 @@ def test_a_fetch_given_up_for_a_shadow_leaves_no_unretrieved_error():
 def test_a_rank_whose_fetches_fail_says_what_they_met():
     """Batches built on a worker this rank cannot fetch from (the scheduler still names it, the
     connection fails): the rank's timeout error says which steps, how often and the last failure,
-    not only that the service's status shows no cause; a fetch that succeeds clears it."""
+    not only that the service's status shows no cause; a fetch that succeeds clears it. The rank
+    asks the planner where the batch is less and less often, not in a tight loop."""
     import asyncio
 
     from overlord_dask.errors import ServiceError
@@ -344,8 +345,7 @@ def test_a_rank_whose_fetches_fail_says_what_they_met():
 
     class Planner:
         async def where(self, key, timeout, run_id=None):
-            await asyncio.sleep(0.02)
-            return {"error": None, "workers": ["tcp://10.0.0.2:1"]}
+            return {"error": None, "workers": ["tcp://10.0.0.2:1"]}  # (at once: the task is in memory there)
 
     from overlord_dask.wire import Payload, pack_batch
 
@@ -367,12 +367,10 @@ def test_a_rank_whose_fetches_fail_says_what_they_met():
 
     with pytest.raises(ServiceError, match="could not be fetched"):
         asyncio.run(fetch(IO(fail=True), 0.3))
-    assert (
-        len(told) > 2
-        and told[-1] == "worker tcp://10.0.0.2:1: OSError: Timed out trying to connect to tcp://10.0.0.2:1 after 5 s"
-    )
-    text = fetch_trouble(([7, 8], told[-1], 100.0, len(told)), now=112.4)
-    assert text == f"this rank's fetch of steps 7-8 failed {len(told)} times in 12 s, last: {told[-1]}"
+    assert 2 < len(told) < 20, len(told)  # not a request to the scheduler per loop turn: pauses that double
+    assert told[-1] == "worker tcp://10.0.0.2:1: OSError: Timed out trying to connect to tcp://10.0.0.2:1 after 5 s"
+    text = fetch_trouble(([7, 8], told[-1], 100.0, 1234), now=112.4)
+    assert text == f"this rank's fetch of steps 7-8 failed 1,234 times in 12 s, last: {told[-1]}"
     assert fetch_trouble(None) is None
     assert asyncio.run(fetch(IO(fail=False), 5)) == [{"step": 7}] and told[-1] is None
 

@@ -19,6 +19,8 @@ from ..errors import ConnectionClosed, ServiceError
 
 # a worker that has not answered a fetch in this long may be hung: try the batch's other holders (doubles per retry)
 HEDGE_S = 2.0
+# after the second round of holders that all failed, wait this long before asking the planner again (doubling)
+ROUND_PAUSE_S, ROUND_PAUSE_MAX_S = 0.01, 0.5
 
 
 async def fetch_shared(io, address: str, request: tuple, call, abort: asyncio.Event | None = None):
@@ -70,6 +72,7 @@ async def fetch_batches(
     addresses = list(desc.get("workers", ()))
     slow: set[str] = set()  # holders that did not answer within the hedge time (hung, say: SIGSTOP)
     hedge = HEDGE_S
+    pause = 0.0  # before asking the planner again (the first time at once: a lost worker's shadow takes over)
 
     async def from_worker(addr: str):
         if host is not None:
@@ -99,6 +102,9 @@ async def fetch_batches(
             raise ServiceError(
                 f"batch {desc['key']} could not be fetched within {timeout}s (last known workers: {addresses})"
             )
+        if pause:  # no holder answered again: a rank stuck on a batch must not ask the scheduler 1,000 times a second
+            await asyncio.sleep(pause)
+        pause = min(ROUND_PAUSE_MAX_S, pause * 2) if pause else ROUND_PAUSE_S
         resp = await planner.where(desc["key"], timeout=min(5.0, timeout), run_id=desc.get("run_id"))
         if not isinstance(resp, dict) or resp.get("other_run"):  # the service was restarted: reconnect first
             raise ConnectionClosed(f"the overlord service at {address} was restarted")
