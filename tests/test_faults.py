@@ -325,7 +325,7 @@ def test_a_rank_whose_fetches_fail_says_what_they_met():
 
     from overlord_dask.errors import ServiceError
     from overlord_dask.trainer.fetch import fetch_batches
-    from overlord_dask.trainer.stalls import fetch_trouble
+    from overlord_dask.trainer.stalls import FetchTrouble
 
     told = []
 
@@ -369,9 +369,17 @@ def test_a_rank_whose_fetches_fail_says_what_they_met():
         asyncio.run(fetch(IO(fail=True), 0.3))
     assert 2 < len(told) < 20, len(told)  # not a request to the scheduler per loop turn: pauses that double
     assert told[-1] == "worker tcp://10.0.0.2:1: OSError: Timed out trying to connect to tcp://10.0.0.2:1 after 5 s"
-    text = fetch_trouble(([7, 8], told[-1], 100.0, 1234), now=112.4)
-    assert text == f"this rank's fetch of steps 7-8 failed 1,234 times in 12 s, last: {told[-1]}"
-    assert fetch_trouble(None) is None
+    trouble = FetchTrouble()
+    for text in told:
+        trouble.tell([7, 8], text)
+    n, since = len(told), trouble.since
+    assert (
+        trouble.text(now=since + 12.4) == f"this rank's fetch of steps 7-8 failed {n:,} times in 12 s, last: {told[-1]}"
+    )
+    trouble.tell([9], "worker tcp://10.0.0.3:1 did not answer within 2 s")  # another fetch: counted anew
+    assert trouble.text(now=trouble.since).startswith("this rank's fetch of step 9 failed 1 time in 0 s, last: worker")
+    trouble.tell([9], None)
+    assert trouble.text() is None  # it came
     assert asyncio.run(fetch(IO(fail=False), 5)) == [{"step": 7}] and told[-1] is None
 
 

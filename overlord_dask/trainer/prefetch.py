@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from ..errors import ServiceError
 from ..wire import nbytes
@@ -20,6 +19,7 @@ from .fetch import fetch_batches
 from .handover import HandOver
 from .options import StreamOptions
 from .reconnect import find_service
+from .stalls import FetchTrouble
 
 
 class RankIO(Acknowledging):
@@ -43,9 +43,7 @@ class RankIO(Acknowledging):
         self.info, self.generation = info, generation
         self.rank, self.cp_rank, self.replica = consumer  # (rank, cp rank or None, replica)
         self.closed = False
-        self.fetch_trouble: tuple[list[int], str, float, int] | None = (
-            None  # (steps, the last failure, since, failures)
-        )
+        self.fetch_trouble = FetchTrouble()  # what this rank's failing fetches met (a timeout's error says it)
         self._descs: dict[int, dict] = {}  # step -> descriptor naming it
         self._fetch_next = first_step
         self._max_seen = first_step - 1  # highest step named by a descriptor (planned, so ackable)
@@ -109,7 +107,7 @@ class RankIO(Acknowledging):
                 try:
                     where = {"abort": self._disconnected, "address": self.address, "timeout": self.options.timeout}
                     where.update(host=getattr(self.channel, "host_fetches", None), replica=self.replica)
-                    where.update(trouble=lambda text, steps=steps: self._trouble(steps, text))
+                    where.update(trouble=lambda text, steps=steps: self.fetch_trouble.tell(steps, text))
                     batches = await fetch_batches(
                         self.io, self.planner, desc, steps, rank=self.rank, cp_rank=self.cp_rank, **where
                     )
@@ -184,17 +182,6 @@ class RankIO(Acknowledging):
             self.hand.chunk_ends_at(desc["steps"][-1])
             if self.hand.consumed >= min(desc["steps"]):  # steps skipped by load_state_dict: ack them now
                 self._ack_wake.set()
-
-    def _trouble(self, steps: list[int], text: str | None) -> None:
-        """A holder of ``steps``' batches failed to answer (``text``: how), or they came (None):
-        what a rank that times out reports besides the service's status."""
-        if text is None:
-            self.fetch_trouble = None
-        elif self.fetch_trouble is not None and self.fetch_trouble[0] == steps:
-            _, _, since, n = self.fetch_trouble
-            self.fetch_trouble = (steps, text, since, n + 1)
-        else:
-            self.fetch_trouble = (steps, text, time.monotonic(), 1)
 
     # ---- acknowledgements ---------------------------------------------------------------------
     # ---- losing and finding the service --------------------------------------------------------

@@ -59,13 +59,29 @@ def why_waiting(status: dict, rank: int, step: int, timeout: float) -> str:
     return f"rank {rank}: no batch for step {step:,} within {timeout:g}s: " + "; ".join(causes)
 
 
-def fetch_trouble(trouble: tuple | None, now: float | None = None) -> str | None:
-    """What the rank's own fetches met (``RankIO.fetch_trouble``: the steps, the last failure,
-    since when, how many), said beside the service's status: batches that are built but that
-    this rank cannot fetch from the workers holding them show nowhere else."""
-    if trouble is None:
-        return None
-    steps, text, since, n = trouble
-    span = f"step {steps[0]:,}" if len(steps) == 1 else f"steps {steps[0]:,}-{steps[-1]:,}"
-    took = (time.monotonic() if now is None else now) - since
-    return f"this rank's fetch of {span} failed {n:,} time{'s' if n > 1 else ''} in {took:.0f} s, last: {text}"
+class FetchTrouble:
+    """What a rank's own fetches met (``fetch.fetch_batches`` tells it each holder that failed,
+    and success), said beside the service's status when the rank times out: batches that are
+    built but that this rank cannot fetch from the workers holding them show nowhere else."""
+
+    def __init__(self):
+        self.steps: list[int] | None = None  # the steps of the fetch that fails, None while fetches succeed
+        self.last, self.since, self.failures = "", 0.0, 0
+
+    def tell(self, steps: list[int], text: str | None) -> None:
+        """(the IO loop) A holder of ``steps``' batches failed (``text``: how), or they came (None)."""
+        if text is None:
+            self.steps = None
+            return
+        if self.steps != steps:
+            self.steps, self.since, self.failures = list(steps), time.monotonic(), 0
+        self.last, self.failures = text, self.failures + 1
+
+    def text(self, now: float | None = None) -> str | None:
+        """The trouble in words, or None while fetches succeed."""
+        if self.steps is None:
+            return None
+        steps, n = self.steps, self.failures
+        span = f"step {steps[0]:,}" if len(steps) == 1 else f"steps {steps[0]:,}-{steps[-1]:,}"
+        took = (time.monotonic() if now is None else now) - self.since
+        return f"this rank's fetch of {span} failed {n:,} time{'s' if n > 1 else ''} in {took:.0f} s, last: {self.last}"

@@ -59,7 +59,7 @@ from .handover import HandOver
 from .options import StreamOptions
 from .prefetch import RankIO
 from .reporting import Reporting
-from .stalls import fetch_trouble, why_waiting
+from .stalls import why_waiting
 from .tensors import for_trainer
 
 
@@ -299,7 +299,7 @@ def _why_stalled(s: RankStream) -> str:
             f"rank {s.rank}: no batch for step {s.next_step} within {s.timeout}s and the service does not answer: {err}"
         )
     why = why_waiting(st, s.rank, s.next_step, s.timeout)
-    trouble = fetch_trouble(s.rio.fetch_trouble if s.rio is not None else None)
+    trouble = s.rio.fetch_trouble.text() if s.rio is not None else None
     return why if trouble is None else f"{why}; {trouble}"
 
 
