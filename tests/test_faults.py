@@ -340,7 +340,7 @@ def test_a_rank_whose_fetches_fail_says_what_they_met():
                 raise OSError(f"Timed out trying to connect to {address} after 5 s")
             return {"status": "OK", "payload": Payload([pack_batch({"step": 7})])}
 
-        def found(self, addresses):
+        def found(self, addresses, asked_at):
             pass
 
     class Planner:
@@ -381,6 +381,33 @@ def test_a_rank_whose_fetches_fail_says_what_they_met():
     trouble.tell([9], None)
     assert trouble.text() is None  # it came
     assert asyncio.run(fetch(IO(fail=False), 5)) == [{"step": 7}] and told[-1] is None
+
+
+def test_a_loss_reported_after_the_planner_was_asked_stays_marked():
+    """The planner's answer clears the loss of an address it names only where the loss was
+    reported before the question (an earlier worker there): a worker that died while the answer
+    was on its way is still skipped at once, not retried for the whole connect timeout."""
+    import asyncio
+    import time
+
+    from overlord_dask.trainer.connection import ProcessIO
+
+    io = ProcessIO.get()
+    earlier, meanwhile = "tcp://10.9.9.9:1", "tcp://10.9.9.9:2"
+
+    async def scenario():
+        io.mark_lost(earlier)
+        await asyncio.sleep(0.002)
+        asked = time.monotonic()
+        await asyncio.sleep(0.002)
+        io.mark_lost(meanwhile)
+        io.found([earlier, meanwhile], asked)
+        out = (io.lost(earlier).is_set(), io.lost(meanwhile).is_set())
+        for a in (earlier, meanwhile):
+            io.lost_workers.pop(a, None), io.lost_at.pop(a, None)
+        return out
+
+    assert io.run(scenario(), timeout=5) == (False, True)
 
 
 def test_a_rank_back_on_a_restored_service_acknowledges_steps_it_is_still_replaying():

@@ -134,7 +134,7 @@ def test_a_trainer_fetches_from_a_new_worker_at_the_address_of_one_it_saw_lost(s
         io = ProcessIO.get()
 
         async def an_earlier_worker_there_was_lost():  # what a worker_lost message does
-            io.lost(worker).set()
+            io.mark_lost(worker)
 
         io.run(an_earlier_worker_there_was_lost(), timeout=5)
         out = {}

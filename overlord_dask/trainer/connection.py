@@ -15,6 +15,7 @@ import asyncio
 import atexit
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,7 @@ class ProcessIO:
         self.channels: dict[tuple[str, str, str, bool], Channel] = {}  # (address, run id, group, relay) -> channel
         self.relays: list = []  # the host relays this process runs (relay.Relay)
         self.lost_workers: dict[str, asyncio.Event] = {}  # address -> set once the scheduler says it is gone
+        self.lost_at: dict[str, float] = {}  # address -> when the scheduler said so (monotonic)
         self.inflight: dict[
             tuple, asyncio.Future
         ] = {}  # fetches in flight, shared by identical requests (fetch.fetch_shared)
@@ -108,12 +110,21 @@ class ProcessIO:
             ev = self.lost_workers[address] = asyncio.Event()
         return ev
 
-    def found(self, addresses) -> None:
-        """(IO loop) The scheduler names ``addresses`` as holding a batch now: a worker lives at
-        each, so a loss reported for one of them was an earlier worker's at the same address (a
-        port used again by a replacement, or by the next service this process connects to)."""
+    def mark_lost(self, address: str) -> None:
+        """(IO loop) The scheduler reports the worker at ``address`` gone (``worker_lost``)."""
+        self.lost(address).set()
+        self.lost_at[address] = time.monotonic()
+
+    def found(self, addresses, asked_at: float) -> None:
+        """(IO loop) The scheduler, asked at ``asked_at``, names ``addresses`` as holding a batch
+        now. A loss reported before the question was an earlier worker's at the same address (a
+        port used again by a replacement, or by the next service this process connects to): the
+        scheduler had removed that worker before it answered. A loss reported after it may be
+        of the very worker the answer names, and stays."""
         for address in addresses:
-            self.lost_workers.pop(address, None)
+            if self.lost_at.get(address, asked_at) < asked_at:
+                self.lost_workers.pop(address, None)
+                self.lost_at.pop(address, None)
 
     def planner(self, address: str) -> PlannerClient:
         """The planner's routes at ``address``, over this process's connection pool."""

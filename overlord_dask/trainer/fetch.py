@@ -1,8 +1,8 @@
 """Fetching a rank's built batches from the workers, following them when a worker is lost or hangs.
 
 A descriptor names the constructor task and the workers holding it. A fetch asks those workers in
-turn; a worker reported gone is skipped at once (until the planner names its address as a
-holder again: a new worker listens there), and one that does not answer within
+turn; a worker reported gone is skipped at once (until the planner, asked after the report,
+names its address as a holder again: a new worker listens there), and one that does not answer within
 ``HEDGE_S`` (hung, say) is set aside while the batch's other holders (shadows) are tried. When no
 holder has it, the planner says where it lives now (rebuilt elsewhere, or a shadow), and the
 fetch goes on there until ``timeout``.
@@ -105,12 +105,13 @@ async def fetch_batches(
         if pause:  # no holder answered again: a rank stuck on a batch must not ask the scheduler 1,000 times a second
             await asyncio.sleep(pause)
         pause = min(ROUND_PAUSE_MAX_S, pause * 2) if pause else ROUND_PAUSE_S
+        asked_at = time.monotonic()
         resp = await planner.where(desc["key"], timeout=min(5.0, timeout), run_id=desc.get("run_id"))
         if not isinstance(resp, dict) or resp.get("other_run"):  # the service was restarted: reconnect first
             raise ConnectionClosed(f"the overlord service at {address} was restarted")
         if resp.get("error"):
             raise ServiceError(resp["error"])
-        io.found(resp["workers"])  # alive now, whatever an earlier worker at the same address did
+        io.found(resp["workers"], asked_at)  # alive now, whatever an earlier worker at the same address did
         addresses = [a for a in resp["workers"] if a not in slow] or resp["workers"]  # the slow ones last resort
 
 

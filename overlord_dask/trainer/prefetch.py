@@ -150,7 +150,7 @@ class RankIO(Acknowledging):
         if self.closed or msg.get("generation", self.generation) != self.generation:
             return  # meant for an earlier consumer of this rank in this process
         if msg["op"] == "worker_lost":
-            self.io.lost(msg["address"]).set()
+            self.io.mark_lost(msg["address"])
         elif msg["op"] == "error" and msg.get("resumable") and self.options.reconnect_timeout > 0:
             # a restart (or a resubmitted job) is awaited
             self.lost(f"{msg['message']}; it resumes from its snapshots when it is started again")
