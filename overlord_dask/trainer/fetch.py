@@ -59,7 +59,7 @@ async def fetch_batches(
     address: str,
     host=None,
     replica: int = 0,
-    trouble: Callable[[str | None], None] | None = None,
+    trouble: Callable[[str | None], None] = lambda text: None,
 ) -> list[dict]:
     """Rank ``rank``'s batches of ``steps`` (wire form) from the task ``desc`` names. ``io`` is the
     process's ``connection.ProcessIO``; ``abort`` is set when the service itself went away;
@@ -88,16 +88,16 @@ async def fetch_batches(
                 resp = await asyncio.wait_for(from_worker(addr), hedge)
             except asyncio.TimeoutError:
                 slow.add(addr)  # a hung worker is only removed after the worker TTL: use a shadow meanwhile
-                _tell(trouble, f"worker {addr} did not answer within {hedge:g} s")
+                trouble(f"worker {addr} did not answer within {hedge:g} s")
                 hedge *= 2
                 continue
             except OSError as err:  # the worker went away; ask where the batch lives now (a shadow, or rebuilt)
-                _tell(trouble, f"worker {addr}: {type(err).__name__}: {err}")
+                trouble(f"worker {addr}: {type(err).__name__}: {err}")
                 continue
             if resp.get("status") == "OK":
-                _tell(trouble, None)
+                trouble(None)
                 return resp["payload"].batches()
-            _tell(trouble, f"worker {addr} answered {resp.get('status')!r}")
+            trouble(f"worker {addr} answered {resp.get('status')!r}")
         if time.monotonic() > deadline:
             raise ServiceError(
                 f"batch {desc['key']} could not be fetched within {timeout}s (last known workers: {addresses})"
@@ -113,8 +113,3 @@ async def fetch_batches(
             raise ServiceError(resp["error"])
         io.found(resp["workers"], asked_at)  # alive now, whatever an earlier worker at the same address did
         addresses = [a for a in resp["workers"] if a not in slow] or resp["workers"]  # the slow ones last resort
-
-
-def _tell(trouble: Callable[[str | None], None] | None, text: str | None) -> None:
-    if trouble is not None:
-        trouble(text)
