@@ -240,6 +240,31 @@ def test_queue_items_and_acks_are_per_chunk_not_per_step(cluster, small_plan):
     assert st["loop"]["samples"] > 0 and "block_max_ms" in st["loop"]
 
 
+def test_the_loop_watchdog_sees_a_block_longer_than_its_tick_and_wakes_an_idle_loop_seldom():
+    """A block of the event loop that spans a tick's due time shows as lag (at least the block
+        less one tick), and an idle loop is woken by it at most 25 times a second (``watchdog.py``: a
+    wake-up of an idle loop costs more than the tick's work)."""
+    import asyncio
+
+    from overlord_dask.scheduler.watchdog import LOOP_TICK_S, LoopWatch
+
+    async def run() -> LoopWatch:
+        ticks = []
+        watch = LoopWatch(on_tick=lambda: ticks.append(time.perf_counter()))
+        task = asyncio.ensure_future(watch.run())
+        await asyncio.sleep(0.3)
+        idle_ticks = len(ticks)
+        time.sleep(3 * LOOP_TICK_S)  # a handler that blocks the loop
+        await asyncio.sleep(0.2)
+        task.cancel()
+        return watch, idle_ticks
+
+    watch, idle_ticks = asyncio.run(run())
+    assert idle_ticks <= 0.3 * 25 + 1, idle_ticks
+    assert watch.block_max >= 2 * LOOP_TICK_S - 0.005, watch.figures()
+    assert watch.figures()["block_max_ms"] >= 1e3 * (2 * LOOP_TICK_S - 0.005)
+
+
 TRAINER_WITHOUT_DASK = """
 import json, sys
 import numpy as np

@@ -68,7 +68,7 @@ def test_the_embedded_cluster_quiets_dasks_housekeeping_timers(cluster):
     for enabled, callbacks, monitor_ms, memory_s, disk in per_worker.values():
         assert enabled is False and "profile" not in callbacks
         assert monitor_ms == 2000 and memory_s == pytest.approx(0.5) and disk is False
-    assert cluster.scheduler._tick_interval == pytest.approx(0.1)
+    assert cluster.scheduler._tick_interval == pytest.approx(0.5)
     assert cluster.scheduler.periodic_callbacks["monitor"].callback_time == 2000
     for nanny in cluster.workers.values():
         assert nanny.memory_manager.memory_monitor_interval == pytest.approx(0.5)
