@@ -16,8 +16,10 @@ holding it, acknowledge at its end) without decoding batches into arrays, since 
 trainer threads do not fit on two cores; ``--consumers rankstream``: a ``RankStream`` per rank,
 one thread per host. After a warm-up, for ``--seconds``: steps committed per second, this
 process's CPU time (user + system: scheduler, planner thread, driver, nannies) divided by
-steps × dp, and the scheduler's longest event-loop block (``overlord_loop``: how late a 10 ms
-timer on the loop fired).
+steps × dp, and the scheduler's longest event-loop block (``overlord_loop``: how late the
+watchdog's 50 ms timer on the loop fired). Then, the consumers stopped, the same process's CPU
+per second while the service waits for them (``idle_cpu_ms_per_s``, over ``--idle-seconds``):
+what a service costs its host between steps, mostly wake-ups of its event loop.
 
 The same run also measures a baseline row at the smallest ``dp``: the plan with
 ``loading.batch_steps: 1``, i.e. a descriptor, a fetch and an ack per (step, rank) and
@@ -209,6 +211,7 @@ def measure(
     consumers: str = "lean",
     replicas: int = 1,
     fetch: bool = True,
+    idle_seconds: float = 5.0,
 ) -> dict:
     import psutil
 
@@ -252,6 +255,12 @@ def measure(
             p.terminate()
         for p in ps:
             p.join(timeout=30)
+        idle = None
+        if idle_seconds > 0:
+            time.sleep(2.0)  # the stopped consumers' channels closed, the constructor tasks in flight done
+            i0, ti = sum(me.cpu_times()[:2]), time.perf_counter()
+            time.sleep(idle_seconds)
+            idle = (sum(me.cpu_times()[:2]) - i0) * 1e3 / (time.perf_counter() - ti)
     steps = c1 - c0
     control_s = (cpu1 - cpu0) - (p1 - p0)
     return {
@@ -270,6 +279,7 @@ def measure(
         ),
         "loop_block_max_ms": loop["block_max_ms"],
         "loop_block_p99_ms": loop["block_p99_ms"],
+        "idle_cpu_ms_per_s": None if idle is None else round(idle, 1),
         "consumer_processes": len(ps),
         "connections": len(hosts),
         "consumers": consumers,
@@ -291,6 +301,12 @@ def main(argv=None) -> dict:
         "rankstream: a RankStream per rank, a thread per host",
     )
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=5.0,
+        help="the service's CPU measured this long once the consumers stop (0: not)",
+    )
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=16, help="the plan's prefetch_steps")
@@ -341,6 +357,7 @@ def main(argv=None) -> dict:
                         "lean",
                         replicas=tp,
                         fetch=gpus <= 1024,
+                        idle_seconds=args.idle_seconds,
                     )
                     rows.append({**row, "gpus": gpus, "row": f"{gpus} GPUs, " + (f"tp {tp}" if tp > 1 else "no tp")})
             args.dp, args.no_baseline = [], True
@@ -357,6 +374,7 @@ def main(argv=None) -> dict:
                 args.prefetch,
                 args.ranks_per_host,
                 args.consumers,
+                idle_seconds=args.idle_seconds,
             )
             rows.append({**base, "row": "baseline: one step per chunk"})
         for dp in args.dp:
@@ -376,6 +394,7 @@ def main(argv=None) -> dict:
                         args.consumers,
                         replicas=args.replicas,
                         fetch=not args.no_fetch,
+                        idle_seconds=args.idle_seconds,
                     ),
                     "row": "chunked",
                 }
@@ -406,6 +425,7 @@ def main(argv=None) -> dict:
                 "planner_ms_per_1m_tokens",
                 "loop_block_max_ms",
                 "loop_block_p99_ms",
+                "idle_cpu_ms_per_s",
             ],
         )
     return out

@@ -221,6 +221,8 @@ def test_control_plane_benchmark_runs(corpus, consumers, replicas):
             "2",
             "--warmup-steps",
             "3",
+            "--idle-seconds",
+            "1",
             "--no-baseline",
             "--consumers",
             consumers,
@@ -244,6 +246,7 @@ def test_control_plane_benchmark_runs(corpus, consumers, replicas):
     assert row["control_ms_per_step_host"] > 0 and row["planner_ms_per_1m_tokens"] > 0
     # (with replicas, the windows placed in the balancer's process: its CPU is a column of its own)
     assert (row["balancer_process_ms_per_1m_tokens"] is not None) == (replicas > 1), row
+    assert row["idle_cpu_ms_per_s"] is not None and row["idle_cpu_ms_per_s"] >= 0, row
     assert '"control_plane"' in stdout
 
 
