@@ -242,13 +242,13 @@ def test_queue_items_and_acks_are_per_chunk_not_per_step(cluster, small_plan):
 
 def test_the_loop_watchdog_sees_a_block_longer_than_its_tick_and_wakes_an_idle_loop_seldom():
     """A block of the event loop that spans a tick's due time shows as lag (at least the block
-        less one tick), and an idle loop is woken by it at most 25 times a second (``watchdog.py``: a
+    less one tick), and an idle loop is woken by it at most 25 times a second (``watchdog.py``: a
     wake-up of an idle loop costs more than the tick's work)."""
     import asyncio
 
     from overlord_dask.scheduler.watchdog import LOOP_TICK_S, LoopWatch
 
-    async def run() -> LoopWatch:
+    async def run() -> tuple[LoopWatch, int]:
         ticks = []
         watch = LoopWatch(on_tick=lambda: ticks.append(time.perf_counter()))
         task = asyncio.ensure_future(watch.run())
