@@ -5,11 +5,11 @@ Every handler, transition and heartbeat of the scheduler runs on that loop, so i
 wait the control path adds to a queue get, an ack or a descriptor (``overlord_loop``; the
 control-plane benchmark reports its maximum).
 
-Why a tick of 50 ms, not 10: every tick wakes the loop, and a wake-up of an idle loop costs it
-more than the tick's work (its caches are cold). At 100 ticks a second the watchdog was about
-two fifths of an idle service's loop CPU. A block of the loop still shows in full where it
-spans a tick's due time (every block longer than a tick does); a shorter one shows where it
-overlaps one, by the part of it after that time.
+Why a tick of tens of milliseconds, not a few: every tick wakes the loop, and a wake-up of an
+idle loop costs it more than the tick's work (its caches are cold), so a fast tick would be a
+large share of an idle service's CPU (``benchmarks/control_plane.py``: ``idle_cpu_ms_per_s``). A
+block of the loop still shows in full where it spans a tick's due time (every block longer than
+a tick does); a shorter one shows where it overlaps one, by the part of it after that time.
 """
 
 from __future__ import annotations

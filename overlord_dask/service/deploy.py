@@ -50,8 +50,8 @@ peer that just died retries the refused connection this long, not Dask's 30 s.""
 QUIET_DEFAULTS = {
     "distributed.worker.profile.enabled": False,  # no 100 Hz stack sampling of every worker
     # Dask's loop-health tick (the service measures its own: scheduler/watchdog.py), in the
-    # scheduler, each nanny and each worker: at Dask's 20 ms (or at 100 ms) most of an idle
-    # loop's wake-ups. Its "unresponsive" log line still comes for a block of over 2.5 s.
+    # scheduler, each nanny and each worker: each tick wakes an idle loop, whose wake-ups are
+    # most of its CPU. Its "unresponsive" log line still comes for a block of over 2.5 s.
     "distributed.admin.tick.interval": "500ms",
     # the dashboard's per-process time series (psutil reads of /proc)
     "distributed.admin.system-monitor.interval": "2s",
