@@ -5,6 +5,10 @@ step, exactly once; beyond the retention the error names the oldest step and the
 
 from __future__ import annotations
 
+import asyncio
+import time
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -12,6 +16,7 @@ from overlord_dask import Service, connect
 from overlord_dask.errors import ServiceError
 from overlord_dask.observe.figures import exactly_once, planned_identities
 from overlord_dask.service.replay import replay
+from overlord_dask.trainer.prefetch import RankIO, goes_on_after_rewind
 
 from .harness import assert_same_stream, consume, run_ranks, token_digest
 
@@ -39,12 +44,15 @@ def test_a_job_restarts_from_older_checkpoints_while_the_service_runs_on(cluster
         assert service.status()["failure"] is None
 
 
-def test_a_rank_attached_at_the_step_another_rank_rewinds_to_goes_on(cluster, small_plan):
+@pytest.mark.parametrize("taken", [0, 2], ids=["at that step", "past it"])
+def test_a_rank_attached_at_the_step_another_rank_rewinds_to_goes_on(cluster, small_plan, taken):
     """A job dies after rank 0 acknowledged step 5 but rank 1 only step 3 (its last chunk's
     acknowledgement was lost with it). Restarted from the checkpoint at step 4, rank 1 attaches
-    first (the service hands it step 4 next: nothing to rewind for it); rank 0 then rewinds the
-    service to step 4, which ends every attachment. Rank 1's stream, at that very step, attaches
-    again and goes on instead of failing: both ranks receive steps 4-7 as an uninterrupted run."""
+    first (the service hands it step 4 next: nothing to rewind for it) and its trainer takes
+    ``taken`` steps; rank 0 then rewinds the service to step 4, which ends every attachment.
+    Rank 1's stream, at that very step or past it (the rewind replays those steps
+    token-identical), attaches again and goes on instead of failing: both ranks receive steps
+    4-7 as an uninterrupted run."""
     plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2}, topology={"dp": 2})
     with Service.start(plan, cluster=cluster) as service:
         want = _run(service.address, 2, 8).digests
@@ -58,21 +66,62 @@ def test_a_rank_attached_at_the_step_another_rank_rewinds_to_goes_on(cluster, sm
                 s.commit()
 
         run_ranks(first_job, [0, 1])
-        lagging = connect(service.address, 1, 2, timeout=60)
-        lagging.load_state_dict({"version": 1, "next_step": 4})  # nothing to rewind for rank 1
-        ahead = connect(service.address, 0, 2, timeout=60)
-        ahead.load_state_dict({"version": 1, "next_step": 4})  # rank 0 was at 6: the service goes back
         got = {}
-        for r, s in ((1, lagging), (0, ahead)):
-            for _ in range(4):
+
+        def take(r, s, n):
+            for _ in range(n):
                 b = s.next_batch()
                 got[(r, b["step"])] = token_digest(b)
+
+        lagging = connect(service.address, 1, 2, timeout=60)
+        lagging.load_state_dict({"version": 1, "next_step": 4})  # nothing to rewind for rank 1
+        take(1, lagging, taken)  # from the attachment the rewind ends
+        ahead = connect(service.address, 0, 2, timeout=60)
+        ahead.load_state_dict({"version": 1, "next_step": 4})  # rank 0 was at 6: the service goes back
+        take(1, lagging, 4 - taken)
+        take(0, ahead, 4)
         assert got == {k: v for k, v in want.items() if 4 <= k[1] < 8}
         # its checkpoint goes through: the attachment it holds is the current one
         assert lagging.state_dict()["next_step"] == ahead.state_dict()["next_step"] == 8
         assert service.status()["failure"] is None
         for s in (lagging, ahead):
             s.close()
+
+
+def test_a_rank_goes_on_after_a_rewind_at_its_step_or_one_that_replays_the_steps_it_took():
+    """A rewind's message names its step and whether the steps from there come out as the first
+    time (a restart with the same ranks) or not (a skip): a trainer at that step goes on either
+    way; one past it only where they are replayed unchanged; one before it never."""
+    replayed = {"op": "error", "rewound_to": 4, "replayed": True}
+    skip = {"op": "error", "rewound_to": 4, "replayed": False}
+    assert [goes_on_after_rewind(replayed, p) for p in (3, 4, 5, 9)] == [False, True, True, True]
+    assert [goes_on_after_rewind(skip, p) for p in (3, 4, 5)] == [False, True, False]
+    assert not goes_on_after_rewind({"op": "error", "message": "the run stopped"}, 4)
+
+
+def test_a_refused_fetch_goes_on_at_once_when_its_rank_attached_again_as_the_wait_began():
+    """The rewind's message came before the fetch's refusal, and the rank attached again right as
+    the fetch began to wait for it (the reconnect's "disconnected" signal set and cleared before
+    the wait looked): the fetch goes on with the new attachment at once, not as a failure after
+    the wait."""
+
+    async def main():
+        rank = SimpleNamespace(generation=2, _disconnected=asyncio.Event(), connected=asyncio.Event())
+        rank._disconnected.set()  # the rewind's message: the rank attaches again
+
+        async def attached_again():
+            rank.generation = 4
+            rank._disconnected.clear()
+            rank.connected.set()
+
+        again = asyncio.ensure_future(attached_again())  # runs before the wait's first look
+        t0 = time.monotonic()
+        goes_on = await RankIO._reattaching(rank, 2, within=1.0)
+        await again
+        return goes_on, time.monotonic() - t0
+
+    goes_on, waited = asyncio.run(main())
+    assert goes_on and waited < 0.5
 
 
 @pytest.mark.parametrize("before,after", [(3, 2), (2, 3)])

@@ -64,7 +64,8 @@ class RankChannels:
         self.streams: dict[str, BatchedWriter] = {}  # consumer process channel id -> its stream
         self.subs: dict[tuple[int, int], dict[int, str]] = {}  # (rank, cp rank) -> replica -> channel id
         self.on_channel: dict[str, set[Consumer]] = {}  # channel id -> the consumers subscribed on it (subs, inverted)
-        self.rewound: dict[Consumer, tuple[int, int]] = {}  # consumer -> (generation a rewind ended, its step)
+        # consumer -> (generation a rewind ended, its step, whether the steps from there are replayed unchanged)
+        self.rewound: dict[Consumer, tuple[int, int, bool]] = {}
         self.put_count = 0  # descriptors handed out, one per rank (control-path traffic)
 
     # ---- descriptors ----------------------------------------------------------------------------
@@ -196,7 +197,7 @@ class RankChannels:
             if ended is not None and ended[0] == generation and bs is not None:
                 # a rewind ended this attachment before its subscription came: say so (the
                 # consumer at the rewind's step attaches again)
-                tell(bs, consumer, generation, "the run was rewound", rewound_to=ended[1])
+                tell(bs, consumer, generation, "the run was rewound", rewound_to=ended[1], replayed=ended[2])
             return
         self._add(consumer, channel_id)
         self._send_items(consumer, channel_id, self.backlog(consumer))
@@ -235,26 +236,33 @@ class RankChannels:
         return 0 <= rank < self.dp and 0 <= cp_rank < self.cp
 
     def end_all(
-        self, message: str, dp: int | None = None, cp: int | None = None, rewound_to: int | None = None
+        self,
+        message: str,
+        dp: int | None = None,
+        cp: int | None = None,
+        rewound_to: int | None = None,
+        replayed: bool = False,
     ) -> None:
         """Every subscribed consumer's stream ends with ``message``, and no earlier attachment
         counts any more (their acks are refused); with ``dp``/``cp``, for a new topology (a job
         that came back with another number of ranks). ``rewound_to``: the step the service
         hands out next (a rewind with the same ranks): a consumer whose trainer is at that very
         step attaches again and goes on (a rank of the restarted job that attached before
-        another rank's rewind); any other fails, telling its trainer why."""
+        another rank's rewind), and with ``replayed`` (the steps from there come out as the
+        first time) also one past it (its trainer took them from the ended attachment before
+        this message came); any other fails, telling its trainer why."""
+        extra = {} if rewound_to is None else {"rewound_to": rewound_to, "replayed": replayed}
         for (rank, cp_rank), subs in self.subs.items():
             for replica, channel_id in subs.items():
                 bs = self.streams.get(channel_id)
                 if bs is not None:
                     consumer = (rank, cp_rank, replica)
-                    extra = {} if rewound_to is None else {"rewound_to": rewound_to}
                     tell(bs, consumer, self.generation.get(consumer, 0), message, **extra)
         self.subs.clear()
         self.on_channel.clear()
         for consumer in self.generation:
             if rewound_to is not None:
-                self.rewound[consumer] = (self.generation[consumer], rewound_to)
+                self.rewound[consumer] = (self.generation[consumer], rewound_to, replayed)
             self.generation[consumer] += 1
         if dp is not None:
             self.dp, self.cp = dp, cp or 1

@@ -48,7 +48,7 @@ class Rewinder:
             if source is None:
                 return {"error": await self.too_old(st, step)}
             why = "a training job restarted from its checkpoint"
-            await self.rebuild(step, source, dp, why)
+            await self.rebuild(step, source, dp, why, replayed=True)
             return {"error": None, "rewound": True}
 
     async def source(self, step: int) -> tuple | None:
@@ -58,10 +58,13 @@ class Rewinder:
             source = await asyncio.to_thread(self.p.snapshots_loop.store.window_at, step)
         return source
 
-    async def rebuild(self, step: int, source: tuple, dp: int, why: str) -> None:
+    async def rebuild(self, step: int, source: tuple, dp: int, why: str, replayed: bool = False) -> None:
         """(holding ``lock``) Hand out ``step`` next for ``dp`` ranks, the
         planner rebuilt from window start ``source``; every attached consumer's stream ends,
-        telling it ``why``."""
+        telling it ``why``. ``replayed``: the steps from ``step`` on come out token-identical
+        to the first time (a job restarted from its checkpoint with the same ranks; not a skip,
+        which changes them), so a consumer whose trainer took some of them from its ended
+        attachment goes on from where it is."""
         st = self.p.thread.state
         topo = st.final_plan.topology
         new = await self.p.thread.run(rebuild_at, st, step, source, dp)
@@ -76,7 +79,7 @@ class Rewinder:
         if dp != topo.dp:
             self.p.channels.end_all(message, dp, topo.cp)
         else:
-            self.p.channels.end_all(message, rewound_to=step)
+            self.p.channels.end_all(message, rewound_to=step, replayed=replayed)
         self.p.thread.restart_work(release)
         logs.event("rewind", self.p.run_id, step, dp=dp, previous_dp=topo.dp, window=source[0])
         if self.p.snapshots_loop is not None:

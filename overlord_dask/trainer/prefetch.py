@@ -22,6 +22,17 @@ from .reconnect import find_service
 from .stalls import FetchTrouble
 
 
+def goes_on_after_rewind(msg: dict, position: int) -> bool:
+    """Whether a consumer whose trainer takes step ``position`` next attaches again after the
+    rewind an ``error`` message ``msg`` tells of, rather than failing: at the very step the
+    service was rewound to, or past it where the rewind replays the steps unchanged (a job
+    restarted with the same ranks: the trainer took them from its ended attachment before the
+    message came, token-identical to the replay). Past a skip's start it fails: the steps it
+    took are no longer the run's."""
+    at = msg.get("rewound_to")
+    return at is not None and (position == at or (position > at and bool(msg.get("replayed"))))
+
+
 class RankIO(Acknowledging):
     """(IO loop) The background side of one rank's stream (its acknowledgements: ``acking.py``)."""
 
@@ -136,13 +147,15 @@ class RankIO(Acknowledging):
         is attaching (a rewind to the step it is at released the batches it was fetching): wait
         until it is attached; the new attachment's descriptors name the rebuilt batches. The
         rewind's message may come after the fetch's refusal, so it is waited for ``within`` s."""
-        if self.generation != attachment:
-            return True
-        try:
-            await asyncio.wait_for(self._disconnected.wait(), within)
-        except asyncio.TimeoutError:
-            return False
-        await self.connected.wait()
+        if self.generation == attachment and not self._disconnected.is_set():
+            try:
+                await asyncio.wait_for(self._disconnected.wait(), within)
+            except asyncio.TimeoutError:
+                pass  # no message; or it ended and this rank attached again while the wait began
+        if self.generation == attachment:
+            if not self._disconnected.is_set():
+                return False
+            await self.connected.wait()
         return True
 
     def on_message(self, msg: dict) -> None:
@@ -156,12 +169,11 @@ class RankIO(Acknowledging):
             self.lost(f"{msg['message']}; it resumes from its snapshots when it is started again")
         elif (
             msg["op"] == "error"
-            and msg.get("rewound_to") is not None
             and self.options.reconnect_timeout > 0
-            and self.hand.past_skips(self.hand.consumed + 1) == msg["rewound_to"]
+            and goes_on_after_rewind(msg, self.hand.past_skips(self.hand.consumed + 1))
         ):
-            # another rank of this restarted job rewound the service to the very step this
-            # trainer is at (it attached before that rank did): attach again and go on
+            # another rank of this restarted job rewound the service to the step this trainer
+            # is at (it attached before that rank did): attach again and go on
             self.lost(f"{msg['message']}; this rank is at that step and goes on from it")
         elif msg["op"] == "error":
             self.hand.fail(f"the overlord service failed: {msg['message']}")
