@@ -15,6 +15,7 @@ import pytest
 from overlord_dask import Service
 from overlord_dask.errors import PlanError
 from overlord_dask.plan import load_plan, plan_from_dict, plan_to_dict
+from overlord_dask.planner.rewind import memory_source, rebuild_at
 from overlord_dask.planner.state import PlannerState
 from overlord_dask.planner.timeline import Timeline
 from overlord_dask.service.explain import Explainer, explain_offline, replayed_entry, window_start
@@ -121,6 +122,25 @@ def test_a_skip_longer_than_the_prefetch_bound_does_not_stall_planning():
     st.timeline.decide("skip", 2, {"until": 40}, "a long stretch")
     got = planner_stream(st, 46, _lengths)
     assert sorted(got)[:7] == [0, 1, 41, 42, 43, 44, 45]
+
+
+def test_a_rebuilt_planner_can_go_back_to_its_source_window_before_it_plans_it_again():
+    """A planner rebuilt at step 3 (a rewind, or a skip of steps it planned) from the run's
+    first window (at 0) must load that window's units again before it plans: meanwhile, and
+    while a window it tries starves, a rewind to step 2 (a job restarting from an older
+    checkpoint) finds that window start, instead of being refused as older than the service
+    keeps; planned again, steps 2 on are the first time's."""
+    st = PlannerState(_plan(), FIRST_IDS)
+    first = planner_stream(st, 12, _lengths)
+    rebuilt = rebuild_at(st, 3, memory_source(st, 3))
+    assert memory_source(rebuilt, 2)[0] == 0
+    planned, _ = rebuilt.plan_steps(4)  # no unit loaded: the window starves
+    assert planned == [] and memory_source(rebuilt, 2)[0] == 0
+    again = rebuild_at(rebuilt, 2, memory_source(rebuilt, 2))
+    got = planner_stream(again, 12, _lengths)
+    assert sorted(got) == list(range(2, 12))
+    for s in got:
+        np.testing.assert_array_equal(got[s][0], first[s][0])
 
 
 # ---- a service --------------------------------------------------------------------------------------

@@ -88,6 +88,27 @@ def test_a_rank_attached_at_the_step_another_rank_rewinds_to_goes_on(cluster, sm
             s.close()
 
 
+def test_a_rank_that_took_steps_a_skip_removes_fails_naming_the_skip(cluster, small_plan):
+    """Steps 3..4 are skipped while both ranks' trainers are at step 6 (they took steps 3 and 4):
+    those steps are no longer the run's, so each stream fails, naming the skip, instead of
+    going on; the job then restarts from a checkpoint before the skip and never sees them."""
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2}, topology={"dp": 2})
+    with Service.start(plan, cluster=cluster) as service:
+        streams = {r: connect(service.address, r, 2, timeout=30) for r in (0, 1)}
+        for _ in range(6):
+            for s in streams.values():
+                s.next_batch()
+        assert service.skip_steps(3, 4) == (3, 4)
+        for s in streams.values():
+            with pytest.raises(ServiceError, match=r"rewound to step 3 \(steps 3\.\.4 are skipped\)"):
+                for _ in range(8):  # (steps fetched before the skip may still be handed out first)
+                    s.next_batch()
+            s.close()
+        again = _run(service.address, 2, 8, states=dict.fromkeys(range(2), {"version": 1, "next_step": 2}))
+        assert {s for (_, s) in again.ids} == {2, 5, 6, 7}
+        assert service.status()["failure"] is None
+
+
 def test_a_rank_goes_on_after_a_rewind_at_its_step_or_one_that_replays_the_steps_it_took():
     """A rewind's message names its step and whether the steps from there come out as the first
     time (a restart with the same ranks) or not (a skip): a trainer at that step goes on either

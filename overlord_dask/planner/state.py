@@ -240,6 +240,9 @@ class PlannerState(PlanningLoop):
         self.policy.set_state(state["window"], len(self.streams))
         self.reload = self.streams.passed_units(self.policy.pending)  # their blocks are gone with the old process
         self.next_step = int(state["window_step"])
+        # the window it restores from is a start a rewind can go back to at once, before the
+        # window is planned again (its units may take a while to load again)
+        self.windows.restored(self.next_step, state["window"], state["topology"])
         self.replay_until = int(state["committed"])
         self.progress.restart_at(self.replay_until)
 

@@ -20,14 +20,25 @@ class WindowStarts:
         self.capture = capture  # the parts' get_state, composed
         # first step of a planned window -> (state before it, the topology it is planned on)
         self.starts: OrderedDict[int, tuple[dict, dict]] = OrderedDict()
+        self._replaced: tuple[dict, dict] | None = None  # what the window begun last replaced
 
     def begin(self, step: int, topology: dict) -> None:
         """A window starts planning at ``step`` on ``topology``: remember the state it starts from."""
+        self._replaced = self.starts.get(step)  # (a restored start: kept if the window starves)
         self.starts[step] = (self.capture(), topology)
+
+    def restored(self, step: int, state: dict, topology: dict) -> None:
+        """A planner restored from the window that starts at ``step`` (a snapshot, or a rewind's
+        source): that start is kept from now on, as if the window had just begun (planning it
+        again records the same state)."""
+        self.starts[step] = (state, topology)
 
     def abandon(self, step: int) -> None:
         """The window at ``step`` could not be planned (it is retried from the same state)."""
-        del self.starts[step]
+        if self._replaced is not None:
+            self.starts[step] = self._replaced
+        else:
+            del self.starts[step]
 
     def prune(self, keep_from: int) -> None:
         """Keep the window holding step ``keep_from`` and every later one."""
