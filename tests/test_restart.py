@@ -16,7 +16,8 @@ from overlord_dask import Service, connect
 from overlord_dask.errors import ServiceError
 from overlord_dask.observe.figures import exactly_once, planned_identities
 from overlord_dask.service.replay import replay
-from overlord_dask.trainer.prefetch import RankIO, goes_on_after_rewind
+from overlord_dask.trainer.handover import HandOver
+from overlord_dask.trainer.reconnect import attached_again
 
 from .harness import assert_same_stream, consume, run_ranks, token_digest
 
@@ -88,6 +89,38 @@ def test_a_rank_attached_at_the_step_another_rank_rewinds_to_goes_on(cluster, sm
             s.close()
 
 
+def test_ranks_at_the_start_of_a_skip_go_on_after_it_without_the_steps_they_had_fetched(cluster, small_plan):
+    """Both ranks' trainers took steps 0..2 and their streams fetched steps ahead when steps 3..4
+    are skipped: at the skip's start, each attaches again and receives step 5 next, then 6 and
+    7, each as an unskipped run delivers it, and never a batch of step 3 or 4 it had fetched."""
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2}, topology={"dp": 2})
+    with Service.start(plan, cluster=cluster) as service:
+        want = _run(service.address, 2, 8).digests
+    with Service.start(plan, cluster=cluster) as service:
+        streams = {r: connect(service.address, r, 2, timeout=30) for r in (0, 1)}
+        got = {}
+        for _ in range(3):
+            for r, s in streams.items():
+                b = s.next_batch()
+                got[(r, b["step"])] = token_digest(b)
+        time.sleep(0.5)  # (their streams fetch steps 3.. meanwhile)
+        attachments = {r: s.rio.generation for r, s in streams.items()}
+        assert service.skip_steps(3, 4) == (3, 4)
+        # (a trainer that took step 3 before its stream heard of the skip would fail instead,
+        # naming it: the next test)
+        deadline = time.monotonic() + 30
+        while any(s.rio.generation == attachments[r] for r, s in streams.items()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(3):
+            for r, s in streams.items():
+                b = s.next_batch()
+                got[(r, b["step"])] = token_digest(b)
+        assert got == {k: v for k, v in want.items() if k[1] in (0, 1, 2, 5, 6, 7)}
+        assert service.status()["failure"] is None
+        for s in streams.values():
+            s.close()
+
+
 def test_a_rank_that_took_steps_a_skip_removes_fails_naming_the_skip(cluster, small_plan):
     """Steps 3..4 are skipped while both ranks' trainers are at step 6 (they took steps 3 and 4):
     those steps are no longer the run's, so each stream fails, naming the skip, instead of
@@ -111,13 +144,25 @@ def test_a_rank_that_took_steps_a_skip_removes_fails_naming_the_skip(cluster, sm
 
 def test_a_rank_goes_on_after_a_rewind_at_its_step_or_one_that_replays_the_steps_it_took():
     """A rewind's message names its step and whether the steps from there come out as the first
-    time (a restart with the same ranks) or not (a skip): a trainer at that step goes on either
-    way; one past it only where they are replayed unchanged; one before it never."""
-    replayed = {"op": "error", "rewound_to": 4, "replayed": True}
-    skip = {"op": "error", "rewound_to": 4, "replayed": False}
-    assert [goes_on_after_rewind(replayed, p) for p in (3, 4, 5, 9)] == [False, True, True, True]
-    assert [goes_on_after_rewind(skip, p) for p in (3, 4, 5)] == [False, True, False]
-    assert not goes_on_after_rewind({"op": "error", "message": "the run stopped"}, 4)
+    time (a restart with the same ranks) or not (a skip): a trainer whose next step is that one
+    goes on either way; one that took it or later ones (finished or still on them) only where
+    they are replayed unchanged; one before it never. At a skip, the steps fetched from its
+    start are dropped whether the trainer goes on or fails: they may be skipped ones."""
+
+    def trainer_on(step: int) -> HandOver:  # took steps 0..step, finished those before it
+        hand = HandOver(0, max_steps=16, max_bytes=1 << 30)
+        hand.put(list(range(8)), [{"step": s} for s in range(8)], [1] * 8)
+        for s in range(step + 1):
+            assert hand.take(s, 1.0, lambda room, ack: None, finished=s - 1 if s else None)[0] == {"step": s}
+        return hand
+
+    assert [trainer_on(s).rewound(4, replayed=True) for s in (2, 3, 4, 6)] == [False, True, True, True]
+    assert [trainer_on(s).rewound(4, replayed=False) for s in (2, 3, 4, 6)] == [False, True, False, False]
+    at_skip, past_skip = trainer_on(3), trainer_on(4)
+    assert at_skip.rewound(4, replayed=False) and at_skip.buffered() == 0 and at_skip.dropped == 1
+    assert not past_skip.rewound(4, replayed=False) and past_skip.buffered() == 0
+    replay = trainer_on(3)
+    assert replay.rewound(4, replayed=True) and replay.buffered() == 4 and replay.dropped == 0
 
 
 def test_a_refused_fetch_goes_on_at_once_when_its_rank_attached_again_as_the_wait_began():
@@ -127,17 +172,17 @@ def test_a_refused_fetch_goes_on_at_once_when_its_rank_attached_again_as_the_wai
     the wait."""
 
     async def main():
-        rank = SimpleNamespace(generation=2, _disconnected=asyncio.Event(), connected=asyncio.Event())
-        rank._disconnected.set()  # the rewind's message: the rank attaches again
+        rank = SimpleNamespace(generation=2, disconnected=asyncio.Event(), connected=asyncio.Event())
+        rank.disconnected.set()  # the rewind's message: the rank attaches again
 
-        async def attached_again():
+        async def reattach():
             rank.generation = 4
-            rank._disconnected.clear()
+            rank.disconnected.clear()
             rank.connected.set()
 
-        again = asyncio.ensure_future(attached_again())  # runs before the wait's first look
+        again = asyncio.ensure_future(reattach())  # runs before the wait's first look
         t0 = time.monotonic()
-        goes_on = await RankIO._reattaching(rank, 2, within=1.0)
+        goes_on = await attached_again(lambda: rank.generation, 2, rank.disconnected, rank.connected, within=1.0)
         await again
         return goes_on, time.monotonic() - t0
 

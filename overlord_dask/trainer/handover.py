@@ -64,6 +64,8 @@ class HandOver:
         self.floor = first_step  # nothing below this is fetched (skip_to moves it)
         self._past_skip: dict[int, int] = {}  # first step of a skip the service made -> the step after it
         self.consumed = first_step - 1  # the trainer finished every step up to this one
+        self.taken = first_step - 1  # the last step handed to the trainer (it may still be on it)
+        self.dropped = 0  # times fetched steps were dropped (rewound): a fetch begun before is not put
         self.wait_total = 0.0  # seconds the trainer waited in take()
         self.t_created = time.perf_counter()
         self._left = self.t_created  # when the trainer's last take returned
@@ -104,6 +106,8 @@ class HandOver:
                 step = self._past(step)  # (a skip may have become known meanwhile)
             raw = step in self._raw
             batch = self._pop(step)
+            if batch is not None:
+                self.taken = max(self.taken, step)
             decode = (
                 bool(self._raw)
                 and not self._want_decode
@@ -160,6 +164,22 @@ class HandOver:
         with self._cond:
             self._past_skip[first] = last + 1
             self._cond.notify_all()
+
+    def rewound(self, at: int, replayed: bool) -> bool:
+        """(the IO side) The service was rewound to step ``at``: whether this trainer goes on (its
+        stream attaches again) rather than failing. It goes on where the next step it takes is
+        ``at``, or one past it where ``replayed`` (the steps from ``at`` come out as the first
+        time: those it took from the ended attachment are the same). Past a skip's start it
+        fails: what it took is no longer the run's. At a skip, the steps fetched from ``at`` on
+        are dropped, under the lock the trainer takes them with: they may be skipped ones (going
+        on, the new attachment's come instead; failing, none is handed out before the error)."""
+        with self._cond:
+            position = self._past(max(self.consumed, self.taken) + 1)
+            if not replayed:
+                for s in [s for s in self._ready if s >= at]:
+                    self._pop(s)
+                self.dropped += 1
+            return position == at or (position > at and replayed)
 
     def past_skips(self, step: int) -> int:
         """``step``, or the first step after the skips that cover it."""

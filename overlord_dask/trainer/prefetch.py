@@ -18,19 +18,8 @@ from .connection import ProcessIO
 from .fetch import fetch_batches
 from .handover import HandOver
 from .options import StreamOptions
-from .reconnect import find_service
+from .reconnect import attached_again, find_service
 from .stalls import FetchTrouble
-
-
-def goes_on_after_rewind(msg: dict, position: int) -> bool:
-    """Whether a consumer whose trainer takes step ``position`` next attaches again after the
-    rewind an ``error`` message ``msg`` tells of, rather than failing: at the very step the
-    service was rewound to, or past it where the rewind replays the steps unchanged (a job
-    restarted with the same ranks: the trainer took them from its ended attachment before the
-    message came, token-identical to the replay). Past a skip's start it fails: the steps it
-    took are no longer the run's."""
-    at = msg.get("rewound_to")
-    return at is not None and (position == at or (position > at and bool(msg.get("replayed"))))
 
 
 class RankIO(Acknowledging):
@@ -114,7 +103,7 @@ class RankIO(Acknowledging):
                     continue
                 desc = self._descs[self._fetch_next]
                 steps = [s for s in desc["steps"] if s >= self._fetch_next][:room]
-                attachment = self.generation
+                attachment, dropped = self.generation, h.dropped
                 try:
                     where = {"abort": self._disconnected, "address": self.address, "timeout": self.options.timeout}
                     where.update(host=getattr(self.channel, "host_fetches", None), replica=self.replica)
@@ -129,8 +118,12 @@ class RankIO(Acknowledging):
                     await self.connected.wait()
                     continue
                 except ServiceError:  # the batch is gone: a rewind this rank goes on from released it?
-                    if not await self._reattaching(attachment):
+                    if not await attached_again(
+                        lambda: self.generation, attachment, self._disconnected, self.connected
+                    ):
                         raise
+                    continue
+                if h.dropped != dropped:  # a skip at this rank's step dropped what the ended attachment held
                     continue
                 h.put(steps, batches, [nbytes(b) for b in batches])  # in wire form: decoded a few steps ahead
                 for s in steps:
@@ -142,22 +135,6 @@ class RankIO(Acknowledging):
         except Exception as err:  # the trainer must see it, not a silent stall
             h.fail(f"rank {self.rank}: fetching batches failed: {type(err).__name__}: {err}")
 
-    async def _reattaching(self, attachment: int, within: float = 2.0) -> bool:
-        """Whether this rank's attachment ``attachment`` ended meanwhile and it attached again or
-        is attaching (a rewind to the step it is at released the batches it was fetching): wait
-        until it is attached; the new attachment's descriptors name the rebuilt batches. The
-        rewind's message may come after the fetch's refusal, so it is waited for ``within`` s."""
-        if self.generation == attachment and not self._disconnected.is_set():
-            try:
-                await asyncio.wait_for(self._disconnected.wait(), within)
-            except asyncio.TimeoutError:
-                pass  # no message; or it ended and this rank attached again while the wait began
-        if self.generation == attachment:
-            if not self._disconnected.is_set():
-                return False
-            await self.connected.wait()
-        return True
-
     def on_message(self, msg: dict) -> None:
         """A message for this rank from the channel."""
         if self.closed or msg.get("generation", self.generation) != self.generation:
@@ -167,19 +144,29 @@ class RankIO(Acknowledging):
         elif msg["op"] == "error" and msg.get("resumable") and self.options.reconnect_timeout > 0:
             # a restart (or a resubmitted job) is awaited
             self.lost(f"{msg['message']}; it resumes from its snapshots when it is started again")
-        elif (
-            msg["op"] == "error"
-            and self.options.reconnect_timeout > 0
-            and goes_on_after_rewind(msg, self.hand.past_skips(self.hand.consumed + 1))
-        ):
-            # another rank of this restarted job rewound the service to the step this trainer
-            # is at (it attached before that rank did): attach again and go on
-            self.lost(f"{msg['message']}; this rank is at that step and goes on from it")
+        elif msg["op"] == "error" and msg.get("rewound_to") is not None:
+            self._rewound(msg)
         elif msg["op"] == "error":
             self.hand.fail(f"the overlord service failed: {msg['message']}")
         elif msg["op"] == "descriptors":
             self._take_descriptors(msg["items"])
             self._described.set()
+
+    def _rewound(self, msg: dict) -> None:
+        """The service was rewound to step ``msg["rewound_to"]``: where the trainer is at that
+        step (another rank of this restarted job rewound it after this one attached), or past
+        it where the steps are replayed unchanged (``HandOver.rewound``), attach again and go
+        on; else fail, saying why. At a skip, nothing the ended attachment named from its start
+        is fetched any more (they may be skipped steps)."""
+        at, replayed = msg["rewound_to"], bool(msg.get("replayed"))
+        goes_on = self.hand.rewound(at, replayed)
+        if not replayed:
+            self._descs = {s: d for s, d in self._descs.items() if s < at}
+            self._fetch_next = min(self._fetch_next, at)
+        if goes_on and self.options.reconnect_timeout > 0:
+            self.lost(f"{msg['message']}; this rank is at that step and goes on from it")
+        else:
+            self.hand.fail(f"the overlord service failed: {msg['message']}")
 
     def _take_descriptors(self, items: list[dict]) -> None:
         for desc in items:
@@ -222,12 +209,13 @@ class RankIO(Acknowledging):
         if found is None:
             return  # closed meanwhile
         self.address, self.planner, info, att, channel = found
-        first, consumed = int(att["first_step"]), self.hand.consumed
+        # (the step it is on counts: it has that batch)
+        first, took = int(att["first_step"]), max(self.hand.consumed, self.hand.taken)
         self.hand.skipped(att.get("skipped"))  # steps the service skips from where this rank was, if any
-        if self.hand.past_skips(consumed + 1) < first:  # another consumer acknowledged further: never skip silently
+        if self.hand.past_skips(took + 1) < first:  # another consumer acknowledged further: never skip silently
             self.hand.fail(
                 f"rank {self.rank}: the restarted service resumes this rank at step {first}, but its trainer "
-                f"consumed only up to step {consumed}: steps {consumed + 1}..{first - 1} would be lost"
+                f"took only up to step {took}: steps {took + 1}..{first - 1} would be lost"
             )
             return
         gens = self.channel.streams.get(self.consumer, {})

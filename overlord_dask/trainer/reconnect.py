@@ -52,3 +52,29 @@ async def find_service(
         await asyncio.sleep(delay)
         delay = min(2.0, delay * 2)
     return None
+
+
+async def attached_again(
+    generation: Callable[[], int],
+    attachment: int,
+    disconnected: asyncio.Event,
+    connected: asyncio.Event,
+    within: float = 2.0,
+) -> bool:
+    """Whether a rank's attachment ``attachment`` ended meanwhile and it attached again or is
+    attaching (a rewind to the step it is at released the batch it was fetching): waits until
+    it is attached (``generation()``: its current attachment; ``disconnected`` is set while it
+    finds the service again, ``connected`` once it has). The rewind's message may come after
+    the fetch's refusal, so it is waited for ``within`` s; and the whole reattach may happen
+    while the wait begins (the events set and cleared before it looks), so the attachment is
+    looked at again after it."""
+    if generation() == attachment and not disconnected.is_set():
+        try:
+            await asyncio.wait_for(disconnected.wait(), within)
+        except asyncio.TimeoutError:
+            pass
+    if generation() == attachment:
+        if not disconnected.is_set():
+            return False
+        await connected.wait()
+    return True
