@@ -134,7 +134,7 @@ def test_a_rank_that_took_steps_a_skip_removes_fails_naming_the_skip(cluster, sm
         assert service.skip_steps(3, 4) == (3, 4)
         for s in streams.values():
             with pytest.raises(ServiceError, match=r"rewound to step 3 \(steps 3\.\.4 are skipped\)"):
-                for _ in range(8):  # (steps fetched before the skip may still be handed out first)
+                for _ in range(8):  # (until its stream hears of the skip, steps it fetched past the range go out)
                     s.next_batch()
             s.close()
         again = _run(service.address, 2, 8, states=dict.fromkeys(range(2), {"version": 1, "next_step": 2}))
