@@ -64,7 +64,8 @@ class HandOver:
         self.floor = first_step  # nothing below this is fetched (skip_to moves it)
         self._past_skip: dict[int, int] = {}  # first step of a skip the service made -> the step after it
         self.consumed = first_step - 1  # the trainer finished every step up to this one
-        self.taken = first_step - 1  # the last step handed to the trainer (it may still be on it)
+        # the last step handed to the trainer (it may still be on it) or passed by skip_to: >= consumed
+        self.taken = first_step - 1
         self.dropped = 0  # times fetched steps were dropped (rewound): a fetch begun before is not put
         self.wait_total = 0.0  # seconds the trainer waited in take()
         self.t_created = time.perf_counter()
@@ -153,6 +154,7 @@ class HandOver:
         with self._cond:
             self.floor = step
             self.consumed = max(self.consumed, step - 1)
+            self.taken = max(self.taken, step - 1)
             self._chunk_ends = {s for s in self._chunk_ends if s >= step}  # (ends of skipped chunks)
 
     def skipped(self, steps: list[int] | None) -> None:
@@ -174,7 +176,7 @@ class HandOver:
         are dropped, under the lock the trainer takes them with: they may be skipped ones (going
         on, the new attachment's come instead; failing, none is handed out before the error)."""
         with self._cond:
-            position = self._past(max(self.consumed, self.taken) + 1)
+            position = self._past(self.taken + 1)
             if not replayed:
                 for s in [s for s in self._ready if s >= at]:
                     self._pop(s)

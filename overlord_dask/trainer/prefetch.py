@@ -210,7 +210,7 @@ class RankIO(Acknowledging):
             return  # closed meanwhile
         self.address, self.planner, info, att, channel = found
         # (the step it is on counts: it has that batch)
-        first, took = int(att["first_step"]), max(self.hand.consumed, self.hand.taken)
+        first, took = int(att["first_step"]), self.hand.taken
         self.hand.skipped(att.get("skipped"))  # steps the service skips from where this rank was, if any
         if self.hand.past_skips(took + 1) < first:  # another consumer acknowledged further: never skip silently
             self.hand.fail(
