@@ -19,8 +19,10 @@ its documentation shows, at its defaults, the doc named there):
   (webdataset shards prepared with ``energon prepare``, a blended metadataset, a packing task
   encoder, its savable loader);
 - **ours**: ``overlord serve`` (2 worker processes) and ``OverlordDataset``, iterated directly;
-  **ours_in_process**: ``overlord serve --in-process``, its loaders threads of its one process.
-  Both with ``balance.packing: cut`` (``--packing``).
+  **ours_in_process**: ``overlord serve --in-process``, its loaders threads of its one process;
+  **ours_in_process_disk**: the same with ``loading.block_store: disk`` (the loaded blocks' token
+  ids in files on the local disk, read piece by piece, as Streaming reads its local shards).
+  All with ``balance.packing: cut`` (``--packing``).
 
 A peer that cannot run here (not installed) gets a row saying so, never a number.
 
@@ -79,7 +81,7 @@ from benchmarks.memory import _pss, _serve, _stop  # noqa: E402
 from benchmarks.output import emit_rows  # noqa: E402
 from benchmarks.peer_pipelines import PEERS  # noqa: E402
 
-OURS = ("ours", "ours_in_process")
+OURS = ("ours", "ours_in_process", "ours_in_process_disk")
 FILES, DOCS_PER_FILE = 16, 250
 STALL_S = 600  # a run's trainers must finish within this after the last rank did (a hung loader fails it)
 KINDS = ("web", "chat", "books")
@@ -350,7 +352,7 @@ def _started(system: str, dp: int, cfg: dict, serve) -> tuple:
     its process (or None) and the trainers' settings."""
     t0 = time.perf_counter()
     if system in OURS:
-        proc, address = serve(system == "ours_in_process", dp)
+        proc, address = serve(system != "ours", dp, disk=system == "ours_in_process_disk")
         extra = {"address": address}
     else:
         proc, extra = PEERS[system].serve(cfg, dp)
@@ -512,7 +514,7 @@ def main(argv=None) -> dict:
         bare_mb = float(np.median(bare["pss_mb"]))
         balance = {"packing": args.packing}
 
-        def serve(in_process: bool, dp: int):
+        def serve(in_process: bool, dp: int, disk: bool = False):
             return _serve(
                 root,
                 names,
@@ -523,6 +525,7 @@ def main(argv=None) -> dict:
                 seed=args.seed,
                 in_process=in_process,
                 balance=balance,
+                loading={"block_store": "disk"} if disk else None,
             )
 
         for system in args.systems:

@@ -72,6 +72,21 @@ def _mallopt():
     return mallopt
 
 
+def give_back_freed() -> bool:
+    """Return the freed memory glibc keeps (``malloc_trim``) to the OS now; False elsewhere than
+    glibc. For a moment after a process freed much that it will not need soon (a loader that
+    just wrote its block to disk: ``loading.block_store``), where :func:`keep_freed_memory`
+    would otherwise keep up to ``TRIM_THRESHOLD`` of it."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def service_sets(variable: str) -> bool:
     """Whether the service's allocator setting that ``variable`` names is ours to make: not if
     the user set the variable, nor where ``OVERLORD_SERVICE_ALLOCATOR=0`` opts out."""

@@ -362,7 +362,7 @@ def _check_peer_rows(out: dict, systems: set) -> dict:
         # every system resumes exactly from its state_dict(), or says it keeps none
         assert row["resume_identical"] or (row["resume_identical"] is None and row["resume_not_supported"]), (name, row)
         assert 0 < row["fill"] <= 1.0 and row["memory_mb"] > 0, (name, row)
-    for name in {"ours", "ours_in_process"} & set(rows):
+    for name in {"ours", "ours_in_process", "ours_in_process_disk"} & set(rows):
         assert rows[name]["fill"] == 1.0  # packing: cut
         # a job back with dp 3 from dp 2's states: nothing lost, nothing delivered twice
         assert (rows[name]["dp_change_lost_docs"], rows[name]["dp_change_repeated_docs"]) == (0, 0), rows[name]
@@ -376,7 +376,7 @@ def test_peers_benchmark_runs(tmp_path):
     # its own queue threads), a ParallelMapper run hung now and then, every worker idle on its input
     args = ["--worker-start", "spawn", "--memory-dp", "3", "--memory-steps", "8", "--data", str(tmp_path), "--json"]
     out, stdout = run_benchmark("peers", [*PEER_ARGS, "--compute-ms", "20", *args], timeout=900)
-    rows = _check_peer_rows(out, {"torchdata", "ours", "ours_in_process"})
+    rows = _check_peer_rows(out, {"torchdata", "ours", "ours_in_process", "ours_in_process_disk"})
     by_dp = {(r["system"], r["dp"]): r["memory_mb"] for r in out["memory_by_dp"]}
     assert set(by_dp) == {(name, 3) for name in rows} and all(mb > 0 for mb in by_dp.values()), by_dp
     assert rows["torchdata"]["fill"] < 1.0  # whole documents, first fit: padding

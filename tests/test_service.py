@@ -120,6 +120,56 @@ def test_an_in_process_service_runs_its_loaders_as_threads_and_plans_the_same_st
 
 
 @pytest.mark.integration
+def test_blocks_kept_on_disk_give_the_same_stream_and_leave_no_file(cluster, small_plan, tmp_path, monkeypatch):
+    """``loading.block_store: disk``: every block's token ids in a file of its worker's local
+    directory while the run holds it (on the workers of another process too, shadows included),
+    the blocks' memory a few bytes per document, and the same pieces and tokens at every rank and
+    step as blocks in memory; the files are gone once the service is."""
+    import dask
+    from distributed import Client
+
+    from overlord_dask.sources import block_files
+
+    steps = 6
+    runs = []
+    with dask.config.set({"temporary-directory": str(tmp_path)}):  # (where an in-process worker keeps its files)
+        for store, kwargs in (
+            ("memory", {"in_process": True, "n_workers": 2}),
+            ("disk", {"in_process": True, "n_workers": 2}),
+            ("disk", {"cluster": cluster}),
+        ):
+            plan = small_plan(loading={"block_store": store})
+            with Service.start(plan, **kwargs) as service:
+                got = h.consume(service.address, range(plan.topology.dp), steps=steps)
+                files = service.client.run(block_files_of)
+                held = service.status()["block_bytes"]  # what the blocks hold in the workers' memory
+                if store == "disk":
+                    assert sum(map(len, files.values())) >= 3, files  # a file per block held (and shadow)
+                    assert 0 < held < runs[0].held / 10, (held, runs[0].held)
+                else:
+                    assert not any(files.values())
+                got.held = held
+            runs.append(got)
+    for other in runs[1:]:
+        assert other.ids == runs[0].ids and other.digests == runs[0].digests
+    assert not [f for _, _, names in os.walk(tmp_path) for f in names if f.startswith(block_files.PREFIX)]
+    with Client(cluster) as client:  # the worker processes the service ran on: their blocks released, files gone
+        deadline = time.monotonic() + 30
+        while any(client.run(block_files_of).values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(client.run(block_files_of).values())
+
+
+def block_files_of(dask_worker) -> list[str]:
+    """The block files in a worker's local directory (``loading.block_store: disk``)."""
+    from overlord_dask.sources import block_files
+
+    return [
+        f for _, _, names in os.walk(dask_worker.local_directory) for f in names if f.startswith(block_files.PREFIX)
+    ]
+
+
+@pytest.mark.integration
 def test_a_trainer_fetches_from_a_new_worker_at_the_address_of_one_it_saw_lost(small_plan):
     """A trainer process keeps the addresses of workers the scheduler reported lost, to skip them
     at once. A port is used again: by a worker that replaces a lost one, or by the next service

@@ -63,6 +63,14 @@ class Loading(Strict):
     instead of a whole block's, and each next block loads while the one before it is planned.
     The warm-up blocks' neighbours come from fewer units. 0 (or at least ``shuffle_units``): none.
     Fixed when a run starts: a resumed run keeps the warm-up its snapshot records."""
+    block_store: Literal["memory", "disk"] = "memory"
+    """Where a worker keeps the token ids of the units it loaded (what the shuffle blocks hold):
+    ``memory``, or ``disk``: in files in the worker's local directory (Dask's
+    ``temporary-directory``: put it on a local NVMe disk), read piece by piece as batches are
+    built (``sources/block_files.py``). On disk the blocks cost the workers a few bytes per
+    document of memory, and the page cache keeps what is being read; each piece a constructor
+    takes costs a read. For plans whose blocks outgrow memory (many sources, large units, a
+    large ``shuffle_units``). Image patches stay in memory. The stream is the same either way."""
     prefetch_steps: int = Field(default=4, ge=1, le=1024)
     """Steps planned and built ahead of the slowest rank's acknowledged step."""
     units_ahead: int = Field(default=2, ge=1, le=1024)

@@ -7,6 +7,10 @@ do not depend on how the source was split into load units or on which worker loa
 Only ``lengths()`` (a few bytes per document) ever leaves the worker for the planner, with, for
 documents the loss sees only in part (chat turns, masked labels), the runs of tokens it ignores
 (``masked_runs()``: a few numbers per document, so the planner can count a step's loss tokens).
+
+With ``loading.block_store: disk`` a block's token ids (and loss mask) lie in a file on the
+worker's local disk (``block_files.FileArray``: :meth:`SampleBlock.on_disk`), read piece by
+piece as batches are built; its offsets and sample ids stay in memory.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 from dask.sizeof import sizeof
 
 from .. import masked_runs
+from .block_files import FileArray
 
 TOKEN_DTYPE = np.int32
 NARROW_TOKEN_DTYPE = np.uint16
@@ -48,7 +53,7 @@ def check_tokens(source: str, tokens, narrow: bool = False) -> np.ndarray:
 @dataclass(slots=True)
 class SampleBlock:
     source: str
-    tokens: np.ndarray  # [total_tokens]: uint16 where every id fits, else int32
+    tokens: np.ndarray | FileArray  # [total_tokens]: uint16 where every id fits, else int32
     offsets: np.ndarray  # int64 [n_docs + 1], offsets[0] == 0
     sample_ids: np.ndarray  # int64 [n_docs]
     # multimodal: image patch tensors and where each image's placeholder tokens start in its document
@@ -60,7 +65,7 @@ class SampleBlock:
     image_patches: np.ndarray | None = (
         None  # int64 [n_images + 1]: image j is patches image_patches[j]:image_patches[j+1]
     )
-    loss_mask: np.ndarray | None = (
+    loss_mask: np.ndarray | FileArray | None = (
         None  # uint8 [total_tokens]: 0 where the loss ignores the token as a target; None: all trained
     )
 
@@ -72,7 +77,8 @@ class SampleBlock:
         # a block lives on its worker while steps draw from it, and is copied to every worker
         # that builds from it: uint16 ids halve both (4.5 bytes per delivered token went between
         # the demo's workers with int32 blocks). Constructors widen ids as they pack them.
-        self.tokens = check_tokens(self.source, self.tokens, narrow=True)
+        if not isinstance(self.tokens, FileArray):  # (a file holds checked ids: on_disk)
+            self.tokens = check_tokens(self.source, self.tokens, narrow=True)
         self.offsets = np.ascontiguousarray(self.offsets, dtype=np.int64)
         self.sample_ids = np.ascontiguousarray(self.sample_ids, dtype=np.int64)
         n = len(self.sample_ids)
@@ -101,7 +107,8 @@ class SampleBlock:
                     f"{self.image_offsets.shape}, image_starts={n_img}, image_patches shape={self.image_patches.shape})"
                 )
         if self.loss_mask is not None:
-            self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
+            if not isinstance(self.loss_mask, FileArray):
+                self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
             if self.loss_mask.shape != self.tokens.shape:
                 raise ValueError(
                     f"source {self.source!r}: loss mask of shape {self.loss_mask.shape} for {len(self.tokens)} tokens"
@@ -110,9 +117,29 @@ class SampleBlock:
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    def on_disk(self, directory: str | None = None) -> SampleBlock:
+        """This block with its token ids and loss mask in files (``block_files``: in
+        ``directory``, by default the worker's local directory): what it holds in memory is then
+        its offsets and sample ids (and image patches, which stay in memory)."""
+        if isinstance(self.tokens, FileArray):
+            return self
+        mask = self.loss_mask
+        return SampleBlock(
+            self.source,
+            FileArray(self.tokens, directory),
+            self.offsets,
+            self.sample_ids,
+            self.images,
+            self.image_offsets,
+            self.image_starts,
+            self.image_patches,
+            None if mask is None else FileArray(mask, directory),
+        )
+
     @classmethod
     def concat(cls, parts: list[SampleBlock]) -> SampleBlock:
-        """One block of consecutive parts of a unit (a unit loaded in parts), in order."""
+        """One block of consecutive parts of a unit (a unit loaded in parts), in order (in memory:
+        a constructor task's, for as long as it builds)."""
         if len(parts) == 1:
             return parts[0]
         shift = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
@@ -130,12 +157,11 @@ class SampleBlock:
                 [parts[0].image_patches[:1]] + [p.image_patches[1:] + s for p, s in zip(parts, pshift)]
             )
         if any(p.loss_mask is not None for p in parts):
-            mask = np.concatenate(
-                [p.loss_mask if p.loss_mask is not None else np.ones(len(p.tokens), np.uint8) for p in parts]
-            )
+            masks = [p.loss_mask if p.loss_mask is not None else np.ones(len(p.tokens), np.uint8) for p in parts]
+            mask = np.concatenate([np.asarray(m) for m in masks])
         return cls(
             parts[0].source,
-            np.concatenate([p.tokens for p in parts]),
+            np.concatenate([np.asarray(p.tokens) for p in parts]),
             offsets,
             np.concatenate([p.sample_ids for p in parts]),
             images,
@@ -147,13 +173,20 @@ class SampleBlock:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the block holds in memory (what Dask's memory accounting counts); token ids in a
+        file are :attr:`disk_bytes`."""
         extra = (
             0
             if self.images is None
             else (self.images.nbytes + self.image_offsets.nbytes + self.image_starts.nbytes + self.image_patches.nbytes)
         )
-        extra += 0 if self.loss_mask is None else self.loss_mask.nbytes
-        return self.tokens.nbytes + self.offsets.nbytes + self.sample_ids.nbytes + extra
+        arrays = [a for a in (self.tokens, self.loss_mask) if a is not None and not isinstance(a, FileArray)]
+        return sum(a.nbytes for a in arrays) + self.offsets.nbytes + self.sample_ids.nbytes + extra
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the block's files (``on_disk``); 0 for a block in memory."""
+        return sum(a.nbytes for a in (self.tokens, self.loss_mask) if isinstance(a, FileArray))
 
     def vision_tokens(self) -> np.ndarray | None:
         """Image tokens per document (None for a text-only block)."""
@@ -166,9 +199,10 @@ class SampleBlock:
         """The tokens the loss ignores, as runs: int64 ``[n_docs + 1 + 2·runs]``, first each
         document's offset into the run list, then ``(start, stop)`` per run, in the document's
         own positions. None when every token is trained."""
-        if self.loss_mask is None or self.loss_mask.all():
+        mask = None if self.loss_mask is None else np.asarray(self.loss_mask)
+        if mask is None or mask.all():
             return None
-        return masked_runs.encode(self.loss_mask, self.offsets)
+        return masked_runs.encode(mask, self.offsets)
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets).astype(np.int64)

@@ -5,6 +5,8 @@ planner needs of it (document lengths, ~8 bytes per document, and image tokens p
 goes from the worker to the scheduler as one message on the worker's own stream
 (``overlord_lengths``), sent before the task finishes: no second task, no submitter hop, no
 polling. A recomputed load (after a lost worker) reports again; the planner ignores repeats.
+With ``loading.block_store: disk`` the block's token ids go to a file on the worker's local
+disk (``sources/block_files.py``) as soon as the unit is read.
 Task keys (``protocol.load_key`` plus the submitter's request number) name one request, so a
 recomputation after a lost worker produces the same block under the same name, and a unit asked
 for again (evicted, then needed) runs, and reports its lengths, again.
@@ -23,6 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..allocator import give_back_freed
 from ..client import lengths_report
 from ..errors import SourceError
 from ..plan import SourcePlan
@@ -48,6 +51,9 @@ def load_block(
         u = replace(u, start=u.start + part[0], stop=u.start + part[1], first_id=u.first_id + part[0])
     t0 = time.thread_time()  # CPU, not wall: on a crowded machine wall time grows with the workers added
     loaded, reason = _read(plan, u)
+    if plan.loading.block_store == "disk":  # (before the report: it tells what the block holds in memory)
+        loaded = replace(loaded, block=loaded.block.on_disk())
+        give_back_freed()  # the unit's read buffers and ids, freed: not kept for the next read
     if run_id is not None:
         report_lengths(
             run_id,
