@@ -9,7 +9,7 @@ the ``overlord`` command. ``pieces``, ``batch_layout``, ``protocol``, ``client``
 ``snapshots`` are shared by several processes.
 """
 
-from .errors import OverlordError, PlanError, RankError, ServiceError, SourceError
+from .errors import OverlordError, PlanError, RankError, ReplayError, ServiceError, SourceError
 
 __version__ = "0.1.0"
 
@@ -57,6 +57,7 @@ __all__ = [
     "PlanError",
     "RankError",
     "RankStream",
+    "ReplayError",
     "Service",
     "ServiceError",
     "Source",

@@ -27,6 +27,13 @@ class ServiceError(OverlordError):
     """The service failed or went away while a consumer was waiting; the message carries the cause."""
 
 
+class ReplayError(OverlordError):
+    """A restored or rewound planner re-planned a step it had handed out before differently: the
+    run cannot go on exactly (documents would be lost or repeated). The message names the step,
+    what can cause it (the sources' data, the plan's code or the overlord-dask version changed
+    since the step was planned) and the way out."""
+
+
 class ConnectionClosed(OSError):
     """A connection to the service (its scheduler or a worker) closed or could not be opened. An
     ``OSError``, as Dask's own ``CommClosedError`` is: callers that catch ``OSError`` handle both

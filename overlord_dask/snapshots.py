@@ -10,7 +10,11 @@ A base holds the planner state at the start of the window that contains the olde
 step (``PlannerState.get_state``: per-source positions, waiting pieces, selected tokens, the
 window's first step, the committed step, the topology and the plan updates), so it stays small
 and topology-free in what matters. A delta moves ``committed`` forward and, when planning moved
-to a new window, carries that window's starting state (a few KB at 100 sources). A base is
+to a new window, carries that window's starting state (a few KB at 100 sources). Both carry a
+CRC-32 of each step they commit (``ledger.step_digest``): a restore re-plans the steps from the
+window's start to the committed one without handing them out, and checks each against it (a
+replay that goes another way, because the data, the code or overlord-dask changed, stops the
+run with a ``ReplayError`` naming the step instead of losing or repeating documents). A base is
 written every ``base_every_steps`` committed steps or ``base_every_seconds``, and whenever the
 topology or the plan versions change (:class:`SnapshotWriter`). Sequence numbers increase
 strictly across bases and deltas; ``load`` takes the newest readable base and applies its deltas
@@ -107,22 +111,12 @@ class SnapshotStore:
             payload["time"] = written_at  # wall-clock seconds: what keep_hours measures
         return self._put(f"base-{seq:012d}.msgpack", payload)
 
-    def write_delta(
-        self,
-        seq: int,
-        base: int,
-        committed: int,
-        window_step: int | None = None,
-        window: dict | None = None,
-        decisions: tuple[int, list] | None = None,
-    ) -> int:
-        """A delta; ``decisions``: ``(first index, the planner's decisions from there)`` made
-        since the last snapshot (they only grow: a delta carries the new ones)."""
-        payload = {"kind": "delta", "seq": seq, "base": base, "committed": committed}
-        if window is not None:
-            payload.update(window_step=window_step, window=window)
-        if decisions is not None:
-            payload.update(decisions_from=decisions[0], decisions=decisions[1])
+    def write_delta(self, seq: int, base: int, committed: int, **parts) -> int:
+        """A delta moving ``committed``; ``parts`` (``SnapshotWriter.write``): a new window's
+        ``window_step`` and ``window``; the planner's decisions made since the last snapshot
+        (``decisions_from``, ``decisions``: they only grow, a delta carries the new ones); the
+        ``digests`` of the steps it commits (``ledger.pack_digests``)."""
+        payload = {"kind": "delta", "seq": seq, "base": base, "committed": committed, **parts}
         return self._put(f"delta-{seq:012d}.msgpack", payload)
 
     def write_archive(self, seq: int, decisions: list[dict]) -> int:  # settled decisions, in the order made
@@ -239,6 +233,8 @@ class SnapshotStore:
                     state["decisions"] = list(state.get("decisions", []))[: int(delta["decisions_from"])] + list(
                         delta["decisions"]
                     )
+                if "digests" in delta:
+                    state["digests"] = list(state.get("digests", [])) + list(delta["digests"])
                 last = dseq
             return state, last
         if bases:
@@ -387,7 +383,7 @@ class SnapshotWriter:
         now = self.clock()
         self.seq += 1
         went_back = self._committed is not None and state["committed"] < self._committed
-        self._committed = state["committed"]
+        before, self._committed = self._committed, state["committed"]
         if (
             self._base_seq is None
             or shape != self._shape
@@ -409,15 +405,12 @@ class SnapshotWriter:
             self._collect(self.seq, state["committed"], written_at)
             return "base", n
         moved = state["window_step"] != self._window_step
-        new = (self._decisions, decisions[self._decisions :]) if len(decisions) > self._decisions else None
-        n = self.store.write_delta(
-            self.seq,
-            self._base_seq,
-            state["committed"],
-            state["window_step"] if moved else None,
-            state["window"] if moved else None,
-            new,
-        )
+        parts = {"window_step": state["window_step"], "window": state["window"]} if moved else {}
+        if len(decisions) > self._decisions:
+            parts.update(decisions_from=self._decisions, decisions=decisions[self._decisions :])
+        if digests := _digests_after(state.get("digests", ()), before):
+            parts["digests"] = digests
+        n = self.store.write_delta(self.seq, self._base_seq, state["committed"], **parts)
         self._window_step, self._decisions = state["window_step"], len(decisions)
         return "delta", n
 
@@ -438,3 +431,13 @@ class SnapshotWriter:
             cutoff = min(cutoff, recent[0] if recent else seq)
         self.store.gc(keep_from=cutoff)
         self._bases = [b for b in self._bases if b[0] >= cutoff]
+
+
+def _digests_after(chunks, step: int) -> list:
+    """The parts of a state's digest chunks (``[first step, uint32 bytes]``) after ``step``."""
+    out = []
+    for first, blob in chunks:
+        skip = max(step + 1 - int(first), 0)
+        if skip * 4 < len(blob):
+            out.append([int(first) + skip, blob[skip * 4 :]])
+    return out

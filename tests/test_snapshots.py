@@ -131,6 +131,48 @@ def test_resume_equals_uninterrupted(policy, cut):
 
 
 @pytest.mark.parametrize("policy", ["cost", "none"])
+def test_a_resume_that_re_plans_a_delivered_step_differently_stops_naming_it(policy, tmp_path):
+    """A restore re-plans the steps from its window's start to the committed one without handing
+    them out. The snapshot keeps each one's digest as handed out (bases hold them, deltas add
+    the ones they commit), and a step that comes out otherwise (here a unit's documents changed
+    length since: its file was rewritten) stops the run with a ``ReplayError`` naming it, where
+    the run went on before with documents lost or repeated; unless the start accepted changed
+    data or code. A snapshot without digests (an older version's) resumes unchecked."""
+    import msgpack
+
+    from overlord_dask.errors import ReplayError
+    from overlord_dask.planner.ledger import unpack_digests
+    from overlord_dask.snapshots import SnapshotWriter
+
+    first = PlannerState(_plan(policy=policy), FIRST_IDS)
+    store = SnapshotStore(str(tmp_path / "ck"))
+    writer = SnapshotWriter(store, base_every_steps=1000, base_every_seconds=1e9)
+    _run(first, 10, on_commit=lambda st: writer.write(msgpack.unpackb(msgpack.packb(st.get_state()), raw=False)))
+    state, _ = store.load()
+    assert state["committed"] > state["window_step"]  # steps to re-plan
+    digests = unpack_digests(state["digests"])
+    assert {s: first.ledger.metrics[s]["digest"] for s in range(state["window_step"], state["committed"])}.items() <= (
+        digests.items()
+    )
+    assert store._read(store.url + "/delta-000000000002.msgpack").get("digests")  # (a delta's own)
+    again = _run(PlannerState(_plan(policy=policy), FIRST_IDS, state=state), 12)  # the same data: goes on
+    assert min(again) == state["committed"] and {10, 11} <= set(again)
+
+    def rewritten(name, epoch, unit):  # the files rewritten since the run began: documents in another order
+        out = _lengths(name, epoch, unit)
+        return out[::-1].copy()
+
+    with pytest.raises(
+        ReplayError, match=f"step {state['window_step']} came out differently .* from the window at step"
+    ):
+        _run(PlannerState(_plan(policy=policy), FIRST_IDS, state=state), 12, lengths=rewritten)
+    # a start that accepted the change (checkpoint.on_data_change or on_code_change: accept) goes on
+    _run(PlannerState(_plan(policy=policy), FIRST_IDS, state={**state, "accepted_change": True}), 12, lengths=rewritten)
+    state.pop("digests")  # written before digests were kept
+    _run(PlannerState(_plan(policy=policy), FIRST_IDS, state=state), 12, lengths=rewritten)
+
+
+@pytest.mark.parametrize("policy", ["cost", "none"])
 def test_a_version_2_snapshot_still_resumes_exactly(policy):
     """Snapshots written before the planner was split into parts (version 2) held every policy's
     counters; a restore reads the running policy's and resumes the same stream."""

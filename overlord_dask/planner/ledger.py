@@ -15,6 +15,7 @@ collection in the scheduler's process walks with the event loop blocked (tested 
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -22,6 +23,35 @@ import numpy as np
 
 from .. import pieces as P
 from ..observe.figures import step_imbalance
+
+
+def step_digest(pieces: np.ndarray, slot: np.ndarray) -> int:
+    """A CRC-32 of a step's piece rows and their ``[rank, micro_batch]`` slots (``metrics["digest"]``):
+    snapshots keep it for the steps a restored planner re-plans without handing them out, and the
+    planner checks each such step against it (``PlanningLoop``), so a replay that went another way
+    (other data, other code) stops the run instead of losing or repeating documents unseen."""
+    rows = np.ascontiguousarray(pieces, dtype=np.int64).reshape(-1).view(np.uint8)
+    return zlib.crc32(np.ascontiguousarray(slot, dtype=np.int32).reshape(-1).view(np.uint8), zlib.crc32(rows))
+
+
+def pack_digests(digests: dict[int, int]) -> list:
+    """``{step: digest}`` of consecutive steps as ``[[first step, uint32 bytes]]`` (a snapshot's
+    ``digests``: 4 bytes a step); a gap starts another chunk."""
+    chunks: list = []
+    for step in sorted(digests):
+        if not chunks or step != chunks[-1][0] + len(chunks[-1][1]):
+            chunks.append([step, []])
+        chunks[-1][1].append(digests[step])
+    return [[first, np.asarray(ds, dtype="<u4").tobytes()] for first, ds in chunks]
+
+
+def unpack_digests(chunks) -> dict[int, int]:
+    """:func:`pack_digests`' chunks (from a base and its deltas, in order) as ``{step: digest}``."""
+    out: dict[int, int] = {}
+    for first, blob in chunks or ():
+        for k, d in enumerate(np.frombuffer(blob, dtype="<u4").tolist()):
+            out[int(first) + k] = d
+    return out
 
 
 class Ledger(Mapping):
@@ -52,6 +82,13 @@ class Ledger(Mapping):
         while len(self.entries) > self.history_steps and next(iter(self.entries)) < committed:
             self.entries.popitem(last=False)
         return entry
+
+    def packed_digests(self, first: int, last: int) -> list:
+        """The digests of steps ``first..last`` (those the metrics still hold), packed
+        (:func:`pack_digests`): what a snapshot keeps for the steps a restore re-plans."""
+        return pack_digests(
+            {s: m["digest"] for s in range(first, last + 1) if (m := self.metrics.get(s)) is not None and "digest" in m}
+        )
 
     def keep_before(self, step: int, other: Ledger) -> None:
         """Take ``other``'s entries and metrics of the steps before ``step`` (a rewound planner

@@ -13,13 +13,17 @@ was, and is tried again once that source's next unit arrives.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 
 from .. import pieces as P
-from .ledger import step_metrics
+from ..errors import ReplayError
+from .ledger import step_digest, step_metrics
 from .policies import Starved, Window
+
+logger = logging.getLogger(__name__)
 
 RETRY_UNITS = 64  # a starved window is tried again at least every this many units of its source (a safety net)
 
@@ -67,6 +71,7 @@ class PlanningLoop:
             step = self.next_step
             self.next_step += 1
             if step < self.replay_until:
+                self._check_replayed(step, rows, slot)
                 continue  # delivered before the restore: only the planner state had to catch up
             entry = self._record(step, rows, slot, mb_costs, drops, loss_tokens)
             m = self.ledger.metrics[step]
@@ -196,6 +201,32 @@ class PlanningLoop:
             self.starved_on = None  # planning is ahead: no source holds it back
         return n
 
+    def _check_replayed(self, step: int, rows: np.ndarray, slot: np.ndarray) -> None:
+        """Step ``step``, re-planned after a restore or a rewind, is the one handed out before
+        (its digest, where the snapshot or the ledger kept it), else :class:`ReplayError`; where
+        the start accepted changed data or code (``checkpoint.on_data_change`` or
+        ``on_code_change: accept``), a warning, once."""
+        want = self.replay_digests.pop(step, None)
+        if want is None or step_digest(rows, slot) == want:
+            return
+        if self.replay_accepts_change:
+            self.replay_digests.clear()
+            logger.warning(
+                "step %s came out differently when re-planned than when it was handed out; going on, as the "
+                "plan accepts the changed data or code (documents near the resume point may be lost or repeated)",
+                step,
+            )
+            return
+        raise ReplayError(
+            f"step {step} came out differently when re-planned from the window at step "
+            f"{self.replay_from} than when it was handed out: the documents after it would not be "
+            "the ones the run owes its trainers (some lost, some repeated). The sources' files, the "
+            "plan's code (a tokenizer, a transform, a cost function) or the overlord-dask version "
+            "changed since the run planned it (loading.integrity: true names a changed file as it is "
+            "read). Resume with the data, code and version it ran with, or start a new run (another "
+            "checkpoint.url, or checkpoint.resume: false)."
+        )
+
     def _record(
         self, step: int, pieces: np.ndarray, slot: np.ndarray, mb_costs: np.ndarray, drops, loss_tokens: tuple | None
     ) -> dict:
@@ -223,6 +254,7 @@ class PlanningLoop:
             context=context,
         )
         metrics["loss_tokens"] = loss_tokens if loss_tokens is not None else self.streams.targets.loss_tokens(pieces)
+        metrics["digest"] = step_digest(pieces, slot)
         if self.pool_workers:  # autoscaled runs: the pools' workers when this step was planned
             metrics["pool_workers"] = dict(self.pool_workers)
         return self.ledger.record(step, pieces, slot, drops, metrics, self.committed)

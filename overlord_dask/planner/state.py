@@ -37,7 +37,7 @@ from .. import pieces as P
 from ..errors import PlanError
 from ..plan import Plan
 from ..plan.code import identities
-from .ledger import Ledger
+from .ledger import Ledger, unpack_digests
 from .loop import PlanningLoop
 from .policies import POLICIES
 from .progress import Progress
@@ -92,6 +92,9 @@ class PlannerState(PlanningLoop):
         self.windows = WindowStarts(lambda: {**self.streams.get_state(), **self.policy.get_state()})
         self.pool_workers: dict[str, int] = {}  # workers per loader pool, as the autoscaler last reported
         self.replay_until = 0  # steps below this were delivered before a restore: re-planned, not handed out
+        self.replay_from = 0  # the window step a restore re-plans from
+        self.replay_digests: dict[int, int] = {}  # step -> its digest when handed out (checked as re-planned)
+        self.replay_accepts_change = False  # the start accepted changed data or code: a differing replay goes on
         self.tokens_committed = 0  # real tokens of the steps every rank consumed, since this planner started
         self.reload: list[list] = []  # units to load again only for their blocks (restore)
         if state is not None:
@@ -225,6 +228,7 @@ class PlannerState(PlanningLoop):
             "window": window,
             "topology": topology,
             "code": identities(self.timeline.sources()),
+            "digests": self.ledger.packed_digests(window_step, committed),  # the steps a restore re-plans
         }
 
     def _restore(self, state: dict) -> None:
@@ -244,6 +248,10 @@ class PlannerState(PlanningLoop):
         # window is planned again (its units may take a while to load again)
         self.windows.restored(self.next_step, state["window"], state["topology"])
         self.replay_until = int(state["committed"])
+        self.replay_from = self.next_step
+        digests = unpack_digests(state.get("digests"))  # (none in a snapshot older than them: unchecked)
+        self.replay_digests = {s: d for s, d in digests.items() if self.next_step <= s < self.replay_until}
+        self.replay_accepts_change = bool(state.get("accepted_change"))  # (checkpoint.on_*_change: accept)
         self.progress.restart_at(self.replay_until)
 
     def switch_topology(self) -> None:

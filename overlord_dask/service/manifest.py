@@ -80,12 +80,13 @@ def identity(fs, path: str) -> list:
     return [info.get("size"), _stamp(info)]
 
 
-def check_files(timeline: PlanVersions, units: dict[str, list[LoadUnit]], resuming: bool = True) -> None:
+def check_files(timeline: PlanVersions, units: dict[str, list[LoadUnit]], resuming: bool = True) -> bool:
     """On a resume, compare each source's files with the identities kept when the run first
     indexed them; a changed or vanished file stops the start, naming it, unless the plan accepts
-    data changes (``checkpoint.on_data_change``). A fresh run (``resuming`` False: no snapshot to
-    resume from) keeps its own. Sources with ``loading.integrity`` are checked by their digests
-    instead (``with_digests``)."""
+    data changes (``checkpoint.on_data_change``): True then. A fresh run (``resuming`` False: no
+    snapshot to resume from) keeps its own. Sources with ``loading.integrity`` are checked by
+    their digests instead (``with_digests``)."""
+    accepted = False
     for name, us in units.items():
         plan = _plan_of(timeline, name)
         store = _store(plan)
@@ -112,7 +113,9 @@ def check_files(timeline: PlanVersions, units: dict[str, list[LoadUnit]], resumi
                     "(a new checkpoint url), or set checkpoint.on_data_change: accept"
                 )
             logs.event("data_changed", plan.name, source=name, files=what)
+            accepted = True
         _write(store, f"files/{name}", {"files": now})
+    return accepted
 
 
 def _store(plan):

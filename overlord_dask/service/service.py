@@ -174,13 +174,13 @@ def _snapshots(plan: Plan) -> tuple[tuple | None, dict]:
     return loaded, snap
 
 
-def _check_code(plan: Plan, timeline: PlanVersions, state: dict) -> None:
-    """Refuse (or, with ``checkpoint.on_code_change: accept``, log) a resume whose prepare or
-    transform functions changed since the snapshot (``plan/code.py``)."""
+def _check_code(plan: Plan, timeline: PlanVersions, state: dict) -> bool:
+    """Refuse (or, with ``checkpoint.on_code_change: accept``, log and return True) a resume
+    whose prepare or transform functions changed since the snapshot (``plan/code.py``)."""
     now = identities(timeline.source(n) for n in timeline.source_names)
     diff = changed(state.get("code") or {}, now)
     if not diff:
-        return
+        return False
     step = state.get("committed")
     if plan.checkpoint.on_code_change == "refuse":
         raise PlanError(
@@ -194,6 +194,7 @@ def _check_code(plan: Plan, timeline: PlanVersions, state: dict) -> None:
     logging.getLogger(__name__).warning(
         "resuming at step %s with changed code: %s (checkpoint.on_code_change: accept)", step, ", ".join(diff)
     )
+    return True
 
 
 class Service(ServiceViews):
@@ -249,10 +250,10 @@ class Service(ServiceViews):
         loaded, snap = _snapshots(plan)
         # every plan version in the snapshot (live updates before a restart), and their sources
         timeline = PlanVersions(plan, decode_updates(loaded[0].get("updates")) if loaded else [])
-        if loaded:
-            _check_code(plan, timeline, loaded[0])
-        indexed = index_timeline(timeline)
-        check_files(timeline, indexed, bool(loaded))  # a resume: the files the run first indexed (cheap identity)
+        accepted = bool(loaded) and _check_code(plan, timeline, loaded[0])
+        indexed = index_timeline(timeline)  # a resume: the files the run first indexed (cheap identity)
+        if check_files(timeline, indexed, bool(loaded)) or accepted:  # (changes accepted: a differing replay goes on)
+            loaded[0]["accepted_change"] = True
         indexed = with_digests(timeline, indexed)  # loading.integrity: each unit's digest
         # held-out units never reach the planner; every micro-batch is padded with the tokenizer's pad id
         units, pad_id = preflight(plan, timeline, indexed)
