@@ -221,3 +221,26 @@ def test_sigkill_after_a_live_update_resumes_with_it(tmp_path, corpus, cluster):
         after = consume(service.address, [0, 1], steps=m, states=more.states)
     assert [a for a, _ in tl.versions] == [0, at] and "web_late" in tl.source_names
     assert_same_stream({**first.ids, **more.ids, **after.ids}, reference.ids)
+
+
+def test_a_resume_whose_planner_plans_otherwise_stops_naming_the_step_instead_of_going_on(
+    tmp_path, corpus, monkeypatch
+):
+    """The run resumed by code that plans differently (here a planner that hands a window's steps
+    out in the other order: an upgrade of overlord-dask between a crash and its restart)
+    re-plans the steps from the window's start to the durable one otherwise than it handed them
+    out. Positions after them would be off (documents lost or repeated, silently):
+    the snapshot's digests stop the run instead, and the trainer hears why, naming the step."""
+    from overlord_dask import ServiceError
+    from overlord_dask.planner.policies.cost_balanced import CostBalanced
+
+    plan = load_plan(plan_file(tmp_path, corpus, str(tmp_path / "ck")))
+    with Service.start(plan, in_process=True, n_workers=1) as service:
+        consume(service.address, [0, 1], steps=6)  # into the second 4-step window: steps 4, 5 are re-planned
+        service.wait_for_step(6, timeout=30)
+    ordered = CostBalanced._mix_order
+    monkeypatch.setattr(CostBalanced, "_mix_order", lambda self, w, tokens: ordered(self, w, tokens)[::-1])
+    with Service.start(plan, in_process=True, n_workers=1) as service:
+        with pytest.raises(ServiceError, match=r"ReplayError: step 4 came out differently when re-planned"):
+            consume(service.address, [0, 1], steps=2, timeout=60)
+        assert "step 4 came out differently" in service.status()["failure"]
