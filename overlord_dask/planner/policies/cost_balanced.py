@@ -19,7 +19,14 @@ class CostBalanced(Policy):
 
     Pieces deferred by the balancer (heavy outliers without partners) leave room in the window;
     it is topped up with more selected pieces and balanced again, up to ``TOPUP_ROUNDS`` times,
-    so deferral does not cost fill.
+    so deferral does not cost fill. From ``EARLY_STOP_FROM_BINS`` bins per step, only while that
+    pays: a top-up whose placement added less than a hundredth of the window's tokens is the
+    last. Each placement places the whole window again, and the pieces a top-up brings mostly
+    leave as many deferred (long ones without partners, bins too full for them): the second
+    placement adds under a percent of fill, a third about a tenth of one, for a placement each,
+    which at hundreds of bins is most of the planner's work (``benchmarks/balance.py
+    --scaling``). Below, a window is cheap to place and the third round keeps the mix of a few
+    dozen documents per step closer over 20 steps (``tests/test_balance.py``'s cut-fill bound).
 
     With ``packing: cut`` each step's fill is chosen by what the steps delivered, not by what
     was selected: deferred pieces (selected in one window, delivered in a later one) move a
@@ -30,6 +37,7 @@ class CostBalanced(Policy):
     name = "cost"
     plans_ahead = True
     TOPUP_ROUNDS = 3
+    EARLY_STOP_FROM_BINS = 256  # dp × micro-batches from which a top-up that adds little is the last
 
     def window_steps(self, balance: Balance) -> int:
         return balance.window
@@ -73,6 +81,8 @@ class CostBalanced(Policy):
             budgets[k] -= take
             carried -= take
         need = target - P.tokens(rows)
+        placed_before = None  # tokens the last placement placed
+        early_stop = topo.dp * topo.micro_batches >= self.EARLY_STOP_FROM_BINS
         try:
             for rnd in range(self.TOPUP_ROUNDS):
                 if need > 0:  # a top-up selects with the weights of the window's last step
@@ -90,9 +100,12 @@ class CostBalanced(Policy):
                     sync=bal.sync,
                     max_delay=bal.max_delay,
                 )
-                need = target - (P.tokens(rows) - placed.pending_tokens())  # room left by deferred pieces
-                if need <= slack or rnd == self.TOPUP_ROUNDS - 1:
+                in_steps = P.tokens(rows) - placed.pending_tokens()
+                need = target - in_steps  # room left by deferred pieces
+                paid = placed_before is None or not early_stop or in_steps - placed_before >= target // 100
+                if need <= slack or not paid or rnd == self.TOPUP_ROUNDS - 1:
                     break  # (a placement topped up and placed again is not finished)
+                placed_before = in_steps
             wp = placed.finish()
             planned = list(zip(wp.steps, wp.bin_costs))
             if bal.packing == "cut":
