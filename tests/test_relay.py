@@ -270,3 +270,32 @@ def test_a_relay_killed_while_it_shares_its_ranks_payload_is_replaced_without_a_
     assert sorted(resumed) == list(range(start, until))  # from where the rank's acknowledgements were, no gap
     assert all(resumed[s] == want[(0, s)] for s in resumed)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(dead)]  # the next relay swept them
+
+
+def test_a_dead_relays_payload_files_are_swept_even_before_its_parent_reaps_it():
+    """A relay that starts removes the payload files of relays whose process is gone, also one
+    killed a moment ago that its parent (torchrun, a test) has not waited for yet: a zombie still
+    answers ``kill(pid, 0)``; the files of a relay still running stay."""
+    from overlord_dask.trainer.host_fetch import SHM, sweep_dead
+
+    if not os.path.isdir(SHM):
+        pytest.skip(f"no {SHM} here")
+    dead, alive = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    paths = [os.path.join(SHM, f"overlord-payload-{os.getuid()}-{p.pid}-0") for p in (dead, alive)]
+    try:
+        dead.kill()
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{dead.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # killed, not reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for path in paths:
+            open(path, "wb").close()
+        sweep_dead()
+        assert [os.path.exists(p) for p in paths] == [False, True]
+    finally:
+        for p in (dead, alive):
+            p.kill()
+            p.wait()
+        for path in paths:
+            if os.path.exists(path):
+                os.unlink(path)

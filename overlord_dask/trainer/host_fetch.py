@@ -171,11 +171,28 @@ def sweep_dead() -> None:
         return
     for n in names:
         try:
-            os.kill(int(n[len(prefix) :].split("-")[0]), 0)
-        except ProcessLookupError:
+            pid = int(n[len(prefix) :].split("-")[0])
+        except ValueError:
+            continue
+        if not _alive(pid):
             _unlink(os.path.join(SHM, n))
-        except (ValueError, OSError):
-            pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs. A killed process whose parent has not reaped it yet (a
+    zombie: the next relay starts while torchrun, or a test, has yet to wait for it) still
+    answers ``kill(pid, 0)``, but it holds nothing: dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, say: not ours to judge
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"  # (the state follows the command's ")")
+    except (OSError, IndexError):
+        return True
 
 
 def _unlink(path: str) -> None:
