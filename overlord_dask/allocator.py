@@ -61,15 +61,19 @@ _done: bool | None = None
 _arenas_capped: bool | None = None
 
 
-def _mallopt():
-    """glibc's ``mallopt``, or None elsewhere."""
+def _glibc(name: str, argtypes: list):
+    """glibc's function ``name`` (returning an int), or None elsewhere."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):  # not glibc
         return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
+def _mallopt():
+    """glibc's ``mallopt``, or None elsewhere."""
+    return _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
 
 
 def give_back_freed() -> bool:
@@ -77,12 +81,9 @@ def give_back_freed() -> bool:
     glibc. For a moment after a process freed much that it will not need soon (a loader that
     just wrote its block to disk: ``loading.block_store``), where :func:`keep_freed_memory`
     would otherwise keep up to ``TRIM_THRESHOLD`` of it."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    if trim is None:
         return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
 
