@@ -53,6 +53,7 @@ import msgpack
 from fsspec.core import url_to_fs
 
 from .errors import OverlordError
+from .planner.ledger import digests_after
 
 logger = logging.getLogger(__name__)
 SNAPSHOT_VERSION = 2  # 2: body + CRC-32; 1 (no checksum) is still read
@@ -408,7 +409,7 @@ class SnapshotWriter:
         parts = {"window_step": state["window_step"], "window": state["window"]} if moved else {}
         if len(decisions) > self._decisions:
             parts.update(decisions_from=self._decisions, decisions=decisions[self._decisions :])
-        if digests := _digests_after(state.get("digests", ()), before):
+        if digests := digests_after(state.get("digests", ()), before):
             parts["digests"] = digests
         n = self.store.write_delta(self.seq, self._base_seq, state["committed"], **parts)
         self._window_step, self._decisions = state["window_step"], len(decisions)
@@ -431,13 +432,3 @@ class SnapshotWriter:
             cutoff = min(cutoff, recent[0] if recent else seq)
         self.store.gc(keep_from=cutoff)
         self._bases = [b for b in self._bases if b[0] >= cutoff]
-
-
-def _digests_after(chunks, step: int) -> list:
-    """The parts of a state's digest chunks (``[first step, uint32 bytes]``) after ``step``."""
-    out = []
-    for first, blob in chunks:
-        skip = max(step + 1 - int(first), 0)
-        if skip * 4 < len(blob):
-            out.append([int(first) + skip, blob[skip * 4 :]])
-    return out

@@ -469,8 +469,7 @@ def test_a_text_source_short_of_metadata_asks_for_a_batch_of_units_that_one_task
 
 
 def test_step_digests_pack_in_chunks_of_consecutive_steps_and_a_delta_carries_those_after_its_last():
-    from overlord_dask.planner.ledger import pack_digests, step_digest, unpack_digests
-    from overlord_dask.snapshots import _digests_after
+    from overlord_dask.planner.ledger import digests_after, pack_digests, step_digest, unpack_digests
 
     rows, slot = np.arange(12, dtype=np.int64).reshape(2, 6), np.array([[0, 1], [1, 0]], dtype=np.int32)
     d = step_digest(rows, slot)
@@ -479,6 +478,6 @@ def test_step_digests_pack_in_chunks_of_consecutive_steps_and_a_delta_carries_th
     digests = {5: 1, 6: 2, 7: 2**32 - 1, 9: 4}
     chunks = pack_digests(digests)
     assert [c[0] for c in chunks] == [5, 9] and unpack_digests(chunks) == digests
-    assert unpack_digests(_digests_after(chunks, 5)) == {6: 2, 7: 2**32 - 1, 9: 4}
-    assert unpack_digests(_digests_after(chunks, 8)) == {9: 4} and _digests_after(chunks, 9) == []
-    assert unpack_digests(chunks + _digests_after(pack_digests({10: 7}), 9)) == {**digests, 10: 7}  # base + delta
+    assert unpack_digests(digests_after(chunks, 5)) == {6: 2, 7: 2**32 - 1, 9: 4}
+    assert unpack_digests(digests_after(chunks, 8)) == {9: 4} and digests_after(chunks, 9) == []
+    assert unpack_digests(chunks + digests_after(pack_digests({10: 7}), 9)) == {**digests, 10: 7}  # base + delta

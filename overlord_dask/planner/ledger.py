@@ -45,6 +45,16 @@ def pack_digests(digests: dict[int, int]) -> list:
     return [[first, np.asarray(ds, dtype="<u4").tobytes()] for first, ds in chunks]
 
 
+def digests_after(chunks, step: int) -> list:
+    """The parts of :func:`pack_digests`' chunks after ``step`` (what a delta adds to its base)."""
+    out = []
+    for first, blob in chunks:
+        skip = max(step + 1 - int(first), 0) * 4
+        if skip < len(blob):
+            out.append([int(first) + skip // 4, blob[skip:]])
+    return out
+
+
 def unpack_digests(chunks) -> dict[int, int]:
     """:func:`pack_digests`' chunks (from a base and its deltas, in order) as ``{step: digest}``."""
     out: dict[int, int] = {}
