@@ -129,14 +129,6 @@ class FileArray:
         return self.shape[0]
 
     @property
-    def ndim(self) -> int:
-        return 1
-
-    @property
-    def size(self) -> int:
-        return self.shape[0]
-
-    @property
     def nbytes(self) -> int:
         """Bytes in the file (none of them held in this process's memory)."""
         return self.shape[0] * self.dtype.itemsize
