@@ -307,6 +307,42 @@ def test_kernel_sums_and_sorts_follow_numpy(compiled):
         assert np.array_equal(argsort(keys), np.argsort(keys, kind="stable")), n
 
 
+@pytest.mark.parametrize("cut", [False, True])
+def test_wfq_merge_compiled_takes_what_the_stable_sort_of_every_tag_takes(monkeypatch, cut):
+    """Weighted fair queuing's choice is a merge of the sources' rising tags, stopped at the
+    budget (``kernels.wfq_merge``), where numba is at hand, and a stable sort of every
+    candidate's tag without it: the same pieces, in the same order, with tags tied between
+    sources (whole-number tags: the lower source first), sources without candidates or used
+    up, budgets of nothing and of more than every candidate, and with ``cut`` the piece the
+    budget ends in."""
+    from overlord_dask.planner.policies import balance, kernels
+
+    assert kernels.warm()
+    rng = np.random.default_rng(11)
+    ties = 0
+    for trial in range(300):
+        k = int(rng.integers(1, 7))
+        lens = [rng.integers(1, 9, int(rng.integers(0, 30))).astype(np.int64) * 4 for _ in range(k)]
+        ids = np.sort(rng.choice(9, k, replace=False)).astype(np.int64)
+        surplus, weights = np.zeros(9), np.zeros(9)
+        surplus[ids] = rng.integers(-10, 10, k) * 4
+        weights[ids] = rng.choice([0.25, 0.5, 1.0], k)
+        total = int(sum(x.sum() for x in lens))
+        budget = [0, total, total + 7, int(rng.integers(0, total + 1))][trial % 4]
+        runs = []
+        for compiled in (True, False):
+            monkeypatch.setattr(kernels, "COMPILED", compiled)
+            src, taken, tokens = balance._wfq_merge(lens, ids, surplus, weights, budget, cut)
+            runs.append((src.tolist(), taken.tolist(), int(tokens)))
+        assert runs[0] == runs[1], trial
+        src, taken, tokens = runs[0]
+        assert tokens <= budget and tokens == sum(int(x[:n].sum()) for x, n in zip(lens, taken))
+        assert len(src) - sum(taken) == (1 if cut and tokens < budget and sum(taken) < sum(map(len, lens)) else 0)
+        tags = [(surplus[i] + np.cumsum(x) - x) / weights[i] for i, x in zip(ids, lens)]
+        ties += len(np.concatenate(tags)) - len(np.unique(np.concatenate(tags)))
+    assert ties > 100  # (the tie-break was exercised)
+
+
 @pytest.mark.parametrize("dp,micro_batches", [(4, 2), (8, 1), (16, 3)])
 def test_a_windows_light_quotas_at_once_are_each_steps_bit_for_bit(dp, micro_batches):
     """``_row_quotas`` levels every step of a window in one call: each step's quota is exactly

@@ -65,50 +65,68 @@ def wfq_select(
                 if not enough:  # (it can go on only once it holds need[i] tokens, the first missing block one)
                     raise Starved(streams[i].name, *streams[i].shortfall(need[i]))
                 cand[i] = rows
-        tags, src, idx, lens_parts = [], [], [], []
-        for i in active:
-            i = int(i)
-            lens = stream_lengths(cand[i])
-            before = np.cumsum(lens) - lens
-            tags.append((surplus[i] + before) / weights[i])
-            src.append(np.full(len(lens), i))
-            idx.append(np.arange(len(lens)))
-            lens_parts.append(lens)
-        tags_a, src_a, idx_a = np.concatenate(tags), np.concatenate(src), np.concatenate(idx)
-        # (stable: equal tags keep the sources' order, as the candidates are concatenated by source)
-        order = np.argsort(tags_a, kind="stable")
-        lens_all = np.concatenate(lens_parts)[order]
-        n_take = int(np.searchsorted(np.cumsum(lens_all), budget, side="right"))
-        counts = np.bincount(src_a[order[:n_take]], minlength=len(streams))
+        src_t, got, taken_tokens = _wfq_merge(
+            [stream_lengths(cand[int(i)]) for i in active], active, surplus, weights, budget, cut
+        )
+        counts = np.zeros(len(streams), np.int64)
+        counts[active] = got
         # a source whose every candidate was taken might have had more to give: widen and redo
         short = [int(i) for i in active if counts[i] == len(cand[int(i)])]
         if not short:
             break
         for i in short:
             need[i] *= 2
-    rest = budget - (int(lens_all[:n_take].sum()) if n_take else 0)
-    taken = order[:n_take]
-    if cut and rest > 0 and n_take < len(order):
-        taken = order[: n_take + 1]  # the next piece, cut to the tokens left (it is longer)
-    src_t = src_a[taken]
-    # a source's tags rise along its candidates, so what it gives is a prefix of them: each
-    # source's prefix goes into one block of rows (in source order), gathered into selection order
-    counts = np.bincount(src_t, minlength=len(streams))
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    by_source = np.empty((len(taken), WIDTH), dtype=np.int64)
+    # a source's tags rise along its candidates, so what it gives is a prefix of them, which
+    # fills its rows of the selection order
+    out = np.empty((len(src_t), WIDTH), dtype=np.int64)
+    out[:, SOURCE] = src_t
+    cut_source = int(src_t[-1]) if len(src_t) > counts.sum() else -1
+    given = {}
     for i in active:
         i = int(i)
-        a, k = int(first[i]), int(counts[i])
-        by_source[a : a + k, SOURCE] = i
-        by_source[a : a + k, 1:] = cand[i][:k]
-    at = first[src_t] + idx_a[taken]
-    if len(taken) > n_take:
-        by_source[at[-1], STOP] = by_source[at[-1], START] + rest
-    for i in active:  # (after the cut: a cut source's cursor stops inside the document)
-        i = int(i)
-        if counts[i]:
-            streams[i].take(by_source[first[i] : first[i] + counts[i], 1:])
-    return by_source[at]
+        k = int(counts[i]) + (i == cut_source)
+        if k:
+            out[np.flatnonzero(src_t == i), 1:] = given[i] = cand[i][:k]
+    if cut_source >= 0:  # the next piece, cut to the tokens left (it is longer)
+        out[-1, STOP] = out[-1, START] + budget - taken_tokens
+        given[cut_source] = np.concatenate([given[cut_source][:-1], out[-1:, 1:]])
+    for i, rows in given.items():  # (after the cut: a cut source's cursor stops inside the document)
+        streams[i].take(rows)
+    return out
+
+
+def _wfq_merge(lens: list[np.ndarray], ids: np.ndarray, surplus, weights, budget: int, cut: bool):
+    """The pieces weighted fair queuing takes from candidates of ``lens`` tokens (one array per
+    source ``ids[k]``): their sources in selection order, the pieces taken per source (without a
+    cut one) and their tokens. Compiled (``kernels.wfq_merge``) where numba is at hand, else the
+    numpy below: a stable sort of every candidate's tag, the same order."""
+    surplus = np.asarray(surplus, dtype=np.float64)[ids]
+    weights = np.asarray(weights, dtype=np.float64)[ids]
+    if kernels.COMPILED:
+        starts = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum([len(x) for x in lens], out=starts[1:])
+        return kernels.wfq_merge(
+            np.concatenate(lens) if lens else np.zeros(0, np.int64),
+            starts,
+            ids.astype(np.int64),
+            surplus,
+            weights,
+            int(budget),
+            bool(cut),
+        )
+    tags = [(surplus[k] + (np.cumsum(x) - x)) / weights[k] for k, x in enumerate(lens)]
+    # (stable: equal tags keep the sources' order, as the candidates are concatenated by source)
+    order = np.argsort(np.concatenate(tags), kind="stable")
+    cum = np.cumsum(np.concatenate(lens)[order])
+    n_take = int(np.searchsorted(cum, budget, side="right"))
+    taken_tokens = int(cum[n_take - 1]) if n_take else 0
+    if cut and taken_tokens < budget and n_take < len(order):
+        order = order[: n_take + 1]  # the next piece, cut to the tokens left
+    else:
+        order = order[:n_take]
+    src = np.concatenate([np.full(len(x), i, np.int64) for i, x in zip(ids, lens)])[order]
+    got = np.array([np.count_nonzero(src[:n_take] == i) for i in ids], np.int64)
+    return src, got, taken_tokens
 
 
 @dataclass(slots=True)

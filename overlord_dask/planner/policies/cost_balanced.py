@@ -207,6 +207,8 @@ class CostBalanced(Policy):
             else:
                 groups.append([w.start + k, int(b), weights])
         parts = [self._select(w, b, step) for step, b, _ in groups]
+        if len(parts) == 1:  # (most windows: no copy of a selection that may hold millions of rows)
+            return parts[0]
         return np.concatenate(parts) if parts else P.empty()
 
     def _select(self, w: Window, budget: int, step: int, cut: bool = False, surplus=None) -> np.ndarray:

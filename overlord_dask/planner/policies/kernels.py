@@ -157,6 +157,49 @@ def _argsort(keys):
 
 
 @_jit
+def wfq_merge(lens, starts, ids, surplus, weights, budget, cut):
+    """Weighted fair queuing's choice (``balance.wfq_select``): the candidates of source ``k``
+    are ``lens[starts[k]:starts[k + 1]]`` (tokens per piece, in stream order), piece ``j`` of
+    them tagged ``(surplus[k] + tokens before it) / weights[k]``; the pieces go by rising tag,
+    equal tags to the lower ``k`` (numpy's stable argsort of the sources' tags concatenated:
+    a source's own tags never fall), while they fit ``budget``, then with ``cut`` the next one
+    if tokens are left. Returns the source id (``ids[k]``) of each piece taken, in that order,
+    the pieces taken per source (without the cut one) and their tokens. A merge of the
+    sources' runs: it stops at the budget, where sorting every candidate's tag (a quarter more
+    than the budget asks for) and gathering the rows in that order walked memory several times
+    the window's size."""
+    k = len(starts) - 1
+    nxt = starts[:k].copy()
+    before = np.zeros(k, np.int64)
+    tag = np.empty(k)
+    for i in range(k):
+        tag[i] = (surplus[i] + before[i]) / weights[i]
+    src = np.empty(starts[k], np.int64)
+    acc, n, after = 0, 0, -1
+    while True:
+        best = -1
+        for i in range(k):
+            if nxt[i] < starts[i + 1] and (best < 0 or tag[i] < tag[best]):
+                best = i
+        if best < 0:
+            break
+        size = lens[nxt[best]]
+        if acc + size > budget:
+            after = best
+            break
+        acc += size
+        src[n] = ids[best]
+        n += 1
+        before[best] += size
+        nxt[best] += 1
+        tag[best] = (surplus[best] + before[best]) / weights[best]
+    if cut and acc < budget and after >= 0:
+        src[n] = ids[after]
+        n += 1
+    return src[:n], nxt - starts[:k], acc
+
+
+@_jit
 def programme(n, dp, K, g, spread, skip, tail, d):
     """``balance.group_heavy``'s dynamic programme: ``choice[i // d, k]`` (1 = a group of ``dp``
     from ``i``, 2 = skip the block of ``g`` pieces from ``i`` (``skip[i]``: its cost, inf where
@@ -692,6 +735,7 @@ def _warm() -> None:
         10,
     )
     groups_to_steps(np.ones((2, 3)), np.ones((2, 3)), 2)
+    wfq_merge(np.ones(4, i8), np.array([0, 2, 4], dtype=i8), np.arange(2, dtype=i8), np.zeros(2), np.ones(2), 3, True)
     repair_bins(
         np.arange(3, dtype=i8),
         np.zeros(3, dtype=i8),
