@@ -249,8 +249,7 @@ def place_window(
     quotas = (_rank_quotas if sync == "step" else _row_quotas)(
         mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batches
     )
-    for s, quota in quotas.items():  # a step's quotas read only its own bins: all are known before any fill
-        _water_fill(mine[s], lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, quota)
+    _water_fill_steps(mine, quotas, lens, costs, where, bin_cost, bin_tok, capacity)
     return Placement(pieces, lens, costs, where, bin_cost, bin_tok, dp, micro_batches, capacity, sync)
 
 
@@ -540,6 +539,36 @@ def _row_quotas(mine, lens, costs, bin_cost, bin_tok, capacity, dp, micro_batche
     q = _level(h, bin_room.transpose(1, 0, 2).reshape(dp, -1), row_tok.ravel(), np.repeat(rho, micro_batches))
     q = q.reshape(dp, len(active), micro_batches).transpose(1, 0, 2)
     return {s: q[a].ravel() for a, s in enumerate(active)}
+
+
+def _water_fill_steps(mine, quotas, lens, costs, where, bin_cost, bin_tok, capacity: int) -> None:
+    """:func:`_water_fill` of each step with quotas (``{step: quota}``; a step's quotas read only
+    its own bins, so all are known before any fill), its light pieces ``mine[step]``. Compiled
+    (``kernels.water_fill_steps``), the window's steps in one call, where numba is at hand: a
+    dozen numpy calls per step were much of a window's planning at a few hundred ranks."""
+    n_bins = bin_cost.shape[1]
+    if not kernels.COMPILED:
+        for s, quota in quotas.items():
+            _water_fill(mine[s], lens, costs, where, bin_cost[s], bin_tok[s], s * n_bins, capacity, quota)
+        return
+    if not quotas:
+        return
+    steps = list(quotas)
+    starts = np.zeros(len(steps) + 1, dtype=np.int64)
+    np.cumsum([len(mine[s]) for s in steps], out=starts[1:])
+    kernels.water_fill_steps(
+        np.concatenate([mine[s] for s in steps]).astype(np.int64, copy=False),
+        starts,
+        np.array(steps, dtype=np.int64),
+        np.stack([quotas[s] for s in steps]).astype(np.float64, copy=False),
+        lens,
+        costs.astype(np.float64, copy=False),
+        where,
+        bin_cost.reshape(-1),  # (views: written in place)
+        bin_tok.reshape(-1),
+        n_bins,
+        capacity,
+    )
 
 
 def _water_fill(idx, lens, costs, where, bin_cost, bin_tok, base, capacity, quota) -> None:

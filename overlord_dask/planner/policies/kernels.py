@@ -383,6 +383,53 @@ def light_to_steps(cq, mid, bounds, cum_target, cum_heavy, step_room):
 
 
 @_jit
+def water_fill_steps(idx, starts, steps, quotas, lens, costs, where, bin_cost, bin_tok, n_bins, capacity):
+    """``balance._water_fill`` for each step ``steps[k]`` of a window: its light pieces
+    ``idx[starts[k]:starts[k + 1]]`` spread over its bins (``bin_cost`` and ``bin_tok`` flat,
+    ``[steps · n_bins]``) by ``quotas[k]``, then :func:`repair_bins`. The numpy code's operations
+    in its order (running sums, the binary search of ``np.searchsorted(side="right")``,
+    ``np.add.at``'s order), one call per window instead of a dozen numpy calls per step."""
+    for k in range(len(steps)):
+        a, z = starts[k], starts[k + 1]
+        if z == a:
+            continue
+        base = steps[k] * n_bins
+        seg = idx[a:z]
+        ends = np.empty(z - a)
+        acc, tok = 0.0, 0
+        for i in range(z - a):
+            acc += costs[seg[i]]
+            ends[i] = acc
+            tok += lens[seg[i]]
+        rho = ends[z - a - 1] / max(float(tok), 1.0)
+        quota = quotas[k]
+        cq = np.empty(n_bins)
+        run = 0.0
+        for t in range(n_bins):
+            run += quota[t]
+            cq[t] = run * rho
+        b = np.empty(z - a, np.int64)
+        for i in range(z - a):
+            x = ends[i] - costs[seg[i]]
+            lo, hi = 0, n_bins  # the first bin whose cumulative quota cost is above x
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if cq[mid] <= x:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            b[i] = min(lo, n_bins - 1)
+        tok_s, cost_s = bin_tok[base : base + n_bins], bin_cost[base : base + n_bins]
+        for i in range(z - a):
+            tok_s[b[i]] += lens[seg[i]]
+        for i in range(z - a):
+            cost_s[b[i]] += costs[seg[i]]
+        for i in range(z - a):
+            where[seg[i]] = base + b[i]
+        repair_bins(seg, b, lens, costs, where, tok_s, cost_s, base, capacity)
+
+
+@_jit
 def repair_bins(idx, b, lens, costs, where, bin_tok, bin_cost, base, capacity):
     """``balance._repair_numpy``: every bin over ``capacity`` (ascending) sheds its last pieces
     (``idx`` order, ``b`` their bins) until it fits, each to the bin with room of least cost
@@ -745,6 +792,19 @@ def _warm() -> None:
         np.array([12, 0], dtype=i8),
         np.array([3.0, 0.0]),
         0,
+        10,
+    )
+    water_fill_steps(
+        np.arange(3, dtype=i8),
+        np.array([0, 3], dtype=i8),
+        np.zeros(1, dtype=i8),
+        np.ones((1, 2)),
+        np.full(3, 4, dtype=i8),
+        np.ones(3),
+        np.full(3, -1, dtype=i8),
+        np.zeros(2),
+        np.zeros(2, dtype=i8),
+        2,
         10,
     )
     polish_window(
