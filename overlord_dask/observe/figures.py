@@ -29,6 +29,8 @@ def step_imbalance(mb_costs: np.ndarray) -> tuple[float, float]:
     does; micro-batch-level imbalance for trainers that sync every micro-batch, as FSDP does: the
     worst micro-batch index)."""
     step = imbalance(mb_costs.sum(axis=1))
+    if mb_costs.shape[1] == 1:  # (one micro-batch: its costs are the ranks')
+        return step, step
     mb = max(imbalance(mb_costs[:, m]) for m in range(mb_costs.shape[1]))
     return step, mb
 

@@ -139,6 +139,11 @@ def step_metrics(
         "lower_bound": float(max(piece_costs.max(initial=0.0), rank_costs.sum() / dp)),
     }
     out.update(context)
-    out["dropped_docs"] = tuple(int(x) for x in np.bincount(drops[:, 0], minlength=n_sources))
-    out["dropped_tokens"] = tuple(int(x) for x in np.bincount(drops[:, 0], weights=drops[:, 4], minlength=n_sources))
+    if len(drops):
+        out["dropped_docs"] = tuple(int(x) for x in np.bincount(drops[:, 0], minlength=n_sources))
+        out["dropped_tokens"] = tuple(
+            int(x) for x in np.bincount(drops[:, 0], weights=drops[:, 4], minlength=n_sources)
+        )
+    else:  # (most steps)
+        out["dropped_docs"] = out["dropped_tokens"] = (0,) * n_sources
     return out

@@ -151,9 +151,11 @@ class CostBalanced(Policy):
                 and _same(w.class_weights_at(w.start + end), classes)
             ):
                 end += 1
+            got = np.array(tokens[k:end])  # [steps, sources]
+            owed = mix * got.sum(axis=1)[:, None]  # (the same operations per step as one at a time)
             left = list(range(k, end))
             while left:
-                gaps = [surplus + tokens[i] - mix * tokens[i].sum() for i in left]
+                gaps = surplus + got[np.array(left) - k] - owed[np.array(left) - k]
                 j = int(np.argmin([float(g @ g) for g in gaps]))
                 surplus = gaps[j]
                 out.append(left.pop(j))
