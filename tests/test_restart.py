@@ -6,6 +6,7 @@ step, exactly once; beyond the retention the error names the oldest step and the
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -86,6 +87,55 @@ def test_a_rank_attached_at_the_step_another_rank_rewinds_to_goes_on(cluster, sm
         assert lagging.state_dict()["next_step"] == ahead.state_dict()["next_step"] == 8
         assert service.status()["failure"] is None
         for s in (lagging, ahead):
+            s.close()
+
+
+def test_a_rank_whose_stream_is_made_while_another_ranks_rewind_rebuilds_the_planner_goes_on(
+    cluster, small_plan, monkeypatch
+):
+    """The job comes back with dp 2 (it ran with 3) from its checkpoint at step 4: rank 0's
+    ``load_state_dict`` rewinds the service for the new dp, and rank 1's stream is made while the
+    planner is being rebuilt, after the rebuilt state is in place: it finds the new dp and
+    attaches at once. Its attachment waits for the rewind to end, and both ranks take steps 4-7
+    of the re-planned run, each exactly once. (An attachment made in that moment was ended by the
+    rewind as one of the old job's: rank 1 failed with "the run was rewound to step 4".)"""
+    from overlord_dask.scheduler.planner_thread import PlannerThread
+
+    plan = small_plan(loading={"prefetch_steps": 4, "batch_steps": 2})
+    with Service.start(plan, cluster=cluster) as service:
+        first = _run(service.address, 3, 8, save_at=(4,))
+        real, replaced = PlannerThread.replace_state, threading.Event()
+
+        def slowly(self, *a, **kw):  # (planner thread) the rebuilt state in place, the rewind not yet over
+            out = real(self, *a, **kw)
+            replaced.set()
+            time.sleep(1.0)
+            return out
+
+        monkeypatch.setattr(PlannerThread, "replace_state", slowly)
+        streams = {}
+
+        def rank_0():
+            streams[0] = connect(service.address, 0, 2, timeout=60)
+            streams[0].load_state_dict(first.saved[(0, 4)])
+
+        rewinding = threading.Thread(target=rank_0)
+        rewinding.start()
+        assert replaced.wait(60)
+        streams[1] = connect(service.address, 1, 2, timeout=60)  # the service runs dp 2 already
+        streams[1].load_state_dict(first.saved[(1, 4)])
+        rewinding.join(60)
+        got = {}
+
+        def take(r):
+            for _ in range(4):
+                b = streams[r].next_batch()
+                got[(r, b["step"])] = token_digest(b)
+
+        run_ranks(take, [0, 1])
+        assert sorted(got) == [(r, s) for r in (0, 1) for s in range(4, 8)]
+        assert service.status()["failure"] is None
+        for s in streams.values():
             s.close()
 
 

@@ -52,9 +52,17 @@ class TrainerRoutes:
             "commit": self.state.progress.commit_mode,
         }
 
-    def attach(self, rank: int, cp_rank: int = 0, replica: int = 0) -> dict:
+    async def attach(self, rank: int, cp_rank: int = 0, replica: int = 0) -> dict:
         """A consumer joins as (rank, cp rank, replica): it starts after its last acknowledged
-        step (a new replica where its rank is), under a new generation."""
+        step (a new replica where its rank is), under a new generation. Not while a rewind
+        rebuilds the planner (``rewinder.lock``): the rebuilt state is in place before the
+        rewind ends every attachment, so a stream made in between (a rank of the restarted
+        job, which finds the new dp and attaches at once) would be ended as one of the old
+        job's, and its trainer fail."""
+        async with self.p.rewinder.lock:
+            return self._attach(rank, cp_rank, replica)
+
+    def _attach(self, rank: int, cp_rank: int, replica: int) -> dict:
         st, topo = self.state, self.state.final_plan.topology
         if not 0 <= rank < topo.dp or not 0 <= cp_rank < topo.cp or replica < 0:
             return {"error": f"rank {rank} cp rank {cp_rank} does not exist: the plan has dp={topo.dp}, cp={topo.cp}"}
