@@ -345,6 +345,16 @@ def test_memory_benchmark_runs(tmp_path):
     assert '"memory"' in stdout
 
 
+PEER_SYSTEMS = [
+    "torchdata",
+    "mosaic_streaming",
+    "litdata",
+    "ray_data",
+    "energon",
+    "ours",
+    "ours_in_process",
+    "ours_in_process_disk",
+]
 PEER_ARGS = [
     *("--dp", "2", "--tokens", "4096", "--steps", "24", "--kill-at", "6", "--warmup", "3", "--window", "5"),
     # row groups of 10 documents: by step 8 a per-rank reader is a few row groups into its share,
@@ -371,12 +381,16 @@ def _check_peer_rows(out: dict, systems: set) -> dict:
 
 def test_peers_benchmark_runs(tmp_path):
     """The peers installed with the project (torchdata) next to ours, in worker processes and in
-    one process; a peer that is not installed gets a row that says so and how, never a number."""
+    one process (with its blocks on disk: ``ours_in_process`` differs from it only by that, which
+    ``test_service.py`` checks token for token); a peer that is not installed gets a row that says
+    so and how, never a number."""
     # torchdata's process workers spawned: forked from a trainer whose threads are running (gloo,
     # its own queue threads), a ParallelMapper run hung now and then, every worker idle on its input
     args = ["--worker-start", "spawn", "--memory-dp", "3", "--memory-steps", "8", "--data", str(tmp_path), "--json"]
-    out, stdout = run_benchmark("peers", [*PEER_ARGS, "--compute-ms", "20", *args], timeout=900)
-    rows = _check_peer_rows(out, {"torchdata", "ours", "ours_in_process", "ours_in_process_disk"})
+    systems = ["--systems", *(p for p in PEER_SYSTEMS if p != "ours_in_process")]
+    out, stdout = run_benchmark("peers", [*PEER_ARGS, "--compute-ms", "20", *args, *systems], timeout=900)
+    rows = _check_peer_rows(out, {"torchdata", "ours", "ours_in_process_disk"})
+    assert {"mosaic_streaming", "litdata", "ray_data", "energon"} <= set(out["systems"])
     by_dp = {(r["system"], r["dp"]): r["memory_mb"] for r in out["memory_by_dp"]}
     assert set(by_dp) == {(name, 3) for name in rows} and all(mb > 0 for mb in by_dp.values()), by_dp
     assert rows["torchdata"]["fill"] < 1.0  # whole documents, first fit: padding
