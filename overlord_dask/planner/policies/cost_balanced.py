@@ -155,7 +155,8 @@ class CostBalanced(Policy):
             owed = mix * got.sum(axis=1)[:, None]  # (the same operations per step as one at a time)
             left = list(range(k, end))
             while left:
-                gaps = surplus + got[np.array(left) - k] - owed[np.array(left) - k]
+                at = np.array(left) - k
+                gaps = surplus + got[at] - owed[at]
                 j = int(np.argmin([float(g @ g) for g in gaps]))
                 surplus = gaps[j]
                 out.append(left.pop(j))
