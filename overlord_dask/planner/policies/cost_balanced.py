@@ -23,8 +23,8 @@ class CostBalanced(Policy):
     pays: a top-up whose placement added less than a hundredth of the window's tokens is the
     last. Each placement places the whole window again, and the pieces a top-up brings mostly
     leave as many deferred (long ones without partners, bins too full for them): the second
-    placement adds under a percent of fill, a third about a tenth of one, for a placement each,
-    which at hundreds of bins is most of the planner's work (``benchmarks/balance.py
+    placement adds little fill and a third less still, for a whole placement each, which at
+    hundreds of bins is most of the planner's work (``benchmarks/balance.py
     --scaling``). Below, a window is cheap to place and the third round keeps the mix of a few
     dozen documents per step closer over 20 steps (``tests/test_balance.py``'s cut-fill bound).
 
